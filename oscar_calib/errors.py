@@ -1,0 +1,33 @@
+"""Typed errors. The library raises these; the CLI turns each into one line and exit code 2."""
+
+
+class OscarError(Exception):
+    """Base class of every error the toolkit reports to a user."""
+
+
+class InputError(OscarError):
+    """Bad user input: a path, an option value, a data file."""
+
+
+class ModelLoadError(OscarError):
+    """A model could not be found, downloaded or loaded."""
+
+
+class UnsupportedModelError(OscarError):
+    """The architecture is known not to fit OSCAR's assumptions (MLA, no KV heads, ...)."""
+
+
+class DataError(OscarError):
+    """Calibration data is missing, empty or too short."""
+
+
+class NumericalError(OscarError):
+    """NaN/Inf activations or statistics; the message names the layer."""
+
+
+class ArtifactError(OscarError):
+    """An artifact is missing, malformed, or does not match the model."""
+
+
+class OutputExistsError(OscarError):
+    """The output location already holds something we would overwrite."""

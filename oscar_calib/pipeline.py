@@ -1,0 +1,301 @@
+"""``calibrate``: model → capture → streaming statistics → rotations → clips → artifact.
+
+The pipeline passes its state explicitly; the CLI gives it a progress callback and renders the
+result. Accumulators are checkpointed every ``checkpoint_every`` batches into
+``<out>/.oscar-checkpoint.pt`` (atomic); ``resume=True`` continues from it when the settings,
+model fingerprint and token ids match, and gives a byte-identical ``oscar.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import FORMAT_VERSION, __version__
+from .artifact import (FORMAT_NAME, REPORT_NAME, WEIGHTS_NAME, Artifact, LayerRotations, atomic_write_bytes,
+                       has_artifact, write_artifact_files)
+from .capture import Capture
+from .clip import BASELINE_CLIPS, HeldoutLayer, fit_k_clip, fit_v_clip, heldout_errors
+from .config import CalibrationConfig, stable_hash
+from .corpus import TokenPlan, plan_tokens
+from .errors import InputError, NumericalError, OutputExistsError
+from .models import Geometry, attention_modules, geometry_of, load_model, model_fingerprint
+from .quant import check_group_size, default_group_size
+from .rotation import K_OBJECTIVES, V_OBJECTIVES, compose, orthogonality_error, rotations_from_covariance
+from .stats import LayerStats, Reservoir
+
+CHECKPOINT_NAME = ".oscar-checkpoint.pt"
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    source: object
+    geometry: Geometry
+    fingerprint: str
+
+
+def prepare_model(cfg: CalibrationConfig) -> LoadedModel:
+    model, tok, src = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                 trust_remote_code=cfg.trust_remote_code)
+    return LoadedModel(model, tok, src, geometry_of(model), model_fingerprint(model))
+
+
+def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
+    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a directory")
+    if out.is_dir() and has_artifact(out) and not overwrite:
+        raise OutputExistsError(f"{out} already holds an artifact; pass --overwrite to replace it")
+    parent = out if out.is_dir() else out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"output directory {out} is not writable")
+
+
+@dataclass
+class StatsRun:
+    """Accumulators of every layer plus the held-out reservoir."""
+
+    stats: list[LayerStats]
+    reservoir: list[Reservoir]
+    batches_done: int = 0
+    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
+
+    def observer(self, collect: str):
+        def observe(layer, module, q, k, v, o, kwargs):
+            if layer not in self.layer_info:
+                sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+                cfg = getattr(module, "config", None)
+                self.layer_info[layer] = {
+                    "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
+                    "sliding_window": int(sw) if sw else None,
+                    "softcap": getattr(cfg, "attn_logit_softcapping", None),
+                }
+            for name, t in (("query", q), ("key", k), ("value", v), ("attention output", o)):
+                if not torch.isfinite(t).all():
+                    raise NumericalError(f"layer {layer}: non-finite {name} activations (NaN/Inf)")
+            if collect == "stats":
+                self.stats[layer].update(q, k, v, o)
+            else:
+                self.reservoir[layer].add(q, k, v, o)
+        return observe
+
+
+def _save_checkpoint(path: Path, run: StatsRun, key: str) -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"key": key, "batches_done": run.batches_done, "layer_info": run.layer_info,
+                "stats": [s.state_dict() for s in run.stats]}, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _load_checkpoint(path: Path, run: StatsRun, key: str) -> bool:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a torn or foreign file is simply not resumable
+        return False
+    if state.get("key") != key:
+        raise InputError(f"{path} was written by a run with other settings, model or data; "
+                         "remove it or run without --resume")
+    for s, st in zip(run.stats, state["stats"]):
+        s.load_state_dict(st)
+    run.batches_done = int(state["batches_done"])
+    run.layer_info = {int(k): v for k, v in state["layer_info"].items()}
+    return True
+
+
+def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig, *,
+                       checkpoint: Path | None = None, resume: bool = False,
+                       progress: ProgressFn | None = None,
+                       on_batch: Callable[[int], None] | None = None) -> tuple[StatsRun, dict]:
+    """Stream the calibration batches through the model, then capture the held-out rows."""
+    geo, model = lm.geometry, lm.model
+    dev = next(model.parameters()).device
+    run = StatsRun(
+        stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, cfg.pilot_tokens, device=dev)
+               for _ in range(geo.num_layers)],
+        reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
+    )
+    key = stable_hash({"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256()})
+    resumed = bool(resume and checkpoint and checkpoint.exists() and _load_checkpoint(checkpoint, run, key))
+    batches = plan.batches(cfg.batch_size)
+    total = plan.tokens
+    done_tokens = sum(b.numel() for b in batches[:run.batches_done])
+    if progress:
+        progress(done_tokens, total)
+    t0 = time.perf_counter()
+    with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap:
+        for i in range(run.batches_done, len(batches)):
+            model(input_ids=batches[i].to(dev), use_cache=False)
+            if cap.calls == 0:
+                from .errors import UnsupportedModelError
+
+                raise UnsupportedModelError("the model's attention does not go through transformers' attention "
+                                            "interface; its Q/K/V cannot be captured")
+            run.batches_done = i + 1
+            done_tokens += batches[i].numel()
+            if progress:
+                progress(done_tokens, total)
+            if checkpoint is not None and (run.batches_done % cfg.checkpoint_every == 0) and run.batches_done < len(batches):
+                _save_checkpoint(checkpoint, run, key)
+            if on_batch:
+                on_batch(run.batches_done)
+    t_stats = time.perf_counter() - t0
+    for i, s in enumerate(run.stats):
+        s.check_finite(i)
+    t1 = time.perf_counter()
+    with torch.no_grad(), Capture(model, [run.observer("heldout")]):
+        for seq in plan.heldout:
+            model(input_ids=seq.unsqueeze(0).to(dev), use_cache=False)
+    timing = {"statistics_s": t_stats, "heldout_s": time.perf_counter() - t1, "resumed": resumed,
+              "batches": len(batches)}
+    return run, timing
+
+
+def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
+    r, info = run.reservoir[layer], run.layer_info[layer]
+    return HeldoutLayer(r.q, r.k, r.v, r.o, info["scaling"], info["sliding_window"], info["softcap"])
+
+
+def spread(eig: torch.Tensor) -> float:
+    """Eigenvalue spread λ_max / mean λ, averaged over heads (1 = isotropic, d = rank one)."""
+    e = eig.double().clamp(min=0)
+    return float((e[..., 0] / e.mean(-1).clamp(min=1e-300)).mean())
+
+
+def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int) -> tuple[list, list]:
+    """Rotations, clips and per-layer report rows."""
+    layers, rows = [], []
+    kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
+    for i, s in enumerate(run.stats):
+        cq = s.covariance("q")
+        k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, cfg.granularity, warn=(i == 0))
+        v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, cfg.granularity, warn=False)
+        held = heldout_layer(run, i)
+        k_table = v_table = None
+        if cfg.k_clip is None:
+            k_clip, k_table = fit_k_clip(held.k_rows(), k_rot, cq, group_size)
+        else:
+            k_clip = torch.full((geo.num_kv_heads,), cfg.k_clip, dtype=torch.float64)
+        if cfg.v_clip is None:
+            v_clip, v_table = fit_v_clip(held, v_rot, group_size)
+        else:
+            v_clip = torch.full((geo.num_kv_heads,), cfg.v_clip, dtype=torch.float64)
+        ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, group_size)
+        h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
+        base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
+                              torch.full_like(v_clip, BASELINE_CLIPS[1]), group_size)
+        layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
+                                     v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float()))
+        rows.append({
+            "layer": i,
+            "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
+            "k_spread": spread(k_eig), "v_spread": spread(v_eig),
+            "k_clip": [round(float(c), 4) for c in k_clip], "v_clip": [round(float(c), 4) for c in v_clip],
+            "heldout": {"oscar": ours, "hadamard": base},
+            "orthogonality": max(orthogonality_error(k_rot.float()), orthogonality_error(v_rot.float())),
+            "clip_tables": {"k": None if k_table is None else k_table.tolist(),
+                            "v": None if v_table is None else v_table.tolist()},
+        })
+    return layers, rows
+
+
+def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, group_size: int) -> dict[str, str]:
+    geo = lm.geometry
+    calibration = {
+        "data": plan.source, "tokens": plan.tokens, "sequences": len(plan.calibration), "seq_len": cfg.seq_len,
+        "seed": cfg.seed, "token_sha256": plan.sha256(), "heldout_tokens": sum(len(s) for s in plan.heldout),
+        "pilot_tokens": cfg.pilot_tokens, "clip": "fit" if cfg.k_clip is None or cfg.v_clip is None else "fixed",
+    }
+    return {
+        "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": lm.source.model_id,
+        "model_fingerprint": lm.fingerprint, "num_layers": str(geo.num_layers),
+        "num_attention_heads": str(geo.num_attention_heads), "num_kv_heads": str(geo.num_kv_heads),
+        "head_dim": str(geo.head_dim), "group_size": str(group_size), "bits": "2",
+        "sink_tokens": str(cfg.sink_tokens), "recent_tokens": str(cfg.recent_tokens),
+        "k_objective": cfg.k_objective, "v_objective": cfg.v_objective, "composition": cfg.composition,
+        "granularity": cfg.granularity, "calibration": json.dumps(calibration, sort_keys=True),
+        "toolkit_version": __version__, "model_type": geo.model_type,
+    }
+
+
+@dataclass
+class CalibrationResult:
+    out: Path
+    artifact: Artifact
+    report: dict
+
+
+def summary(rows: list[dict]) -> dict:
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    o = [r["heldout"]["oscar"]["attn"] for r in rows]
+    h = [r["heldout"]["hadamard"]["attn"] for r in rows]
+    return {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
+            "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
+
+
+def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, resume: bool = False,
+              progress: ProgressFn | None = None, on_batch: Callable[[int], None] | None = None,
+              loaded: LoadedModel | None = None) -> CalibrationResult:
+    """Run a whole calibration and write the artifact into ``out``."""
+    cfg.validate()
+    out = Path(out)
+    check_output_dir(out, overwrite, resume)
+    t0 = time.perf_counter()
+    lm = loaded or prepare_model(cfg)
+    geo = lm.geometry
+    group_size = cfg.group_size or default_group_size(geo.head_dim)
+    check_group_size(geo.head_dim, group_size)
+    plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
+                       seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
+                       seed=cfg.seed)
+    t_load = time.perf_counter() - t0
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / CHECKPOINT_NAME
+    try:
+        run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume, progress=progress,
+                                         on_batch=on_batch)
+        t2 = time.perf_counter()
+        layers, rows = build_rotations(run, cfg, geo, group_size)
+        timing["rotations_and_clips_s"] = time.perf_counter() - t2
+    except (KeyboardInterrupt, SystemExit):
+        raise            # the checkpoint stays for --resume
+    except BaseException:
+        ckpt.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    metadata = artifact_metadata(cfg, lm, plan, group_size)
+    artifact = Artifact(layers=layers, metadata=metadata)
+    timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
+    report = {
+        "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
+        "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
+        "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
+        "summary": summary(rows), "layers": rows, "timings": timing,
+    }
+    from .card import model_card
+
+    write_artifact_files(out, artifact, model_card(report), report)
+    ckpt.unlink(missing_ok=True)
+    return CalibrationResult(out, artifact, report)
+
+
+__all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics",
+           "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME", "REPORT_NAME", "math"]

@@ -1,0 +1,178 @@
+"""Streaming float64 statistics per layer × KV head ("observers").
+
+For KV head ``h`` with query heads ``G(h)`` (GQA: query head ``j`` reads KV head ``j // group``),
+over calibration tokens ``t``:
+
+==============  ===========================================  ==================================
+accumulator     sum                                           used for
+==============  ===========================================  ==================================
+``q``           Σ_t Σ_{j∈G(h)} q_tjᵀ q_tj                     C_Q, the key objective ``qqt``
+``s``           Σ_t Σ_{j∈G(h)} o_tjᵀ o_tj  (o = softmax·V)    exact C_S, value objective ``sst``
+``s_approx``    Σ_t w_t v_tᵀ v_t,  w_t = k_t C̃_Q k_tᵀ          reference repo's ``sst-approx``
+``k`` / ``v``   Σ_t k_tᵀ k_t / Σ_t v_tᵀ v_t                    baselines ``ktk`` / ``vtv``
+==============  ===========================================  ==================================
+
+Memory is fixed by the geometry (five ``[kv_heads, d, d]`` float64 matrices per layer) and does
+not grow with the token budget.
+
+How ``sst-approx`` gets C_Q before the weights: a bounded **pilot buffer**. The K and V rows of
+the first ``pilot_tokens`` calibration tokens are kept (per layer, float32); once that many tokens
+have been seen, ``C̃_Q`` is frozen as the query covariance of those same tokens, the buffered rows
+are weighted and folded in, the buffer is dropped, and every later token is weighted with the
+frozen ``C̃_Q`` as it streams. Weights are normalised to mean 1 at the end (``Σ w v vᵀ / Σ w``), as
+the reference does. With ``pilot_tokens ≥`` the token budget this equals the two-pass definition
+exactly; with a smaller pilot, ``C̃_Q`` is an estimate from the first tokens (one pass, bounded
+memory). The pilot size is recorded in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import NumericalError
+
+ACCUMULATORS = ("q", "s", "s_approx", "k", "v")
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """Σ over rows of xᵀx for ``x`` [heads, n, d] in float64 -> [heads, d, d]."""
+    x = x.to(torch.float64)
+    return x.transpose(-1, -2) @ x
+
+
+@dataclass
+class LayerStats:
+    """Accumulators of one decoder layer."""
+
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    pilot_tokens: int
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self):
+        h, d = self.num_kv_heads, self.head_dim
+        z = lambda: torch.zeros(h, d, d, dtype=torch.float64, device=self.device)  # noqa: E731
+        self.sums = {name: z() for name in ACCUMULATORS}
+        self.tokens = 0                 # KV rows seen (per head)
+        self.w_sum = torch.zeros(h, dtype=torch.float64, device=self.device)
+        self.pilot_cq: torch.Tensor | None = None
+        self._pilot_k: list[torch.Tensor] = []
+        self._pilot_v: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ update
+    def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               valid: torch.Tensor | None = None) -> None:
+        """Fold one batch in. ``q`` [B, Hq, T, d], ``k``/``v`` [B, Hkv, T, d] (as the model's
+        attention function receives them), ``o`` [B, T, Hq, d] (its output, before o_proj),
+        ``valid`` [B, T] bool or None (all tokens)."""
+        h, g, d = self.num_kv_heads, self.group, self.head_dim
+        qr = _rows(q.transpose(1, 2), valid)            # [n, Hq, d]
+        kr = _rows(k.transpose(1, 2), valid)            # [n, Hkv, d]
+        vr = _rows(v.transpose(1, 2), valid)
+        orr = _rows(o, valid)                           # [n, Hq, d]
+        n = kr.shape[0]
+        if n == 0:
+            return
+        # [n, h*g, d] -> [h, n*g, d]: query heads of one KV head are pooled
+        qh = qr.reshape(n, h, g, d).permute(1, 0, 2, 3).reshape(h, n * g, d)
+        oh = orr.reshape(n, h, g, d).permute(1, 0, 2, 3).reshape(h, n * g, d)
+        kh = kr.permute(1, 0, 2)
+        vh = vr.permute(1, 0, 2)
+        self.sums["q"] += gram(qh)
+        self.sums["s"] += gram(oh)
+        self.sums["k"] += gram(kh)
+        self.sums["v"] += gram(vh)
+        self.tokens += n
+        if self.pilot_cq is None:
+            self._pilot_k.append(kh.float())
+            self._pilot_v.append(vh.float())
+            if self.tokens >= self.pilot_tokens:
+                self.freeze_pilot()
+        else:
+            self._weighted(kh, vh)
+
+    def freeze_pilot(self) -> None:
+        """Fix C̃_Q from the tokens seen so far and fold the buffered rows in."""
+        if self.pilot_cq is not None:
+            return
+        self.pilot_cq = self.sums["q"] / max(self.tokens * self.group, 1)
+        for kh, vh in zip(self._pilot_k, self._pilot_v):
+            self._weighted(kh, vh)
+        self._pilot_k, self._pilot_v = [], []
+
+    def _weighted(self, kh: torch.Tensor, vh: torch.Tensor) -> None:
+        k64 = kh.to(torch.float64)
+        w = torch.einsum("hnd,hde,hne->hn", k64, self.pilot_cq, k64)      # [h, n]
+        v64 = vh.to(torch.float64)
+        self.sums["s_approx"] += (v64 * w.unsqueeze(-1)).transpose(-1, -2) @ v64
+        self.w_sum += w.sum(-1)
+
+    # ------------------------------------------------------------------ results
+    def covariance(self, name: str) -> torch.Tensor:
+        """Normalised covariance [h, d, d] (float64) of accumulator ``name``."""
+        if name == "s_approx":
+            self.freeze_pilot()
+            return self.sums["s_approx"] / self.w_sum.clamp(min=1e-300).view(-1, 1, 1)
+        count = self.tokens * (self.group if name in ("q", "s") else 1)
+        return self.sums[name] / max(count, 1)
+
+    def check_finite(self, layer: int) -> None:
+        for name, t in self.sums.items():
+            if not torch.isfinite(t).all():
+                raise NumericalError(f"layer {layer}: non-finite values in the {name!r} statistics (NaN/Inf activations)")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def state_dict(self) -> dict:
+        return {
+            "sums": {k: v.cpu() for k, v in self.sums.items()},
+            "tokens": self.tokens,
+            "w_sum": self.w_sum.cpu(),
+            "pilot_cq": None if self.pilot_cq is None else self.pilot_cq.cpu(),
+            "pilot_k": [t.cpu() for t in self._pilot_k],
+            "pilot_v": [t.cpu() for t in self._pilot_v],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        dev = self.device
+        self.sums = {k: v.to(dev) for k, v in state["sums"].items()}
+        self.tokens = int(state["tokens"])
+        self.w_sum = state["w_sum"].to(dev)
+        self.pilot_cq = None if state["pilot_cq"] is None else state["pilot_cq"].to(dev)
+        self._pilot_k = [t.to(dev) for t in state["pilot_k"]]
+        self._pilot_v = [t.to(dev) for t in state["pilot_v"]]
+
+
+def _rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, H, d] -> [n, H, d] keeping valid tokens only."""
+    if valid is None:
+        return x.reshape(-1, *x.shape[2:])
+    return x[valid.to(torch.bool)]
+
+
+class Reservoir:
+    """Held-out rows of one layer, capped at ``max_tokens`` causal positions per sequence.
+
+    Stores q [n_seq, T, Hq, d], k/v [n_seq, T, Hkv, d] in float32 on the CPU. Truncating a
+    sequence to a prefix keeps it exact: causal attention at position i only reads keys ≤ i.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.q: list[torch.Tensor] = []
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.o: list[torch.Tensor] = []
+
+    def add(self, q, k, v, o) -> None:
+        t = min(self.max_tokens, q.shape[2])
+        for b in range(q.shape[0]):
+            self.q.append(q[b, :, :t].transpose(0, 1).float().cpu())
+            self.k.append(k[b, :, :t].transpose(0, 1).float().cpu())
+            self.v.append(v[b, :, :t].transpose(0, 1).float().cpu())
+            self.o.append(o[b, :t].float().cpu())
+
+    def __len__(self) -> int:
+        return len(self.q)
