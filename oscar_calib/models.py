@@ -148,19 +148,26 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
 
     source = resolve_model(spec)
     torch_dtype = _torch_dtype(dtype)
-    if source.gguf_file and importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError("loading .gguf models needs the 'gguf' package: pip install gguf")
+    load_path = source.path
     kwargs = dict(trust_remote_code=trust_remote_code)
     if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
+        cached = gguf_cache_dir(source)
+        if cached is not None and (cached / "config.json").exists():
+            load_path = str(cached)
+        else:
+            if importlib.util.find_spec("gguf") is None:
+                raise ModelLoadError("loading .gguf models needs the 'gguf' package: pip install gguf")
+            kwargs["gguf_file"] = source.gguf_file
     if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE") == "1":
         kwargs["local_files_only"] = True
     try:
         with _quiet():
-            tok = AutoTokenizer.from_pretrained(source.path, **kwargs)
+            tok = AutoTokenizer.from_pretrained(load_path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory, **kwargs
+                load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory, **kwargs
             )
+            if "gguf_file" in kwargs and gguf_cache_dir(source) is not None:
+                _save_gguf_cache(model, tok, gguf_cache_dir(source))
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if source.kind == "hub":
@@ -177,6 +184,48 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return model, tok, source
+
+
+def cache_root() -> Path:
+    """``$OSCAR_CACHE`` or ``~/.cache/oscar``."""
+    return Path(os.environ.get("OSCAR_CACHE") or Path.home() / ".cache" / "oscar").expanduser()
+
+
+def gguf_cache_dir(source: ModelSource) -> Path | None:
+    """Where the de-quantised float32 copy of a GGUF model is kept (keyed by the file's path, size
+    and mtime). De-quantising takes ~20-40 s on a CPU; loading the copy takes ~1-2 s. Set
+    ``OSCAR_GGUF_CACHE=0`` to disable."""
+    if not source.gguf_file or os.environ.get("OSCAR_GGUF_CACHE", "1") == "0":
+        return None
+    f = Path(source.path) / source.gguf_file
+    try:
+        st = f.stat()
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{f.stem}-{key}"
+
+
+def _save_gguf_cache(model, tok, target: Path) -> None:
+    """Best effort: a failure to cache never fails a load."""
+    import shutil
+    import tempfile
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        # the weights are already de-quantised floats; drop the GGUF marker so they serialise
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)   # another process won the race
+    except Exception:  # noqa: BLE001
+        pass
 
 
 # ----------------------------------------------------------------------------- geometry

@@ -1,0 +1,53 @@
+"""The ``oscar`` command line. Commands live one group per module; each parses options, builds a
+config, calls one library function and renders the result. Library errors (``OscarError``)
+become one line on stderr and exit code 2; ``OSCAR_DEBUG=1`` shows the traceback instead."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from .. import __version__
+from ..errors import OscarError
+
+app = typer.Typer(
+    name="oscar",
+    help="OSCAR: offline calibration of covariance-aware rotations for a 2-bit KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"oscar {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """OSCAR: offline calibration of covariance-aware rotations for a 2-bit KV cache."""
+
+
+from .calibrate import calibrate_command  # noqa: E402
+
+app.command("calibrate")(calibrate_command)
+
+
+def main() -> None:
+    try:
+        app()
+    except OscarError as e:
+        if os.environ.get("OSCAR_DEBUG"):
+            raise
+        msg = str(e).replace("\n", " ")
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        sys.exit(130)

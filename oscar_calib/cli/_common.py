@@ -1,0 +1,41 @@
+"""Shared CLI pieces: option aliases, the console, and one output helper for tables and --json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)          # progress, tables and messages for people
+stdout = Console(width=None if sys.stdout.isatty() else 140)   # tables when no --json
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model: alias (smollm2-135m, gemma3-270m), checkpoint "
+                                        "directory, .gguf file, or hub id.")]
+DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: auto (as stored; GGUF -> float32), float32, bfloat16, float16.")]
+DeviceOpt = Annotated[str, typer.Option(help="Device: auto (cuda if available), cpu, cuda, cuda:N.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code to run.")]
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def table(title: str, columns: list[str], rows: list[list], *, caption: str | None = None) -> Table:
+    t = Table(title=title, caption=caption, show_lines=False)
+    for c in columns:
+        t.add_column(c, justify="right" if c not in ("layer type", "attention", "file", "check", "key") else "left")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    return t
+
+
+def fmt(x, digits: int = 4) -> str:
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)

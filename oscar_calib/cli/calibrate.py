@@ -1,0 +1,148 @@
+"""``oscar calibrate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._common import DeviceOpt, DtypeOpt, JsonOpt, TrustOpt, console, emit_json, fmt, stdout, table
+
+EXAMPLES = """
+    Examples:
+
+    * `oscar calibrate` (SmolLM2-135M on the embedded corpus, into runs/smollm2-135m)
+    * `oscar calibrate gemma3-270m --tokens 16384 --out zoo/gemma3-270m`
+    * `oscar calibrate ./my-llama --data corpus.jsonl --seq-len 2048 --device cuda`
+    * `oscar calibrate Qwen/Qwen3-8B --config configs/qwen3-8b.yaml --clip k=0.96,v=0.92`
+    """
+
+
+def calibrate_command(
+    model: Annotated[Optional[str], typer.Argument(help="Model alias, checkpoint dir, .gguf file or hub id "
+                                                   "(default: smollm2-135m).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Artifact directory (default: runs/MODEL).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="YAML file; its 'calibration:' section sets defaults that "
+                                                   "command-line options override.")] = None,
+    data: Annotated[Optional[str], typer.Option(help="'embedded' (default), a .txt/.jsonl/.parquet file or directory, "
+                                                "or a datasets hub id.")] = None,
+    split: Annotated[Optional[str], typer.Option(help="Dataset split for a hub dataset (default: train).")] = None,
+    text_field: Annotated[Optional[str], typer.Option(help="Text column/field (default: text).")] = None,
+    tokens: Annotated[Optional[int], typer.Option(help="Calibration token budget (default: 8192).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (default: 1024).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward pass (default: 1).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for choosing sequences (default: 0).")] = None,
+    heldout_tokens: Annotated[Optional[int], typer.Option(help="Held-out prefix length for clip fitting "
+                                                          "(default: 512).")] = None,
+    k_objective: Annotated[Optional[str], typer.Option(help="Key objective: qqt (query covariance) or ktk "
+                                                       "(default: qqt).")] = None,
+    v_objective: Annotated[Optional[str], typer.Option(help="Value objective: sst (exact score-weighted), "
+                                                       "sst-approx (reference repo's), vtv (default: sst).")] = None,
+    composition: Annotated[Optional[str], typer.Option(help="u_h_pbr, u, h or identity (default: u_h_pbr).")] = None,
+    granularity: Annotated[Optional[str], typer.Option(help="head (per KV head) or layer (default: head).")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
+    clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an artifact already in --out.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its checkpoint in --out.")] = False,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
+                                                            "(default: 4).")] = None,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run `oscar verify` on the new artifact.")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact.
+
+    Captures post-RoPE Q/K/V and attention outputs, streams float64 statistics per layer and KV
+    head, eigendecomposes them, fits clips on held-out rows and writes oscar.safetensors,
+    README.md and calibration.json into --out.
+    """
+    from ..config import CalibrationConfig, from_mapping, load_yaml_section, parse_clip
+    from ..pipeline import calibrate
+
+    base = load_yaml_section(config) if config else {}
+    values = dict(base)
+    cli_values = dict(model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
+                      batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
+                      v_objective=v_objective, composition=composition, granularity=granularity,
+                      group_size=group_size, checkpoint_every=checkpoint_every)
+    values.update({k: v for k, v in cli_values.items() if v is not None})
+    if clip is not None:
+        values["k_clip"], values["v_clip"] = parse_clip(clip)
+    if dtype != "auto" or "dtype" not in values:
+        values["dtype"] = dtype
+    if device != "auto" or "device" not in values:
+        values["device"] = device
+    values["trust_remote_code"] = trust_remote_code or bool(values.get("trust_remote_code", False))
+    cfg: CalibrationConfig = from_mapping(values, where=str(config) if config else "options")
+    out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]capture"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    task = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:                 # start the bar only once capture starts
+            bar.start()
+            task = bar.add_task("capture", total=total)
+        bar.update(task, completed=done, total=total)
+
+    try:
+        result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress)
+    finally:
+        bar.stop()
+
+    report = result.report
+    verdict = None
+    if verify:
+        verdict = _maybe_verify(result.out, cfg, json_out)
+        if verdict is not None:
+            report = dict(report, verify=verdict)
+    if json_out:
+        emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
+                   "layers": [{k: v for k, v in r.items() if k != "clip_tables"} for r in report["layers"]],
+                   "verify": verdict})
+        return
+    rows = []
+    for r in report["layers"]:
+        o, h = r["heldout"]["oscar"], r["heldout"]["hadamard"]
+        rows.append([r["layer"], r["attention"].replace("_attention", ""), fmt(r["k_spread"], 1), fmt(r["v_spread"], 1),
+                     _clips(r["k_clip"]), _clips(r["v_clip"]),
+                     fmt(o["k"], 3), fmt(o["attn"], 3), fmt(h["attn"], 3),
+                     "[green]yes[/green]" if o["attn"] < h["attn"] else "[red]no[/red]"])
+    s = report["summary"]
+    stdout.print(table(
+        f"OSCAR calibration of {report['model_id']}",
+        ["layer", "attention", "K spread", "V spread", "K clip", "V clip", "K logit err", "attn err", "Hadamard err",
+         "better"], rows,
+        caption=f"clips per KV head (min–max); held-out relative RMS errors, every token INT2 (group {report['group_size']}); "
+                f"spread = λmax/mean λ. Mean attn err {s['mean_attn_error_oscar']:.4f} vs Hadamard "
+                f"{s['mean_attn_error_hadamard']:.4f}; better on {s['layers_better_than_hadamard']}/{s['num_layers']} layers"))
+    t = report["timings"]
+    stdout.print(f"artifact written to [bold]{result.out}[/bold]  ({report['calibration']['tokens']} tokens, "
+                 f"{t['total_s']:.1f} s total, {t['statistics_s']:.1f} s capture)")
+
+
+def _clips(values: list[float]) -> str:
+    """One number when all heads agree, else min–max."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if lo == hi else f"{lo:.2f}–{hi:.2f}"
+
+
+def _maybe_verify(out: Path, cfg, json_out: bool):
+    """Run `oscar verify` when the kernels are available; returns its summary or None."""
+    try:
+        from ..verify import verify_artifact
+    except ImportError:
+        console.print("[yellow]verify is not available in this build; skipped[/yellow]")
+        return None
+    result = verify_artifact(out, model=cfg.model, device=cfg.device, dtype=cfg.dtype, quiet=json_out)
+    return result.summary()
+
+
+calibrate_command.__doc__ += EXAMPLES  # shown by --help

@@ -1,0 +1,144 @@
+"""Backend selection, input validation and lazy Triton loading shared by the kernels.
+
+Backends
+--------
+Every public kernel function takes ``backend="auto" | "triton" | "torch"``:
+
+* ``"torch"``: the eager pure-torch reference that lives beside the kernel (any device).
+* ``"triton"``: the Triton kernel. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` (CPU tensors,
+  slow; what the tests use).
+* ``"auto"``: Triton when every tensor is on CUDA, Triton imports and the shape is one the
+  kernel supports; the reference otherwise.
+
+The environment variable ``OSCAR_KERNELS`` overrides the argument: ``torch`` forces the eager
+reference everywhere, ``triton`` forces the kernels, ``auto`` (or unset) respects the argument.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from ..errors import InputError
+
+BACKENDS = ("auto", "triton", "torch")
+ENV_VAR = "OSCAR_KERNELS"
+
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+FP16_MAX = 65504.0
+# Codes are fed to the tensor cores as fp16 *subnormals* (bit pattern == code): value = code * 2**-24.
+SUBNORMAL_UNIT = 2.0**-24
+INV_SUBNORMAL_UNIT = 2.0**24
+
+_triton_modules: dict[str, ModuleType] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs under its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
+
+
+def resolve_backend(backend: str, tensors: list[torch.Tensor], supported: str | None = None) -> str:
+    """Return ``"triton"`` or ``"torch"`` for the given request.
+
+    ``supported`` is None when the Triton kernel handles these shapes, otherwise a sentence
+    saying why not (``"auto"`` then falls back to torch, ``"triton"`` raises it).
+    """
+    if backend not in BACKENDS:
+        raise InputError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    if env and env not in BACKENDS:
+        raise InputError(f"{ENV_VAR}={env!r} is not valid; use one of {', '.join(BACKENDS)}")
+    if env in ("torch", "triton"):
+        backend = env
+    if backend == "torch":
+        return "torch"
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "auto":
+        if on_cuda and supported is None and triton_available():
+            return "triton"
+        return "torch"
+    # explicit triton
+    if supported is not None:
+        raise InputError(f"the Triton kernel does not support this input: {supported}")
+    if not triton_available():
+        raise InputError("backend='triton' needs the triton package; use backend='torch'")
+    if not on_cuda and not interpreting():
+        raise InputError(
+            "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 to run Triton on the CPU)"
+        )
+    return "triton"
+
+
+def load_triton_module(name: str) -> ModuleType:
+    """Import ``oscar_calib.kernels.<name>`` (a module that defines ``@triton.jit`` kernels) lazily."""
+    mod = _triton_modules.get(name)
+    if mod is None:
+        mod = importlib.import_module(f"{__package__}.{name}")
+        _triton_modules[name] = mod
+    return mod
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    shape: dict[int, int] | None = None,
+) -> torch.Tensor:
+    """Validate a tensor argument; raise :class:`InputError` with a message naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.ndim != ndim:
+        raise InputError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InputError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
+    if shape:
+        for axis, size in shape.items():
+            if t.shape[axis] != size:
+                raise InputError(
+                    f"{name} has size {t.shape[axis]} on axis {axis} (shape {tuple(t.shape)}), "
+                    f"expected {size}"
+                )
+    return t
+
+
+def check_group(head_dim: int, group_size: int) -> None:
+    """Group-size rules shared by every kernel (same messages as :func:`quant.check_group_size`)."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise InputError(f"group size must be an int, got {group_size!r}")
+    if group_size <= 0 or group_size & (group_size - 1):
+        raise InputError(f"group size {group_size} is not a power of two")
+    if head_dim % group_size:
+        raise InputError(f"head_dim {head_dim} is not divisible by group size {group_size}")
+    if head_dim % 4:
+        raise InputError(f"head_dim {head_dim} is not a multiple of 4 (four 2-bit codes per byte)")
+
+
+def same_device(*named: tuple[str, torch.Tensor]) -> None:
+    devs = {t.device for _, t in named}
+    if len(devs) > 1:
+        desc = ", ".join(f"{n} on {t.device}" for n, t in named)
+        raise InputError(f"tensors must be on one device: {desc}")

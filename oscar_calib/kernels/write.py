@@ -1,0 +1,220 @@
+"""KV-cache write path: rotate, clip, quantise to INT2 and pack (Triton kernel + torch reference).
+
+``quantize_kv(x, rotation, clip, group_size)`` takes K or V rows ``[..., kv_heads, d]``
+(bf16/fp16/fp32), rotations ``[kv_heads, d, d]`` (fp32, or None), clip ratios ``[kv_heads]``
+(or a float, or None = no clip), and returns a :class:`~oscar_calib.kernels.pack.QuantizedKV`
+with ``codes uint8 [..., kv_heads, d/4]``, ``scale``/``offset`` float16 ``[..., kv_heads, d/G]``.
+
+Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.quant`:
+
+1. rotate ``y = x @ R[h]`` (float32 result);
+2. clip: ``t = sorted(|y|)[min(floor(c*d), d-1)]``, ``y = max(min(y, t), -t)``;
+3. per group of G channels: ``s = max((max-min)/3, 1e-8)``, ``z = -min/s``,
+   ``q = clamp(floor(y/s + z + 0.5), 0, 3)``;
+4. store ``fp16(s)``, ``fp16(-z*s)`` and the packed codes (:mod:`.pack`).
+
+The Triton kernel uses IEEE division (``div_rn``) and the same operation order as the reference,
+so codes agree bit for bit when the rotated values agree. The rotation is the one place the
+arithmetic differs: for 16-bit inputs the kernel splits ``R`` into a 16-bit high part and a
+16-bit residual and runs two tensor-core products with fp32 accumulation (``x @ R_hi + x @ R_lo``,
+about 1e-6 relative error, against the reference's fp32 matmul); for fp32 inputs it runs one
+fp32 ("ieee") product. Different summation orders move ``y`` by an ulp or so, which flips a code
+by one level only where ``y/s + z + 0.5`` lies within that distance of an integer (a rounding
+tie): in practice a handful per million codes. ``fast_rotation=True`` uses the high part only
+(one product, ~1e-3 relative error in ``y``; about 0.1% of codes move by one level).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import quant
+from ..errors import InputError
+from ._common import (
+    check_group,
+    check_tensor,
+    interpreting,
+    is_pow2,
+    load_triton_module,
+    resolve_backend,
+    same_device,
+)
+from .pack import PARAM_DTYPE, QuantizedKV, pack_codes, to_param
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _validate(x, rotation, clip, group_size) -> tuple[int, int, int, torch.Tensor | None]:
+    check_tensor("x", x, dtypes=X_DTYPES)
+    if x.ndim < 2:
+        raise InputError(f"x must be [..., kv_heads, head_dim], got shape {tuple(x.shape)}")
+    kvh, d = x.shape[-2], x.shape[-1]
+    if group_size is None:
+        group_size = quant.default_group_size(d)
+    check_group(d, group_size)
+    if rotation is not None:
+        check_tensor("rotation", rotation, ndim=3, dtypes=(torch.float32, torch.float64))
+        if tuple(rotation.shape) != (kvh, d, d):
+            raise InputError(
+                f"rotation must be [kv_heads, d, d] = {[kvh, d, d]}, got {list(rotation.shape)}"
+            )
+        same_device(("x", x), ("rotation", rotation))
+    clip_t = None
+    if clip is not None:
+        if isinstance(clip, (int, float)) and not isinstance(clip, bool):
+            if not 0 < float(clip) <= 1:
+                raise InputError(f"clip ratio must be in (0, 1], got {clip}")
+            clip_t = None if float(clip) == 1.0 else torch.full((kvh,), float(clip), device=x.device)
+        else:
+            check_tensor("clip", clip, dtypes=(torch.float32, torch.float64))
+            if clip.ndim == 0:
+                clip = clip.expand(kvh)
+            if tuple(clip.shape) != (kvh,):
+                raise InputError(f"clip must be a float or [kv_heads] = [{kvh}], got {list(clip.shape)}")
+            same_device(("x", x), ("clip", clip))
+            clip_t = clip
+    return kvh, d, group_size, clip_t
+
+
+def quantize_kv_reference(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None,
+    clip: torch.Tensor | float | None,
+    group_size: int | None = None,
+) -> QuantizedKV:
+    """Pure-torch reference of :func:`quantize_kv` (built from :mod:`oscar_calib.quant`)."""
+    kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size)
+    y = x.float()
+    if rotation is not None:
+        y = torch.einsum("...hd,hde->...he", y, rotation.float())
+    if clip_t is not None:
+        y = quant.clip_rows(y, clip_t.to(torch.float64))
+    codes, scale, zero = quant.quantize_int2(y, group_size)
+    offset = -(zero * scale)
+    return QuantizedKV(pack_codes(codes, group_size), to_param(scale), to_param(offset), group_size)
+
+
+def _triton_support(d: int, group_size: int) -> str | None:
+    if not is_pow2(d) or not 16 <= d <= 256:
+        return f"head_dim {d} (the kernel needs a power of two in 16..256)"
+    return None
+
+
+def quantize_kv(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None,
+    clip: torch.Tensor | float | None,
+    group_size: int | None = None,
+    *,
+    backend: str = "auto",
+    out: QuantizedKV | None = None,
+    fast_rotation: bool = False,
+    config: dict | None = None,
+) -> QuantizedKV:
+    """Rotate, clip, INT2-quantise and pack K or V rows.
+
+    Args:
+        x: ``[..., kv_heads, d]`` bf16/fp16/fp32 rows (one per token and KV head).
+        rotation: ``[kv_heads, d, d]`` float32 (``x @ R``), or None for no rotation.
+        clip: clip ratio per KV head ``[kv_heads]``, a float for all heads, or None (no clip).
+        group_size: channels per quantisation group (power of two dividing d);
+            default ``min(128, d)``.
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see :mod:`._common`).
+        out: optional preallocated :class:`QuantizedKV` (e.g. a slice of a cache) whose
+            tensors have the leading shape of ``x``; written in place and returned.
+        fast_rotation: Triton only: one 16-bit product for the rotation instead of two
+            (see the module docstring).
+        config: Triton tuning overrides (``BT``, ``num_warps``); for benchmarks.
+
+    Returns:
+        :class:`QuantizedKV` with codes ``uint8 [..., kv_heads, d/4]`` and fp16 scale/offset
+        ``[..., kv_heads, d/G]``.
+    """
+    kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size)
+    lead = tuple(x.shape[:-2])
+    if out is not None:
+        if not isinstance(out, QuantizedKV):
+            raise InputError("out must be a QuantizedKV")
+        if tuple(out.codes.shape) != lead + (kvh, d // 4) or out.group_size != group_size:
+            raise InputError(
+                f"out.codes has shape {tuple(out.codes.shape)} (group size {out.group_size}), "
+                f"expected {lead + (kvh, d // 4)} (group size {group_size})"
+            )
+    which = resolve_backend(backend, [x], _triton_support(d, group_size))
+    if which == "torch":
+        res = quantize_kv_reference(x, rotation, clip_t, group_size)
+        if out is None:
+            return res
+        out.codes.copy_(res.codes)
+        out.scale.copy_(res.scale)
+        out.offset.copy_(res.offset)
+        return out
+    return _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, config or {})
+
+
+def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
+    try:
+        v = t.view(-1, kvh, t.shape[-1])
+    except RuntimeError as e:
+        raise InputError(f"{name} cannot be viewed as [tokens, kv_heads, n]: {e}") from None
+    if v.stride(-1) != 1:
+        raise InputError(f"{name} must be contiguous in its last dimension")
+    return v
+
+
+def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, config) -> QuantizedKV:
+    mod = load_triton_module("_write_triton")
+    kvh, d = x.shape[-2], x.shape[-1]
+    lead = tuple(x.shape[:-2])
+    ng = d // group_size
+    if out is None:
+        out = QuantizedKV(
+            torch.empty(lead + (kvh, d // 4), dtype=torch.uint8, device=x.device),
+            torch.empty(lead + (kvh, ng), dtype=PARAM_DTYPE, device=x.device),
+            torch.empty(lead + (kvh, ng), dtype=PARAM_DTYPE, device=x.device),
+            group_size,
+        )
+    x3 = x.reshape(-1, kvh, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    codes3 = _flat(out.codes, "out.codes", kvh)
+    scale3 = _flat(out.scale, "out.scale", kvh)
+    off3 = _flat(out.offset, "out.offset", kvh)
+    if scale3.stride() != off3.stride():
+        raise InputError("out.scale and out.offset must have the same strides")
+    n_tok = x3.shape[0]
+    if n_tok == 0:
+        return out
+    if rotation is None:
+        rot_mode, r1, r2 = 0, x3, x3
+    elif x3.dtype == torch.float32:
+        rot_mode, r1, r2 = 2, rotation.float().contiguous(), None
+        r2 = r1
+    else:
+        rf = rotation.float()
+        r1 = rf.to(x3.dtype).contiguous()
+        if fast_rotation:
+            rot_mode, r2 = 3, r1
+        else:
+            rot_mode, r2 = 1, (rf - r1.float()).to(x3.dtype).contiguous()
+    if clip_t is not None:
+        kidx = torch.clamp(torch.floor(clip_t.to(torch.float64) * d), max=d - 1).to(torch.int32).contiguous()
+    else:
+        kidx = torch.zeros(1, dtype=torch.int32, device=x.device)
+    bt = int(config.get("BT", 64 if d <= 128 else 32))
+    num_warps = int(config.get("num_warps", 4 if d <= 128 else 8))
+    kb = min(d, int(config.get("KB", 64)))
+    grid = (math.ceil(n_tok / bt), kvh)
+    mod.quantize_kv_kernel[grid](
+        x3, x3.stride(0), x3.stride(1),
+        r1, r2, kidx,
+        codes3, codes3.stride(0), codes3.stride(1),
+        scale3, off3, scale3.stride(0), scale3.stride(1),
+        n_tok,
+        D=d, G=group_size, W=min(group_size, d // 4), BT=bt, KB=kb,
+        ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
+        num_warps=num_warps,
+    )
+    return out
