@@ -74,6 +74,17 @@ class HeldoutLayer:
                 self._probs.append(torch.softmax(s, -1))
         return self._probs
 
+    def prob_grams(self) -> list[torch.Tensor]:
+        """Per sequence, ``Σ_{j∈G(h)} P_jᵀ P_j`` for every KV head h: [Hkv, T, T]."""
+        if getattr(self, "_grams", None) is None:
+            grp = self.group
+            self._grams = []
+            for p in self.probs():
+                hq, t, _ = p.shape
+                pg = p.reshape(hq // grp, grp, t, t)
+                self._grams.append(torch.einsum("hjts,hjtu->hsu", pg, pg))
+        return self._grams
+
     def attend(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[Hq, T, T] probabilities × v [T, Hkv, d] -> [T, Hq, d]."""
         vx = v.double().repeat_interleave(self.group, dim=1)
@@ -114,16 +125,17 @@ def fit_v_clip(held: HeldoutLayer, rot: torch.Tensor, group_size: int,
                grid=CLIP_GRID) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-KV-head V clip minimising the attention-output error. Returns ratios [h], table."""
     g = torch.tensor(grid, dtype=torch.float64)
-    h, grp = held.k[0].shape[1], held.group
+    h = held.k[0].shape[1]
     num = torch.zeros(h, len(grid), dtype=torch.float64)
     den = torch.zeros(h, dtype=torch.float64)
-    for p, v in zip(held.probs(), held.v):
+    for gram_p, v in zip(held.prob_grams(), held.v):
         for i in range(h):
-            ph = p[i * grp:(i + 1) * grp]                          # [g, T, T]
+            m = gram_p[i]                                           # Σ_j P_jᵀ P_j  [T, T]
             vr = v[:, i].double() @ rot[i].double()                 # [T, d]
             diff = _quant_grid(vr.float(), g, group_size) - vr       # [G, T, d]
-            num[i] += torch.einsum("jts,gsd->gjtd", ph, diff).pow(2).sum((1, 2, 3))
-            den[i] += torch.einsum("jts,sd->jtd", ph, vr).pow(2).sum()
+            # Σ_j ‖P_j D‖² = tr(Dᵀ M D)
+            num[i] += ((m @ diff) * diff).sum((1, 2))
+            den[i] += ((m @ vr) * vr).sum()
     table = num / den.clamp(min=1e-300).unsqueeze(1)
     return g[table.argmin(1)], table
 

@@ -131,6 +131,9 @@ def _quiet():
 
     old = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    hub_logger = logging.getLogger("huggingface_hub")
+    old_hub = hub_logger.level
+    hub_logger.setLevel(logging.CRITICAL)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
@@ -138,6 +141,7 @@ def _quiet():
             yield
     finally:
         hf_logging.set_verbosity(old)
+        hub_logger.setLevel(old_hub)
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
@@ -160,6 +164,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
             kwargs["gguf_file"] = source.gguf_file
     if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE") == "1":
         kwargs["local_files_only"] = True
+    if "gguf_file" not in kwargs:
+        _precheck_config(spec, source, load_path, kwargs)
     try:
         with _quiet():
             tok = AutoTokenizer.from_pretrained(load_path, **kwargs)
@@ -184,6 +190,25 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return model, tok, source
+
+
+def _precheck_config(spec: str, source: ModelSource, load_path: str, kwargs: dict) -> None:
+    """Read only config.json and refuse unsupported architectures before loading any weights."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet():
+            config = AutoConfig.from_pretrained(load_path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if source.kind == "hub":
+            raise ModelLoadError(
+                f"cannot load {spec!r} from the Hugging Face hub (no network or not cached?): {first}"
+            ) from None
+        if "model_type" in str(e) or "Unrecognized" in str(e):
+            raise UnsupportedModelError(f"{spec}: unrecognised model type ({first})") from None
+        raise ModelLoadError(f"cannot read the config of {spec!r}: {first}") from None
+    geometry_of(config)
 
 
 def cache_root() -> Path:

@@ -62,8 +62,16 @@ def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
     parent = out if out.is_dir() else out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"output directory {out} is not writable")
+    if not parent.is_dir():
+        raise InputError(f"cannot create output directory {out}: {parent} is not a directory")
+    import tempfile
+
+    try:   # a real probe: os.access says yes to root even on read-only file systems
+        fd, probe = tempfile.mkstemp(prefix=".oscar-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise InputError(f"output directory {out} is not writable") from None
 
 
 @dataclass
@@ -85,12 +93,13 @@ class StatsRun:
                     "sliding_window": int(sw) if sw else None,
                     "softcap": getattr(cfg, "attn_logit_softcapping", None),
                 }
-            for name, t in (("query", q), ("key", k), ("value", v), ("attention output", o)):
-                if not torch.isfinite(t).all():
-                    raise NumericalError(f"layer {layer}: non-finite {name} activations (NaN/Inf)")
             if collect == "stats":
                 self.stats[layer].update(q, k, v, o)
+                self.stats[layer].check_finite(layer)     # on the small sums: NaN/Inf anywhere lands there
             else:
+                for name, t in (("key", k), ("value", v), ("query", q), ("attention output", o)):
+                    if not torch.isfinite(t).all():
+                        raise NumericalError(f"layer {layer}: non-finite {name} activations (NaN/Inf)")
                 self.reservoir[layer].add(q, k, v, o)
         return observe
 

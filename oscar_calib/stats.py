@@ -120,9 +120,10 @@ class LayerStats:
         return self.sums[name] / max(count, 1)
 
     def check_finite(self, layer: int) -> None:
-        for name, t in self.sums.items():
-            if not torch.isfinite(t).all():
-                raise NumericalError(f"layer {layer}: non-finite values in the {name!r} statistics (NaN/Inf activations)")
+        """Raise :class:`NumericalError` naming the layer and the activation if a sum is not finite."""
+        for name, what in (("k", "key"), ("v", "value"), ("q", "query"), ("s", "attention output")):
+            if not torch.isfinite(self.sums[name]).all():
+                raise NumericalError(f"layer {layer}: non-finite {what} activations (NaN/Inf)")
 
     # ------------------------------------------------------------------ (de)serialisation
     def state_dict(self) -> dict:

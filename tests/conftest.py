@@ -66,7 +66,8 @@ def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed
     spec = dict(TINY[kind])
     model_type = spec.pop("model_type")
     spec.update(overrides)
-    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=96,
+    vocab = spec.pop("vocab_size", 128)
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=96,
                                num_hidden_layers=layers, head_dim=head_dim, max_position_embeddings=512, **spec)
     if model_type == "qwen2":
         cfg.use_sliding_window = False
@@ -94,3 +95,25 @@ class CharTokenizer:
 @pytest.fixture
 def char_tokenizer():
     return CharTokenizer()
+
+
+def loaded_tiny(kind: str = "llama", **kw):
+    """A tiny random-init model wrapped as the pipeline's LoadedModel (character tokenizer)."""
+    from oscar_calib.models import ModelSource, geometry_of, model_fingerprint
+    from oscar_calib.pipeline import LoadedModel
+
+    model = tiny_model(kind, **kw)
+    src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")
+    return LoadedModel(model, CharTokenizer(), src, geometry_of(model), model_fingerprint(model))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2) -> Path:
+    """A tiny random-init Llama saved as a HF checkpoint with SmolLM2's tokenizer (real files the
+    CLI can load in a second)."""
+    _, tok, _ = smollm2
+    model = tiny_model("llama", vocab_size=len(tok))
+    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -1,0 +1,209 @@
+"""calibrate() end to end on tiny models and the real SmolLM2: artifact contract, determinism,
+resume, architectures and error paths."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import FAST, loaded_tiny
+from oscar_calib.artifact import REQUIRED_METADATA, TENSOR_KINDS, load_artifact, tensor_name
+from oscar_calib.config import CalibrationConfig
+from oscar_calib.errors import DataError, InputError, NumericalError, OutputExistsError
+from oscar_calib.pipeline import CHECKPOINT_NAME, calibrate
+
+TINY_FAST = dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def run_tiny(out, kind="llama", loaded=None, **kw):
+    cfg = CalibrationConfig(**{**TINY_FAST, **kw})
+    return calibrate(cfg, out, loaded=loaded or loaded_tiny(kind))
+
+
+def check_contract(out: Path, layers: int, heads: int, kv: int, d: int):
+    with safe_open(str(out / "oscar.safetensors"), "pt") as f:
+        md = f.metadata()
+        keys = set(f.keys())
+        tensors = {k: f.get_tensor(k) for k in keys}
+    assert set(REQUIRED_METADATA) <= set(md)
+    assert md["format"] == "oscar-rotations" and md["format_version"] == "1" and md["bits"] == "2"
+    assert (md["num_layers"], md["num_attention_heads"], md["num_kv_heads"], md["head_dim"]) == tuple(
+        map(str, (layers, heads, kv, d)))
+    cal = json.loads(md["calibration"])
+    assert {"data", "tokens", "seq_len", "seed", "token_sha256"} <= set(cal)
+    assert keys == {tensor_name(i, k) for i in range(layers) for k in TENSOR_KINDS}
+    for i in range(layers):
+        r = tensors[tensor_name(i, "k_rotation")]
+        assert r.shape == (kv, d, d) and r.dtype == torch.float32
+        assert float((r @ r.transpose(1, 2) - torch.eye(d)).abs().max()) < 1e-5
+        assert tensors[tensor_name(i, "v_rotation")].shape == (kv, d, d)
+        for c in ("k_clip", "v_clip"):
+            t = tensors[tensor_name(i, c)]
+            assert t.shape == (kv,) and bool(((t > 0) & (t <= 1)).all())
+        for e in ("k_eigenvalues", "v_eigenvalues"):
+            t = tensors[tensor_name(i, e)]
+            assert t.shape == (kv, d) and bool((t[:, :-1] >= t[:, 1:] - 1e-6).all())
+    assert (out / "README.md").read_text().startswith("---")
+    report = json.loads((out / "calibration.json").read_text())
+    assert len(report["layers"]) == layers and "summary" in report
+    assert not (out / CHECKPOINT_NAME).exists()
+    return md, tensors
+
+
+@pytest.mark.parametrize("kind,heads,kv", [("llama", 4, 2), ("llama_mha", 4, 4), ("qwen3", 4, 2),
+                                           ("qwen2", 4, 2), ("mistral", 4, 2), ("gemma3", 4, 1)])
+def test_architectures_end_to_end(tmp_path, kind, heads, kv):
+    run_tiny(tmp_path / "a", kind)
+    check_contract(tmp_path / "a", 2, heads, kv, 16)
+
+
+def test_layer_granularity_and_fixed_clips(tmp_path):
+    _, t = check_contract(run_tiny(tmp_path / "a", granularity="layer", k_clip=0.96, v_clip=0.92).out, 2, 4, 2, 16)
+    r = t["layers.0.k_rotation"]
+    assert torch.equal(r[0], r[1])
+    assert torch.allclose(t["layers.1.k_clip"], torch.tensor([0.96, 0.96]))
+    assert torch.allclose(t["layers.1.v_clip"], torch.tensor([0.92, 0.92]))
+
+
+def test_rerun_is_byte_identical(tmp_path):
+    a = run_tiny(tmp_path / "a").out
+    b = run_tiny(tmp_path / "b").out
+    assert sha(a / "oscar.safetensors") == sha(b / "oscar.safetensors")
+    c = run_tiny(tmp_path / "c", seed=1).out
+    assert sha(a / "oscar.safetensors") != sha(c / "oscar.safetensors")
+
+
+def test_resume_after_ctrl_c_is_byte_identical(tmp_path):
+    ref = run_tiny(tmp_path / "ref").out
+    out = tmp_path / "run"
+
+    def interrupt(batches_done):
+        if batches_done == 3:
+            raise KeyboardInterrupt
+
+    lm = loaded_tiny()
+    cfg = CalibrationConfig(**TINY_FAST)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(cfg, out, loaded=lm, on_batch=interrupt)
+    assert (out / CHECKPOINT_NAME).exists() and not (out / "oscar.safetensors").exists()
+    seen = []
+    res = calibrate(cfg, out, loaded=lm, resume=True, progress=lambda d, t: seen.append(d))
+    assert res.report["timings"]["resumed"] is True
+    assert seen[0] > 0                                    # started from the checkpoint, not from zero
+    assert sha(out / "oscar.safetensors") == sha(ref / "oscar.safetensors")
+
+
+def test_resume_after_kill_9_is_byte_identical(tmp_path):
+    ref = run_tiny(tmp_path / "ref").out
+    out = tmp_path / "run"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import loaded_tiny
+        from test_pipeline import TINY_FAST
+        from oscar_calib.config import CalibrationConfig
+        from oscar_calib.pipeline import calibrate
+
+        def die(n):
+            if n == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        calibrate(CalibrationConfig(**TINY_FAST), {str(out)!r}, loaded=loaded_tiny(), on_batch=die)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert (out / CHECKPOINT_NAME).exists() and not (out / "oscar.safetensors").exists()
+    res = calibrate(CalibrationConfig(**TINY_FAST), out, loaded=loaded_tiny(), resume=True)
+    assert res.report["timings"]["resumed"] is True
+    assert sha(out / "oscar.safetensors") == sha(ref / "oscar.safetensors")
+
+
+def test_resume_refuses_checkpoint_of_other_settings(tmp_path):
+    out = tmp_path / "run"
+    lm = loaded_tiny()
+
+    def interrupt(n):
+        if n == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(CalibrationConfig(**TINY_FAST), out, loaded=lm, on_batch=interrupt)
+    with pytest.raises(InputError, match="other settings"):
+        calibrate(CalibrationConfig(**{**TINY_FAST, "seed": 7}), out, loaded=lm, resume=True)
+
+
+def test_existing_artifact_is_refused_unless_overwrite(tmp_path):
+    out = run_tiny(tmp_path / "a").out
+    before = sha(out / "oscar.safetensors")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        run_tiny(out, seed=3)
+    assert sha(out / "oscar.safetensors") == before
+    cfg = CalibrationConfig(**{**TINY_FAST, "seed": 3})
+    calibrate(cfg, out, loaded=loaded_tiny(), overwrite=True)
+    assert sha(out / "oscar.safetensors") != before
+
+
+def test_nan_activations_are_named_and_leave_nothing(tmp_path):
+    lm = loaded_tiny()
+    lm.model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    out = tmp_path / "nan"
+    with pytest.raises(NumericalError, match="layer 1: non-finite key"):
+        run_tiny(out, loaded=lm)
+    assert not out.exists()
+
+
+def test_data_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no text"):
+        run_tiny(tmp_path / "o1", data=str(empty))
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here")
+    with pytest.raises(DataError, match="need"):
+        run_tiny(tmp_path / "o2", data=str(short))
+    with pytest.raises(DataError, match="does not exist"):
+        run_tiny(tmp_path / "o3", data=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(InputError, match="tokens must be positive"):
+        run_tiny(tmp_path / "o4", tokens=0)
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+
+
+def test_jsonl_and_directory_data(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    text = " ".join(f"word{i}" for i in range(3000))
+    (docs / "a.jsonl").write_text("\n".join(json.dumps({"body": text[i:i + 500]}) for i in range(0, len(text), 500)))
+    (docs / "b.txt").write_text(text)
+    res = run_tiny(tmp_path / "o", data=str(docs), text_field="body")
+    assert res.report["calibration"]["data"] == "dir:docs"
+
+
+@pytest.mark.slow
+def test_smollm2_demo_artifact(demo_artifact):
+    md, tensors = check_contract(demo_artifact, 30, 9, 3, 64)
+    assert md["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and md["granularity"] == "head"
+    assert md["group_size"] == "64" and md["composition"] == "u_h_pbr"
+    report = json.loads((demo_artifact / "calibration.json").read_text())
+    s = report["summary"]
+    # the whole point: on held-out rows the calibrated rotations beat the Hadamard baseline
+    assert s["mean_attn_error_oscar"] < s["mean_attn_error_hadamard"]
+    assert s["layers_better_than_hadamard"] >= 25
+    art = load_artifact(demo_artifact)
+    assert art.num_layers == 30 and art.head_dim == 64
+
+
+@pytest.mark.slow
+def test_smollm2_rerun_byte_identical(tmp_path, demo_artifact, smollm2_loaded):
+    res = calibrate(CalibrationConfig(**FAST), tmp_path / "again", loaded=smollm2_loaded)
+    assert sha(res.out / "oscar.safetensors") == sha(demo_artifact / "oscar.safetensors")

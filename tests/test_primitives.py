@@ -1,0 +1,98 @@
+import math
+import warnings
+
+import pytest
+import torch
+
+from oscar_calib.errors import InputError
+from oscar_calib.hadamard import bit_reversal_order, bit_reversal_permutation, hadamard, walsh_hadamard
+from oscar_calib.quant import (check_group_size, clip_rows, clip_threshold, default_group_size, dequantize_int2,
+                               fake_quant_int2, quantize_int2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256])
+def test_walsh_hadamard_is_orthogonal_and_equalises(n):
+    h = walsh_hadamard(n)
+    assert torch.allclose(h @ h.T, torch.eye(n, dtype=h.dtype), atol=1e-12)
+    assert torch.allclose(h.abs(), torch.full_like(h, n ** -0.5))
+    lam = torch.diag(torch.rand(n, dtype=torch.float64) * 10)
+    diag = torch.diagonal(h.T @ lam @ h)
+    assert torch.allclose(diag, torch.full_like(diag, float(torch.trace(lam)) / n), atol=1e-10)
+
+
+@pytest.mark.parametrize("n,block", [(96, 32), (80, 16), (48, 16)])
+def test_block_diagonal_hadamard_for_non_power_of_two(n, block):
+    with pytest.warns(UserWarning, match="not a power of two"):
+        h = hadamard(n)
+    assert torch.allclose(h @ h.T, torch.eye(n, dtype=h.dtype), atol=1e-12)
+    # nothing leaks between blocks; inside a block every entry has magnitude block^-1/2
+    for i in range(0, n, block):
+        blk = h[i:i + block, i:i + block]
+        assert torch.allclose(blk.abs(), torch.full_like(blk, block ** -0.5))
+        assert float(h[i:i + block].abs().sum()) == pytest.approx(float(blk.abs().sum()))
+
+
+def test_power_of_two_hadamard_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hadamard(64)
+
+
+def test_bit_reversal_hand_checked_for_8():
+    assert bit_reversal_order(8) == [0, 4, 2, 6, 1, 5, 3, 7]
+    p = bit_reversal_permutation(8)
+    x = torch.arange(8, dtype=torch.float64).unsqueeze(0)
+    assert (x @ p).squeeze(0).tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert torch.equal(p @ p.T, torch.eye(8, dtype=p.dtype))
+    # groups of two take one channel from each half; groups of four one from each quarter
+    for g, levels in ((2, 2), (4, 4)):
+        order = bit_reversal_order(8)
+        for start in range(0, 8, g):
+            assert sorted(i // (8 // levels) for i in order[start:start + g]) == list(range(levels))
+
+
+def test_bit_reversal_non_power_of_two_is_a_permutation():
+    order = bit_reversal_order(96)
+    assert sorted(order) == list(range(96))
+
+
+def test_int2_formula_hand_checked():
+    x = torch.tensor([[-1.0, 0.0, 0.5, 2.0]])
+    q, s, z = quantize_int2(x, 4)
+    assert s.item() == pytest.approx(1.0)            # (2 - -1) / 3
+    assert z.item() == pytest.approx(1.0)            # -min / s
+    assert q.tolist() == [[0, 1, 2, 3]]              # floor(x/s + z + 0.5): 0, 1, 2.0->2, 3
+    assert dequantize_int2(q, s, z, 4).tolist() == [[-1.0, 0.0, 1.0, 2.0]]
+
+
+def test_int2_constant_group_uses_scale_floor():
+    x = torch.full((1, 8), 3.0)
+    q, s, z = quantize_int2(x, 8)
+    assert s.item() == pytest.approx(1e-8)
+    assert torch.allclose(fake_quant_int2(x, 8), x)
+
+
+def test_int2_error_bounded_by_half_step():
+    x = torch.randn(50, 4, 64)
+    xq = fake_quant_int2(x, 32)
+    g = x.reshape(50, 4, 2, 32)
+    step = (g.amax(-1) - g.amin(-1)) / 3
+    err = (xq - x).abs().reshape(50, 4, 2, 32).amax(-1)
+    assert bool((err <= step / 2 + 1e-5).all())
+
+
+def test_clip_rule_matches_design():
+    row = torch.tensor([[0.1, -5.0, 0.3, 2.0, -0.2, 0.4, 0.5, 1.0]])
+    # sorted |row| = .1 .2 .3 .4 .5 1 2 5; c=0.75 -> idx floor(6)=6 -> t=2
+    assert clip_threshold(row, 0.75).item() == pytest.approx(2.0)
+    assert clip_rows(row, 0.75).tolist()[0][1] == pytest.approx(-2.0)
+    assert torch.equal(clip_rows(row, 1.0), row)      # idx d-1 = max |x|: unchanged
+
+
+def test_group_size_checks():
+    assert default_group_size(64) == 64 and default_group_size(256) == 128 and default_group_size(96) == 32
+    with pytest.raises(InputError, match="power of two"):
+        check_group_size(64, 48)
+    with pytest.raises(InputError, match="not divisible"):
+        check_group_size(80, 32)
+    assert math.isclose(2 + 32 / 128, 2.25)
