@@ -223,6 +223,8 @@ def decode_attention(
 # mode 0: codes as fp16 subnormals via bit ops; 1: same with inline PTX (GPU only);
 # 2: integer -> fp16 conversion (codes as values). 0 and 1 are exact; 2 is the fallback.
 DEFAULT_MODE = 0
+# the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
+LAST_LAUNCH: dict = {}
 
 
 def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config):
@@ -256,7 +258,10 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     s2 = -(-cap // chunk)
     ncap = cache.window_capacity
-    chunk16 = max(block16, -(-min(ncap, 256) // block16) * block16)
+    # window chunks: bytes per window token are ~7x an INT2 token's, so a quarter of the INT2
+    # chunk keeps window programs off the critical path
+    chunk16 = int(config.get("split_tokens16", min(256, max(block16, chunk // 4, ncap // 64))))
+    chunk16 = -(-chunk16 // block16) * block16
     s16 = -(-ncap // chunk16)
     s_all = s16 + s2
 
@@ -271,7 +276,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     kc = cache.k_codes
     ks = cache.k_scale
     w16 = cache.k_bf16
-    mod.decode_split_kernel[(s_all, bsz * h)](
+    LAST_LAUNCH["split"] = mod.decode_split_kernel[(s_all, bsz * h)](
         qr,
         kc, ks, cache.k_offset, cache.v_codes, cache.v_scale, cache.v_offset,
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -294,8 +299,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         o_rot = out
     else:
         o_rot = torch.empty(bsz, hq, d, dtype=final_dtype, device=dev)
-    block_s = min(64, next_pow2(s_all))
-    mod.decode_merge_kernel[(bsz * hq,)](
+    block_s = max(16, min(64, next_pow2(s_all)))
+    LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq,)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,
         D=d, BLOCK_S=block_s, num_warps=4,

@@ -1,0 +1,107 @@
+"""Helpers for kernel tests and benchmarks: random inputs with outliers, poisoning, comparisons.
+
+Nothing here is used at run time by the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import Int2KVCache
+from .pack import PARAM_DTYPE, QuantizedKV
+
+
+def random_rotation(heads: int, d: int, *, generator: torch.Generator | None = None,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random orthogonal ``[heads, d, d]`` float32 (QR of a Gaussian in float64)."""
+    a = torch.randn(heads, d, d, dtype=torch.float64, generator=generator)
+    qm, r = torch.linalg.qr(a)
+    qm = qm * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    return qm.float().to(device)
+
+
+def kv_rows(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, *,
+            generator: torch.Generator | None = None, device: str | torch.device = "cpu",
+            outliers: bool = True) -> torch.Tensor:
+    """Gaussian rows ``[..., d]`` with a few outlier channels (large scale and offset), like K."""
+    x = torch.randn(*shape, generator=generator)
+    if outliers:
+        d = shape[-1]
+        idx = torch.randperm(d, generator=generator)[: max(2, d // 32)]
+        x[..., idx] = x[..., idx] * 12.0 + 6.0
+    return x.to(dtype).to(device)
+
+
+def poison_cache(cache: Int2KVCache, *, generator: torch.Generator | None = None) -> None:
+    """Fill every slot the lengths mark invalid with NaN (scales, offsets, window) and random
+    bytes (codes), in place, so a kernel that reads them produces NaN."""
+    hist = cache.hist_lens.tolist()
+    win = cache.bf16_lens.tolist()
+    for b, n in enumerate(win):
+        cache.k_bf16[b, :, n:] = float("nan")
+        cache.v_bf16[b, :, n:] = float("nan")
+    if cache.paged:
+        page = cache.page_size
+        used = {}
+        tab = cache.block_table.tolist()
+        for b, n in enumerate(hist):
+            for j in range((n + page - 1) // page):
+                used[tab[b][j]] = min(page, n - j * page)
+        slots = [(p, used.get(p, 0)) for p in range(cache.k_codes.shape[0])]
+        for which in "kv":
+            for p, n in slots:
+                _poison_rows(cache, which, (p, slice(None), slice(n, None)), generator)
+    else:
+        for which in "kv":
+            for b, n in enumerate(hist):
+                _poison_rows(cache, which, (b, slice(None), slice(n, None)), generator)
+
+
+def _poison_rows(cache, which, idx, generator):
+    codes = getattr(cache, f"{which}_codes")
+    tgt = codes[idx]
+    if tgt.numel():
+        codes[idx] = torch.randint(0, 256, tgt.shape, dtype=torch.uint8, generator=generator).to(codes.device)
+    getattr(cache, f"{which}_scale")[idx] = float("nan")
+    getattr(cache, f"{which}_offset")[idx] = float("nan")
+
+
+def random_int2_cache(batch: int, heads: int, d: int, group_size: int, hist_len: int, window_len: int, *,
+                      window_dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                      generator: torch.Generator | None = None) -> Int2KVCache:
+    """A contiguous cache filled with random codes, plausible scales/offsets and a random window
+    (for speed measurements: no quantisation needed). All sequences are full."""
+    ng = d // group_size
+
+    def codes():
+        return torch.randint(0, 256, (batch, heads, max(1, hist_len), d // 4), dtype=torch.uint8,
+                             device=device, generator=generator)
+
+    def params(lo, hi):
+        u = torch.rand(batch, heads, max(1, hist_len), ng, device=device, generator=generator)
+        return (lo + (hi - lo) * u).to(PARAM_DTYPE)
+
+    win = max(1, window_len)
+    return Int2KVCache(
+        codes(), params(0.05, 0.5), params(-1.5, -0.1),
+        codes(), params(0.05, 0.5), params(-1.5, -0.1),
+        torch.full((batch,), hist_len, dtype=torch.int32, device=device),
+        torch.randn(batch, heads, win, d, device=device, generator=generator).to(window_dtype),
+        torch.randn(batch, heads, win, d, device=device, generator=generator).to(window_dtype),
+        torch.full((batch,), window_len, dtype=torch.int32, device=device),
+        group_size,
+    )
+
+
+def code_agreement(a: QuantizedKV, b: QuantizedKV) -> tuple[int, float]:
+    """``(largest |level difference|, fraction of codes that differ)`` between two results."""
+    ca = a.unpacked_codes().to(torch.int16)
+    cb = b.unpacked_codes().to(torch.int16)
+    diff = (ca - cb).abs()
+    return int(diff.max().item()) if diff.numel() else 0, float((diff != 0).float().mean().item()) if diff.numel() else 0.0
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (NaN if ``out`` has a NaN)."""
+    o, r = out.double(), ref.double()
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))

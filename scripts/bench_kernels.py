@@ -1,0 +1,501 @@
+#!/usr/bin/env python
+"""Check and time the INT2 KV-cache kernels in one run; write a JSON under $OUT; print a table.
+
+On the GPU (default), in this order:
+
+1. device facts and the measured device-to-device copy bandwidth (bytes read + written);
+2. correctness at one Qwen3-8B-shaped case: write kernel (code agreement with the reference)
+   and every decode variant (relative error against the float32 reference), before any timing;
+3. decode attention at 8K/32K/64K/128K context, batch 1 and 32, Qwen3-8B shapes (32 query heads,
+   8 KV heads, head_dim 128, G=128, 64 sink + 256 recent BF16 tokens): INT2 kernel against BF16
+   ``torch.nn.functional.scaled_dot_product_attention`` (GQA through ``enable_gqa``, and with
+   the GQA group folded into 4 query rows per KV head; the faster counts). A small variant sweep
+   (code mode, tile, stages, programs per SM) runs first at 128K; the best variant per batch
+   size is then timed everywhere, plus the paged layout at one size;
+4. write-kernel throughput (rotate + clip + quantise + pack) on 128K tokens x 8 heads.
+
+Timing: ``triton.testing.do_bench`` medians (it flushes L2 before every call) of CUDA-graph
+replays (so host launch overhead stays out, as in a serving engine's decode step), inputs are
+random (never zeros), and when a working set is under 3x L2 the timed calls rotate through
+several copies of it. Achieved bandwidth counts the cache bytes each kernel must read.
+
+``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
+Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+QWEN = {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "group_size": 128}
+SINK, RECENT = 64, 256
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run (tiny shapes, Triton interpreter)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder (default $OUT or ./bench_out)")
+    ap.add_argument("--contexts", default="8192,32768,65536,131072")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--no-sweep", action="store_true", help="time the default decode variant only")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
+    return ap.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.quick:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar_calib.kernels import (  # noqa: E402
+    Int2KVCache,
+    QuantizedKV,
+    bits_per_element,
+    build_cache,
+    decode_attention,
+    decode_attention_reference,
+    quantize_kv,
+    quantize_kv_reference,
+)
+from oscar_calib.kernels import decode as decode_mod  # noqa: E402
+from oscar_calib.kernels import write as write_mod  # noqa: E402
+from oscar_calib.kernels.testing import (  # noqa: E402
+    code_agreement,
+    kv_rows,
+    random_int2_cache,
+    random_rotation,
+    relative_error,
+)
+
+T0 = time.time()
+GPU = torch.cuda.is_available() and not ARGS.quick
+DEV = "cuda" if GPU else "cpu"
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    line = f"[{time.time() - T0:7.1f}s] {msg}"
+    LOG.append(line)
+    print(line, flush=True)
+
+
+def over_budget() -> bool:
+    return time.time() - T0 > ARGS.budget_s
+
+
+# ----------------------------------------------------------------------------------------- timing
+def sync():
+    if GPU:
+        torch.cuda.synchronize()
+
+
+def graph_of(fn):
+    """Capture ``fn`` (already warmed up) in a CUDA graph; returns the graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def time_ms(fns: list) -> float:
+    """Median time of one call, rotating through ``fns`` (one per input copy)."""
+    i = [0]
+
+    def step():
+        fns[i[0] % len(fns)]()
+        i[0] += 1
+
+    if GPU:
+        import triton.testing
+
+        return float(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
+    ts = []
+    for _ in range(2):
+        t = time.perf_counter()
+        step()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def timed_graphs(make_fns: list):
+    """Warm up, capture (GPU) and time a list of zero-argument callables."""
+    for f in make_fns:
+        f()
+    sync()
+    if GPU:
+        graphs = [graph_of(f) for f in make_fns]
+        return time_ms([g.replay for g in graphs])
+    return time_ms(make_fns)
+
+
+def copies_for(ws_bytes: int, l2_bytes: int) -> int:
+    if not GPU:
+        return 1
+    return 1 if ws_bytes >= 3 * l2_bytes else min(16, math.ceil(3 * l2_bytes / max(1, ws_bytes)))
+
+
+def free_bytes() -> int:
+    if GPU:
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    return 8 << 30
+
+
+# ----------------------------------------------------------------------------------------- steps
+def device_facts() -> dict:
+    facts = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        facts["triton"] = triton.__version__
+    except Exception as e:  # pragma: no cover
+        facts["triton"] = f"unavailable: {e}"
+    if GPU:
+        p = torch.cuda.get_device_properties(0)
+        facts.update(name=p.name, sms=p.multi_processor_count, memory_gb=round(p.total_memory / 2**30, 1),
+                     l2_bytes=int(getattr(p, "L2_cache_size", 50 << 20)), capability=f"{p.major}.{p.minor}")
+    else:
+        facts.update(name=f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
+                     l2_bytes=4 << 20)
+    return facts
+
+
+def copy_bandwidth() -> dict:
+    n = (1 << 28) if GPU else (1 << 22)  # 1 GiB / 16 MiB of fp32
+    x = torch.randn(n, device=DEV)
+    y = torch.empty_like(x)
+    ms = time_ms([lambda: y.copy_(x)])
+    bw = 2 * x.numel() * 4 / (ms * 1e-3)
+    del x, y
+    return {"bytes_moved": 2 * n * 4, "ms": ms, "bytes_per_s": bw}
+
+
+def int2_bytes(batch, kvh, d, g, hist, window, dtype_bytes=2) -> int:
+    """Bytes the INT2 decode must read: K+V codes and params of the history, K+V window."""
+    per_tok = 2 * (d // 4 + 2 * 2 * (d // g))
+    return batch * kvh * (hist * per_tok + window * 2 * d * dtype_bytes)
+
+
+def decode_variants() -> list[dict]:
+    if ARGS.quick:
+        return [{"mode": 0, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1},
+                {"mode": 2, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1}]
+    base = {"mode": 0, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
+    if ARGS.no_sweep:
+        return [base]
+    out = [base]
+    for change in (
+        {"mode": 1}, {"mode": 2},
+        {"BLOCK_N": 128}, {"mode": 1, "BLOCK_N": 128},
+        {"num_stages": 2}, {"num_stages": 4},
+        {"BLOCK_N": 128, "num_warps": 8},
+        {"programs_per_sm": 2}, {"programs_per_sm": 8}, {"programs_per_sm": 16},
+        {"BLOCK_N": 32},
+    ):
+        out.append({**base, **change})
+    return out
+
+
+def check_correctness(shape: dict, variants: list[dict]) -> dict:
+    """Write kernel and every decode variant against the references at one shape."""
+    gen = torch.Generator().manual_seed(0)
+    h, qh, d, g = shape["kv_heads"], shape["q_heads"], shape["head_dim"], shape["group_size"]
+    b, t = 2, (3000 if GPU else 120)
+    sink, recent = (SINK, RECENT) if GPU else (8, 16)
+    k = kv_rows((b, t, h, d), torch.bfloat16, generator=gen).to(DEV)
+    v = kv_rows((b, t, h, d), torch.bfloat16, generator=gen, outliers=False).to(DEV)
+    rk = random_rotation(h, d, generator=gen, device=DEV)
+    rv = random_rotation(h, d, generator=gen, device=DEV)
+    kclip = torch.full((h,), 0.96, device=DEV)
+    res = {}
+    x = k.reshape(-1, h, d)
+    got = quantize_kv(x, rk, kclip, g, backend="triton")
+    ref = quantize_kv_reference(x, rk, kclip, g)
+    worst, frac = code_agreement(got, ref)
+    res["write"] = {"max_level_diff": worst, "codes_differing": frac,
+                    "dequant_max_abs_diff": float((got.dequantize() - ref.dequantize()).abs().max())}
+    log(f"check write: codes differing {frac:.2e} (max {worst} level), dequant max |diff| "
+        f"{res['write']['dequant_max_abs_diff']:.3g}")
+    cache = build_cache(k, v, lengths=[t, t // 2 + 7], k_rotation=rk, v_rotation=rv, k_clip=kclip,
+                        v_clip=0.92, group_size=g, sink=sink, recent=recent, backend="triton")
+    q = kv_rows((b, qh, d), torch.bfloat16, generator=gen).to(DEV)
+    want = decode_attention_reference(q, cache, k_rotation=rk, out_dtype=torch.float32)
+    res["decode"] = []
+    for cfg in variants:
+        try:
+            o = decode_attention(q, cache, k_rotation=rk, backend="triton", out_dtype=torch.float32, config=cfg)
+            err = relative_error(o, want)
+            info = kernel_info(decode_mod.LAST_LAUNCH.get("split"))
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            res["decode"].append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:400], "ok": False,
+                                  "rel_err": float("nan")})
+            log(f"check decode {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        res["decode"].append({"config": cfg, "rel_err": err, "ok": bool(err < 3e-3), "kernel": info})
+        log(f"check decode {cfg}: rel err {err:.2e}; kernel {info}")
+    o = decode_attention(q, cache, k_rotation=rk, v_rotation=rv, unrotate=True, backend="triton",
+                         out_dtype=torch.float32, config=variants[0])
+    err = relative_error(o, decode_attention_reference(q, cache, k_rotation=rk, v_rotation=rv, unrotate=True,
+                                                       out_dtype=torch.float32))
+    res["decode_unrotate_rel_err"] = err
+    log(f"check decode unrotate: rel err {err:.2e}")
+    return res
+
+
+def kernel_info(k) -> dict:
+    """Registers, spills and shared memory of a compiled Triton kernel (what the version exposes)."""
+    if k is None:
+        return {}
+    out = {}
+    for name in ("n_regs", "n_spills", "shared"):
+        v = getattr(k, name, None)
+        if isinstance(v, (int, float)):
+            out[name] = v
+    return out
+
+
+def random_paged(cache: Int2KVCache, page: int) -> Int2KVCache:
+    """The same random history laid out in shuffled pages (built directly, no copy loop)."""
+    b, h, lcap, _ = cache.k_codes.shape
+    per = lcap // page
+    perm = torch.randperm(b * per, device=cache.k_codes.device)
+    table = perm.view(b, per).to(torch.int32)
+
+    def pool(t):  # [B, H, L, w] -> pages [B*per, H, page, w] placed at perm
+        src = t.view(b, h, per, page, t.shape[-1]).permute(0, 2, 1, 3, 4).reshape(b * per, h, page, t.shape[-1])
+        out = torch.empty_like(src)
+        out[perm] = src
+        return out
+
+    return Int2KVCache(pool(cache.k_codes), pool(cache.k_scale), pool(cache.k_offset),
+                       pool(cache.v_codes), pool(cache.v_scale), pool(cache.v_offset),
+                       cache.hist_lens, cache.k_bf16, cache.v_bf16, cache.bf16_lens, cache.group_size, table)
+
+
+def time_decode(ctx: int, batch: int, shape: dict, cfg: dict, l2: int, *, sdpa: bool, paged: int | None = None,
+                copies: int | None = None) -> dict:
+    h, qh, d, g = shape["kv_heads"], shape["q_heads"], shape["head_dim"], shape["group_size"]
+    window = min(ctx, SINK + RECENT)
+    hist = ctx - window
+    ib = int2_bytes(batch, h, d, g, hist, window)
+    n2 = copies or copies_for(ib, l2)
+    bf_bytes = batch * h * ctx * d * 2 * 2
+    nb = copies_for(bf_bytes, l2)
+    need = ib * n2 + (bf_bytes * nb * 1.3 if sdpa else 0) + (512 << 20)
+    row = {"context": ctx, "batch": batch, "history": hist, "window": window, "config": cfg,
+           "int2_bytes": ib, "bf16_bytes": bf_bytes, "paged": paged}
+    if need > 0.9 * free_bytes():
+        row["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free"
+        return row
+    q = torch.randn(batch, qh, d, device=DEV).to(torch.bfloat16)
+    rk = random_rotation(h, d, device=DEV)
+    caches = [random_int2_cache(batch, h, d, g, hist, window, device=DEV) for _ in range(n2)]
+    if paged:
+        caches = [random_paged(c, paged) for c in caches]
+    out = torch.empty(batch, qh, d, device=DEV, dtype=torch.bfloat16)
+    fns = [lambda c=c: decode_attention(q, c, k_rotation=rk, backend="triton", out=out, check_lengths=False,
+                                        config=cfg) for c in caches]
+    ms = timed_graphs(fns)
+    row.update(int2_ms=ms, int2_copies=n2, int2_bytes_per_s=ib / (ms * 1e-3))
+    del caches, fns
+    if sdpa:
+        qs = q.view(batch, qh, 1, d)
+        kv = [(torch.randn(batch, h, ctx, d, device=DEV, dtype=torch.bfloat16),
+               torch.randn(batch, h, ctx, d, device=DEV, dtype=torch.bfloat16)) for _ in range(nb)]
+        res = {}
+        try:
+            res["sdpa_gqa_ms"] = timed_graphs(
+                [lambda k=k, v=v: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True) for k, v in kv])
+        except Exception as e:  # noqa: BLE001
+            res["sdpa_gqa_error"] = f"{type(e).__name__}: {e}"[:200]
+        qf = q.view(batch, h, qh // h, d)  # GQA group as query rows: the same attention
+        res["sdpa_fold_ms"] = timed_graphs(
+            [lambda k=k, v=v: F.scaled_dot_product_attention(qf, k, v) for k, v in kv])
+        best = min(v for k, v in res.items() if k.endswith("_ms"))
+        row.update(res, sdpa_ms=best, sdpa_copies=nb, sdpa_bytes_per_s=bf_bytes / (best * 1e-3),
+                   speedup=best / ms)
+        del kv
+    if GPU:
+        torch.cuda.empty_cache()
+    return row
+
+
+def safe_time_decode(ctx, batch, *a, **k) -> dict:
+    try:
+        return time_decode(ctx, batch, *a, **k)
+    except Exception as e:  # noqa: BLE001 - one failed shape must not lose the rest of the run
+        if GPU:
+            torch.cuda.empty_cache()
+        log(f"decode ctx={ctx} B={batch} failed: {type(e).__name__}: {str(e)[:300]}")
+        return {"context": ctx, "batch": batch, "skipped": f"error {type(e).__name__}: {str(e)[:200]}"}
+
+
+def write_variants() -> list[tuple[str, dict, dict]]:
+    if ARGS.quick:
+        return [("rot+clip", {}, {"clip": True})]
+    cfgs = [("rot+clip", {}, {"clip": True}),
+            ("rot+clip BT=32", {"BT": 32}, {"clip": True}),
+            ("rot+clip BT=128 w8", {"BT": 128, "num_warps": 8}, {"clip": True}),
+            ("rot+clip w8", {"num_warps": 8}, {"clip": True}),
+            ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
+            ("rot, no clip", {}, {"clip": False}),
+            ("no rot, no clip", {}, {"clip": False, "rot": False})]
+    return cfgs
+
+
+def time_write(shape: dict, l2: int) -> list[dict]:
+    h, d, g = shape["kv_heads"], shape["head_dim"], shape["group_size"]
+    t = 131072 if GPU else 256
+    x = torch.randn(t, h, d, device=DEV).to(torch.bfloat16)
+    x[..., 7] = x[..., 7] * 20 + 5
+    rk = random_rotation(h, d, device=DEV)
+    clip = torch.full((h,), 0.96, device=DEV)
+    out = QuantizedKV(torch.empty(t, h, d // 4, dtype=torch.uint8, device=DEV),
+                      torch.empty(t, h, d // g, dtype=torch.float16, device=DEV),
+                      torch.empty(t, h, d // g, dtype=torch.float16, device=DEV), g)
+    nbytes = x.numel() * 2 + out.codes.numel() + 2 * out.scale.numel() * 2
+    rows = []
+    for name, cfg, opt in write_variants():
+        if over_budget():
+            rows.append({"name": name, "skipped": "time budget"})
+            continue
+        rot = rk if opt.get("rot", True) else None
+        cl = clip if opt["clip"] else None
+        fn = lambda: quantize_kv(x, rot, cl, g, backend="triton", out=out, fast_rotation=opt.get("fast", False),  # noqa: E731
+                                 config=cfg)
+        try:
+            ms = timed_graphs([fn])
+        except Exception as e:  # noqa: BLE001
+            rows.append({"name": name, "skipped": f"error {type(e).__name__}: {str(e)[:200]}"})
+            log(f"write {name} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append({"name": name, "config": cfg, "tokens": t, "bytes": nbytes, "ms": ms,
+                     "bytes_per_s": nbytes / (ms * 1e-3), "kernel": kernel_info(write_mod.LAST_LAUNCH.get("write"))})
+        log(f"write {name}: {ms * 1e3:.1f} us, {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s")
+    return rows
+
+
+def main():
+    out_dir = Path(ARGS.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = dict(QWEN) if not ARGS.quick else {"q_heads": 4, "kv_heads": 2, "head_dim": 64, "group_size": 64}
+    contexts = [int(c) for c in ARGS.contexts.split(",")] if not ARGS.quick else [360, 704]
+    batches = [int(b) for b in ARGS.batches.split(",")] if not ARGS.quick else [1, 2]
+    report: dict = {"device": device_facts(), "shape": shape, "sink": SINK, "recent": RECENT,
+                    "bits_per_element": bits_per_element(shape["group_size"]), "quick": ARGS.quick}
+    l2 = report["device"]["l2_bytes"]
+    log(f"device: {report['device']}")
+    report["copy"] = copy_bandwidth()
+    bw = report["copy"]["bytes_per_s"]
+    log(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+
+    variants = decode_variants()
+    report["correctness"] = check_correctness(shape, variants)
+    ok_variants = [v for v, r in zip(variants, report["correctness"]["decode"]) if r["ok"]]
+    if not ok_variants:
+        log("no decode variant passed the correctness check; timing the default anyway")
+        ok_variants = variants[:1]
+
+    # variant sweep at the longest context, per batch size
+    best = {}
+    report["sweep"] = []
+    ctx_max = max(contexts)
+    for batch in batches:
+        cands = []
+        for cfg in ok_variants if not (ARGS.quick or ARGS.no_sweep) else []:
+            if over_budget():
+                break
+            row = safe_time_decode(ctx_max, batch, shape, cfg, l2, sdpa=False)
+            report["sweep"].append(row)
+            if "int2_ms" in row:
+                cands.append((row["int2_ms"], cfg))
+                log(f"sweep ctx={ctx_max} B={batch} {cfg}: {row['int2_ms'] * 1e3:.1f} us "
+                    f"({row['int2_bytes_per_s'] / bw * 100:.0f}% of copy BW)")
+            else:
+                log(f"sweep ctx={ctx_max} B={batch}: skipped ({row['skipped']})")
+        best[batch] = min(cands, key=lambda c: c[0])[1] if cands else ok_variants[0]
+    report["best_config"] = {str(b): c for b, c in best.items()}
+
+    report["decode"] = []
+    for batch in batches:
+        for ctx in contexts:
+            if over_budget():
+                report["decode"].append({"context": ctx, "batch": batch, "skipped": "time budget"})
+                continue
+            row = safe_time_decode(ctx, batch, shape, best[batch], l2, sdpa=True)
+            report["decode"].append(row)
+            if "skipped" in row:
+                log(f"decode ctx={ctx} B={batch}: skipped ({row['skipped']})")
+            else:
+                log(f"decode ctx={ctx} B={batch}: INT2 {row['int2_ms'] * 1e3:.1f} us, "
+                    f"SDPA {row['sdpa_ms'] * 1e3:.1f} us, x{row['speedup']:.2f}")
+    # paged layout at one size
+    report["paged"] = []
+    pctx, pb = (32768, max(batches)) if GPU else (contexts[-1], batches[-1])
+    for page in ((64,) if GPU else (16,)):
+        if over_budget():
+            break
+        hist = pctx - min(pctx, SINK + RECENT)
+        if hist % page:
+            continue
+        cont = safe_time_decode(pctx, pb, shape, best[pb], l2, sdpa=False)
+        pag = safe_time_decode(pctx, pb, shape, best[pb], l2, sdpa=False, paged=page)
+        report["paged"].append({"context": pctx, "batch": pb, "page": page, "contiguous": cont, "paged": pag})
+        if "int2_ms" in cont and "int2_ms" in pag:
+            log(f"paged page={page} ctx={pctx} B={pb}: {pag['int2_ms'] * 1e3:.1f} us vs contiguous "
+                f"{cont['int2_ms'] * 1e3:.1f} us")
+
+    report["write"] = time_write(shape, l2)
+    report["elapsed_s"] = time.time() - T0
+    (out_dir / "bench_kernels.json").write_text(json.dumps(report, indent=2, default=str))
+    print_table(report, bw)
+
+
+def print_table(report: dict, bw: float) -> None:
+    dev = report["device"]["name"]
+    lines = [f"device: {dev}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); "
+             f"Qwen3-8B shapes {report['shape']}; {report['bits_per_element']} bits/element"]
+    lines.append(f"{'ctx':>7} {'B':>3} {'INT2 us':>9} {'SDPA us':>9} {'speedup':>7} {'INT2 GB/s':>9} "
+                 f"{'%copy':>6} {'SDPA %copy':>10}")
+    for r in report["decode"]:
+        if "skipped" in r or "int2_ms" not in r:
+            lines.append(f"{r['context']:>7} {r['batch']:>3}  skipped: {r.get('skipped')}")
+            continue
+        lines.append(
+            f"{r['context']:>7} {r['batch']:>3} {r['int2_ms'] * 1e3:>9.1f} {r['sdpa_ms'] * 1e3:>9.1f} "
+            f"{r['speedup']:>7.2f} {r['int2_bytes_per_s'] / 1e9:>9.0f} {r['int2_bytes_per_s'] / bw * 100:>5.0f}% "
+            f"{r['sdpa_bytes_per_s'] / bw * 100:>9.0f}%")
+    for p in report["paged"]:
+        c, g = p["contiguous"], p["paged"]
+        if "int2_ms" in c and "int2_ms" in g:
+            lines.append(f"paged (page {p['page']}) ctx {p['context']} B {p['batch']}: {g['int2_ms'] * 1e3:.1f} us "
+                         f"vs contiguous {c['int2_ms'] * 1e3:.1f} us")
+    for w in report["write"]:
+        if "ms" in w:
+            lines.append(f"write {w['name']:<22} {w['tokens']} tok: {w['ms'] * 1e3:8.1f} us "
+                         f"{w['bytes_per_s'] / 1e9:6.0f} GB/s {w['bytes_per_s'] / bw * 100:4.0f}% of copy")
+    lines.append(f"best decode config per batch: {report['best_config']}")
+    c = report["correctness"]
+    lines.append(f"correctness: write codes differing {c['write']['codes_differing']:.1e}; decode rel err "
+                 + ", ".join(f"{r['rel_err']:.1e}" for r in c["decode"]))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

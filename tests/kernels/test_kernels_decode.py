@@ -1,0 +1,190 @@
+"""Decode attention kernel against its pure-torch reference, and the reference against plain
+attention over quant.py's fake-quantised keys and values."""
+
+import math
+
+import pytest
+import torch
+
+from oscar_calib import quant
+from oscar_calib.errors import InputError
+from oscar_calib.kernels import (
+    build_cache,
+    decode_attention,
+    decode_attention_reference,
+    split_lengths,
+    to_paged,
+)
+from oscar_calib.kernels import decode as decode_mod
+from oscar_calib.kernels.testing import kv_rows, poison_cache, random_rotation, relative_error
+
+SMALL = {"BLOCK_N": 16, "BLOCK16": 16}
+# decode code modes (see _decode_triton): the inline-PTX mode 1 exists only on the GPU
+DECODE_MODES = [0, 1, 2] if torch.cuda.is_available() else [0, 2]
+
+
+def _window_fake(x, r):
+    """Window tokens as the cache holds them (rotated, bf16), mapped back to the unrotated basis."""
+    rot = torch.einsum("thd,hde->the", x.float(), r).bfloat16().float()
+    return torch.einsum("the,hde->thd", rot, r)
+
+
+def _case(*, batch, tokens, heads, qg, d, g, lengths=None, sink=4, recent=8, page=None,
+          window_dtype=torch.bfloat16, q_dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    k = kv_rows((batch, tokens, heads, d), torch.bfloat16, generator=gen)
+    v = kv_rows((batch, tokens, heads, d), torch.bfloat16, generator=gen, outliers=False)
+    q = kv_rows((batch, heads * qg, d), torch.float32, generator=gen).to(q_dtype)
+    rk = random_rotation(heads, d, generator=gen)
+    rv = random_rotation(heads, d, generator=gen)
+    cache = build_cache(
+        k, v, lengths=lengths, k_rotation=rk, v_rotation=rv,
+        k_clip=torch.tensor([0.96, 0.9, 0.97, 0.93][:heads]), v_clip=0.92, group_size=g,
+        sink=sink, recent=recent, window_dtype=window_dtype, page_size=page,
+        generator=torch.Generator().manual_seed(seed + 1) if page else None, backend="torch",
+    )
+    poison_cache(cache, generator=gen)
+    to = dict(device=device)
+    for name in ("k_codes", "k_scale", "k_offset", "v_codes", "v_scale", "v_offset", "hist_lens",
+                 "k_bf16", "v_bf16", "bf16_lens", "block_table"):
+        t = getattr(cache, name)
+        if t is not None:
+            setattr(cache, name, t.to(**to))
+    return q.to(device), cache, rk.to(device), rv.to(device), (k, v)
+
+
+def _run(q, cache, rk, rv, *, unrotate=False, config=SMALL, tol=None):
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    res = decode_attention(q, cache, k_rotation=rk, v_rotation=rv, unrotate=unrotate,
+                           backend="triton", out=out, config=config)
+    assert res is out
+    ref = decode_attention_reference(q, cache, k_rotation=rk, v_rotation=rv, unrotate=unrotate,
+                                     out_dtype=torch.float32)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(res.float()).all(), "unwritten output or a read of a poisoned slot"
+    err = relative_error(res.float(), ref)
+    if tol is None:
+        tol = 2e-3 if q.dtype == torch.float32 else 8e-3
+    assert err < tol, err
+    return res, ref
+
+
+CASES = {
+    # name: case kwargs (lengths not multiples of the 16-token tiles; some sequences all-16-bit)
+    "d64_mixed_lengths": dict(batch=3, tokens=61, heads=2, qg=4, d=64, g=32, lengths=[61, 10, 12]),
+    "d128_one_kv_head": dict(batch=2, tokens=45, heads=1, qg=8, d=128, g=128, lengths=[45, 29]),
+    "d256_g64": dict(batch=1, tokens=40, heads=2, qg=2, d=256, g=64),
+    "d256_g32_two_blocks": dict(batch=2, tokens=40, heads=1, qg=4, d=256, g=32, lengths=[40, 23]),
+    "paged_page8_shuffled": dict(batch=3, tokens=70, heads=2, qg=2, d=128, g=32, lengths=[70, 33, 9], page=8),
+    "paged_page32": dict(batch=2, tokens=90, heads=1, qg=4, d=64, g=64, lengths=[90, 41], page=32),
+    "history_zero": dict(batch=2, tokens=12, heads=2, qg=2, d=64, g=64, lengths=[12, 7]),
+    "int2_only": dict(batch=2, tokens=37, heads=2, qg=4, d=128, g=64, sink=0, recent=0, lengths=[37, 20]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_matches_reference(name, device):
+    q, cache, rk, rv, _ = _case(**CASES[name], seed=len(name), device=device)
+    _run(q, cache, rk, rv)
+
+
+@pytest.mark.parametrize("mode", DECODE_MODES)
+def test_decode_code_modes(mode, device):
+    q, cache, rk, rv, _ = _case(batch=2, tokens=50, heads=2, qg=4, d=128, g=32, lengths=[50, 31],
+                                seed=mode, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "mode": mode})
+
+
+def test_decode_many_splits_mha_and_default_tiles(device):
+    # QG = 1 (plain multi-head attention), 16-token splits: many partials, several empty
+    q, cache, rk, rv, _ = _case(batch=2, tokens=90, heads=4, qg=1, d=64, g=32, lengths=[90, 25],
+                                seed=4, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16})
+    _run(q, cache, rk, rv, config={})  # production tile sizes
+
+
+def test_decode_unrotate_bf16_query_fp16_window(device):
+    q, cache, rk, rv, _ = _case(batch=2, tokens=40, heads=2, qg=2, d=64, g=32, lengths=[40, 30],
+                                window_dtype=torch.float16, q_dtype=torch.bfloat16, seed=8, device=device)
+    res, _ = _run(q, cache, rk, rv, unrotate=True)
+    assert res.dtype == torch.bfloat16
+
+
+def test_decode_prerotated_query_equals_rotation(device):
+    q, cache, rk, rv, _ = _case(batch=1, tokens=30, heads=2, qg=2, d=64, g=64, seed=9, device=device)
+    a = decode_attention(q, cache, k_rotation=rk, backend="triton", config=SMALL)
+    qr = decode_mod.rotate_query(q, rk, 2)
+    b = decode_attention(qr, cache, backend="triton", config=SMALL)
+    assert relative_error(a, b) < 1e-3
+
+
+def test_reference_is_attention_over_fake_quantised_kv():
+    """The reference equals softmax attention in the unrotated basis over quant.py's simulated
+    keys/values (history) and 16-bit-rounded rotated window tokens."""
+    tokens, heads, qg, d, g, sink, recent = 40, 2, 2, 64, 32, 4, 8
+    q, cache, rk, rv, (k, v) = _case(batch=2, tokens=tokens, heads=heads, qg=qg, d=d, g=g,
+                                     lengths=[40, 25], seed=12)
+    got = decode_attention_reference(q, cache, k_rotation=rk, v_rotation=rv, unrotate=True)
+    kclip = torch.tensor([0.96, 0.9])
+    want = torch.empty_like(got)
+    for b, n in enumerate([40, 25]):
+        ns, nh, nr = split_lengths(n, sink, recent)
+        kq = quant.simulate_kv_quant(k[b, :n], rk, kclip, g, unrotate=True)
+        vq = quant.simulate_kv_quant(v[b, :n], rv, 0.92, g, unrotate=True)
+        win = torch.cat([torch.arange(ns), torch.arange(ns + nh, n)])
+        kq[win] = _window_fake(k[b, win], rk)
+        vq[win] = _window_fake(v[b, win], rv)
+        for hq in range(heads * qg):
+            h = hq // qg
+            s = kq[:, h] @ q[b, hq] / math.sqrt(d)
+            want[b, hq] = torch.softmax(s, 0) @ vq[:, h]
+    # fp16 storage of scale/offset: ~2e-3 relative here (moving one token between the window
+    # and the history gives ~3e-2)
+    assert relative_error(got, want) < 4e-3
+
+
+def test_paged_reference_equals_contiguous():
+    q, cache, rk, rv, _ = _case(batch=3, tokens=50, heads=2, qg=2, d=64, g=32, lengths=[50, 21, 30], seed=13)
+    paged = to_paged(cache, 8, torch.Generator().manual_seed(2))
+    assert paged.paged and paged.block_table.shape == (3, 5)
+    a = decode_attention_reference(q, cache, k_rotation=rk)
+    b = decode_attention_reference(q, paged, k_rotation=rk)
+    assert torch.equal(a, b)
+
+
+def test_decode_input_errors(device):
+    q, cache, rk, rv, _ = _case(batch=2, tokens=30, heads=2, qg=2, d=64, g=32, seed=14, device=device)
+    with pytest.raises(InputError, match="q must have 3 dimensions"):
+        decode_attention(q[0], cache, backend="triton")
+    with pytest.raises(InputError, match="not a multiple of 2 KV heads"):
+        decode_attention(q[:, :3], cache, backend="triton")
+    with pytest.raises(InputError, match="q must have dtype"):
+        decode_attention(q.to(torch.int32), cache, backend="triton")
+    with pytest.raises(InputError, match="batch"):
+        decode_attention(q[:1], cache, backend="triton")
+    with pytest.raises(InputError, match="k_rotation must be"):
+        decode_attention(q, cache, k_rotation=rk[:1], backend="triton")
+    with pytest.raises(InputError, match="unrotate=True needs v_rotation"):
+        decode_attention(q, cache, unrotate=True, backend="triton")
+    with pytest.raises(InputError, match="unknown kernel backend"):
+        decode_attention(q, cache, backend="gpu")
+    bad = decode_mod.Int2KVCache(**{**cache.__dict__, "k_scale": cache.k_scale.float()})
+    with pytest.raises(InputError, match="cache.k_scale must have dtype float16"):
+        decode_attention(q, bad, backend="triton")
+    bad = decode_mod.Int2KVCache(**{**cache.__dict__, "hist_lens": cache.hist_lens + 1000})
+    with pytest.raises(InputError, match="hist_lens must be in"):
+        decode_attention(q, bad, backend="triton")
+    bad = decode_mod.Int2KVCache(**{**cache.__dict__, "group_size": 48})
+    with pytest.raises(InputError, match="not a power of two"):
+        decode_attention(q, bad, backend="triton")
+    bad = decode_mod.Int2KVCache(**{**cache.__dict__, "group_size": 128})
+    with pytest.raises(InputError, match="not divisible by group size"):
+        decode_attention(q, bad, backend="triton")
+    # group size 8 is valid storage but below the kernel's 16-channel planes
+    _, c8, _, _, _ = _case(batch=1, tokens=20, heads=2, qg=1, d=64, g=8, seed=15, device=device)
+    with pytest.raises(InputError, match="does not support"):
+        decode_attention(q[:1, :2], c8, backend="triton")
+    with pytest.raises(InputError, match="page size 12"):
+        to_paged(cache, 12)
+    with pytest.raises(InputError, match="lengths must be"):
+        build_cache(torch.randn(1, 5, 1, 64), torch.randn(1, 5, 1, 64), lengths=[6])
