@@ -248,6 +248,7 @@ class CalibrationResult:
     out: Path
     artifact: Artifact
     report: dict
+    loaded: LoadedModel | None = None
 
 
 def summary(rows: list[dict]) -> dict:
@@ -303,7 +304,7 @@ def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, res
 
     write_artifact_files(out, artifact, model_card(report), report)
     ckpt.unlink(missing_ok=True)
-    return CalibrationResult(out, artifact, report)
+    return CalibrationResult(out, artifact, report, lm)
 
 
 __all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics",

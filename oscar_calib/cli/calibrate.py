@@ -57,7 +57,8 @@ def calibrate_command(
 
     Captures post-RoPE Q/K/V and attention outputs, streams float64 statistics per layer and KV
     head, eigendecomposes them, fits clips on held-out rows and writes oscar.safetensors,
-    README.md and calibration.json into --out.
+    README.md and calibration.json into --out. Then runs `oscar verify` on it (unless
+    --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
     from ..config import CalibrationConfig, from_mapping, load_yaml_section, parse_clip
     from ..pipeline import calibrate
@@ -100,14 +101,15 @@ def calibrate_command(
     report = result.report
     verdict = None
     if verify:
-        verdict = _maybe_verify(result.out, cfg, json_out)
-        if verdict is not None:
-            report = dict(report, verify=verdict)
+        from ..verify import verify_artifact
+
+        with console.status("verifying the artifact with the INT2 kernels …"):
+            verdict = verify_artifact(result.out, loaded=result.loaded).summary()
     if json_out:
         emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
                    "layers": [{k: v for k, v in r.items() if k != "clip_tables"} for r in report["layers"]],
                    "verify": verdict})
-        return
+        raise typer.Exit(0 if verdict is None or verdict["passed"] else 1)
     rows = []
     for r in report["layers"]:
         o, h = r["heldout"]["oscar"], r["heldout"]["hadamard"]
@@ -126,23 +128,20 @@ def calibrate_command(
     t = report["timings"]
     stdout.print(f"artifact written to [bold]{result.out}[/bold]  ({report['calibration']['tokens']} tokens, "
                  f"{t['total_s']:.1f} s total, {t['statistics_s']:.1f} s capture)")
+    if verdict is not None:
+        state = "[green]PASS[/green]" if verdict["passed"] else "[red]FAIL[/red]"
+        stdout.print(f"verify {state}: mean attention error {verdict['mean_attn_error']:.4f} vs Hadamard "
+                     f"{verdict['mean_attn_error_hadamard']:.4f} (INT2 history, BF16 sink+window; "
+                     f"{result.out}/verify.json)")
+        for r in verdict["reasons"]:
+            stdout.print(f"  - {r}")
+        raise typer.Exit(0 if verdict["passed"] else 1)
 
 
 def _clips(values: list[float]) -> str:
     """One number when all heads agree, else min–max."""
     lo, hi = min(values), max(values)
     return f"{lo:.2f}" if lo == hi else f"{lo:.2f}–{hi:.2f}"
-
-
-def _maybe_verify(out: Path, cfg, json_out: bool):
-    """Run `oscar verify` when the kernels are available; returns its summary or None."""
-    try:
-        from ..verify import verify_artifact
-    except ImportError:
-        console.print("[yellow]verify is not available in this build; skipped[/yellow]")
-        return None
-    result = verify_artifact(out, model=cfg.model, device=cfg.device, dtype=cfg.dtype, quiet=json_out)
-    return result.summary()
 
 
 calibrate_command.__doc__ += EXAMPLES  # shown by --help

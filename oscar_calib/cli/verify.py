@@ -1,0 +1,79 @@
+"""``oscar verify``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._common import DeviceOpt, DtypeOpt, JsonOpt, console, emit_json, fmt, stdout, table
+
+
+def verify_command(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory (or its oscar.safetensors).")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model the artifact was calibrated for "
+                                                 "(default: the artifact's model_id).")] = None,
+    backend: Annotated[str, typer.Option(help="Kernels: auto (Triton on CUDA, torch reference on CPU), triton "
+                                         "(on CPU: the Triton interpreter, slow), torch.")] = "auto",
+    depths: Annotated[str, typer.Option(help="Context lengths to test, comma-separated.")] = "512,1024,2048",
+    sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 2,
+    positions: Annotated[int, typer.Option(help="Query positions per depth and sequence.")] = 8,
+    data: Annotated[str, typer.Option(help="Held-out text: 'embedded' (its held-out half) or a file/dir.")] = "embedded",
+    max_layer_error: Annotated[float, typer.Option(help="Fail when any layer's relative attention-output error "
+                                                   "exceeds this.")] = 0.5,
+    seed: Annotated[int, typer.Option(help="Seed for choosing held-out sequences.")] = 0,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Check an artifact with the INT2 kernels on held-out activations.
+
+    Writes K/V through the write kernel (BF16 sink and recent window, INT2 history), runs the
+    decode kernel at several depths and compares with full-precision attention, for the artifact
+    and for a Hadamard baseline (clips 0.96/0.92). Passes (exit 0) when the artifact's mean error
+    is below the baseline's and no layer exceeds --max-layer-error; otherwise exit 1. Writes
+    verify.json and verify.png into the artifact directory.
+
+    Examples:
+
+    * `oscar verify runs/demo`
+    * `oscar verify zoo/smollm2-135m --model smollm2-135m --depths 1024,4096 --json`
+    """
+    from ..errors import InputError
+    from ..verify import verify_artifact
+
+    try:
+        depth_list = [int(x) for x in depths.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--depths expects comma-separated integers, got {depths!r}") from None
+    directory = artifact.parent if artifact.is_file() else artifact
+    with console.status("verifying …") as status:
+        def progress(done, total):
+            status.update(f"verifying layer {done}/{total}")
+
+        result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
+                                 depths=depth_list, sequences=sequences, positions=positions, data=data,
+                                 max_layer_error=max_layer_error, seed=seed, progress=progress)
+    render(result, json_out)
+    raise typer.Exit(0 if result.passed else 1)
+
+
+def render(result, json_out: bool) -> None:
+    s = result.summary()
+    if json_out:
+        emit_json(result.to_json())
+        return
+    rows = [[r["layer"], r["attention"].replace("_attention", ""), fmt(r["artifact"]["attn"]),
+             fmt(r["hadamard"]["attn"]), fmt(r["artifact"]["logit"]), fmt(r["hadamard"]["logit"])]
+            for r in result.layers]
+    stdout.print(table("oscar verify", ["layer", "attention", "attn err", "Hadamard attn", "logit err",
+                                        "Hadamard logit"], rows,
+                       caption=f"relative errors vs full precision; depths {result.settings['depths']}, "
+                               f"backend {result.settings['backend']}"))
+    verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
+    stdout.print(f"{verdict}: mean attention error {s['mean_attn_error']:.4f} vs Hadamard "
+                 f"{s['mean_attn_error_hadamard']:.4f}; worst layer {s['worst_layer']} "
+                 f"({s['max_layer_attn_error']:.4f}, threshold {result.settings['max_layer_error']})")
+    for r in result.reasons:
+        stdout.print(f"  - {r}")
