@@ -37,6 +37,17 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 from .calibrate import calibrate_command  # noqa: E402
 
 app.command("calibrate")(calibrate_command)
+from .interop import export_command, import_command  # noqa: E402
+from .publish import pull_command, push_command  # noqa: E402
+from .validate import validate_command  # noqa: E402
+from .zoo import zoo_app  # noqa: E402
+
+app.command("validate")(validate_command)
+app.command("push")(push_command)
+app.command("pull")(pull_command)
+app.command("export")(export_command)
+app.command("import")(import_command)
+app.add_typer(zoo_app, name="zoo")
 
 
 def main() -> None:

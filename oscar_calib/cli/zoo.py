@@ -1,0 +1,83 @@
+"""``oscar zoo``: list the rotation zoo, regenerate its index and README table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._common import JsonOpt, console, emit_json, stdout, table
+
+zoo_app = typer.Typer(name="zoo", help="The rotation zoo: committed (zoo/) and pulled ($OSCAR_CACHE/zoo) artifacts.",
+                      no_args_is_help=True, rich_markup_mode="markdown")
+
+ZooOpt = Annotated[Optional[Path], typer.Option("--zoo", help="Zoo directory (default: $OSCAR_ZOO, else the "
+                                                "checkout's zoo/).")]
+
+
+@zoo_app.command("list")
+def list_command(zoo: ZooOpt = None,
+                 cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Include pulled artifacts.")] = True,
+                 json_out: JsonOpt = False) -> None:
+    """List zoo entries with their measured quality (calibration summary, verify.json, eval).
+
+    Examples: `oscar zoo list`, `oscar zoo list --json`, `oscar zoo list --zoo my-zoo --no-cache`
+    """
+    from ..zoo import eval_text, list_entries, pull_cache_dir, repo_zoo_dir
+
+    root = zoo or repo_zoo_dir()
+    entries = list_entries(root, include_cache=cache)
+    if json_out:
+        emit_json({"zoo": str(root), "cache": str(pull_cache_dir()) if cache else None,
+                   "entries": [e.to_dict() for e in entries]})
+        return
+    if not entries:
+        console.print(f"the zoo is empty ({root}{' and ' + str(pull_cache_dir()) if cache else ''})")
+        return
+    rows = []
+    for e in entries:
+        q = e.quality
+        err = (f"{q['mean_attn_error_oscar']:.4f} / {q['mean_attn_error_hadamard']:.4f}"
+               if "mean_attn_error_oscar" in q and "mean_attn_error_hadamard" in q else "–")
+        verified = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "–"}[e.verified]
+        rows.append([e.name, e.source, e.model_id or f"[red]{e.error}[/red]",
+                     f"{e.num_layers}×{e.num_kv_heads}×{e.head_dim}", e.granularity or "–", err, verified,
+                     eval_text(e.eval)])
+    stdout.print(table("OSCAR rotation zoo", ["key", "source", "model", "layers×KV×d", "granularity",
+                                              "attn err OSCAR / Hadamard", "verified", "eval"], rows))
+
+
+@zoo_app.command("index")
+def index_command(zoo: ZooOpt = None,
+                  check: Annotated[bool, typer.Option(help="Only check that index.json is current; exit 1 "
+                                                      "if not.")] = False,
+                  json_out: JsonOpt = False) -> None:
+    """Regenerate zoo/index.json from the committed artifacts (deterministic; --check for CI)."""
+    from ..zoo import INDEX_NAME, index_is_current, repo_zoo_dir, write_index
+
+    root = zoo or repo_zoo_dir()
+    if check:
+        current = index_is_current(root)
+        if json_out:
+            emit_json({"index": str(root / INDEX_NAME), "current": current})
+        elif not current:
+            typer.echo(f"{root / INDEX_NAME} is stale or missing; run `oscar zoo index`", err=True)
+        else:
+            stdout.print(f"{root / INDEX_NAME} is current")
+        if not current:
+            raise typer.Exit(1)
+        return
+    path, index = write_index(root)
+    if json_out:
+        emit_json({"index": str(path), "entries": len(index["entries"])})
+        return
+    stdout.print(f"wrote {path} ({len(index['entries'])} entries)")
+
+
+@zoo_app.command("table")
+def table_command(zoo: ZooOpt = None) -> None:
+    """Print the README's zoo table (markdown) generated from zoo/index.json."""
+    from ..zoo import load_index, markdown_table, repo_zoo_dir
+
+    typer.echo(markdown_table(load_index(zoo or repo_zoo_dir())), nl=False)

@@ -1,0 +1,231 @@
+"""oscar validate: every check catches its defect with one line; real and hand-made artifacts pass."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from oscar_calib.artifact import (WEIGHTS_NAME, Artifact, LayerRotations, load_artifact, serialize_safetensors,
+                                  write_artifact_files)
+from oscar_calib.cli import app
+from oscar_calib.validate import ModelReference, find_artifacts, validate_artifact, validate_paths
+
+runner = CliRunner()
+FAKE_FINGERPRINT = hashlib.sha256(b"not a real model").hexdigest()
+
+
+def random_rotation(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def make_artifact(out: Path, *, layers: int = 2, kv: int = 2, heads: int = 4, d: int = 8,
+                  granularity: str = "head", seed: int = 0, metadata: dict | None = None,
+                  mutate=None) -> Path:
+    """A small hand-made format-v1 artifact (random orthogonal rotations). ``mutate(tensors)``
+    may damage the tensors before they are written."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(layers):
+        k, v = random_rotation(kv, d, gen), random_rotation(kv, d, gen)
+        if granularity == "layer":
+            k, v = k[:1].expand(kv, d, d).clone(), v[:1].expand(kv, d, d).clone()
+        eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
+        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone()))
+    md = {"format": "oscar-rotations", "format_version": "1", "model_id": "test/tiny", "model_fingerprint":
+          FAKE_FINGERPRINT, "num_layers": str(layers), "num_attention_heads": str(heads), "num_kv_heads": str(kv),
+          "head_dim": str(d), "group_size": str(min(d, 128)), "bits": "2", "sink_tokens": "64",
+          "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst", "composition": "u_h_pbr",
+          "granularity": granularity, "calibration": json.dumps({"data": "test", "tokens": 0}),
+          "toolkit_version": "0.1.0", "model_type": "llama"}
+    md.update(metadata or {})
+    art = Artifact(layers=rows, metadata=md)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"summary": {"mean_attn_error_oscar": 0.5, "mean_attn_error_hadamard": 0.7,
+                          "layers_better_than_hadamard": layers, "num_layers": layers}}
+    write_artifact_files(out, art, "# test artifact\n", report)
+    if mutate is not None:
+        tensors = art.tensors()
+        mutate(tensors)
+        (out / WEIGHTS_NAME).write_bytes(serialize_safetensors(tensors, md))
+    return out
+
+
+# ----------------------------------------------------------------------------- valid artifacts
+
+def test_demo_artifact_passes_every_check(demo_artifact):
+    report = validate_artifact(demo_artifact)
+    assert report.ok, report.problems
+    assert set(report.checks) == {"file", "metadata", "shapes", "finite", "orthogonal", "clips", "eigenvalues",
+                                  "granularity"}
+    assert all(report.checks.values())
+    result = runner.invoke(app, ["validate", str(demo_artifact), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is True and doc["artifacts"][0]["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_hand_made_artifacts_and_path_forms(tmp_path):
+    a = make_artifact(tmp_path / "zoo" / "a")
+    b = make_artifact(tmp_path / "zoo" / "nested" / "b", granularity="layer", seed=1)
+    assert validate_artifact(a).ok and validate_artifact(b).ok
+    # a directory of artifact directories, an artifact dir, and its safetensors file (deduplicated)
+    found = find_artifacts([tmp_path / "zoo", a, a / WEIGHTS_NAME])
+    assert [f for f, err in found] == [a / WEIGHTS_NAME, b / WEIGHTS_NAME]
+    assert all(err is None for _, err in found)
+    reports = validate_paths([tmp_path / "zoo"])
+    assert [r.ok for r in reports] == [True, True]
+    # empty directories: a problem unless --allow-empty
+    (tmp_path / "empty").mkdir()
+    assert not validate_paths([tmp_path / "empty"])[0].ok
+    assert validate_paths([tmp_path / "empty"], allow_empty=True) == []
+    result = runner.invoke(app, ["validate", str(tmp_path / "empty"), "--allow-empty"])
+    assert result.exit_code == 0
+
+
+def test_eigenvalue_ties_and_rounding_are_tolerated(tmp_path):
+    def ties(t):
+        t["layers.0.k_eigenvalues"][:] = 1.0                       # all equal: still descending
+        e = t["layers.1.v_eigenvalues"]
+        e[:, 3] = e[:, 2] * (1 + 1e-8)                             # float rounding above the tolerance floor
+    assert validate_artifact(make_artifact(tmp_path / "a", mutate=ties)).ok
+
+
+# ----------------------------------------------------------------------------- defects
+
+def _scale_rotation(t):
+    t["layers.1.k_rotation"][1] *= 1.001
+
+
+def _nan(t):
+    t["layers.0.v_eigenvalues"][0, 3] = float("nan")
+
+
+def _bad_clip(t):
+    t["layers.1.v_clip"][0] = 1.5
+    t["layers.0.k_clip"][1] = 0.0
+
+
+def _ascending(t):
+    t["layers.0.k_eigenvalues"][1] = t["layers.0.k_eigenvalues"][1].flip(-1)
+
+
+def _drop(t):
+    del t["layers.1.v_clip"]
+
+
+def _reshape(t):
+    t["layers.0.k_eigenvalues"] = torch.zeros(2, 4)
+
+
+DEFECTS = {
+    "not_orthogonal": (dict(mutate=_scale_rotation), "layers.1.k_rotation is not orthogonal"),
+    "non_finite": (dict(mutate=_nan), "layers.0.v_eigenvalues has 1 non-finite value(s)"),
+    "clip_range": (dict(mutate=_bad_clip), "outside (0, 1]"),
+    "ascending": (dict(mutate=_ascending), "layers.0.k_eigenvalues is not in descending order"),
+    "missing_tensor": (dict(mutate=_drop), "missing tensor layers.1.v_clip"),
+    "wrong_shape": (dict(mutate=_reshape), "layers.0.k_eigenvalues has shape [2, 4], expected [2, 8]"),
+    "format_version": (dict(metadata={"format_version": "2"}), "unsupported format_version '2'"),
+    "bits": (dict(metadata={"bits": "4"}), "'bits' is 4"),
+    "group_size": (dict(metadata={"group_size": "3"}), "group_size 3 must be a power of two"),
+    "gqa": (dict(metadata={"num_attention_heads": "5"}), "5 query heads do not split evenly over 2 KV heads"),
+    "fingerprint": (dict(metadata={"model_fingerprint": "abc"}), "not a sha256"),
+    "layer_granularity": (dict(metadata={"granularity": "layer"}), "differs between KV heads"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFECTS))
+def test_each_defect_is_reported(tmp_path, name):
+    kwargs, expected = DEFECTS[name]
+    art = make_artifact(tmp_path / name, **kwargs)
+    report = validate_artifact(art)
+    assert not report.ok
+    assert any(expected in p for p in report.problems), report.problems
+    if name == "clip_range":
+        assert len(report.problems) == 2          # one line per bad tensor
+
+
+def _truncate(p: Path):
+    data = p.read_bytes()
+    p.write_bytes(data[:-100])
+
+
+def _garble_header(p: Path):
+    data = bytearray(p.read_bytes())
+    data[8:40] = b"\x00\xff" * 16
+    p.write_bytes(bytes(data))
+
+
+def _tiny_file(p: Path):
+    p.write_bytes(b"\x01\x02")
+
+
+def _huge_header_length(p: Path):
+    data = bytearray(p.read_bytes())
+    data[:8] = (10 ** 9).to_bytes(8, "little")
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,expected", [
+    (_truncate, "truncated file: tensor data needs"),
+    (_garble_header, "corrupt safetensors header"),
+    (_tiny_file, "truncated file (2 bytes)"),
+    (_huge_header_length, "truncated or corrupt safetensors file"),
+])
+def test_damaged_files_give_one_clear_line(tmp_path, damage, expected):
+    art = make_artifact(tmp_path / "a")
+    damage(art / WEIGHTS_NAME)
+    report = validate_artifact(art)
+    assert report.problems == [p for p in report.problems if expected in p] and len(report.problems) == 1
+    result = runner.invoke(app, ["validate", str(art)])
+    assert result.exit_code == 1
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{art}: ") and expected in lines[0]
+
+
+def test_cli_reports_every_problem_of_every_artifact(tmp_path):
+    good = make_artifact(tmp_path / "good")
+    bad = make_artifact(tmp_path / "bad", mutate=_bad_clip)
+    result = runner.invoke(app, ["validate", str(good), str(bad), str(tmp_path / "missing"), "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert [a["ok"] for a in doc["artifacts"]] == [True, False, False]
+    assert len(doc["artifacts"][1]["problems"]) == 2 and doc["artifacts"][1]["checks"]["clips"] is False
+    assert doc["artifacts"][2]["problems"] == ["no such file or directory"]
+
+
+def test_model_check_matches_and_mismatches(demo_artifact, smollm2):
+    from conftest import tiny_model
+
+    model, _, src = smollm2
+    ref = ModelReference.from_model(model, "smollm2-135m", src.model_id)
+    report = validate_artifact(demo_artifact, model=ref)
+    assert report.ok and report.checks["model"] is True
+    other = ModelReference.from_model(tiny_model("llama"), "tiny-llama")
+    report = validate_artifact(demo_artifact, model=other)
+    assert report.checks["model"] is False
+    assert any("num_layers is 30 but tiny-llama has 2" in p for p in report.problems)
+    assert any("model fingerprint" in p and "does not match tiny-llama" in p for p in report.problems)
+
+
+def test_subprocess_exit_code_and_no_traceback(tmp_path):
+    art = make_artifact(tmp_path / "a")
+    _truncate(art / WEIGHTS_NAME)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-m", "oscar_calib", "validate", str(art)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "truncated file" in proc.stderr
+    # load_artifact agrees that the file is unusable, with a typed error
+    from oscar_calib.errors import ArtifactError
+
+    with pytest.raises(ArtifactError):
+        load_artifact(art)
