@@ -20,7 +20,8 @@ model (``--model``)    fingerprint, layers, query/KV heads and head_dim equal th
 =====================  ======================================================================
 
 A PATH may be an artifact directory, an ``oscar.safetensors`` (or any ``.safetensors``) file, or a
-directory holding artifact directories at any depth (``oscar validate zoo``). Problems are
+directory holding artifact directories at any depth (``oscar validate zoo``). The zoo's own
+``index.json`` is skipped, so ``oscar validate zoo/*`` works; any other file is a problem. Problems are
 collected, never raised, so one run reports everything wrong with every artifact.
 """
 
@@ -121,6 +122,8 @@ def find_artifacts(paths: list[Path], *, allow_empty: bool = False) -> list[tupl
         if p.is_file():
             if p.suffix == ".safetensors":
                 keep(p)
+            elif _is_zoo_index(p):
+                continue          # the zoo's own index.json: `oscar validate zoo/*` skips it
             else:
                 out.append((p, "not an artifact (give an artifact directory or its oscar.safetensors)"))
         elif p.is_dir():
@@ -136,6 +139,15 @@ def find_artifacts(paths: list[Path], *, allow_empty: bool = False) -> list[tupl
         else:
             out.append((p, "no such file or directory"))
     return out
+
+
+def _is_zoo_index(path: Path) -> bool:
+    if path.name != "index.json":
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == "oscar-zoo-index"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # ----------------------------------------------------------------------------- reading

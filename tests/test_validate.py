@@ -83,6 +83,11 @@ def test_hand_made_artifacts_and_path_forms(tmp_path):
     assert all(err is None for _, err in found)
     reports = validate_paths([tmp_path / "zoo"])
     assert [r.ok for r in reports] == [True, True]
+    # `oscar validate zoo/*`: the zoo's index.json is skipped, any other file is a problem
+    (tmp_path / "zoo" / "index.json").write_text('{"format": "oscar-zoo-index", "entries": []}')
+    (tmp_path / "zoo" / "notes.json").write_text("{}")
+    reports = validate_paths(sorted((tmp_path / "zoo").iterdir()))
+    assert [(r.path.name, r.ok) for r in reports] == [("a", True), ("b", True), ("notes.json", False)]
     # empty directories: a problem unless --allow-empty
     (tmp_path / "empty").mkdir()
     assert not validate_paths([tmp_path / "empty"])[0].ok
