@@ -22,7 +22,7 @@ class ArchSpec:
     v_proj: str | None = "v_proj"
     o_proj: str = "o_proj"
     fused_qkv: str | None = None           # one Linear producing [q | k | v] along its output rows
-    q_norm: str | None = None              # applied per head before RoPE
+    q_norm: str | None = None              # applied before RoPE (per head, or per layer for MiniMax-M2)
     k_norm: str | None = None
     sliding_window: bool = False           # some layers attend to a window only
     bias: bool = False                     # q/k/v projections may carry a bias
@@ -36,6 +36,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "gemma2": ArchSpec(sliding_window=True),
     "gemma3_text": ArchSpec(q_norm="q_norm", k_norm="k_norm", sliding_window=True),
     "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    # GLM-4.5/4.6/4.7 (GLM-4.7-FP8): q/k norms when use_qk_norm, q/k/v bias, partial RoPE
+    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm", bias=True),
+    # MiniMax-M2.x: q/k norms over the whole projection (qk_norm_type per_layer), partial RoPE
+    "minimax_m2": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "phi3": ArchSpec(q_proj=None, k_proj=None, v_proj=None, fused_qkv="qkv_proj", sliding_window=True),
 }
 

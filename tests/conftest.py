@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton kernels run under the CPU interpreter; must be set before any kernel is defined
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Small, fast calibration settings used by end-to-end tests.

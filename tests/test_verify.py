@@ -1,0 +1,75 @@
+"""oscar verify: passes on a calibrated artifact, fails on a deliberately bad one, runs the
+Triton kernels (interpreter on CPU), refuses an artifact of another model."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import FAST, loaded_tiny
+from oscar_calib.artifact import load_artifact, write_artifact_files
+from oscar_calib.config import CalibrationConfig
+from oscar_calib.errors import ArtifactError
+from oscar_calib.pipeline import calibrate
+from oscar_calib.verify import verify_artifact
+
+QUICK = dict(depths=(400, 700), sequences=1, positions=4)
+
+
+def bad_copy(src, dst):
+    """Identity rotations and no clipping: what OSCAR exists to beat."""
+    art = load_artifact(src)
+    for layer in art.layers:
+        eye = torch.eye(layer.k_rotation.shape[-1]).expand_as(layer.k_rotation).clone()
+        layer.k_rotation, layer.v_rotation = eye, eye.clone()
+        layer.k_clip = torch.ones_like(layer.k_clip)
+        layer.v_clip = torch.ones_like(layer.v_clip)
+    dst.mkdir()
+    write_artifact_files(dst, art, "bad\n", {})
+    return dst
+
+
+@pytest.mark.slow
+def test_verify_passes_on_demo_and_fails_on_identity(tmp_path, demo_artifact, smollm2_loaded):
+    good = tmp_path / "good"
+    shutil.copytree(demo_artifact, good)
+    res = verify_artifact(good, loaded=smollm2_loaded, backend="torch", **QUICK)
+    s = res.summary()
+    assert res.passed, res.reasons
+    assert s["mean_attn_error"] < s["mean_attn_error_hadamard"]
+    doc = json.loads((good / "verify.json").read_text())
+    assert doc["passed"] is True and len(doc["layers"]) == 30
+    assert (good / "verify.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    bad = bad_copy(demo_artifact, tmp_path / "bad")
+    res_bad = verify_artifact(bad, loaded=smollm2_loaded, backend="torch", **QUICK)
+    assert not res_bad.passed
+    assert res_bad.summary()["mean_attn_error"] > s["mean_attn_error"]
+    assert json.loads((bad / "verify.json").read_text())["passed"] is False
+
+
+def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
+    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    lm = loaded_tiny("llama", head_dim=64, layers=2)
+    out = tmp_path / "a"
+    calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64, "sink_tokens": 4,
+                                   "recent_tokens": 16}), out, loaded=lm)
+    kw = dict(loaded=lm, depths=(56, 72), sequences=1, positions=1, write=False)    # INT2 histories of 36 and 52
+    t = verify_artifact(out, backend="triton", **kw)
+    r = verify_artifact(out, backend="torch", **kw)
+    assert t.settings["backend"] == "triton"
+    for a, b in zip(t.layers, r.layers):
+        assert a["artifact"]["attn"] == pytest.approx(b["artifact"]["attn"], rel=2e-2, abs=1e-3)
+        assert a["hadamard"]["logit"] == pytest.approx(b["hadamard"]["logit"], rel=2e-2, abs=1e-3)
+        assert a["artifact"]["attn"] > 0          # the INT2 history really was quantised
+
+
+def test_verify_refuses_an_artifact_of_another_model(tmp_path):
+    out = tmp_path / "a"
+    calibrate(CalibrationConfig(**{**FAST, "tokens": 256, "seq_len": 64, "heldout_tokens": 32}), out,
+              loaded=loaded_tiny("llama"))
+    with pytest.raises(ArtifactError, match="another model"):
+        verify_artifact(out, loaded=loaded_tiny("qwen3"), backend="torch", write=False, **QUICK)
+    assert not (out / "verify.json").exists()
