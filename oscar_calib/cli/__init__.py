@@ -37,6 +37,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 from .calibrate import calibrate_command  # noqa: E402
 
 app.command("calibrate")(calibrate_command)
+from .fold import fold_weights_command  # noqa: E402
+app.command("fold-weights")(fold_weights_command)
 from .interop import export_command, import_command  # noqa: E402
 from .publish import pull_command, push_command  # noqa: E402
 from .validate import validate_command  # noqa: E402
