@@ -196,17 +196,18 @@ def decode_variants() -> list[dict]:
     if ARGS.quick:
         return [{"mode": 0, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1},
                 {"mode": 2, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1}]
-    base = {"mode": 0, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
+    base = {"mode": 1, "orient": 0, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4}
     if ARGS.no_sweep:
         return [base]
     out = [base]
     for change in (
-        {"mode": 1}, {"mode": 2},
-        {"BLOCK_N": 128}, {"mode": 1, "BLOCK_N": 128},
-        {"num_stages": 2}, {"num_stages": 4},
-        {"BLOCK_N": 128, "num_warps": 8},
-        {"programs_per_sm": 2}, {"programs_per_sm": 8}, {"programs_per_sm": 16},
-        {"BLOCK_N": 32},
+        {"num_stages": 3}, {"mode": 0}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_stages": 3},
+        {"BLOCK_N": 256}, {"num_warps": 8},
+        {"BLOCK_N": 64, "num_warps": 2}, {"num_warps": 2}, {"BLOCK_N": 64, "num_warps": 2, "programs_per_sm": 8},
+        {"BLOCK_N": 64, "num_warps": 1, "orient": 1}, {"BLOCK_N": 64, "num_warps": 1},
+        {"BLOCK_N": 64, "num_warps": 1, "orient": 1, "programs_per_sm": 16},
+        {"BLOCK_N": 32, "num_warps": 1, "orient": 1}, {"BLOCK_N": 64, "num_warps": 2, "orient": 1},
+        {"programs_per_sm": 8}, {"programs_per_sm": 2},
     ):
         out.append({**base, **change})
     return out
@@ -312,7 +313,8 @@ def time_decode(ctx: int, batch: int, shape: dict, cfg: dict, l2: int, *, sdpa: 
     fns = [lambda c=c: decode_attention(q, c, k_rotation=rk, backend="triton", out=out, check_lengths=False,
                                         config=cfg) for c in caches]
     ms = timed_graphs(fns)
-    row.update(int2_ms=ms, int2_copies=n2, int2_bytes_per_s=ib / (ms * 1e-3))
+    row.update(int2_ms=ms, int2_copies=n2, int2_bytes_per_s=ib / (ms * 1e-3),
+               kernel=kernel_info(decode_mod.LAST_LAUNCH.get("split")))
     del caches, fns
     if sdpa:
         qs = q.view(batch, qh, 1, d)
@@ -349,13 +351,15 @@ def safe_time_decode(ctx, batch, *a, **k) -> dict:
 def write_variants() -> list[tuple[str, dict, dict]]:
     if ARGS.quick:
         return [("rot+clip", {}, {"clip": True})]
+    fd = {"fast_div": True}
     cfgs = [("rot+clip", {}, {"clip": True}),
-            ("rot+clip BT=32", {"BT": 32}, {"clip": True}),
-            ("rot+clip BT=128 w8", {"BT": 128, "num_warps": 8}, {"clip": True}),
-            ("rot+clip w8", {"num_warps": 8}, {"clip": True}),
-            ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
+            ("rot+clip fast-div", fd, {"clip": True}),
+            ("rot+clip fast-div BT=32", {**fd, "BT": 32}, {"clip": True}),
+            ("rot+clip fast-div BT128w8", {**fd, "BT": 128, "num_warps": 8}, {"clip": True}),
+            ("rot+clip fast-div+rot", fd, {"clip": True, "fast": True}),
             ("rot, no clip", {}, {"clip": False}),
-            ("no rot, no clip", {}, {"clip": False, "rot": False})]
+            ("rot, no clip fast-div", fd, {"clip": False}),
+            ("no rot/clip fast-div", fd, {"clip": False, "rot": False})]
     return cfgs
 
 

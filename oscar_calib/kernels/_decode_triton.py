@@ -99,6 +99,39 @@ def _int2_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm,
 
 
 @triton.jit
+def _int2_scores_t(g0, g1, g2, g3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
+                   BETA: tl.constexpr, G: tl.constexpr, W: tl.constexpr, M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+    """As :func:`_int2_scores`, transposed: ``[BLOCK_N, M]`` (tokens as the dot's M dimension)."""
+    s = tl.zeros([BLOCK_N, M], dtype=tl.float32)
+    t = tl.zeros([BLOCK_N, M], dtype=tl.float32)
+    tq = tl.zeros([M], dtype=tl.float32)
+    for P in tl.static_range(4):
+        if P == 0:
+            gp = g0
+            qsp = qs0
+        elif P == 1:
+            gp = g1
+            qsp = qs1
+        elif P == 2:
+            gp = g2
+            qsp = qs2
+        else:
+            gp = g3
+            qsp = qs3
+        t = tl.dot(_plane(kc, P, MODE), gp, t)
+        tq += qsp
+        if ((P + 1) * W) % G == 0:  # last plane of a group
+            g = (BETA * 4 * W + P * W) // G
+            sc = tl.load(ks_ptr + pb + g, mask=nm, other=0.0).to(tl.float32) * kscale
+            of = tl.load(ko_ptr + pb + g, mask=nm, other=0.0).to(tl.float32)
+            s += t * sc[:, None] + of[:, None] * tq[None, :]
+            t = tl.zeros([BLOCK_N, M], dtype=tl.float32)
+            tq = tl.zeros([M], dtype=tl.float32)
+    return s
+
+
+@triton.jit
 def _int2_values(a0, a1, a2, a3, p, vc, vs_ptr, vo_ptr, pb, nm, ounit,
                  BETA: tl.constexpr, G: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr):
     """Accumulate ``p @ v_hat`` for the 4 planes of one byte block (accumulators pre-scaled)."""
@@ -134,9 +167,13 @@ def decode_split_kernel(
     KVH, QG, S16, S_ALL, CHUNK, CHUNK16,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK16: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    MODE: tl.constexpr, INTERP: tl.constexpr,
+    MODE: tl.constexpr, INTERP: tl.constexpr, PART: tl.constexpr, ORIENT: tl.constexpr,
 ):
-    split = tl.program_id(0)
+    # PART 0: 16-bit window chunks (partial slots 0..S16-1); PART 1: INT2 history chunks
+    # (slots S16..). Two launches of one kernel keep each specialisation's registers and shared
+    # memory small.
+    chunk = tl.program_id(0)
+    split = chunk + PART * S16
     bh = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
@@ -164,11 +201,11 @@ def decode_split_kernel(
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
 
-    if split < S16:
+    if PART == 0:
         # ---- 16-bit window: chunk [lo, hi) of this sequence's window tokens ----
         WT = k16_ptr.dtype.element_ty
         L16 = tl.load(len16_ptr + b)
-        lo = split * CHUNK16
+        lo = chunk * CHUNK16
         hi = tl.minimum(lo + CHUNK16, L16)
         base = b.to(tl.int64) * s_1b + h * s_1h
         # 16-bit operands split into a high part and a residual (two dots each): scores and
@@ -226,7 +263,7 @@ def decode_split_kernel(
     else:
         # ---- INT2 history: chunk [lo, hi) of this sequence's history tokens ----
         L = tl.load(hlen_ptr + b)
-        lo = (split - S16) * CHUNK
+        lo = chunk * CHUNK
         hi = tl.minimum(lo + CHUNK, L)
         if MODE == 2:
             kscale = qk_scale
@@ -251,6 +288,16 @@ def decode_split_kernel(
             qs5 = tl.sum(q5, axis=1) * qk_scale
             qs6 = tl.sum(q6, axis=1) * qk_scale
             qs7 = tl.sum(q7, axis=1) * qk_scale
+        if ORIENT == 1:
+            g0 = tl.trans(f0)
+            g1 = tl.trans(f1)
+            g2 = tl.trans(f2)
+            g3 = tl.trans(f3)
+            if NB == 2:
+                g4 = tl.trans(f4)
+                g5 = tl.trans(f5)
+                g6 = tl.trans(f6)
+                g7 = tl.trans(f7)
         offs_n = tl.arange(0, BLOCK_N)
         hb = h.to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
@@ -267,18 +314,34 @@ def decode_split_kernel(
                 pb = b.to(tl.int64) * s_pb + hb * s_ph + n64 * s_pn
             cptr = cb[:, None] + offs_w[None, :]
             kc = tl.load(kc_ptr + cptr, mask=nm[:, None], other=0)
-            s = _int2_scores(f0, f1, f2, f3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
-                             0, G, W, M, BLOCK_N, MODE)
-            if NB == 2:
-                kc1 = tl.load(kc_ptr + cptr + W, mask=nm[:, None], other=0)
-                s += _int2_scores(f4, f5, f6, f7, qs4, qs5, qs6, qs7, kc1, ks_ptr, ko_ptr, pb, nm,
-                                  kscale, 1, G, W, M, BLOCK_N, MODE)
-            s = tl.where(nm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            if ORIENT == 0:
+                s = _int2_scores(f0, f1, f2, f3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
+                                 0, G, W, M, BLOCK_N, MODE)
+                if NB == 2:
+                    kc1 = tl.load(kc_ptr + cptr + W, mask=nm[:, None], other=0)
+                    s += _int2_scores(f4, f5, f6, f7, qs4, qs5, qs6, qs7, kc1, ks_ptr, ko_ptr, pb, nm,
+                                      kscale, 1, G, W, M, BLOCK_N, MODE)
+                s = tl.where(nm[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            else:
+                # tokens as the M dimension of the key dot, query heads as N
+                st = _int2_scores_t(g0, g1, g2, g3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
+                                    0, G, W, M, BLOCK_N, MODE)
+                if NB == 2:
+                    kc1 = tl.load(kc_ptr + cptr + W, mask=nm[:, None], other=0)
+                    st += _int2_scores_t(g4, g5, g6, g7, qs4, qs5, qs6, qs7, kc1, ks_ptr, ko_ptr, pb, nm,
+                                         kscale, 1, G, W, M, BLOCK_N, MODE)
+                st = tl.where(nm[:, None], st, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(st, axis=0))
+                alpha = tl.math.exp2(m_i - m_new)
+                pt = tl.math.exp2(st - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(pt, axis=0)
+                m_i = m_new
+                p = tl.trans(pt)
             vc = tl.load(vc_ptr + cptr, mask=nm[:, None], other=0)
             a0, a1, a2, a3 = _int2_values(
                 a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None],
@@ -289,11 +352,10 @@ def decode_split_kernel(
                     a4 * alpha[:, None], a5 * alpha[:, None], a6 * alpha[:, None], a7 * alpha[:, None],
                     p, vc1, vs_ptr, vo_ptr, pb, nm, ounit, 1, G, W, MODE)
 
-    if MODE == 2:
-        int2_mul = 1.0
+    if PART == 0 or MODE == 2:
+        out_mul = 1.0
     else:
-        int2_mul = TWO24
-    out_mul = tl.where(split < S16, 1.0, int2_mul)
+        out_mul = TWO24
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     inv = out_mul / l_safe

@@ -39,7 +39,7 @@ def quantize_kv_kernel(
     scale_ptr, off_ptr, s_st, s_sh,
     T,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
-    ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr,
+    ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, FAST_DIV: tl.constexpr,
 ):
     # ROT: 0 none, 1 16-bit hi+lo (two dots), 2 fp32 ("ieee"), 3 16-bit hi only.
     pid = tl.program_id(0)
@@ -84,8 +84,12 @@ def quantize_kv_kernel(
     hi = tl.max(yg, axis=2)
     s = tl.maximum(tl.math.div_rn(hi - lo, tl.full([BT, D // G], 3.0, tl.float32)), 1e-8)
     z = tl.math.div_rn(-lo, s)
-    s_b = tl.broadcast_to(s[:, :, None], [BT, D // G, G])
-    qf = tl.floor(tl.math.div_rn(yg, s_b) + z[:, :, None] + 0.5)
+    if FAST_DIV:  # y * (1/s): differs from y / s by an ulp at most, so only at rounding ties
+        r = tl.math.div_rn(tl.full([BT, D // G], 1.0, tl.float32), s)
+        qf = tl.floor(yg * r[:, :, None] + z[:, :, None] + 0.5)
+    else:  # IEEE division, the reference's arithmetic exactly
+        s_b = tl.broadcast_to(s[:, :, None], [BT, D // G, G])
+        qf = tl.floor(tl.math.div_rn(yg, s_b) + z[:, :, None] + 0.5)
     q = tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
 
     q4 = tl.reshape(q, [BT, D // (4 * W), 4, W])

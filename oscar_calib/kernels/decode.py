@@ -223,6 +223,12 @@ def decode_attention(
 # mode 0: codes as fp16 subnormals via bit ops; 1: same with inline PTX (GPU only);
 # 2: integer -> fp16 conversion (codes as values). 0 and 1 are exact; 2 is the fallback.
 DEFAULT_MODE = 0
+# orient 0: query heads as the M dimension of both dots (padded to 16); 1: tokens as the M
+# dimension of the key dot (query heads as N), transposed back for the value dot.
+DEFAULT_ORIENT = 0
+DEFAULT_BLOCK_N = 64
+DEFAULT_WARPS = 4
+DEFAULT_STAGES = 3
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
 
@@ -235,15 +241,16 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     g = cache.group_size
     w = min(g, d // 4)
     nb = d // (4 * w)
-    m_pad = max(16, next_pow2(qg))
+    orient = int(config.get("orient", DEFAULT_ORIENT))
+    m_int2 = max(16, next_pow2(qg)) if orient == 0 else max(2, next_pow2(qg))
     dev = q.device
     mode = int(config.get("mode", DEFAULT_MODE))
     if interpreting() and mode == 1:
         mode = 0
-    block_n = int(config.get("BLOCK_N", 64))
+    block_n = int(config.get("BLOCK_N", DEFAULT_BLOCK_N))
     block16 = int(config.get("BLOCK16", 64))
-    num_warps = int(config.get("num_warps", 4))
-    num_stages = int(config.get("num_stages", 3))
+    num_warps = int(config.get("num_warps", DEFAULT_WARPS))
+    num_stages = int(config.get("num_stages", DEFAULT_STAGES))
 
     qr = rotate_query(q, k_rotation, h)
     # split sizes (host integers only: graph-safe)
@@ -276,7 +283,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     kc = cache.k_codes
     ks = cache.k_scale
     w16 = cache.k_bf16
-    LAST_LAUNCH["split"] = mod.decode_split_kernel[(s_all, bsz * h)](
+    args = (
         qr,
         kc, ks, cache.k_offset, cache.v_codes, cache.v_scale, cache.v_offset,
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -287,10 +294,14 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         opart, lse,
         qk_scale,
         h, qg, s16, s_all, chunk, chunk16,
-        D=d, G=g, W=w, NB=nb, M=m_pad,
-        BLOCK_N=block_n, BLOCK16=block16, PAGED=cache.paged, PAGE=page,
-        MODE=mode, INTERP=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+    )
+    common = dict(D=d, G=g, W=w, NB=nb, BLOCK_N=block_n, BLOCK16=block16, PAGED=cache.paged, PAGE=page,
+                  MODE=mode, INTERP=interpreting())
+    LAST_LAUNCH["window"] = mod.decode_split_kernel[(s16, bsz * h)](
+        *args, **common, M=max(16, next_pow2(qg)), PART=0, ORIENT=0, num_warps=4, num_stages=2,
+    )
+    LAST_LAUNCH["split"] = mod.decode_split_kernel[(s2, bsz * h)](
+        *args, **common, M=m_int2, PART=1, ORIENT=orient, num_warps=num_warps, num_stages=num_stages,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)
     if unrotate:

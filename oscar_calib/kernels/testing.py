@@ -95,8 +95,8 @@ def random_int2_cache(batch: int, heads: int, d: int, group_size: int, hist_len:
 
 def code_agreement(a: QuantizedKV, b: QuantizedKV) -> tuple[int, float]:
     """``(largest |level difference|, fraction of codes that differ)`` between two results."""
-    ca = a.unpacked_codes().to(torch.int16)
-    cb = b.unpacked_codes().to(torch.int16)
+    ca = a.unpacked_codes().to(torch.int16).cpu()
+    cb = b.unpacked_codes().to(torch.int16).cpu()
     diff = (ca - cb).abs()
     return int(diff.max().item()) if diff.numel() else 0, float((diff != 0).float().mean().item()) if diff.numel() else 0.0
 

@@ -243,7 +243,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         scale3, off3, scale3.stride(0), scale3.stride(1),
         n_tok,
         D=d, G=group_size, W=min(group_size, d // 4), BT=bt, KB=kb,
-        ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
+        ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(), FAST_DIV=bool(config.get("fast_div", False)),
         num_warps=num_warps,
     )
     return out

@@ -19,8 +19,9 @@ from oscar_calib.kernels import decode as decode_mod
 from oscar_calib.kernels.testing import kv_rows, poison_cache, random_rotation, relative_error
 
 SMALL = {"BLOCK_N": 16, "BLOCK16": 16}
-# decode code modes (see _decode_triton): the inline-PTX mode 1 exists only on the GPU
-DECODE_MODES = [0, 1, 2] if torch.cuda.is_available() else [0, 2]
+# (code mode, orientation) variants of the INT2 kernel (see _decode_triton); the inline-PTX
+# mode 1 exists only on the GPU
+DECODE_VARIANTS = [(0, 0), (2, 0), (0, 1)] + ([(1, 0), (1, 1)] if torch.cuda.is_available() else [])
 
 
 def _window_fake(x, r):
@@ -88,11 +89,18 @@ def test_decode_matches_reference(name, device):
     _run(q, cache, rk, rv)
 
 
-@pytest.mark.parametrize("mode", DECODE_MODES)
-def test_decode_code_modes(mode, device):
+@pytest.mark.parametrize("mode,orient", DECODE_VARIANTS)
+def test_decode_kernel_variants(mode, orient, device):
     q, cache, rk, rv, _ = _case(batch=2, tokens=50, heads=2, qg=4, d=128, g=32, lengths=[50, 31],
-                                seed=mode, device=device)
-    _run(q, cache, rk, rv, config={**SMALL, "mode": mode})
+                                seed=mode + 3 * orient, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "mode": mode, "orient": orient})
+
+
+def test_decode_transposed_two_blocks_odd_group(device):
+    # orientation 1 with two byte blocks (d=256, G=32) and 3 query heads per KV head
+    q, cache, rk, rv, _ = _case(batch=2, tokens=44, heads=1, qg=3, d=256, g=32, lengths=[44, 27],
+                                seed=21, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "orient": 1})
 
 
 def test_decode_many_splits_mha_and_default_tiles(device):

@@ -109,6 +109,15 @@ def test_write_kernel_into_head_major_cache(device):
     assert torch.isnan(scale[:, :8].float()).all() and torch.isnan(scale[:, 32:].float()).all()
 
 
+def test_fast_division_differs_only_at_ties(device):
+    """``fast_div`` (y * (1/s) instead of y / s) may move a code by one level at a rounding tie."""
+    gen = torch.Generator().manual_seed(4)
+    x = kv_rows((48, 2, 128), torch.bfloat16, generator=gen, device=device)
+    rot = random_rotation(2, 128, generator=gen, device=device)
+    res = quantize_kv(x, rot, 0.96, 64, backend="triton", config={"fast_div": True})
+    _check_close(res, quantize_kv_reference(x.cpu(), rot.cpu(), 0.96, 64))
+
+
 def test_fast_rotation_is_close(device):
     gen = torch.Generator().manual_seed(9)
     x = kv_rows((64, 2, 128), torch.bfloat16, generator=gen, device=device)
