@@ -196,18 +196,14 @@ def decode_variants() -> list[dict]:
     if ARGS.quick:
         return [{"mode": 0, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1},
                 {"mode": 2, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1}]
-    base = {"mode": 1, "orient": 0, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4}
+    base = {}  # the library defaults (decode.DEFAULT_*)
     if ARGS.no_sweep:
         return [base]
     out = [base]
+    q4 = {"mode": 1, "orient": 0, "BLOCK_N": 128, "num_warps": 4, "programs_per_sm": 4}
     for change in (
-        {"num_stages": 3}, {"mode": 0}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_stages": 3},
-        {"BLOCK_N": 256}, {"num_warps": 8},
-        {"BLOCK_N": 64, "num_warps": 2}, {"num_warps": 2}, {"BLOCK_N": 64, "num_warps": 2, "programs_per_sm": 8},
-        {"BLOCK_N": 64, "num_warps": 1, "orient": 1}, {"BLOCK_N": 64, "num_warps": 1},
-        {"BLOCK_N": 64, "num_warps": 1, "orient": 1, "programs_per_sm": 16},
-        {"BLOCK_N": 32, "num_warps": 1, "orient": 1}, {"BLOCK_N": 64, "num_warps": 2, "orient": 1},
-        {"programs_per_sm": 8}, {"programs_per_sm": 2},
+        {"mode": 0}, {"orient": 0}, {"programs_per_sm": 8}, {"programs_per_sm": 32}, {"BLOCK_N": 32},
+        {"num_warps": 2}, {**q4, "num_stages": 3}, {**q4, "num_stages": 2, "programs_per_sm": 2},
     ):
         out.append({**base, **change})
     return out
@@ -348,6 +344,41 @@ def safe_time_decode(ctx, batch, *a, **k) -> dict:
         return {"context": ctx, "batch": batch, "skipped": f"error {type(e).__name__}: {str(e)[:200]}"}
 
 
+def profile_decode(shape: dict, best: dict) -> dict:
+    """Device time per kernel of one decode call (torch.profiler, 20 calls) at 128K context."""
+    from torch.profiler import ProfilerActivity, profile
+
+    h, qh, d, g = shape["kv_heads"], shape["q_heads"], shape["head_dim"], shape["group_size"]
+    out = {}
+    for batch in sorted(best):
+        if over_budget():
+            break
+        try:
+            cache = random_int2_cache(batch, h, d, g, 131072 - SINK - RECENT, SINK + RECENT, device=DEV)
+            q = torch.randn(batch, qh, d, device=DEV).to(torch.bfloat16)
+            rk = random_rotation(h, d, device=DEV)
+            fn = lambda: decode_attention(q, cache, k_rotation=rk, backend="triton", check_lengths=False,  # noqa: E731
+                                          config=best[batch])
+            fn()
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    fn()
+                sync()
+            rows = {}
+            for e in prof.key_averages():
+                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                if t:
+                    rows[e.key[:60]] = t / 20
+            out[str(batch)] = dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+            log(f"profile 128K B={batch} (us per call): "
+                + ", ".join(f"{k[:40]}={v:.1f}" for k, v in list(out[str(batch)].items())[:6]))
+            del cache
+        except Exception as e:  # noqa: BLE001
+            log(f"profile B={batch} failed: {type(e).__name__}: {str(e)[:200]}")
+    return out
+
+
 def write_variants() -> list[tuple[str, dict, dict]]:
     if ARGS.quick:
         return [("rot+clip", {}, {"clip": True})]
@@ -465,6 +496,7 @@ def main():
             log(f"paged page={page} ctx={pctx} B={pb}: {pag['int2_ms'] * 1e3:.1f} us vs contiguous "
                 f"{cont['int2_ms'] * 1e3:.1f} us")
 
+    report["profile"] = profile_decode(shape, best) if GPU else {}
     report["write"] = time_write(shape, l2)
     report["elapsed_s"] = time.time() - T0
     (out_dir / "bench_kernels.json").write_text(json.dumps(report, indent=2, default=str))

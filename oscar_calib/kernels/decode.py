@@ -222,13 +222,16 @@ def decode_attention(
 
 # mode 0: codes as fp16 subnormals via bit ops; 1: same with inline PTX (GPU only);
 # 2: integer -> fp16 conversion (codes as values). 0 and 1 are exact; 2 is the fallback.
-DEFAULT_MODE = 0
+# Defaults: the best of a sweep on an H200 (Qwen3-8B shapes, 128K context, batch 1 and 32;
+# scripts/bench_kernels.py); the interpreter falls back from mode 1 to mode 0.
+DEFAULT_MODE = 1
 # orient 0: query heads as the M dimension of both dots (padded to 16); 1: tokens as the M
 # dimension of the key dot (query heads as N), transposed back for the value dot.
-DEFAULT_ORIENT = 0
+DEFAULT_ORIENT = 1
 DEFAULT_BLOCK_N = 64
-DEFAULT_WARPS = 4
-DEFAULT_STAGES = 3
+DEFAULT_WARPS = 1
+DEFAULT_STAGES = 2
+DEFAULT_PROGRAMS_PER_SM = 16
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
 
@@ -247,7 +250,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     mode = int(config.get("mode", DEFAULT_MODE))
     if interpreting() and mode == 1:
         mode = 0
-    block_n = int(config.get("BLOCK_N", DEFAULT_BLOCK_N))
+    block_n = int(config.get("BLOCK_N", DEFAULT_BLOCK_N if d <= 128 else DEFAULT_BLOCK_N // 2))
     block16 = int(config.get("BLOCK16", 64))
     num_warps = int(config.get("num_warps", DEFAULT_WARPS))
     num_stages = int(config.get("num_stages", DEFAULT_STAGES))
@@ -255,7 +258,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     qr = rotate_query(q, k_rotation, h)
     # split sizes (host integers only: graph-safe)
     n_sm = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if q.is_cuda else 8
-    target = int(config.get("programs_per_sm", 4)) * n_sm
+    target = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM)) * n_sm
     cap = cache.history_capacity
     if "split_tokens" in config:
         chunk = int(config["split_tokens"])
