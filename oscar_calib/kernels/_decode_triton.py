@@ -377,15 +377,17 @@ def decode_split_kernel(
 
 @triton.jit
 def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
-                        D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program per (sequence, query head): log-sum-exp merge of the split partials."""
+                        D: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid ``(B*Hq, D/DC)``: log-sum-exp merge of the split partials for one query head and
+    ``DC`` output channels."""
     pid = tl.program_id(0)
+    c0 = tl.program_id(1) * DC
     b = pid // HQ
     hq = pid % HQ
     bh = pid // QG
     m = pid % QG
     offs_s = tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, D)
+    cols = c0 + tl.arange(0, DC)
     mx = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
     for s0 in range(0, S_ALL, BLOCK_S):
         sm = s0 + offs_s < S_ALL
@@ -393,7 +395,7 @@ def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
         mx = tl.maximum(mx, lv)
     top = tl.max(mx, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    acc = tl.zeros([D], dtype=tl.float32)
+    acc = tl.zeros([DC], dtype=tl.float32)
     den = tl.zeros([BLOCK_S], dtype=tl.float32)
     for s0 in range(0, S_ALL, BLOCK_S):
         sm = s0 + offs_s < S_ALL

@@ -87,15 +87,22 @@ def rotate_query(q: torch.Tensor, k_rotation: torch.Tensor | None, num_kv_heads:
     qf = q.float()
     if k_rotation is None:
         return qf.contiguous()
-    qg = qf.view(b, num_kv_heads, hq // num_kv_heads, d)
-    return torch.matmul(qg, k_rotation.float().unsqueeze(0)).reshape(b, hq, d).contiguous()
+    return _per_head_matmul(qf, k_rotation.float(), num_kv_heads).contiguous()
+
+
+def _per_head_matmul(x: torch.Tensor, r: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``x [B, Hq, d] @ r[h]`` for the query heads of KV head ``h``: one batched matmul over the
+    KV heads (no broadcast copy of ``r`` per sequence)."""
+    b, hq, d = x.shape
+    xg = x.view(b, num_kv_heads, hq // num_kv_heads, d).transpose(0, 1).reshape(num_kv_heads, -1, d)
+    y = torch.bmm(xg, r)  # [H, B*QG, d]
+    return y.view(num_kv_heads, b, hq // num_kv_heads, d).transpose(0, 1).reshape(b, hq, d)
 
 
 def unrotate_output(o_rot: torch.Tensor, v_rotation: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``o_rot [B, Hq, d]`` -> float32 ``o_rot @ R_v[h]^T`` per GQA group."""
     b, hq, d = o_rot.shape
-    og = o_rot.float().view(b, num_kv_heads, hq // num_kv_heads, d)
-    return torch.matmul(og, v_rotation.float().transpose(-1, -2).unsqueeze(0)).reshape(b, hq, d)
+    return _per_head_matmul(o_rot.float(), v_rotation.float().transpose(-1, -2), num_kv_heads)
 
 
 def _history(cache: Int2KVCache, b: int, which: str) -> torch.Tensor:
@@ -313,11 +320,14 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         o_rot = out
     else:
         o_rot = torch.empty(bsz, hq, d, dtype=final_dtype, device=dev)
-    block_s = max(16, min(64, next_pow2(s_all)))
-    LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq,)](
+    # merge: one program per (sequence, query head, 32-channel slice), all partials in one pass
+    # when they fit (up to 256 splits)
+    block_s = max(16, min(256, next_pow2(s_all)))
+    dc = min(d, 32)
+    LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,
-        D=d, BLOCK_S=block_s, num_warps=4,
+        D=d, DC=dc, BLOCK_S=block_s, num_warps=4,
     )
     if not unrotate:
         return o_rot
