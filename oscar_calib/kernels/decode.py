@@ -14,23 +14,29 @@ The query is rotated by the layer's K rotation first (``q @ R_k[h]`` for the que
 head ``h``), so ``q_rot . k_rot = q . k``; pass ``k_rotation=None`` for an already rotated query.
 Scores use ``sm_scale`` (default ``1/sqrt(d)``).
 
-Triton kernel (flash-decoding, two launches):
+Triton kernels (flash-decoding; one split kernel launched twice, then a merge):
 
-1. split kernel, grid ``(S16 + S2, B*H)``: programs ``0..S16-1`` take chunks of the 16-bit window,
-   programs ``S16..`` take chunks of the INT2 history; each handles the whole GQA group of one
-   KV head (query heads as the M dimension of the tensor-core dots, padded to 16) and writes a
-   partial output and its log-sum-exp (base 2) in float32. INT2 codes are unpacked in registers
-   one bit plane at a time (a shift and a mask; the 2-bit code's bit pattern is fed to the
-   tensor cores as an fp16 subnormal, ``code * 2^-24``, so no int-to-float conversion is needed);
-   each plane is one group's run of channels, so scores are ``s_g * (q_g . codes_g) +
-   offset_g * sum(q_g)`` and the value side is ``(p * s_g) @ codes_g + p @ offset_g``: no
-   per-element dequantisation. Accumulation is fp32.
-2. merge kernel, grid ``(B*Hq)``: log-sum-exp merge of the partials (empty chunks carry
-   ``lse = -inf`` and weigh nothing).
+1. window launch, grid ``(S16, B*H)``: each program takes a chunk of one sequence's 16-bit
+   window for one KV head, the whole GQA group at once (query heads as the M dimension of the
+   tensor-core dots, padded to 16); 16-bit operands are split into high + residual parts, so the
+   window's scores and value sums are about fp32-accurate.
+2. INT2 launch, grid ``(S2, B*H)``: the same for chunks of the INT2 history. Codes are unpacked
+   in registers one bit plane at a time (shift and mask; by default four bytes at once with
+   inline PTX ``shr/and/prmt``), and the 2-bit code's bit pattern is fed to the tensor cores as
+   an fp16 *subnormal* (``code * 2^-24``), so no int-to-float conversion is needed. Each plane is
+   one group's run of channels, so scores are ``s_g * (q_g . codes_g) + offset_g * sum(q_g)``
+   and values ``(p * s_g) @ codes_g + p @ offset_g``: no per-element dequantisation; fp32
+   accumulation; the query in fp16. By default the key dot is transposed (tokens as M, query
+   heads as N, which pads 4 heads to 8 instead of 16) and one warp handles a program.
+3. merge, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32 output and
+   log-sum-exp in base 2 per chunk; empty chunks carry ``lse = -inf`` and weigh nothing).
 
-The query's K-rotation (and the optional output un-rotation) are small batched matmuls in torch
-around the kernels. The launch reads no lengths on the host, so it can be captured in a CUDA
-graph (pass ``check_lengths=False``).
+The query's K-rotation (and the optional output un-rotation) are one batched matmul each in
+torch. Nothing reads lengths on the host, so a decode step can be captured in a CUDA graph
+(pass ``check_lengths=False``). Tuning knobs (``config``) and the measured numbers are in
+``scripts/bench_kernels.py``; on an H200 the INT2 kernel is instruction-bound (about 25-30
+warp instructions per token and KV head: unpacking, and softmax work on padded query rows),
+reaching 20-30% of copy bandwidth, not the memory roofline.
 """
 
 from __future__ import annotations
