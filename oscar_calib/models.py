@@ -59,6 +59,14 @@ class ModelSource:
     kind: str = "local"       # alias | local | gguf | hub
 
 
+def spec_for_model_id(model_id: str) -> str:
+    """The alias whose model_id this is (so artifacts of pip-shipped models load offline), or the id."""
+    for alias, info in ALIASES.items():
+        if info["model_id"] == model_id:
+            return alias
+    return model_id
+
+
 def _package_dir(package: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

@@ -103,41 +103,78 @@ def _samples(depths, positions: int, stride: int, window: int | None) -> list[tu
     return out
 
 
+PAGE = 16
+
+
 def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_size, sink, recent, backend,
                   scaling: float) -> dict:
-    """Relative attention-output and logit errors of one layer, pooled over all samples."""
-    from .kernels import build_cache, decode_attention, dequantize_packed, quantize_kv, split_lengths
+    """Relative attention-output and logit errors of one layer, pooled over all samples.
+
+    Quantisation is per token, so every held-out sequence goes through the write kernel once;
+    each sample's INT2 history is a run of pages of its sequence (paged layout: samples that
+    share a start share pages), and its BF16 sink and window are its own."""
+    from .kernels import Int2KVCache, decode_attention, dequantize_packed, quantize_kv, split_lengths
 
     q_all, k_all, v_all, o_all = caps["q"], caps["k"], caps["v"], caps["o"]   # [B, T, H, d]
-    n_seq = k_all.shape[0]
-    tmax = max(e - s for s, e in samples)
+    n_seq, _, h, d = k_all.shape
+    dev = k_all.device
+    qk = quantize_kv(k_all, rot_k, clip_k, group_size, backend=backend)       # the write kernel
+    qv = quantize_kv(v_all, rot_v, clip_v, group_size, backend=backend)
+    kr = torch.einsum("bthd,hde->bthe", k_all.float(), rot_k.float())
+    vr = torch.einsum("bthd,hde->bthe", v_all.float(), rot_v.float())
     rows = [(b, s, e) for b in range(n_seq) for s, e in samples]
-    k = k_all.new_zeros(len(rows), tmax, *k_all.shape[2:])
-    v = torch.zeros_like(k)
-    for n, (b, s, e) in enumerate(rows):
-        k[n, :e - s] = k_all[b, s:e]
-        v[n, :e - s] = v_all[b, s:e]
-    lengths = [e - s for _, s, e in rows]
-    q = torch.stack([q_all[b, e - 1] for b, _, e in rows])            # [N, Hq, d]
+    parts = [split_lengths(e - s, sink, recent) for _, s, e in rows]
+
+    # pages: one run per (sequence, start), long enough for its longest history
+    runs: dict[tuple[int, int], int] = {}
+    for (b, s, _), (ns, nh, _) in zip(rows, parts):
+        runs[(b, s)] = max(runs.get((b, s), 0), nh)
+    names = ("k_codes", "k_scale", "k_offset", "v_codes", "v_scale", "v_offset")
+    srcs = dict(zip(names, (qk.codes, qk.scale, qk.offset, qv.codes, qv.scale, qv.offset)))
+    n_pages = {key: -(-n // PAGE) for key, n in runs.items()}
+    total = max(1, sum(n_pages.values()))
+    pools = {n: torch.zeros(total, h, PAGE, t.shape[-1], dtype=t.dtype, device=dev) for n, t in srcs.items()}
+    first_page, nxt = {}, 0
+    for (b, s), n in runs.items():
+        first_page[(b, s)] = nxt
+        h0 = s + sink                                      # a non-empty history starts after the sink
+        for j in range(n_pages[(b, s)]):
+            t0, t1 = h0 + j * PAGE, min(h0 + n, h0 + (j + 1) * PAGE)
+            for name, src in srcs.items():
+                pools[name][nxt + j, :, : t1 - t0] = src[b, t0:t1].transpose(0, 1)
+        nxt += n_pages[(b, s)]
+    width = max(1, max(n_pages.values(), default=1))
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    ncap = max(1, max(ns + nr for ns, _, nr in parts))
+    k16 = torch.zeros(len(rows), h, ncap, d, dtype=torch.bfloat16, device=dev)
+    v16 = torch.zeros_like(k16)
+    for n, ((b, s, e), (ns, nh, nr)) in enumerate(zip(rows, parts)):
+        p0 = first_page[(b, s)]
+        table[n, : n_pages[(b, s)]] = torch.arange(p0, p0 + n_pages[(b, s)], dtype=torch.int32)
+        idx = torch.cat([torch.arange(s, s + ns), torch.arange(e - nr, e)]).to(dev)
+        k16[n, :, : ns + nr] = kr[b, idx].transpose(0, 1).to(torch.bfloat16)
+        v16[n, :, : ns + nr] = vr[b, idx].transpose(0, 1).to(torch.bfloat16)
+    cache = Int2KVCache(pools["k_codes"], pools["k_scale"], pools["k_offset"], pools["v_codes"], pools["v_scale"],
+                        pools["v_offset"], torch.tensor([nh for _, nh, _ in parts], dtype=torch.int32, device=dev),
+                        k16, v16, torch.tensor([ns + nr for ns, _, nr in parts], dtype=torch.int32, device=dev),
+                        group_size, table.to(dev))
+    q = torch.stack([q_all[b, e - 1] for b, _, e in rows])                 # [N, Hq, d]
     ref = torch.stack([o_all[b, e - 1] for b, _, e in rows]).float()
-    cache = build_cache(k, v, lengths=lengths, k_rotation=rot_k, v_rotation=rot_v, k_clip=clip_k, v_clip=clip_v,
-                        group_size=group_size, sink=sink, recent=recent, backend=backend)
     o = decode_attention(q, cache, k_rotation=rot_k, v_rotation=rot_v, unrotate=True, sm_scale=scaling,
-                         out_dtype=torch.float32, backend=backend)
+                         out_dtype=torch.float32, backend=backend)               # the decode kernel
     num_o = float((o.float() - ref).pow(2).sum())
     den_o = float(ref.pow(2).sum())
     # logits over each sample's cached tokens: INT2 history dequantised, sink/window exact
-    qk = quantize_kv(k, rot_k, clip_k, group_size, backend=backend)
     deq = dequantize_packed(qk.codes, qk.scale, qk.offset, group_size)
-    kq_all = torch.einsum("nthe,hde->nthd", deq, rot_k.float())
-    grp = q.shape[1] // k.shape[2]
+    kq_all = torch.einsum("bthe,hde->bthd", deq, rot_k.float())
+    grp = q.shape[1] // h
     num_l = den_l = 0.0
-    for n, length in enumerate(lengths):
-        n_sink, n_hist, _ = split_lengths(length, sink, recent)
-        kq = k[n, :length].float().clone()
-        kq[n_sink:n_sink + n_hist] = kq_all[n, n_sink:n_sink + n_hist]
-        s_ref = torch.einsum("hd,thd->ht", q[n].float(), k[n, :length].float().repeat_interleave(grp, 1))
-        s_q = torch.einsum("hd,thd->ht", q[n].float(), kq.repeat_interleave(grp, 1))
+    for n, ((b, s, e), (ns, nh, _)) in enumerate(zip(rows, parts)):
+        qn = q[n].float().reshape(h, grp, d)
+        s_ref = torch.einsum("hgd,thd->hgt", qn, k_all[b, s:e].float())
+        s_q = s_ref.clone()
+        if nh:
+            s_q[..., ns:ns + nh] = torch.einsum("hgd,thd->hgt", qn, kq_all[b, s + ns:s + ns + nh])
         num_l += float((s_q - s_ref).pow(2).sum())
         den_l += float(s_ref.pow(2).sum())
     return {"attn": math.sqrt(num_o / max(den_o, 1e-300)), "logit": math.sqrt(num_l / max(den_l, 1e-300)),
@@ -164,7 +201,9 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded=None, device
     if not 0 < max_layer_error:
         raise InputError("--max-layer-error must be positive")
     if loaded is None:
-        model = model or art.metadata.get("model_id")
+        from .models import spec_for_model_id
+
+        model = model or spec_for_model_id(art.metadata.get("model_id", ""))
         loaded = prepare_model(CalibrationConfig(model=model, device=device, dtype=dtype))
     lm: LoadedModel = loaded
     check_artifact_matches(art, lm.geometry, lm.fingerprint)
