@@ -37,6 +37,9 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 from .calibrate import calibrate_command  # noqa: E402
 
 app.command("calibrate")(calibrate_command)
+from .verify import verify_command  # noqa: E402
+
+app.command("verify")(verify_command)
 from .fold import fold_weights_command  # noqa: E402
 app.command("fold-weights")(fold_weights_command)
 from .interop import export_command, import_command  # noqa: E402
