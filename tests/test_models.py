@@ -1,0 +1,115 @@
+"""Model resolution (aliases, GGUF files and directories, checkpoints, hub ids), data sources,
+the registry and fingerprints."""
+
+import json
+
+import pytest
+
+from conftest import loaded_tiny, tiny_model
+from oscar_calib.corpus import load_texts, plan_tokens
+from oscar_calib.errors import DataError, InputError, ModelLoadError, UnsupportedModelError
+from oscar_calib.models import (ALIASES, gguf_cache_dir, geometry_of, load_model, model_fingerprint, resolve_model,
+                                spec_for_model_id)
+from oscar_calib.registry import ARCHITECTURES, arch_for
+
+
+def test_alias_resolves_to_the_wheel_gguf():
+    src = resolve_model("smollm2-135m")
+    assert src.kind == "alias" and src.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert src.model_id == ALIASES["smollm2-135m"]["model_id"]
+    assert spec_for_model_id(src.model_id) == "smollm2-135m"
+    assert gguf_cache_dir(src) is not None
+
+
+def test_gguf_file_and_directory(tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "m.gguf").write_bytes(b"GGUF")
+    assert resolve_model(str(one)).gguf_file == "m.gguf"
+    assert resolve_model(str(one / "m.gguf")).kind == "gguf"
+    (one / "n.gguf").write_bytes(b"GGUF")
+    with pytest.raises(InputError, match="2 .gguf files"):
+        resolve_model(str(one))
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(InputError, match="must be .gguf"):
+        resolve_model(str(tmp_path / "w.bin"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="no config.json"):
+        resolve_model(str(empty))
+
+
+def test_hub_id_offline_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("some-org/some-model").kind == "hub"
+    with pytest.raises(ModelLoadError, match="hub"):
+        load_model("some-org/some-model")
+
+
+def test_not_a_model_name():
+    with pytest.raises(InputError, match="not found"):
+        resolve_model("./definitely/not/here")
+
+
+def test_checkpoint_dir_loads_and_keeps_fingerprint(tiny_llama_dir, smollm2):
+    model, tok, src = load_model(str(tiny_llama_dir), device="cpu")
+    assert src.kind == "local" and geometry_of(model).num_kv_heads == 2
+    ref = tiny_model("llama", vocab_size=len(smollm2[1]))
+    assert model_fingerprint(model) == model_fingerprint(ref)
+
+
+def test_fingerprint_ignores_dtype_but_not_geometry():
+    a = tiny_model("llama")
+    b = tiny_model("llama").to(dtype=__import__("torch").bfloat16)
+    assert model_fingerprint(a) == model_fingerprint(b)
+    assert model_fingerprint(a) != model_fingerprint(tiny_model("llama_mha"))
+
+
+def test_registry_is_data_and_refuses_mla():
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"} <= set(ARCHITECTURES)
+    assert ARCHITECTURES["qwen3"].k_norm == "k_norm" and ARCHITECTURES["qwen2"].bias
+    with pytest.raises(UnsupportedModelError, match="latent attention"):
+        arch_for("deepseek_v3")
+    with pytest.raises(UnsupportedModelError, match="supported:"):
+        arch_for("bert")
+
+
+def test_geometry_of_gemma3_layer_types():
+    g = geometry_of(tiny_model("gemma3"))
+    assert g.layer_types == ("sliding_attention", "full_attention") and g.sliding_window == 8 and g.group == 4
+
+
+def test_data_sources(tmp_path, char_tokenizer):
+    import pyarrow as pa            # a dependency of datasets
+    import pyarrow.parquet as pq
+
+    text = " ".join(f"w{i}" for i in range(2000))
+    pq.write_table(pa.table({"content": [text[:3000], text[3000:]]}), tmp_path / "d.parquet")
+    texts, source = load_texts(str(tmp_path / "d.parquet"), text_field="content")
+    assert source == "file:d.parquet" and "".join(texts) == text
+    with pytest.raises(DataError, match="no column 'text'"):
+        load_texts(str(tmp_path / "d.parquet"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2"):
+        load_texts(str(tmp_path / "bad.jsonl"))
+    plan = plan_tokens(char_tokenizer, data=str(tmp_path / "d.parquet"), text_field="content", tokens=500,
+                       seq_len=100, heldout_tokens=50, seed=3)
+    assert plan.tokens == 500 and len(plan.heldout[0]) == 50
+    assert plan.sha256() == plan_tokens(char_tokenizer, data=str(tmp_path / "d.parquet"), text_field="content",
+                                        tokens=500, seq_len=100, heldout_tokens=50, seed=3).sha256()
+
+
+def test_hub_dataset_offline_is_one_clear_error(monkeypatch, char_tokenizer):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match="cannot load dataset"):
+        load_texts("some-org/some-dataset")
+
+
+def test_embedded_halves_do_not_overlap(char_tokenizer):
+    a = plan_tokens(char_tokenizer, tokens=2000, seq_len=500, heldout_tokens=100, corpus_split="calibration")
+    b = plan_tokens(char_tokenizer, tokens=2000, seq_len=500, heldout_tokens=100, corpus_split="heldout")
+    assert a.source.endswith("[calibration]") and b.source.endswith("[heldout]")
+    assert a.sha256() != b.sha256()
+    lm = loaded_tiny()
+    assert lm.geometry.num_layers == 2
