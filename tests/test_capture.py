@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
+from helpers import tiny_model
 from oscar_calib.capture import Capture
 from oscar_calib.clip import HeldoutLayer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from oscar_calib import FORMAT_VERSION, __version__
 from oscar_calib.artifact import (FORMAT_NAME, REQUIRED_METADATA, WEIGHTS_NAME, Artifact, LayerRotations,

@@ -109,7 +109,7 @@ def test_round_trip_through_the_fork_format(demo_artifact, smollm2, tmp_path):
 
 
 def tiny_loaded():
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     model = tiny_model("llama")          # 2 layers, 4 query / 2 KV heads, head_dim 16
     return model, None, ModelSource("tiny", "test/tiny-llama", "", None, "local")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import loaded_tiny, tiny_model
+from helpers import loaded_tiny, tiny_model
 from oscar_calib.corpus import load_texts, plan_tokens
 from oscar_calib.errors import DataError, InputError, ModelLoadError, UnsupportedModelError
 from oscar_calib.models import (ALIASES, gguf_cache_dir, geometry_of, load_model, model_fingerprint, resolve_model,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import FAST, loaded_tiny
+from helpers import FAST, loaded_tiny
 from oscar_calib.artifact import REQUIRED_METADATA, TENSOR_KINDS, load_artifact, tensor_name
 from oscar_calib.config import CalibrationConfig
 from oscar_calib.errors import DataError, InputError, NumericalError, OutputExistsError
@@ -111,7 +111,7 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from conftest import loaded_tiny
+        from helpers import loaded_tiny
         from test_pipeline import TINY_FAST
         from oscar_calib.config import CalibrationConfig
         from oscar_calib.pipeline import calibrate

@@ -208,7 +208,7 @@ def test_cli_reports_every_problem_of_every_artifact(tmp_path):
 
 
 def test_model_check_matches_and_mismatches(demo_artifact, smollm2):
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     model, _, src = smollm2
     ref = ModelReference.from_model(model, "smollm2-135m", src.model_id)

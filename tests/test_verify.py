@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import FAST, loaded_tiny
+from helpers import FAST, loaded_tiny
 from oscar_calib.artifact import load_artifact, write_artifact_files
 from oscar_calib.config import CalibrationConfig
 from oscar_calib.errors import ArtifactError

@@ -1,0 +1,62 @@
+"""Test helpers shared by many test files (imported as ``helpers``; fixtures live in conftest.py).
+
+Kept out of conftest.py on purpose: two conftest modules (tests/ and tests/kernels/) would
+shadow each other under ``from conftest import ...``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Small, fast calibration settings used by end-to-end tests.
+FAST = dict(tokens=1024, seq_len=256, batch_size=2, heldout_tokens=128, pilot_tokens=256, checkpoint_every=1,
+            device="cpu")
+
+
+TINY = {
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "llama_mha": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2),
+    "gemma3": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+}
+
+
+def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed: int = 0, **overrides):
+    """A random-init causal LM of family ``kind`` (see TINY), float32, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY[kind])
+    model_type = spec.pop("model_type")
+    spec.update(overrides)
+    vocab = spec.pop("vocab_size", 128)
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=layers, head_dim=head_dim, max_position_embeddings=512, **spec)
+    if model_type == "qwen2":
+        cfg.use_sliding_window = False
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.requires_grad_(False)
+    return model
+
+
+class CharTokenizer:
+    """A minimal tokenizer for tiny models: bytes mod vocab, EOS = 0."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + (b % 120) for b in text.encode()]}
+
+
+def loaded_tiny(kind: str = "llama", **kw):
+    """A tiny random-init model wrapped as the pipeline's LoadedModel (character tokenizer)."""
+    from oscar_calib.models import ModelSource, geometry_of, model_fingerprint
+    from oscar_calib.pipeline import LoadedModel
+
+    model = tiny_model(kind, **kw)
+    src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")
+    return LoadedModel(model, CharTokenizer(), src, geometry_of(model), model_fingerprint(model))
