@@ -4,14 +4,20 @@ The pipeline passes its state explicitly; the CLI gives it a progress callback a
 result. Accumulators are checkpointed every ``checkpoint_every`` batches into
 ``<out>/.oscar-checkpoint.pt`` (atomic); ``resume=True`` continues from it when the settings,
 model fingerprint and token ids match, and gives a byte-identical ``oscar.safetensors``.
+
+Data parallelism and big models (device maps, offload) are described in
+:mod:`oscar_calib.distributed`: ``calibrate`` joins the job that started it (torchrun, accelerate
+launch, ``oscar calibrate --nproc``), and :func:`calibrate_parallel` starts one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +32,8 @@ from .capture import Capture
 from .clip import BASELINE_CLIPS, HeldoutLayer, fit_k_clip, fit_v_clip, heldout_errors
 from .config import CalibrationConfig, stable_hash
 from .corpus import TokenPlan, plan_tokens
+from .distributed import (DistContext, DistributedError, Placement, all_reduce_stats, check_agreement, checkpoint_name,
+                          freeze_pilot_across_ranks, input_device, pilot_batches, session)
 from .errors import InputError, NumericalError, OutputExistsError
 from .models import Geometry, attention_modules, geometry_of, load_model, model_fingerprint
 from .quant import check_group_size, default_group_size
@@ -46,9 +54,14 @@ class LoadedModel:
     fingerprint: str
 
 
-def prepare_model(cfg: CalibrationConfig) -> LoadedModel:
-    model, tok, src = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
-                                 trust_remote_code=cfg.trust_remote_code)
+def prepare_model(cfg: CalibrationConfig, *, device: str | None = None,
+                  placement: Placement | None = None) -> LoadedModel:
+    """Load ``cfg.model`` on ``device`` (default ``cfg.device``), or spread it with accelerate's
+    ``placement.device_map`` / ``max_memory`` (GPUs, CPU, disk)."""
+    p = placement or Placement()
+    model, tok, src = load_model(cfg.model, dtype=cfg.dtype, device=device or cfg.device,
+                                 trust_remote_code=cfg.trust_remote_code, device_map=p.device_map,
+                                 max_memory=p.max_memory)
     return LoadedModel(model, tok, src, geometry_of(model), model_fingerprint(model))
 
 
@@ -94,8 +107,10 @@ class StatsRun:
                     "softcap": getattr(cfg, "attn_logit_softcapping", None),
                 }
             if collect == "stats":
-                self.stats[layer].update(q, k, v, o)
-                self.stats[layer].check_finite(layer)     # on the small sums: NaN/Inf anywhere lands there
+                s = self.stats[layer]
+                if torch.device(s.device) != q.device:          # a device map put this layer elsewhere: follow it
+                    s.to(q.device)
+                s.update(q, k, v, o)              # finiteness: checked on the small sums (_check_finite)
             else:
                 for name, t in (("key", k), ("value", v), ("query", q), ("attention output", o)):
                     if not torch.isfinite(t).all():
@@ -128,29 +143,85 @@ def _load_checkpoint(path: Path, run: StatsRun, key: str) -> bool:
     return True
 
 
+def _forward(model, ids: torch.Tensor) -> None:
+    """A forward pass for its captures only: no KV cache and, where the model allows, logits for
+    the last position only (the full [tokens, vocab] logits are the largest activation)."""
+    kw = {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
+    model(input_ids=ids, use_cache=False, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(cls) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_finite(stats: list[LayerStats]) -> None:
+    """Raise NumericalError naming the first layer whose sums hold NaN/Inf. One device sync: the
+    norms of all sums at once (a non-finite entry makes its norm non-finite)."""
+    tensors = [s.sums[n] for s in stats for n in ("k", "v", "q", "s")]
+    by_dev: dict = {}
+    for t in tensors:
+        by_dev.setdefault(t.device, []).append(t)
+    norms = [torch.stack(torch._foreach_norm(ts)).isfinite().all().cpu() for ts in by_dev.values()]
+    if not all(bool(x) for x in norms):
+        for i, s in enumerate(stats):
+            s.check_finite(i)
+
+
 def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig, *,
                        checkpoint: Path | None = None, resume: bool = False,
                        progress: ProgressFn | None = None,
-                       on_batch: Callable[[int], None] | None = None) -> tuple[StatsRun, dict]:
-    """Stream the calibration batches through the model, then capture the held-out rows."""
+                       on_batch: Callable[[int], None] | None = None,
+                       dist: DistContext | None = None) -> tuple[StatsRun, dict]:
+    """Stream the calibration batches through the model, then capture the held-out rows.
+
+    Under data parallelism (``dist``), this rank streams batches ``rank, rank + world, ...``, the
+    accumulators are summed over ranks, and only rank 0 captures held-out rows. The accumulators
+    end on the CPU."""
     geo, model = lm.geometry, lm.model
-    dev = next(model.parameters()).device
+    ctx = dist or DistContext()
+    dev = input_device(model)
+    all_batches = plan.batches(cfg.batch_size)
+    batches = [b.to(dev) for b in ctx.shard(all_batches)]     # ids up front: no host sync per batch
+    # under DP the sst-approx pilot is frozen from every rank's pilot batches (distributed.py)
+    n_pilot = pilot_batches(all_batches, cfg.pilot_tokens)
+    my_pilot = len(range(ctx.rank, n_pilot, ctx.world_size))
+    pilot = cfg.pilot_tokens if not ctx.enabled else 2**62
+    approx = cfg.v_objective == "sst-approx"     # s_approx costs a float64 pass: only when asked for
     run = StatsRun(
-        stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, cfg.pilot_tokens, device=dev)
+        stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, pilot, device=dev, approx=approx)
                for _ in range(geo.num_layers)],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
     )
-    key = stable_hash({"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256()})
+    parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256()}
+    if not approx:
+        parts["s_approx"] = False
+    if ctx.enabled:
+        parts["rank"] = [ctx.rank, ctx.world_size]
+    key = stable_hash(parts)
     resumed = bool(resume and checkpoint and checkpoint.exists() and _load_checkpoint(checkpoint, run, key))
-    batches = plan.batches(cfg.batch_size)
-    total = plan.tokens
+    total = sum(b.numel() for b in batches)
     done_tokens = sum(b.numel() for b in batches[:run.batches_done])
     if progress:
         progress(done_tokens, total)
+    pilot_pending = ctx.enabled and approx
+
+    def pilot_exchange():
+        nonlocal pilot_pending
+        if pilot_pending and run.batches_done >= my_pilot:
+            freeze_pilot_across_ranks(run.stats, ctx, sum(b.numel() for b in all_batches[:n_pilot]))
+            pilot_pending = False
+
     t0 = time.perf_counter()
     with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap:
         for i in range(run.batches_done, len(batches)):
-            model(input_ids=batches[i].to(dev), use_cache=False)
+            pilot_exchange()
+            _forward(model, batches[i])
             if cap.calls == 0:
                 from .errors import UnsupportedModelError
 
@@ -160,19 +231,28 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
             done_tokens += batches[i].numel()
             if progress:
                 progress(done_tokens, total)
-            if checkpoint is not None and (run.batches_done % cfg.checkpoint_every == 0) and run.batches_done < len(batches):
-                _save_checkpoint(checkpoint, run, key)
+            # finiteness is checked (one device sync) where a checkpoint is due and at the end
+            if (run.batches_done % cfg.checkpoint_every == 0) and run.batches_done < len(batches):
+                _check_finite(run.stats)
+                if checkpoint is not None:
+                    _save_checkpoint(checkpoint, run, key)
             if on_batch:
                 on_batch(run.batches_done)
+        pilot_exchange()
+        _check_finite(run.stats)
     t_stats = time.perf_counter() - t0
-    for i, s in enumerate(run.stats):
-        s.check_finite(i)
+    all_reduce_stats(run.stats, ctx)
+    for s in run.stats:
+        s.to("cpu")
     t1 = time.perf_counter()
-    with torch.no_grad(), Capture(model, [run.observer("heldout")]):
-        for seq in plan.heldout:
-            model(input_ids=seq.unsqueeze(0).to(dev), use_cache=False)
-    timing = {"statistics_s": t_stats, "heldout_s": time.perf_counter() - t1, "resumed": resumed,
-              "batches": len(batches)}
+    if ctx.is_main:
+        with torch.no_grad(), Capture(model, [run.observer("heldout")]):
+            for seq in plan.heldout:
+                _forward(model, seq.unsqueeze(0).to(dev))
+    timing = {"statistics_s": t_stats, "gather_s": t1 - t_stats - t0, "heldout_s": time.perf_counter() - t1,
+              "resumed": resumed, "batches": len(all_batches)}
+    if ctx.enabled:
+        timing.update(world_size=ctx.world_size, rank_batches=len(batches), rank_tokens=total)
     return run, timing
 
 
@@ -246,9 +326,11 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
 @dataclass
 class CalibrationResult:
     out: Path
-    artifact: Artifact
-    report: dict
+    artifact: Artifact | None           # None on data-parallel ranks other than 0
+    report: dict | None
     loaded: LoadedModel | None = None
+    stats: StatsRun | None = None       # the (all-reduced) accumulators, on the CPU
+    rank: int = 0
 
 
 def summary(rows: list[dict]) -> dict:
@@ -261,36 +343,74 @@ def summary(rows: list[dict]) -> dict:
 
 def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, resume: bool = False,
               progress: ProgressFn | None = None, on_batch: Callable[[int], None] | None = None,
-              loaded: LoadedModel | None = None) -> CalibrationResult:
-    """Run a whole calibration and write the artifact into ``out``."""
+              loaded: LoadedModel | None = None, placement: Placement | None = None) -> CalibrationResult:
+    """Run a whole calibration and write the artifact into ``out``.
+
+    Started as one rank of a data-parallel job (WORLD_SIZE > 1, see :mod:`oscar_calib.distributed`),
+    it streams this rank's share of the batches, and only rank 0 writes; other ranks return a
+    result with ``artifact`` and ``report`` of ``None``. ``placement`` spreads the model with
+    accelerate (``device_map``, ``max_memory``)."""
     cfg.validate()
     out = Path(out)
-    check_output_dir(out, overwrite, resume)
+    with session(cfg.device, placement) as ctx:
+        return _calibrate(cfg, out, ctx, overwrite=overwrite, resume=resume, progress=progress, on_batch=on_batch,
+                          loaded=loaded, placement=placement)
+
+
+def _other_world_checkpoints(out: Path, mine: str) -> list[str]:
+    if not out.is_dir() or (out / mine).exists():
+        return []
+    stem = CHECKPOINT_NAME[:-3]
+    return sorted(p.name for p in out.glob(f"{stem}*.pt"))
+
+
+def _calibrate(cfg: CalibrationConfig, out: Path, ctx: DistContext, *, overwrite: bool, resume: bool,
+               progress: ProgressFn | None, on_batch: Callable[[int], None] | None,
+               loaded: LoadedModel | None, placement: Placement | None) -> CalibrationResult:
     t0 = time.perf_counter()
-    lm = loaded or prepare_model(cfg)
-    geo = lm.geometry
-    group_size = cfg.group_size or default_group_size(geo.head_dim)
-    check_group_size(geo.head_dim, group_size)
-    plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
-                       seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
-                       seed=cfg.seed)
+    ckpt = out / checkpoint_name(ctx, CHECKPOINT_NAME)
+    created, lm, plan, error, info = False, None, None, None, {}
+    try:                                  # under DP every rank learns about any rank's start-up error
+        if ctx.is_main:
+            check_output_dir(out, overwrite, resume)
+            created = not out.exists()
+        if resume:
+            others = _other_world_checkpoints(out, ckpt.name)
+            if others:
+                raise InputError(f"{out} holds checkpoints of another number of ranks ({', '.join(others)}); resume "
+                                 f"with the same --nproc, or remove them")
+        lm = loaded or prepare_model(cfg, device=ctx.device, placement=(placement.for_rank(ctx) if placement else None))
+        geo = lm.geometry
+        group_size = cfg.group_size or default_group_size(geo.head_dim)
+        check_group_size(geo.head_dim, group_size)
+        plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
+                           tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
+                           heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
+        info = {"fingerprint": lm.fingerprint, "tokens": plan.sha256(),
+                "settings": stable_hash({k: v for k, v in cfg.fingerprint_fields().items() if k != "model"})}
+    except Exception as e:  # noqa: BLE001 - re-raised by check_agreement on this rank
+        error = e
+    check_agreement(ctx, info, error)
     t_load = time.perf_counter() - t0
-    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = out / CHECKPOINT_NAME
     try:
-        run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume, progress=progress,
-                                         on_batch=on_batch)
-        t2 = time.perf_counter()
-        layers, rows = build_rotations(run, cfg, geo, group_size)
-        timing["rotations_and_clips_s"] = time.perf_counter() - t2
-    except (KeyboardInterrupt, SystemExit):
+        run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume,
+                                         progress=progress if ctx.is_main else None, on_batch=on_batch, dist=ctx)
+        if ctx.is_main:
+            t2 = time.perf_counter()
+            layers, rows = build_rotations(run, cfg, geo, group_size)
+            timing["rotations_and_clips_s"] = time.perf_counter() - t2
+    except (KeyboardInterrupt, SystemExit, DistributedError):
         raise            # the checkpoint stays for --resume
     except BaseException:
         ckpt.unlink(missing_ok=True)
         if created and not any(out.iterdir()):
             shutil.rmtree(out, ignore_errors=True)
         raise
+    if not ctx.is_main:
+        ctx.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
+        ckpt.unlink(missing_ok=True)
+        return CalibrationResult(out, None, None, lm, stats=run, rank=ctx.rank)
     metadata = artifact_metadata(cfg, lm, plan, group_size)
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
@@ -304,8 +424,25 @@ def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, res
 
     write_artifact_files(out, artifact, model_card(report), report)
     ckpt.unlink(missing_ok=True)
-    return CalibrationResult(out, artifact, report, lm)
+    if ctx.enabled:
+        ctx.barrier("rank 0 writing the artifact")
+    return CalibrationResult(out, artifact, report, lm, stats=run, rank=ctx.rank)
 
 
-__all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics",
+def calibrate_parallel(cfg: CalibrationConfig, out: Path, nproc: int, argv: list[str], *, overwrite: bool = False,
+                       resume: bool = False) -> int:
+    """Start ``nproc`` local ranks that each run the command line ``argv`` (``calibrate ...``,
+    which must describe ``cfg`` and ``out``) through torch's elastic launcher, after checking
+    what can be checked here. Returns rank 0's exit code (0, or 1 when verification failed);
+    raises :class:`DistributedError` naming the rank that failed otherwise."""
+    from . import distributed
+
+    cfg.validate()
+    distributed.check_nproc(nproc, cfg.device)
+    check_output_dir(Path(out), overwrite, resume)
+    hint = f"any per-rank checkpoints in {out} are kept: rerun the same command with --resume to continue"
+    return distributed.launch(nproc, [sys.executable, "-m", "oscar_calib", *argv], hint=hint)
+
+
+__all__ = ["calibrate", "calibrate_parallel", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics",
            "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME", "REPORT_NAME", "math"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,6 +17,9 @@ EXAMPLES = """
     * `oscar calibrate gemma3-270m --tokens 16384 --out zoo/gemma3-270m`
     * `oscar calibrate ./my-llama --data corpus.jsonl --seq-len 2048 --device cuda`
     * `oscar calibrate Qwen/Qwen3-8B --config configs/qwen3-8b.yaml --clip k=0.96,v=0.92`
+    * `oscar calibrate Qwen/Qwen3-8B --nproc 8` (8 data-parallel ranks, one per GPU)
+    * `oscar calibrate Qwen/Qwen3-235B-A22B --device-map auto --max-memory 0=70GiB,1=70GiB,cpu=400GiB`
+    * `torchrun --nproc-per-node 4 -m oscar_calib calibrate ./my-llama` (same as --nproc 4)
     """
 
 
@@ -46,6 +50,13 @@ def calibrate_command(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
+    nproc: Annotated[Optional[int], typer.Option(help="Data-parallel ranks on this machine (one per GPU, or per CPU "
+                                                 "core): the batches are split over them and the statistics "
+                                                 "all-reduced. Not needed under torchrun / accelerate launch.")] = None,
+    device_map: Annotated[Optional[str], typer.Option(help="Spread a model too big for one device with accelerate: "
+                                                      "auto, balanced, sequential, cpu, cuda:N or a JSON map.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option(help="Memory per device for --device-map, e.g. "
+                                                      "0=70GiB,1=70GiB,cpu=200GiB (the rest is offloaded to disk).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an artifact already in --out.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its checkpoint in --out.")] = False,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
@@ -61,7 +72,9 @@ def calibrate_command(
     --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
     from ..config import CalibrationConfig, from_mapping, load_yaml_section, parse_clip
-    from ..pipeline import calibrate
+    from ..distributed import Placement, cli_argv, env_world_size, launched, parse_device_map, parse_max_memory
+    from ..errors import InputError, OscarError
+    from ..pipeline import calibrate, calibrate_parallel
 
     base = load_yaml_section(config) if config else {}
     values = dict(base)
@@ -79,6 +92,17 @@ def calibrate_command(
     values["trust_remote_code"] = trust_remote_code or bool(values.get("trust_remote_code", False))
     cfg: CalibrationConfig = from_mapping(values, where=str(config) if config else "options")
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
+    dmap, mmem = parse_device_map(device_map), parse_max_memory(max_memory)
+    if mmem is not None and dmap is None:
+        raise InputError("--max-memory needs --device-map (e.g. --device-map auto)")
+    placement = Placement(dmap, mmem) if dmap is not None else None
+    if nproc is not None and nproc < 1:
+        raise InputError(f"--nproc must be at least 1, got {nproc}")
+    if launched():                       # this process is one rank (started by --nproc, torchrun, accelerate)
+        if nproc is not None and nproc != env_world_size():
+            raise InputError(f"--nproc {nproc} but this job has WORLD_SIZE={env_world_size()}")
+    elif nproc is not None and nproc > 1:
+        raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -94,12 +118,25 @@ def calibrate_command(
         bar.update(task, completed=done, total=total)
 
     try:
-        result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress)
+        result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
+    except OscarError as e:
+        rank = os.environ.get("RANK")
+        if launched() and rank is not None and not str(e).startswith("rank "):
+            raise type(e)(f"rank {rank}: {e}") from None     # say which rank, once per rank
+        raise
     finally:
         bar.stop()
+    if result.rank != 0:
+        return                           # rank 0 reports and verifies
 
     report = result.report
     verdict = None
+    spread = set(getattr(result.loaded.model, "hf_device_map", {"": 0}).values()) if result.loaded else set()
+    if verify and len(spread) > 1:
+        verify = False                   # verify runs its kernels on one device; see the note below
+        console.print(f"[yellow]note:[/yellow] the model is spread over {', '.join(map(str, sorted(spread, key=str)))}; "
+                      f"the automatic verify is skipped: run `oscar verify {result.out}` on a machine where the "
+                      "model fits one device")
     if verify:
         from ..verify import verify_artifact
 

@@ -1,0 +1,242 @@
+"""Data-parallel calibration on the CPU (gloo, 2 processes through torch's elastic launcher) and
+big-model placement (accelerate device maps with disk offload).
+
+Every multi-process test starts real ranks (tests/dist_worker.py, or the CLI re-executed by
+``--nproc``); each rank builds the same seeded tiny model. The single-process references run here
+with one thread, as the ranks do, so activations are bit-identical and only the order of the
+float64 additions differs.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import loaded_tiny, tiny_model
+from oscar_calib.config import CalibrationConfig
+from oscar_calib.distributed import (DistributedError, Placement, check_nproc, launch, parse_device_map,
+                                     parse_max_memory)
+from oscar_calib.errors import InputError
+from oscar_calib.pipeline import CHECKPOINT_NAME, calibrate
+from oscar_calib.rotation import eig_desc
+from oscar_calib.stats import ACCUMULATORS
+from test_cli import assert_one_line_error, run_main
+
+WORKER = Path(__file__).parent / "dist_worker.py"
+# 16 sequences of 64 tokens, 2 per batch: 8 batches, 4 per rank. The sst-approx pilot (384 tokens)
+# is the first 3 batches: 2 of them on rank 0, 1 on rank 1.
+CFG = dict(tokens=1024, seq_len=64, batch_size=2, heldout_tokens=48, pilot_tokens=384, checkpoint_every=1,
+           device="cpu", v_objective="sst-approx")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process run over the same tokens, one thread (as every rank)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = calibrate(CalibrationConfig(**CFG), tmp_path_factory.mktemp("ref") / "out", loaded=loaded_tiny())
+    finally:
+        torch.set_num_threads(threads)
+    return res
+
+
+def run_job(tmp_path: Path, name: str, nproc: int = 2, **job) -> tuple[int, Path]:
+    work = tmp_path / name
+    work.mkdir()
+    job = {"cfg": CFG, "out": str(tmp_path / "out"), "work": str(work), **job}
+    (work / "job.json").write_text(json.dumps(job))
+    return launch(nproc, [sys.executable, str(WORKER), str(work / "job.json")]), work
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def assert_matches_reference(stats: list[dict], reference) -> None:
+    for layer, (got, ref) in enumerate(zip(stats, reference.stats.stats)):
+        assert got["tokens"] == ref.tokens
+        for name in ACCUMULATORS:
+            r = rel(got["sums"][name], ref.sums[name])
+            assert r <= 1e-12, (layer, name, r)
+        assert rel(got["w_sum"], ref.w_sum) <= 1e-12
+        assert rel(got["pilot_cq"], ref.pilot_cq) <= 1e-12
+        for name, count in (("q", ref.tokens * ref.group), ("s", ref.tokens * ref.group),
+                            ("s_approx", None)):
+            cov = got["sums"][name] / (count or got["w_sum"].view(-1, 1, 1))
+            _, u = eig_desc(cov)
+            _, u_ref = eig_desc(ref.covariance(name))
+            # same eigenvectors up to sign: |<u_i, u_ref_i>| = 1
+            dots = (u * u_ref).sum(-2).abs()
+            assert float((dots - 1).abs().max()) < 1e-8, (layer, name)
+
+
+def assert_same_rotations(out: Path, ref_out: Path) -> None:
+    a, b = load_file(str(out / "oscar.safetensors")), load_file(str(ref_out / "oscar.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_two_ranks_equal_one_process(tmp_path, reference):
+    code, work = run_job(tmp_path, "job")
+    assert code == 0
+    got = torch.load(work / "stats.pt", weights_only=True)
+    assert_matches_reference(got["stats"], reference)
+    assert got["timings"]["world_size"] == 2 and got["timings"]["rank_batches"] == 4
+    assert_same_rotations(tmp_path / "out", reference.out)
+    md = json.loads((tmp_path / "out" / "calibration.json").read_text())["calibration"]
+    assert md == reference.report["calibration"]               # same tokens (sha256), settings, pilot
+    assert not list((tmp_path / "out").glob(".oscar-checkpoint*"))
+
+
+def test_dead_rank_is_named_and_resume_continues(tmp_path, reference):
+    out = tmp_path / "out"
+    with pytest.raises(DistributedError, match=r"rank 1 died \(SIGKILL\); rank\(s\) 0 were stopped"):
+        run_job(tmp_path, "dies", die={"1": 2})
+    work = tmp_path / "dies"
+    # the survivor exits with one clear line, the dead rank's checkpoint stays, nothing else is written
+    assert "rank 0:" in (work / "error.rank0").read_text()
+    assert (out / f"{CHECKPOINT_NAME[:-3]}.rank1-of-2.pt").exists()
+    assert not (out / "oscar.safetensors").exists()
+    # a single process cannot take over a 2-rank checkpoint
+    with pytest.raises(InputError, match="another number of ranks"):
+        calibrate(CalibrationConfig(**CFG), out, loaded=loaded_tiny(), resume=True)
+    code, work = run_job(tmp_path, "resume", resume=True)
+    assert code == 0
+    assert json.loads((work / "batches.rank1").read_text())[0] == 3      # rank 1 went on after batch 2
+    assert_matches_reference(torch.load(work / "stats.pt", weights_only=True)["stats"], reference)
+    assert_same_rotations(out, reference.out)
+    assert not list(out.glob(".oscar-checkpoint*"))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
+    """Each rank sees every rank's fingerprint (the all-gather itself runs in the tests above);
+    here the other rank loaded another revision: every rank stops before writing anything."""
+    import contextlib
+
+    from oscar_calib import distributed, pipeline
+
+    class TwoRanks(distributed.DistContext):
+        def gather_objects(self, obj, what):
+            other = dict(obj, fingerprint="0" * 64)                  # "another revision" on the other rank
+            return [obj, other] if self.rank == 0 else [other, obj]
+
+    monkeypatch.setattr(pipeline, "session", lambda *a, **k: contextlib.nullcontext(
+        TwoRanks(rank=rank, world_size=2, device="cpu", backend="gloo")))
+    with pytest.raises(DistributedError, match="ranks disagree on the model fingerprint .*rank 0: .*rank 1: "):
+        calibrate(CalibrationConfig(**CFG), tmp_path / "out", loaded=loaded_tiny())
+    assert not (tmp_path / "out").exists()                                  # nothing half-written
+
+
+def test_cli_nproc_two_equals_one(monkeypatch, capsys, tmp_path, tiny_dir, plain_artifact):
+    out = tmp_path / "dp"
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(out), *CLI_ARGS,
+                            "--nproc", "2", "--json")
+    assert code == 0, err
+    assert_same_rotations(out, plain_artifact)
+    t = json.loads((out / "calibration.json").read_text())["timings"]
+    assert t["world_size"] == 2
+
+
+def test_nproc_beyond_devices_is_refused(monkeypatch, capsys, tmp_path, tiny_dir):
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                            *CLI_ARGS, "--nproc", "4096")
+    assert_one_line_error(code, err, "--nproc 4096: only")
+    assert "CPU core" in err and not (tmp_path / "o").exists()
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                            *CLI_ARGS, "--nproc", "0")
+    assert_one_line_error(code, err, "--nproc must be at least 1")
+    # on CUDA the devices are the visible GPUs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InputError, match="--nproc 2: only 1 CUDA device"):
+        check_nproc(2, "cuda")
+    check_nproc(1, "cuda")
+
+
+def test_half_precision_grams_match_float64(monkeypatch):
+    """bf16 activations take the batched float32-output GEMM (exact products); float64 is forced by
+    OSCAR_EXACT_GRAMS=1. They agree to float32 summation error; float32 inputs never take it."""
+    from oscar_calib.stats import LayerStats, half_precision_grams
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 96, 16, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 2, 96, 16, generator=gen).bfloat16() for _ in range(2))
+    o = torch.randn(2, 96, 6, 16, generator=gen).bfloat16()
+    fast, exact = LayerStats(2, 3, 16, 64), LayerStats(2, 3, 16, 64)
+    assert half_precision_grams(q, k, v, o) and not half_precision_grams(q.float(), k, v, o)
+    fast.update(q, k, v, o)
+    monkeypatch.setenv("OSCAR_EXACT_GRAMS", "1")
+    assert not half_precision_grams(q, k, v, o)
+    exact.update(q, k, v, o)
+    for name in ACCUMULATORS:
+        assert rel(fast.sums[name], exact.sums[name]) < 1e-6, name
+    assert fast.tokens == exact.tokens == 192
+
+
+def test_bad_placement_options():
+    assert parse_max_memory("0=70GiB, cuda:1=60GB,cpu=200GiB,disk=1000") == {0: "70GiB", 1: "60GB", "cpu": "200GiB",
+                                                                            "disk": 1000}
+    for bad, pattern in (("0:70GiB", "DEVICE=SIZE"), ("tpu=1GiB", "unknown device"), ("0=lots", "not a size")):
+        with pytest.raises(InputError, match=pattern):
+            parse_max_memory(bad)
+    assert parse_device_map("auto") == "auto" and parse_device_map('{"": "cpu"}') == {"": "cpu"}
+    with pytest.raises(InputError, match="--device-map"):
+        parse_device_map("everywhere")
+
+
+# ----------------------------------------------------------------------------- big models
+
+CLI_ARGS = ["--tokens", "512", "--seq-len", "64", "--batch-size", "2", "--heldout-tokens", "48", "--device", "cpu",
+            "--no-verify"]
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built in code (no files, no network): 256 bytes + EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Llama checkpoint (float32 safetensors) with a byte tokenizer."""
+    tok = byte_tokenizer()
+    d = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    tiny_model("llama", vocab_size=len(tok), layers=3).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
+    out = tmp_path_factory.mktemp("plain") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate(CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48,
+                                    device="cpu"), out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_device_map_with_disk_offload_equals_plain_run(tmp_path, tiny_dir, plain_artifact):
+    cfg = CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48, device="cpu")
+    # ~1.5 decoder layers fit in "CPU memory": the rest is offloaded to disk (read from the safetensors)
+    res = calibrate(cfg, tmp_path / "big", placement=Placement("auto", {"cpu": 200_000}))
+    where = set(res.loaded.model.hf_device_map.values())
+    assert "disk" in where, res.loaded.model.hf_device_map
+    assert_same_rotations(tmp_path / "big", plain_artifact)
+    res = calibrate(cfg, tmp_path / "cpu", placement=Placement({"": "cpu"}))
+    assert (tmp_path / "cpu" / "oscar.safetensors").read_bytes() == (plain_artifact / "oscar.safetensors").read_bytes()
