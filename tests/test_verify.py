@@ -15,7 +15,7 @@ from oscar_calib.errors import ArtifactError
 from oscar_calib.pipeline import calibrate
 from oscar_calib.verify import verify_artifact
 
-QUICK = dict(depths=(400, 700), sequences=1, positions=4)
+QUICK = dict(depths=(400, 700), sequences=1, positions=2)
 
 
 def bad_copy(src, dst):
