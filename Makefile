@@ -6,7 +6,7 @@ STAMP := .make
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test bench-calibrate bench-kernels clean
+.PHONY: setup demo test bench-calibrate bench-calibrate-gpu bench-kernels clean
 
 $(STAMP)/setup: pyproject.toml
 	@mkdir -p $(STAMP)
@@ -27,6 +27,9 @@ test: setup
 
 bench-calibrate: setup
 	$(PYTHON) scripts/bench_calibrate.py
+
+bench-calibrate-gpu: setup
+	$(PYTHON) scripts/bench_calibrate.py --gpu
 
 bench-kernels: setup
 	$(PYTHON) scripts/bench_kernels.py
