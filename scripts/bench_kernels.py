@@ -10,8 +10,9 @@ On the GPU (default), in this order:
    8 KV heads, head_dim 128, G=128, 64 sink + 256 recent BF16 tokens): INT2 kernel against BF16
    ``torch.nn.functional.scaled_dot_product_attention`` (GQA through ``enable_gqa``, and with
    the GQA group folded into 4 query rows per KV head; the faster counts). A small variant sweep
-   (code mode, tile, stages, programs per SM) runs first at 128K; the best variant per batch
-   size is then timed everywhere, plus the paged layout at one size;
+   (code mode, tile, stages, programs per SM, KV heads per program) runs first at 128K; the
+   best variant per batch size is then timed everywhere, plus the paged layout at one size;
+   a profiler breakdown per kernel (rotation, decode, merge) follows;
 4. write-kernel throughput (rotate + clip + quantise + pack) on 128K tokens x 8 heads.
 
 Timing: ``triton.testing.do_bench`` medians (it flushes L2 before every call) of CUDA-graph
@@ -195,15 +196,14 @@ def int2_bytes(batch, kvh, d, g, hist, window, dtype_bytes=2) -> int:
 def decode_variants() -> list[dict]:
     if ARGS.quick:
         return [{"mode": 0, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1},
-                {"mode": 2, "BLOCK_N": 32, "BLOCK16": 32, "programs_per_sm": 1}]
+                {"mode": 0, "BLOCK_N": 16, "BLOCK16": 16, "programs_per_sm": 1, "heads_per_program": 1}]
     base = {}  # the library defaults (decode.DEFAULT_*)
     if ARGS.no_sweep:
         return [base]
     out = [base]
-    q4 = {"mode": 1, "orient": 0, "BLOCK_N": 128, "num_warps": 4, "programs_per_sm": 4}
     for change in (
-        {"mode": 0}, {"orient": 0}, {"programs_per_sm": 8}, {"programs_per_sm": 32}, {"BLOCK_N": 32},
-        {"num_warps": 2}, {**q4, "num_stages": 3}, {**q4, "num_stages": 2, "programs_per_sm": 2},
+        {"mode": 0}, {"BLOCK_N": 32}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"num_stages": 3},
+        {"heads_per_program": 1}, {"BLOCK_N": 32, "programs_per_sm": 16},
     ):
         out.append({**base, **change})
     return out
@@ -384,13 +384,14 @@ def write_variants() -> list[tuple[str, dict, dict]]:
         return [("rot+clip", {}, {"clip": True})]
     fd = {"fast_div": True}
     cfgs = [("rot+clip", {}, {"clip": True}),
+            ("rot+clip BT=32", {"BT": 32}, {"clip": True}),
+            ("rot+clip BT=128 w8", {"BT": 128, "num_warps": 8}, {"clip": True}),
+            ("rot+clip BT=32 w2", {"BT": 32, "num_warps": 2}, {"clip": True}),
             ("rot+clip fast-div", fd, {"clip": True}),
-            ("rot+clip fast-div BT=32", {**fd, "BT": 32}, {"clip": True}),
-            ("rot+clip fast-div BT128w8", {**fd, "BT": 128, "num_warps": 8}, {"clip": True}),
-            ("rot+clip fast-div+rot", fd, {"clip": True, "fast": True}),
+            ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
             ("rot, no clip", {}, {"clip": False}),
-            ("rot, no clip fast-div", fd, {"clip": False}),
-            ("no rot/clip fast-div", fd, {"clip": False, "rot": False})]
+            ("no rot, clip", {}, {"clip": True, "rot": False}),
+            ("no rot/clip", {}, {"clip": False, "rot": False})]
     return cfgs
 
 

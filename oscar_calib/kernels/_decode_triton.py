@@ -1,15 +1,33 @@
 """Triton kernels behind :func:`oscar_calib.kernels.decode.decode_attention` (imported lazily).
 
-Notation: ``W`` channels per bit plane, ``NB`` byte blocks per row (``NB * 4`` planes, "units"),
-``M`` padded GQA group (>= 16 rows for the tensor cores). Unit ``u = 4*block + plane`` covers
-channels ``[u*W, (u+1)*W)`` (see :mod:`.pack`), so a per-unit accumulator stores to that range.
+Notation: ``D`` head_dim, ``G`` group size, ``W = min(G, D/4)`` bytes per bit-plane row,
+``NB = D / (4W)`` byte blocks per row, ``NW = W/4`` 32-bit words per plane row, unit
+``u = 4*block + plane`` covers channels ``[u*W, (u+1)*W)`` (see :mod:`.pack`). ``QG`` query heads
+per KV head (padded to ``M2``), ``HP`` KV heads per program, ``NK = M2*HP`` score columns
+(column ``c = hq*HP + hh``).
 
-Code modes (``MODE``):
+INT2 history (one warp per program, ``BN`` tokens per step):
 
-* 0: ``((byte >> 2p) & 3)`` reinterpreted as fp16 bits: the subnormal ``code * 2^-24``; dots
-  are scaled back by ``2^24`` through the group scale (keys) or at the end (values). Exact.
-* 1: mode 0 done by inline PTX on four bytes at once (``shr``, ``and``, two ``prmt``); GPU only.
-* 2: integer-to-fp16 conversion (plain values); a fallback.
+* Keys, tokens as the M dimension of the dot: scores ``[BN, NK] = codes[BN, HP*W] @ q'[HP*W, NK]``
+  per unit, ``q'`` block-diagonal over the ``HP`` heads (so the ``N = 8`` columns of the tensor
+  core are all real query heads when ``QG = 4``). Code bytes become fp16 with one ``and`` per
+  register: ``word & (0x00030003 << 2p)`` is a half2 of the codes of bytes 0 and 2, plane ``p``,
+  as fp16 subnormals ``4^p * code * 2^-24`` (bytes 1 and 3 after one shift by 8, shared by
+  the four planes). The factor ``4^-p``, the channel order (0, 2, 1, 3) inside each word and the
+  score scale are folded into ``q'``, which is built once per program.
+* Values, channel pairs as M: ``O^T[(which, word), (hq, e)] += A[(which, word), (t, e')] @
+  B[(t, e'), (hq, e)]`` with ``A`` the same half2 registers (two channels of one token) and
+  ``B[(t, e'), (hq, e)] = p[t, hq] * scale_v[t] * (e == e')``. The token pair in one register
+  of a classic ``P @ V`` operand would need a byte transpose; this form needs none, and its
+  ``N = 2 * M2`` columns are all used. Offsets enter as ``sum_t p_t * offset_t`` per group.
+* Online softmax in base 2 with the rescale of the accumulators skipped when no column's
+  running maximum moved (exact). Full blocks run unmasked; the last partial block masked.
+
+Code modes (``ASM``): 1 = the bit operations as inline PTX (GPU); 0 = the same values with
+plain Triton ops (the interpreter, and a GPU fallback). Both are exact.
+
+16-bit window: programs ``pid0 < S16``, heads as the M dimension of the dots (padded to 16),
+16-bit operands split into high and residual parts (about fp32 accuracy).
 """
 
 from __future__ import annotations
@@ -20,347 +38,256 @@ import triton.language as tl
 TWO24 = tl.constexpr(16777216.0)
 
 
+def _k_asm(p: int) -> str:
+    m = 0x00030003 << (2 * p)
+    return "{\n.reg .b32 t;\nand.b32 $0, $2, %d;\nshr.b32 t, $2, 8;\nand.b32 $1, t, %d;\n}" % (m, m)
+
+
+def _v_asm(p: int) -> str:
+    m = 0x00030003 << (2 * p)
+    return ("{\n.reg .b32 t, u;\nand.b32 t, $4, %d;\nmov.b32 {$0, $1}, t;\nshr.b32 u, $4, 8;\n"
+            "and.b32 u, u, %d;\nmov.b32 {$2, $3}, u;\n}" % (m, m))
+
+
+K_ASM0 = tl.constexpr(_k_asm(0))
+K_ASM1 = tl.constexpr(_k_asm(1))
+K_ASM2 = tl.constexpr(_k_asm(2))
+K_ASM3 = tl.constexpr(_k_asm(3))
+V_ASM0 = tl.constexpr(_v_asm(0))
+V_ASM1 = tl.constexpr(_v_asm(1))
+V_ASM2 = tl.constexpr(_v_asm(2))
+V_ASM3 = tl.constexpr(_v_asm(3))
+
+
 @triton.jit
-def _plane(c, P: tl.constexpr, MODE: tl.constexpr):
-    """Bit plane ``P`` of packed bytes ``c`` (uint8, any shape) as float16 (see MODE)."""
-    if MODE == 1:
+def _kplane(c, P: tl.constexpr, ASM: tl.constexpr):
+    """Key code bytes (uint8, last dim a multiple of 4) -> fp16 ``4^P * code * 2^-24`` of plane P.
+
+    Element ``4i + m`` holds byte ``4i + (0, 2, 1, 3)[m]``: with ASM the bytes are loaded in
+    order and the ``and`` does the permutation; without, the caller loads them permuted."""
+    if ASM:
         if P == 0:
-            r = tl.inline_asm_elementwise(
-                "{\n.reg .b32 t, z;\nand.b32 t, $2, 0x03030303;\nmov.b32 z, 0;\n"
-                "prmt.b32 $0, t, z, 0x4140;\nprmt.b32 $1, t, z, 0x4342;\n}",
-                "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+            r = tl.inline_asm_elementwise(K_ASM0, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
         elif P == 1:
-            r = tl.inline_asm_elementwise(
-                "{\n.reg .b32 t, z;\nshr.b32 t, $2, 2;\nand.b32 t, t, 0x03030303;\nmov.b32 z, 0;\n"
-                "prmt.b32 $0, t, z, 0x4140;\nprmt.b32 $1, t, z, 0x4342;\n}",
-                "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+            r = tl.inline_asm_elementwise(K_ASM1, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
         elif P == 2:
-            r = tl.inline_asm_elementwise(
-                "{\n.reg .b32 t, z;\nshr.b32 t, $2, 4;\nand.b32 t, t, 0x03030303;\nmov.b32 z, 0;\n"
-                "prmt.b32 $0, t, z, 0x4140;\nprmt.b32 $1, t, z, 0x4342;\n}",
-                "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+            r = tl.inline_asm_elementwise(K_ASM2, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
         else:
-            r = tl.inline_asm_elementwise(
-                "{\n.reg .b32 t, z;\nshr.b32 t, $2, 6;\nand.b32 t, t, 0x03030303;\nmov.b32 z, 0;\n"
-                "prmt.b32 $0, t, z, 0x4140;\nprmt.b32 $1, t, z, 0x4342;\n}",
-                "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
-    elif MODE == 0:
-        r = ((c >> (2 * P)) & 3).to(tl.int16).to(tl.float16, bitcast=True)
+            r = tl.inline_asm_elementwise(K_ASM3, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        r = ((c >> (2 * P)) & 3).to(tl.float16)
+        r = (c & (3 << (2 * P))).to(tl.int16).to(tl.float16, bitcast=True)
     return r
 
 
 @triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr):
-    if INTERP:  # the interpreter's bf16 dot is wrong; fp32 is exact for 16-bit operands
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc)
+def _vplane(w, P: tl.constexpr, ASM: tl.constexpr):
+    """Value code words int32 ``[HP, BN, NW]`` -> fp16 ``A [HP, 2*NW, 2*BN]`` of plane P:
+    ``A[hh, which*NW + j, 2t + e] = 4^P * code(token t, byte 4j + which + 2e) * 2^-24``."""
+    if ASM:
+        if P == 0:
+            x00, x01, x10, x11 = tl.inline_asm_elementwise(
+                V_ASM0, "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=1)
+        elif P == 1:
+            x00, x01, x10, x11 = tl.inline_asm_elementwise(
+                V_ASM1, "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=1)
+        elif P == 2:
+            x00, x01, x10, x11 = tl.inline_asm_elementwise(
+                V_ASM2, "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=1)
+        else:
+            x00, x01, x10, x11 = tl.inline_asm_elementwise(
+                V_ASM3, "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=1)
+    else:
+        x00 = (w & (3 << (2 * P))).to(tl.int16).to(tl.float16, bitcast=True)
+        x01 = ((w >> 16) & (3 << (2 * P))).to(tl.int16).to(tl.float16, bitcast=True)
+        x10 = ((w >> 8) & (3 << (2 * P))).to(tl.int16).to(tl.float16, bitcast=True)
+        x11 = ((w >> 24) & (3 << (2 * P))).to(tl.int16).to(tl.float16, bitcast=True)
+    HP: tl.constexpr = w.shape[0]
+    BN: tl.constexpr = w.shape[1]
+    NW: tl.constexpr = w.shape[2]
+    j = tl.join(tl.join(x00, x01), tl.join(x10, x11))  # [HP, BN, NW, e, which]
+    return tl.permute(j, (0, 4, 2, 1, 3)).reshape(HP, 2 * NW, 2 * BN)
+
+
+@triton.jit
+def _bmat(wt):
+    """``w [HP, BN, M2]`` -> ``B [HP, 2*BN, 2*M2]`` with ``B[hh, 2t+e', 2m+e] = w[hh, t, m] * (e == e')``."""
+    HP: tl.constexpr = wt.shape[0]
+    BN: tl.constexpr = wt.shape[1]
+    M2: tl.constexpr = wt.shape[2]
+    z = tl.zeros_like(wt)
+    r0 = tl.join(wt, z).reshape(HP, BN, 2 * M2)
+    r1 = tl.join(z, wt).reshape(HP, BN, 2 * M2)
+    return tl.permute(tl.join(r0, r1), (0, 1, 3, 2)).reshape(HP, 2 * BN, 2 * M2)
+
+
+@triton.jit
+def _cols_to_o(v, M2: tl.constexpr, HP: tl.constexpr):
+    """Score-column vector ``[M2*HP]`` -> ``[HP, 1, 2*M2]`` broadcastable over value accumulators."""
+    x = tl.permute(v.reshape(M2, HP), (1, 0))
+    return tl.join(x, x).reshape(HP, 2 * M2)[:, None, :]
+
+
+@triton.jit
+def _sel8(i: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7):
+    if i == 0:
+        r = x0
+    elif i == 1:
+        r = x1
+    elif i == 2:
+        r = x2
+    elif i == 3:
+        r = x3
+    elif i == 4:
+        r = x4
+    elif i == 5:
+        r = x5
+    elif i == 6:
+        r = x6
+    else:
+        r = x7
+    return r
+
+
+@triton.jit
+def _qop(qr_ptr, qrow, hh_r, hh_c, hq_c, cmask, scale, U: tl.constexpr, W: tl.constexpr):
+    """K-dot operand of unit U: ``[HP*W, NK]`` fp16, block-diagonal over heads, channels in the
+    order the key codes arrive in (see :func:`_kplane`), scaled by ``scale * 4^-plane``."""
+    kk = tl.arange(0, W)
+    ch = U * W + (kk // 4) * 4 + (kk % 4 % 2) * 2 + (kk % 4) // 2
+    HPW: tl.constexpr = hh_r.shape[0]
+    chs = tl.broadcast_to(ch[None, :], [HPW // W, W]).reshape(HPW)
+    m = (hh_r[:, None] == hh_c[None, :]) & cmask[None, :]
+    v = tl.load(qr_ptr + qrow[None, :] + chs[:, None], mask=m, other=0.0).to(tl.float32)
+    return (v * (scale / (1 << (2 * (U % 4))))).to(tl.float16)
 
 
 @triton.jit
 def _dot2(a_hi, a_lo, b, acc, INTERP: tl.constexpr):
     """``(a_hi + a_lo) @ b`` as two dots (16-bit operands, fp32 accumulation)."""
-    return _dot(a_lo, b, _dot(a_hi, b, acc, INTERP), INTERP)
+    if INTERP:  # the interpreter's 16-bit dot is not exact; fp32 is, for 16-bit operands
+        a_hi = a_hi.to(tl.float32)
+        a_lo = a_lo.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a_lo, b, tl.dot(a_hi, b, acc))
 
 
 @triton.jit
-def _int2_scores(q0, q1, q2, q3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
-                 BETA: tl.constexpr, G: tl.constexpr, W: tl.constexpr, M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MODE: tl.constexpr):
-    """Scores (log2 units) of one byte block: sum over its 4 planes, scaled per group."""
-    s = tl.zeros([M, BLOCK_N], dtype=tl.float32)
-    t = tl.zeros([M, BLOCK_N], dtype=tl.float32)
-    tq = tl.zeros([M], dtype=tl.float32)
-    for P in tl.static_range(4):
-        if P == 0:
-            qp = q0
-            qsp = qs0
-        elif P == 1:
-            qp = q1
-            qsp = qs1
-        elif P == 2:
-            qp = q2
-            qsp = qs2
-        else:
-            qp = q3
-            qsp = qs3
-        t = tl.dot(qp, tl.trans(_plane(kc, P, MODE)), t)
-        tq += qsp
-        if ((P + 1) * W) % G == 0:  # last plane of a group
-            g = (BETA * 4 * W + P * W) // G
-            sc = tl.load(ks_ptr + pb + g, mask=nm, other=0.0).to(tl.float32) * kscale
-            of = tl.load(ko_ptr + pb + g, mask=nm, other=0.0).to(tl.float32)
-            s += t * sc[None, :] + tq[:, None] * of[None, :]
-            t = tl.zeros([M, BLOCK_N], dtype=tl.float32)
-            tq = tl.zeros([M], dtype=tl.float32)
-    return s
+def _kunit(kc, U: tl.constexpr, q0, q1, q2, q3, q4, q5, q6, q7, t, ASM: tl.constexpr, INTERP: tl.constexpr):
+    """``t += codes(unit U) [BN, HP*W] @ q'_U [HP*W, NK]`` (key codes ``kc [HP, BN, W]``)."""
+    HP: tl.constexpr = kc.shape[0]
+    BN: tl.constexpr = kc.shape[1]
+    W: tl.constexpr = kc.shape[2]
+    a = _kplane(kc, U % 4, ASM)
+    a = tl.permute(a, (1, 0, 2)).reshape(BN, HP * W)               # k = hh*W + j
+    q = _sel8(U, q0, q1, q2, q3, q4, q5, q6, q7)
+    if INTERP:
+        a = a.to(tl.float32)
+        q = q.to(tl.float32)
+    return tl.dot(a, q, t)
 
 
 @triton.jit
-def _int2_scores_t(g0, g1, g2, g3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
-                   BETA: tl.constexpr, G: tl.constexpr, W: tl.constexpr, M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, MODE: tl.constexpr):
-    """As :func:`_int2_scores`, transposed: ``[BLOCK_N, M]`` (tokens as the dot's M dimension)."""
-    s = tl.zeros([BLOCK_N, M], dtype=tl.float32)
-    t = tl.zeros([BLOCK_N, M], dtype=tl.float32)
-    tq = tl.zeros([M], dtype=tl.float32)
-    for P in tl.static_range(4):
-        if P == 0:
-            gp = g0
-            qsp = qs0
-        elif P == 1:
-            gp = g1
-            qsp = qs1
-        elif P == 2:
-            gp = g2
-            qsp = qs2
-        else:
-            gp = g3
-            qsp = qs3
-        t = tl.dot(_plane(kc, P, MODE), gp, t)
-        tq += qsp
-        if ((P + 1) * W) % G == 0:  # last plane of a group
-            g = (BETA * 4 * W + P * W) // G
-            sc = tl.load(ks_ptr + pb + g, mask=nm, other=0.0).to(tl.float32) * kscale
-            of = tl.load(ko_ptr + pb + g, mask=nm, other=0.0).to(tl.float32)
-            s += t * sc[:, None] + of[:, None] * tq[None, :]
-            t = tl.zeros([BLOCK_N, M], dtype=tl.float32)
-            tq = tl.zeros([M], dtype=tl.float32)
-    return s
+def _vunit(vw, P: tl.constexpr, bm, o, ASM: tl.constexpr, INTERP: tl.constexpr):
+    """``o += A(plane P of value words vw) @ bm`` (batched over the HP heads)."""
+    av = _vplane(vw, P, ASM)
+    if INTERP:
+        return tl.dot(av.to(tl.float32), bm.to(tl.float32), o)
+    return tl.dot(av, bm, o)
 
 
 @triton.jit
-def _int2_values(a0, a1, a2, a3, p, vc, vs_ptr, vo_ptr, pb, nm, ounit,
-                 BETA: tl.constexpr, G: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr):
-    """Accumulate ``p @ v_hat`` for the 4 planes of one byte block (accumulators pre-scaled)."""
-    for P in tl.static_range(4):
-        if (P * W) % G == 0:  # first plane of a group
-            g = (BETA * 4 * W + P * W) // G
-            vs = tl.load(vs_ptr + pb + g, mask=nm, other=0.0).to(tl.float32)
-            vo = tl.load(vo_ptr + pb + g, mask=nm, other=0.0).to(tl.float32)
-            pv = (p * vs[None, :]).to(tl.float16)
-            osum = tl.sum(p * vo[None, :], axis=1) * ounit
-        cv = _plane(vc, P, MODE)
-        if P == 0:
-            a0 = tl.dot(pv, cv, a0) + osum[:, None]
-        elif P == 1:
-            a1 = tl.dot(pv, cv, a1) + osum[:, None]
-        elif P == 2:
-            a2 = tl.dot(pv, cv, a2) + osum[:, None]
-        else:
-            a3 = tl.dot(pv, cv, a3) + osum[:, None]
-    return a0, a1, a2, a3
-
-
-@triton.jit
-def decode_split_kernel(
-    qr_ptr,
-    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr,
-    s_cb, s_ch, s_cn, s_pb, s_ph, s_pn,
-    tab_ptr, s_tb, hlen_ptr,
-    k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
-    len16_ptr,
-    op_ptr, lse_ptr,
-    qk_scale,
-    KVH, QG, S16, S_ALL, CHUNK, CHUNK16,
-    D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK16: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    MODE: tl.constexpr, INTERP: tl.constexpr, PART: tl.constexpr, ORIENT: tl.constexpr,
-):
-    # PART 0: 16-bit window chunks (partial slots 0..S16-1); PART 1: INT2 history chunks
-    # (slots S16..). Two launches of one kernel keep each specialisation's registers and shared
-    # memory small.
-    chunk = tl.program_id(0)
-    split = chunk + PART * S16
-    bh = tl.program_id(1)
-    b = bh // KVH
-    h = bh % KVH
+def _window_head(q_ptr, s_qb, s_qh, b, h, chunk, k16_ptr, v16_ptr, s_1b, s_1h, s_1n, len16_ptr,
+                 op_ptr, lse_ptr, qk_scale, H, QG, S_ALL, CHUNK16,
+                 D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
+                 BLOCK16: tl.constexpr, INTERP: tl.constexpr):
+    """Partial attention of one KV head over chunk ``chunk`` of the 16-bit window (slot ``chunk``)."""
     offs_m = tl.arange(0, M)
     mmask = offs_m < QG
     offs_w = tl.arange(0, W)
-    qrow = qr_ptr + (bh * QG + offs_m).to(tl.int64)[:, None] * D + offs_w[None, :]
-    q0 = tl.load(qrow + 0 * W, mask=mmask[:, None], other=0.0)
-    q1 = tl.load(qrow + 1 * W, mask=mmask[:, None], other=0.0)
-    q2 = tl.load(qrow + 2 * W, mask=mmask[:, None], other=0.0)
-    q3 = tl.load(qrow + 3 * W, mask=mmask[:, None], other=0.0)
+    qrow = q_ptr + b.to(tl.int64) * s_qb + (h * QG + offs_m).to(tl.int64)[:, None] * s_qh + offs_w[None, :]
+    q0 = tl.load(qrow + 0 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(qrow + 1 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qrow + 2 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(qrow + 3 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
     a0 = tl.zeros([M, W], dtype=tl.float32)
     a1 = tl.zeros([M, W], dtype=tl.float32)
     a2 = tl.zeros([M, W], dtype=tl.float32)
     a3 = tl.zeros([M, W], dtype=tl.float32)
     if NB == 2:
-        q4 = tl.load(qrow + 4 * W, mask=mmask[:, None], other=0.0)
-        q5 = tl.load(qrow + 5 * W, mask=mmask[:, None], other=0.0)
-        q6 = tl.load(qrow + 6 * W, mask=mmask[:, None], other=0.0)
-        q7 = tl.load(qrow + 7 * W, mask=mmask[:, None], other=0.0)
+        q4 = tl.load(qrow + 4 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
+        q5 = tl.load(qrow + 5 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
+        q6 = tl.load(qrow + 6 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
+        q7 = tl.load(qrow + 7 * W, mask=mmask[:, None], other=0.0).to(tl.float32)
         a4 = tl.zeros([M, W], dtype=tl.float32)
         a5 = tl.zeros([M, W], dtype=tl.float32)
         a6 = tl.zeros([M, W], dtype=tl.float32)
         a7 = tl.zeros([M, W], dtype=tl.float32)
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
-
-    if PART == 0:
-        # ---- 16-bit window: chunk [lo, hi) of this sequence's window tokens ----
-        WT = k16_ptr.dtype.element_ty
-        L16 = tl.load(len16_ptr + b)
-        lo = chunk * CHUNK16
-        hi = tl.minimum(lo + CHUNK16, L16)
-        base = b.to(tl.int64) * s_1b + h * s_1h
-        # 16-bit operands split into a high part and a residual (two dots each): scores and
-        # the value sum come out at about fp32 accuracy; the window is small, so this is cheap.
-        w0 = q0.to(WT)
-        w1 = q1.to(WT)
-        w2 = q2.to(WT)
-        w3 = q3.to(WT)
-        e0 = (q0 - w0.to(tl.float32)).to(WT)
-        e1 = (q1 - w1.to(tl.float32)).to(WT)
-        e2 = (q2 - w2.to(tl.float32)).to(WT)
-        e3 = (q3 - w3.to(tl.float32)).to(WT)
+    WT = k16_ptr.dtype.element_ty
+    L16 = tl.load(len16_ptr + b)
+    lo = chunk * CHUNK16
+    hi = tl.minimum(lo + CHUNK16, L16)
+    base = b.to(tl.int64) * s_1b + h * s_1h
+    w0 = q0.to(WT)
+    w1 = q1.to(WT)
+    w2 = q2.to(WT)
+    w3 = q3.to(WT)
+    e0 = (q0 - w0.to(tl.float32)).to(WT)
+    e1 = (q1 - w1.to(tl.float32)).to(WT)
+    e2 = (q2 - w2.to(tl.float32)).to(WT)
+    e3 = (q3 - w3.to(tl.float32)).to(WT)
+    if NB == 2:
+        w4 = q4.to(WT)
+        w5 = q5.to(WT)
+        w6 = q6.to(WT)
+        w7 = q7.to(WT)
+        e4 = (q4 - w4.to(tl.float32)).to(WT)
+        e5 = (q5 - w5.to(tl.float32)).to(WT)
+        e6 = (q6 - w6.to(tl.float32)).to(WT)
+        e7 = (q7 - w7.to(tl.float32)).to(WT)
+    offs16 = tl.arange(0, BLOCK16)
+    for start in range(lo, hi, BLOCK16):
+        n = start + offs16
+        nm = n < hi
+        rp = base + n.to(tl.int64)[:, None] * s_1n + offs_w[None, :]
+        km = nm[:, None]
+        s = tl.zeros([M, BLOCK16], dtype=tl.float32)
+        s = _dot2(w0, e0, tl.trans(tl.load(k16_ptr + rp + 0 * W, mask=km, other=0.0)), s, INTERP)
+        s = _dot2(w1, e1, tl.trans(tl.load(k16_ptr + rp + 1 * W, mask=km, other=0.0)), s, INTERP)
+        s = _dot2(w2, e2, tl.trans(tl.load(k16_ptr + rp + 2 * W, mask=km, other=0.0)), s, INTERP)
+        s = _dot2(w3, e3, tl.trans(tl.load(k16_ptr + rp + 3 * W, mask=km, other=0.0)), s, INTERP)
         if NB == 2:
-            w4 = q4.to(WT)
-            w5 = q5.to(WT)
-            w6 = q6.to(WT)
-            w7 = q7.to(WT)
-            e4 = (q4 - w4.to(tl.float32)).to(WT)
-            e5 = (q5 - w5.to(tl.float32)).to(WT)
-            e6 = (q6 - w6.to(tl.float32)).to(WT)
-            e7 = (q7 - w7.to(tl.float32)).to(WT)
-        offs16 = tl.arange(0, BLOCK16)
-        for start in range(lo, hi, BLOCK16):
-            n = start + offs16
-            nm = n < hi
-            rp = base + n.to(tl.int64)[:, None] * s_1n + offs_w[None, :]
-            km = nm[:, None]
-            s = tl.zeros([M, BLOCK16], dtype=tl.float32)
-            s = _dot2(w0, e0, tl.trans(tl.load(k16_ptr + rp + 0 * W, mask=km, other=0.0)), s, INTERP)
-            s = _dot2(w1, e1, tl.trans(tl.load(k16_ptr + rp + 1 * W, mask=km, other=0.0)), s, INTERP)
-            s = _dot2(w2, e2, tl.trans(tl.load(k16_ptr + rp + 2 * W, mask=km, other=0.0)), s, INTERP)
-            s = _dot2(w3, e3, tl.trans(tl.load(k16_ptr + rp + 3 * W, mask=km, other=0.0)), s, INTERP)
-            if NB == 2:
-                s = _dot2(w4, e4, tl.trans(tl.load(k16_ptr + rp + 4 * W, mask=km, other=0.0)), s, INTERP)
-                s = _dot2(w5, e5, tl.trans(tl.load(k16_ptr + rp + 5 * W, mask=km, other=0.0)), s, INTERP)
-                s = _dot2(w6, e6, tl.trans(tl.load(k16_ptr + rp + 6 * W, mask=km, other=0.0)), s, INTERP)
-                s = _dot2(w7, e7, tl.trans(tl.load(k16_ptr + rp + 7 * W, mask=km, other=0.0)), s, INTERP)
-            s = tl.where(nm[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            ph = p.to(WT)
-            pl = (p - ph.to(tl.float32)).to(WT)
-            a0 = _dot2(ph, pl, tl.load(v16_ptr + rp + 0 * W, mask=km, other=0.0), a0 * alpha[:, None], INTERP)
-            a1 = _dot2(ph, pl, tl.load(v16_ptr + rp + 1 * W, mask=km, other=0.0), a1 * alpha[:, None], INTERP)
-            a2 = _dot2(ph, pl, tl.load(v16_ptr + rp + 2 * W, mask=km, other=0.0), a2 * alpha[:, None], INTERP)
-            a3 = _dot2(ph, pl, tl.load(v16_ptr + rp + 3 * W, mask=km, other=0.0), a3 * alpha[:, None], INTERP)
-            if NB == 2:
-                a4 = _dot2(ph, pl, tl.load(v16_ptr + rp + 4 * W, mask=km, other=0.0), a4 * alpha[:, None], INTERP)
-                a5 = _dot2(ph, pl, tl.load(v16_ptr + rp + 5 * W, mask=km, other=0.0), a5 * alpha[:, None], INTERP)
-                a6 = _dot2(ph, pl, tl.load(v16_ptr + rp + 6 * W, mask=km, other=0.0), a6 * alpha[:, None], INTERP)
-                a7 = _dot2(ph, pl, tl.load(v16_ptr + rp + 7 * W, mask=km, other=0.0), a7 * alpha[:, None], INTERP)
-    else:
-        # ---- INT2 history: chunk [lo, hi) of this sequence's history tokens ----
-        L = tl.load(hlen_ptr + b)
-        lo = chunk * CHUNK
-        hi = tl.minimum(lo + CHUNK, L)
-        if MODE == 2:
-            kscale = qk_scale
-            ounit = 1.0
-        else:
-            kscale = qk_scale * TWO24
-            ounit = 1.0 / TWO24
-        f0 = q0.to(tl.float16)
-        f1 = q1.to(tl.float16)
-        f2 = q2.to(tl.float16)
-        f3 = q3.to(tl.float16)
-        qs0 = tl.sum(q0, axis=1) * qk_scale
-        qs1 = tl.sum(q1, axis=1) * qk_scale
-        qs2 = tl.sum(q2, axis=1) * qk_scale
-        qs3 = tl.sum(q3, axis=1) * qk_scale
+            s = _dot2(w4, e4, tl.trans(tl.load(k16_ptr + rp + 4 * W, mask=km, other=0.0)), s, INTERP)
+            s = _dot2(w5, e5, tl.trans(tl.load(k16_ptr + rp + 5 * W, mask=km, other=0.0)), s, INTERP)
+            s = _dot2(w6, e6, tl.trans(tl.load(k16_ptr + rp + 6 * W, mask=km, other=0.0)), s, INTERP)
+            s = _dot2(w7, e7, tl.trans(tl.load(k16_ptr + rp + 7 * W, mask=km, other=0.0)), s, INTERP)
+        s = tl.where(nm[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        ph = p.to(WT)
+        pl = (p - ph.to(tl.float32)).to(WT)
+        a0 = _dot2(ph, pl, tl.load(v16_ptr + rp + 0 * W, mask=km, other=0.0), a0 * alpha[:, None], INTERP)
+        a1 = _dot2(ph, pl, tl.load(v16_ptr + rp + 1 * W, mask=km, other=0.0), a1 * alpha[:, None], INTERP)
+        a2 = _dot2(ph, pl, tl.load(v16_ptr + rp + 2 * W, mask=km, other=0.0), a2 * alpha[:, None], INTERP)
+        a3 = _dot2(ph, pl, tl.load(v16_ptr + rp + 3 * W, mask=km, other=0.0), a3 * alpha[:, None], INTERP)
         if NB == 2:
-            f4 = q4.to(tl.float16)
-            f5 = q5.to(tl.float16)
-            f6 = q6.to(tl.float16)
-            f7 = q7.to(tl.float16)
-            qs4 = tl.sum(q4, axis=1) * qk_scale
-            qs5 = tl.sum(q5, axis=1) * qk_scale
-            qs6 = tl.sum(q6, axis=1) * qk_scale
-            qs7 = tl.sum(q7, axis=1) * qk_scale
-        if ORIENT == 1:
-            g0 = tl.trans(f0)
-            g1 = tl.trans(f1)
-            g2 = tl.trans(f2)
-            g3 = tl.trans(f3)
-            if NB == 2:
-                g4 = tl.trans(f4)
-                g5 = tl.trans(f5)
-                g6 = tl.trans(f6)
-                g7 = tl.trans(f7)
-        offs_n = tl.arange(0, BLOCK_N)
-        hb = h.to(tl.int64)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + offs_n
-            nm = n < hi
-            if PAGED:
-                pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=nm, other=0).to(tl.int64)
-                slot = n % PAGE
-                cb = pg * s_cb + hb * s_ch + slot * s_cn
-                pb = pg * s_pb + hb * s_ph + slot * s_pn
-            else:
-                n64 = n.to(tl.int64)
-                cb = b.to(tl.int64) * s_cb + hb * s_ch + n64 * s_cn
-                pb = b.to(tl.int64) * s_pb + hb * s_ph + n64 * s_pn
-            cptr = cb[:, None] + offs_w[None, :]
-            kc = tl.load(kc_ptr + cptr, mask=nm[:, None], other=0)
-            if ORIENT == 0:
-                s = _int2_scores(f0, f1, f2, f3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
-                                 0, G, W, M, BLOCK_N, MODE)
-                if NB == 2:
-                    kc1 = tl.load(kc_ptr + cptr + W, mask=nm[:, None], other=0)
-                    s += _int2_scores(f4, f5, f6, f7, qs4, qs5, qs6, qs7, kc1, ks_ptr, ko_ptr, pb, nm,
-                                      kscale, 1, G, W, M, BLOCK_N, MODE)
-                s = tl.where(nm[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
-            else:
-                # tokens as the M dimension of the key dot, query heads as N
-                st = _int2_scores_t(g0, g1, g2, g3, qs0, qs1, qs2, qs3, kc, ks_ptr, ko_ptr, pb, nm, kscale,
-                                    0, G, W, M, BLOCK_N, MODE)
-                if NB == 2:
-                    kc1 = tl.load(kc_ptr + cptr + W, mask=nm[:, None], other=0)
-                    st += _int2_scores_t(g4, g5, g6, g7, qs4, qs5, qs6, qs7, kc1, ks_ptr, ko_ptr, pb, nm,
-                                         kscale, 1, G, W, M, BLOCK_N, MODE)
-                st = tl.where(nm[:, None], st, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(st, axis=0))
-                alpha = tl.math.exp2(m_i - m_new)
-                pt = tl.math.exp2(st - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(pt, axis=0)
-                m_i = m_new
-                p = tl.trans(pt)
-            vc = tl.load(vc_ptr + cptr, mask=nm[:, None], other=0)
-            a0, a1, a2, a3 = _int2_values(
-                a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None],
-                p, vc, vs_ptr, vo_ptr, pb, nm, ounit, 0, G, W, MODE)
-            if NB == 2:
-                vc1 = tl.load(vc_ptr + cptr + W, mask=nm[:, None], other=0)
-                a4, a5, a6, a7 = _int2_values(
-                    a4 * alpha[:, None], a5 * alpha[:, None], a6 * alpha[:, None], a7 * alpha[:, None],
-                    p, vc1, vs_ptr, vo_ptr, pb, nm, ounit, 1, G, W, MODE)
-
-    if PART == 0 or MODE == 2:
-        out_mul = 1.0
-    else:
-        out_mul = TWO24
+            a4 = _dot2(ph, pl, tl.load(v16_ptr + rp + 4 * W, mask=km, other=0.0), a4 * alpha[:, None], INTERP)
+            a5 = _dot2(ph, pl, tl.load(v16_ptr + rp + 5 * W, mask=km, other=0.0), a5 * alpha[:, None], INTERP)
+            a6 = _dot2(ph, pl, tl.load(v16_ptr + rp + 6 * W, mask=km, other=0.0), a6 * alpha[:, None], INTERP)
+            a7 = _dot2(ph, pl, tl.load(v16_ptr + rp + 7 * W, mask=km, other=0.0), a7 * alpha[:, None], INTERP)
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
-    inv = out_mul / l_safe
+    inv = 1.0 / l_safe
     lse_v = tl.where(has, m_i + tl.math.log2(l_safe), float("-inf"))
-    prow = (bh * S_ALL + split) * QG + offs_m
+    prow = ((b * H + h) * S_ALL + chunk) * QG + offs_m
     tl.store(lse_ptr + prow, lse_v, mask=mmask)
     optr = op_ptr + prow.to(tl.int64)[:, None] * D + offs_w[None, :]
     om = mmask[:, None]
@@ -373,6 +300,347 @@ def decode_split_kernel(
         tl.store(optr + 5 * W, a5 * inv[:, None], mask=om)
         tl.store(optr + 6 * W, a6 * inv[:, None], mask=om)
         tl.store(optr + 7 * W, a7 * inv[:, None], mask=om)
+
+
+@triton.jit
+def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+                b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
+                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
+                G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr, HP: tl.constexpr,
+                BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr,
+                MASKED: tl.constexpr, INTERP: tl.constexpr):
+    """One step of ``BN`` history tokens for ``HP`` KV heads: scores, online softmax, values."""
+    NW: tl.constexpr = W // 4
+    NK: tl.constexpr = M2 * HP
+    NGT: tl.constexpr = os_acc.shape[0]
+    offs_n = tl.arange(0, BN)
+    n = start + offs_n
+    if PAGED:
+        if MASKED:
+            pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
+        else:
+            pg = tl.load(tab_ptr + b * s_tb + n // PAGE).to(tl.int64)
+        slot = n % PAGE
+        tc = pg * s_cb + slot * s_cn       # [BN] token offset (bytes), paged
+        tw = pg * s_cbw + slot * s_cw      # in words
+        tp = pg * s_pb + slot * s_pn       # in parameters
+    else:
+        tc = n * s_cn
+        tw = n * s_cw
+        tp = n * s_pn
+    if MASKED:
+        nm = n < hi
+    # per-(token, head) parameter offsets [BN, HP]
+    pbase = tp[:, None] + hoff_p[None, :]
+    # key codes [HP, BN, W] per block and value words [HP, BN, NW] per block
+    offs_b = tl.arange(0, W)
+    if ASM:
+        kb = offs_b
+    else:
+        kb = (offs_b // 4) * 4 + (offs_b % 4 % 2) * 2 + (offs_b % 4) // 2
+    kptr = kc_ptr + (hoff_c[:, None, None] + tc[None, :, None] + kb[None, None, :])
+    vptr = vcw_ptr + (hoff_w[:, None, None] + tw[None, :, None] + tl.arange(0, NW)[None, None, :])
+    if MASKED:
+        m3 = nm[None, :, None]
+        kc0 = tl.load(kptr, mask=m3, other=0)
+        vw0 = tl.load(vptr, mask=m3, other=0)
+        if NB == 2:
+            kc1 = tl.load(kptr + W, mask=m3, other=0)
+            vw1 = tl.load(vptr + NW, mask=m3, other=0)
+    else:
+        kc0 = tl.load(kptr)
+        vw0 = tl.load(vptr)
+        if NB == 2:
+            kc1 = tl.load(kptr + W)
+            vw1 = tl.load(vptr + NW)
+
+    # ---- scores [BN, NK] (log2 units) ----
+    s = tl.zeros([BN, NK], dtype=tl.float32)
+    t = tl.zeros([BN, NK], dtype=tl.float32)
+    for U in tl.static_range(4 * NB):
+        if U < 4:
+            kc = kc0
+        else:
+            kc = kc1
+        t = _kunit(kc, U, q0, q1, q2, q3, q4, q5, q6, q7, t, ASM, INTERP)
+        if ((U + 1) * W) % G == 0:  # last unit of a group
+            g = (U * W) // G
+            if MASKED:
+                sc = tl.load(ks_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
+                of = tl.load(ko_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
+            else:
+                sc = tl.load(ks_ptr + pbase + g).to(tl.float32)
+                of = tl.load(ko_ptr + pbase + g).to(tl.float32)
+            qs = _sel8(g, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7)
+            sc = tl.broadcast_to(sc[:, None, :], [BN, M2, HP]).reshape(BN, NK)
+            of = tl.broadcast_to(of[:, None, :], [BN, M2, HP]).reshape(BN, NK)
+            s += t * (sc * TWO24) + of * qs[None, :]
+            t = tl.zeros([BN, NK], dtype=tl.float32)
+    if MASKED:
+        s = tl.where(nm[:, None], s, float("-inf"))
+
+    # ---- online softmax; rescale only when a running maximum moved ----
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    if tl.max(m_new - m_i, axis=0) > 0:
+        alpha = tl.math.exp2(m_i - m_new)
+        a3 = _cols_to_o(alpha, M2, HP)
+        o0 = o0 * a3
+        o1 = o1 * a3
+        o2 = o2 * a3
+        o3 = o3 * a3
+        if NB == 2:
+            o4 = o4 * a3
+            o5 = o5 * a3
+            o6 = o6 * a3
+            o7 = o7 * a3
+        l_i = l_i * alpha
+        os_acc = os_acc * alpha[None, :]
+        m_i = m_new
+    p = tl.math.exp2(s - m_i[None, :])
+    l_i += tl.sum(p, axis=0)
+
+    # ---- values ----
+    gi = tl.arange(0, NGT)
+    for U in tl.static_range(4 * NB):
+        if (U * W) % G == 0:  # first unit of a group
+            g = (U * W) // G
+            if MASKED:
+                vs = tl.load(vs_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
+                vo = tl.load(vo_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
+            else:
+                vs = tl.load(vs_ptr + pbase + g).to(tl.float32)
+                vo = tl.load(vo_ptr + pbase + g).to(tl.float32)
+            vs = tl.broadcast_to(vs[:, None, :], [BN, M2, HP]).reshape(BN, NK)
+            vo = tl.broadcast_to(vo[:, None, :], [BN, M2, HP]).reshape(BN, NK)
+            wv = (p * vs).to(tl.float16).reshape(BN, M2, HP)
+            bm = _bmat(tl.permute(wv, (2, 0, 1)))                     # [HP, 2BN, 2M2]
+            osum = tl.sum(p * vo, axis=0)
+            os_acc += tl.where(gi[:, None] == g, osum[None, :], 0.0)
+        if U < 4:
+            vw = vw0
+        else:
+            vw = vw1
+        if U == 0:
+            o0 = _vunit(vw, 0, bm, o0, ASM, INTERP)
+        elif U == 1:
+            o1 = _vunit(vw, 1, bm, o1, ASM, INTERP)
+        elif U == 2:
+            o2 = _vunit(vw, 2, bm, o2, ASM, INTERP)
+        elif U == 3:
+            o3 = _vunit(vw, 3, bm, o3, ASM, INTERP)
+        elif U == 4:
+            o4 = _vunit(vw, 0, bm, o4, ASM, INTERP)
+        elif U == 5:
+            o5 = _vunit(vw, 1, bm, o5, ASM, INTERP)
+        elif U == 6:
+            o6 = _vunit(vw, 2, bm, o6, ASM, INTERP)
+        else:
+            o7 = _vunit(vw, 3, bm, o7, ASM, INTERP)
+    return o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc
+
+
+@triton.jit
+def _store_unit(o, os_acc, os3, inv3, op_ptr, off3, m3,
+                U: tl.constexpr, G: tl.constexpr, W: tl.constexpr, M2: tl.constexpr, HP: tl.constexpr):
+    """Store unit U of the value accumulator: ``(o * 2^24 * 4^-p + offset sum) / l``."""
+    NGT: tl.constexpr = os_acc.shape[0]
+    if NGT > 1:
+        gi = tl.arange(0, NGT)
+        os3 = _cols_to_o(tl.sum(tl.where(gi[:, None] == (U * W) // G, os_acc, 0.0), axis=0), M2, HP)
+    val = (o * (TWO24 / (1 << (2 * (U % 4)))) + os3) * inv3
+    tl.store(op_ptr + off3 + U * W, val, mask=m3)
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr, s_qb, s_qh,
+    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr,
+    s_cb, s_ch, s_cn, s_pb, s_ph, s_pn,
+    tab_ptr, s_tb, hlen_ptr,
+    k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
+    len16_ptr,
+    op_ptr, lse_ptr,
+    qk_scale,
+    H, HG, QG, S16, S_ALL, CHUNK, CHUNK16,
+    D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr,
+    HP: tl.constexpr, M16: tl.constexpr, BN: tl.constexpr, BLOCK16: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
+    PARTS: tl.constexpr = 3,
+):
+    """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
+    ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
+    chunk ``c - S16``; it writes partial slot ``c`` (normalised output and base-2 log-sum-exp).
+    ``PARTS`` (3: both kinds of program) can compile a history-only (1, grid ``S2``) or
+    window-only (2, grid ``S16``) specialisation, e.g. to read each one's register use."""
+    pid0 = tl.program_id(0) + (S16 if PARTS == 1 else 0)
+    pid1 = tl.program_id(1)
+    b = pid1 // HG
+    h0 = (pid1 % HG) * HP
+    if PARTS == 2 or (PARTS == 3 and pid0 < S16):
+        for hh in tl.static_range(HP):
+            if h0 + hh < H:
+                _window_head(q_ptr, s_qb, s_qh, b, h0 + hh, pid0, k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
+                             len16_ptr, op_ptr, lse_ptr, qk_scale, H, QG, S_ALL, CHUNK16,
+                             D, W, NB, M16, BLOCK16, INTERP)
+    if PARTS == 1 or (PARTS == 3 and pid0 >= S16):
+        chunk = pid0 - S16
+        NW: tl.constexpr = W // 4
+        NK: tl.constexpr = M2 * HP
+        NGT: tl.constexpr = D // G
+        # columns c = hq*HP + hh; rows of the K operand r = hh*W + j
+        cc = tl.arange(0, NK)
+        hh_c = cc % HP
+        hq_c = cc // HP
+        hvalid_c = (h0 + hh_c) < H
+        cmask = (hq_c < QG) & hvalid_c
+        heff_c = tl.minimum(h0 + hh_c, H - 1)
+        qrow = b.to(tl.int64) * s_qb + (heff_c * QG + hq_c).to(tl.int64) * s_qh     # [NK]
+        rr = tl.arange(0, HP * W)
+        hh_r = rr // W
+        qsc = qk_scale
+        q0 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 0, W)
+        q1 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 1, W)
+        q2 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 2, W)
+        q3 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 3, W)
+        if NB == 2:
+            q4 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 4, W)
+            q5 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 5, W)
+            q6 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 6, W)
+            q7 = _qop(q_ptr, qrow, hh_r, hh_c, hq_c, cmask, qsc, 7, W)
+        else:
+            q4 = q0
+            q5 = q0
+            q6 = q0
+            q7 = q0
+        # per-group query sums (offset term), [NK] each
+        offs_g = tl.arange(0, G)
+        qs0 = tl.sum(tl.load(q_ptr + qrow[None, :] + (0 * G + offs_g)[:, None], mask=cmask[None, :],
+                             other=0.0).to(tl.float32), axis=0) * qsc
+        qs1 = qs0
+        qs2 = qs0
+        qs3 = qs0
+        qs4 = qs0
+        qs5 = qs0
+        qs6 = qs0
+        qs7 = qs0
+        if NGT > 1:
+            qs1 = tl.sum(tl.load(q_ptr + qrow[None, :] + (1 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+        if NGT > 2:
+            qs2 = tl.sum(tl.load(q_ptr + qrow[None, :] + (2 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+            qs3 = tl.sum(tl.load(q_ptr + qrow[None, :] + (3 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+        if NGT > 4:
+            qs4 = tl.sum(tl.load(q_ptr + qrow[None, :] + (4 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+            qs5 = tl.sum(tl.load(q_ptr + qrow[None, :] + (5 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+            qs6 = tl.sum(tl.load(q_ptr + qrow[None, :] + (6 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+            qs7 = tl.sum(tl.load(q_ptr + qrow[None, :] + (7 * G + offs_g)[:, None], mask=cmask[None, :],
+                                 other=0.0).to(tl.float32), axis=0) * qsc
+
+        o0 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+        o1 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+        o2 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+        o3 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+        if NB == 2:
+            o4 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+            o5 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+            o6 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+            o7 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
+        else:
+            o4 = 0.0
+            o5 = 0.0
+            o6 = 0.0
+            o7 = 0.0
+        m_i = tl.full([NK], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([NK], dtype=tl.float32)
+        os_acc = tl.zeros([NGT, NK], dtype=tl.float32)
+
+        hh = tl.arange(0, HP)
+        heff = tl.minimum(h0 + hh, H - 1).to(tl.int64)
+        if PAGED:
+            hoff_c = heff * s_ch
+            hoff_w = heff * (s_ch // 4)
+            hoff_p = heff * s_ph
+        else:
+            hoff_c = b.to(tl.int64) * s_cb + heff * s_ch
+            hoff_w = b.to(tl.int64) * (s_cb // 4) + heff * (s_ch // 4)
+            hoff_p = b.to(tl.int64) * s_pb + heff * s_ph
+        vcw_ptr = vc_ptr.to(tl.pointer_type(tl.int32))
+        L = tl.load(hlen_ptr + b)
+        lo = chunk * CHUNK
+        hi = tl.minimum(lo + CHUNK, L)
+        nfull = tl.maximum(hi - lo, 0) // BN
+        for i in range(0, nfull):
+            o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
+                lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+                b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
+                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
+                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP)
+        if lo + nfull * BN < hi:
+            o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
+                lo + nfull * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+                b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
+                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
+                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP)
+
+        # ---- epilogue: normalised partial output and log-sum-exp ----
+        has = l_i > 0
+        l_safe = tl.where(has, l_i, 1.0)
+        lse_v = tl.where(has, m_i + tl.math.log2(l_safe), float("-inf"))
+        split = pid0
+        hrow_c = (b * H + h0 + hh_c) * S_ALL + split                     # [NK]
+        tl.store(lse_ptr + hrow_c * QG + hq_c, lse_v, mask=cmask)
+        inv3 = _cols_to_o(1.0 / l_safe, M2, HP)
+        # output channel of accumulator element (hh, which*NW + j, 2*hq + e) of unit U:
+        # U*W + 4j + which + 2e (see _vplane)
+        r = tl.arange(0, 2 * NW)
+        cc2 = tl.arange(0, 2 * M2)
+        hrow = ((b * H + h0 + hh) * S_ALL + split).to(tl.int64) * (QG * D)                 # [HP]
+        off3 = (hrow[:, None, None] + ((cc2 // 2) * D + 2 * (cc2 % 2))[None, None, :]
+                + ((r % NW) * 4 + r // NW)[None, :, None])
+        m3 = ((h0 + hh) < H)[:, None, None] & ((cc2 // 2) < QG)[None, None, :]
+        os3 = _cols_to_o(tl.sum(os_acc, axis=0), M2, HP)  # the offset sum when there is one group
+        _store_unit(o0, os_acc, os3, inv3, op_ptr, off3, m3, 0, G, W, M2, HP)
+        _store_unit(o1, os_acc, os3, inv3, op_ptr, off3, m3, 1, G, W, M2, HP)
+        _store_unit(o2, os_acc, os3, inv3, op_ptr, off3, m3, 2, G, W, M2, HP)
+        _store_unit(o3, os_acc, os3, inv3, op_ptr, off3, m3, 3, G, W, M2, HP)
+        if NB == 2:
+            _store_unit(o4, os_acc, os3, inv3, op_ptr, off3, m3, 4, G, W, M2, HP)
+            _store_unit(o5, os_acc, os3, inv3, op_ptr, off3, m3, 5, G, W, M2, HP)
+            _store_unit(o6, os_acc, os3, inv3, op_ptr, off3, m3, 6, G, W, M2, HP)
+            _store_unit(o7, os_acc, os3, inv3, op_ptr, off3, m3, 7, G, W, M2, HP)
+
+
+@triton.jit
+def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, H, QG,
+                        D: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+    """Grid ``(B*H, D/BC)``: ``out[b, h*QG + m, c0:c0+BC] = q[b, h*QG + m] @ R[h][:, c0:c0+BC]``
+    in float32 (3xTF32 products): one dot per program, many programs, so the latency is one
+    read of a ``D x BC`` slice of ``R``."""
+    pid = tl.program_id(0)
+    c0 = tl.program_id(1) * BC
+    b = pid // H
+    h = pid % H
+    rows = tl.arange(0, M)
+    rmask = rows < QG
+    kk = tl.arange(0, D)
+    cols = c0 + tl.arange(0, BC)
+    qk = tl.load(q_ptr + b.to(tl.int64) * s_qb + (h * QG + rows).to(tl.int64)[:, None] * s_qh + kk[None, :],
+                 mask=rmask[:, None], other=0.0).to(tl.float32)
+    rk = tl.load(r_ptr + h.to(tl.int64) * D * D + kk[:, None] * D + cols[None, :])
+    if INTERP:
+        acc = tl.dot(qk, rk)
+    else:
+        acc = tl.dot(qk, rk, input_precision="tf32x3")
+    out = out_ptr + (b * H * QG + h * QG + rows).to(tl.int64)[:, None] * D + cols[None, :]
+    tl.store(out, acc, mask=rmask[:, None])
 
 
 @triton.jit

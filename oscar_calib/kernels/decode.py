@@ -14,29 +14,43 @@ The query is rotated by the layer's K rotation first (``q @ R_k[h]`` for the que
 head ``h``), so ``q_rot . k_rot = q . k``; pass ``k_rotation=None`` for an already rotated query.
 Scores use ``sm_scale`` (default ``1/sqrt(d)``).
 
-Triton kernels (flash-decoding; one split kernel launched twice, then a merge):
+Triton path (flash-decoding; three launches, all graph-capturable):
 
-1. window launch, grid ``(S16, B*H)``: each program takes a chunk of one sequence's 16-bit
-   window for one KV head, the whole GQA group at once (query heads as the M dimension of the
-   tensor-core dots, padded to 16); 16-bit operands are split into high + residual parts, so the
-   window's scores and value sums are about fp32-accurate.
-2. INT2 launch, grid ``(S2, B*H)``: the same for chunks of the INT2 history. Codes are unpacked
-   in registers one bit plane at a time (shift and mask; by default four bytes at once with
-   inline PTX ``shr/and/prmt``), and the 2-bit code's bit pattern is fed to the tensor cores as
-   an fp16 *subnormal* (``code * 2^-24``), so no int-to-float conversion is needed. Each plane is
-   one group's run of channels, so scores are ``s_g * (q_g . codes_g) + offset_g * sum(q_g)``
-   and values ``(p * s_g) @ codes_g + p @ offset_g``: no per-element dequantisation; fp32
-   accumulation; the query in fp16. By default the key dot is transposed (tokens as M, query
-   heads as N, which pads 4 heads to 8 instead of 16) and one warp handles a program.
-3. merge, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32 output and
-   log-sum-exp in base 2 per chunk; empty chunks carry ``lse = -inf`` and weigh nothing).
+1. ``rotate_query_kernel``, grid ``(B*H, d/32)``: ``q @ R_k[h]`` in float32 (3xTF32 products).
+   Skipped when ``k_rotation`` is None (the main kernel reads ``q`` in its own dtype).
+2. ``decode_kernel``, grid ``(S16 + S2, B * ceil(H/HP))``, one warp per program. Programs
+   ``c < S16`` take chunk ``c`` of the 16-bit window (query heads as the M dimension of the
+   tensor-core dots, operands split into high + residual 16-bit parts: about fp32 accuracy);
+   the others take a chunk of the INT2 history for ``HP`` KV heads at once. INT2 arithmetic,
+   with no per-element dequantisation (details in :mod:`._decode_triton`):
 
-The query's K-rotation (and the optional output un-rotation) are one batched matmul each in
-torch. Nothing reads lengths on the host, so a decode step can be captured in a CUDA graph
-(pass ``check_lengths=False``). Tuning knobs (``config``) and the measured numbers are in
-``scripts/bench_kernels.py``; on an H200 the INT2 kernel is instruction-bound (about 25-30
-warp instructions per token and KV head: unpacking, and softmax work on padded query rows),
-reaching 20-30% of copy bandwidth, not the memory roofline.
+   * scores ``s_g * (q'_g . c_g) + offset_g * sum(q_g)`` with tokens as the M dimension of the
+     key dot and the ``HP`` heads' query rows as N (``HP = 2`` fills the 8 columns of the
+     tensor core when ``QG = 4``); a 32-bit word of codes becomes fp16 operands with one
+     ``and`` per register (codes as fp16 subnormals; the plane weight ``4^-p`` and the byte
+     order are folded into ``q'``);
+   * values ``sum_t (p_t * s_t) * c_t + sum_t p_t * offset_t``: channel pairs as M, token x
+     channel-parity as K, so the operand registers hold two channels of one token exactly as
+     they come out of the word (no byte transpose) and all N columns are real query heads;
+   * online softmax in base 2; the accumulator rescale is skipped when no running maximum
+     moved (exact); full steps run unmasked and the last partial step masked.
+3. ``decode_merge_kernel``, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32
+   output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``).
+
+The optional output un-rotation is one batched matmul in torch. Nothing reads lengths on the
+host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``): ``mode``
+(1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``, ``heads_per_program``,
+``programs_per_sm``, ``split_tokens``, ``split_tokens16``, ``num_stages``.
+
+Measured (H200, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
+tokens; ``scripts/bench_kernels.py``, CUDA-graph replays): at 128K context, batch 1, 64 us
+against 136 us for BF16 ``scaled_dot_product_attention`` (2.1x; 28% of the 4.2 TB/s copy
+bandwidth end to end, the decode kernel alone 43 us, 42%); batch 32, 1.32 ms against 3.66 ms
+(2.8x, 44%).
+The INT2 loop issues about 12 warp instructions per token and KV head (half of them the code
+unpacking) at 255 registers, so it is instruction- and latency-bound, not at the memory
+roofline (which would allow ~7x); at batch 1 another ~20 us go to the rotation and merge
+launches and the gaps between them.
 """
 
 from __future__ import annotations
@@ -163,13 +177,13 @@ def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     d, g = cache.head_dim, cache.group_size
     if not is_pow2(d) or not 64 <= d <= 256:
         return f"head_dim {d} (the decode kernel needs 64, 128 or 256)"
-    w = min(g, d // 4)
-    if w < 16:
-        return f"group size {g} (the decode kernel needs groups of at least 16 channels)"
-    if d // (4 * w) > 2:
-        return f"group size {g} with head_dim {d} (at most 8 groups per head)"
+    if g < 32:
+        return f"group size {g} (the decode kernel needs groups of at least 32 channels)"
     if q.shape[1] // cache.num_kv_heads > 64:
         return "more than 64 query heads per KV head"
+    codes = (cache.k_codes, cache.v_codes)
+    if any(t.data_ptr() % 4 or any(st % 4 for st in t.stride()[:-1]) for t in codes):
+        return "code tensors whose rows are not 4-byte aligned (the kernel reads 32-bit words)"
     return None
 
 
@@ -233,20 +247,34 @@ def decode_attention(
     return _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config or {})
 
 
-# mode 0: codes as fp16 subnormals via bit ops; 1: same with inline PTX (GPU only);
-# 2: integer -> fp16 conversion (codes as values). 0 and 1 are exact; 2 is the fallback.
-# Defaults: the best of a sweep on an H200 (Qwen3-8B shapes, 128K context, batch 1 and 32;
-# scripts/bench_kernels.py); the interpreter falls back from mode 1 to mode 0.
+# Tuning defaults (scripts/bench_kernels.py sweeps them; see the module docstring):
+# mode 1 = bit operations as inline PTX (GPU), 0 = plain Triton ops (the interpreter's path);
+# BLOCK_N history tokens per step of a one-warp program; programs_per_sm sets the split count.
 DEFAULT_MODE = 1
-# orient 0: query heads as the M dimension of both dots (padded to 16); 1: tokens as the M
-# dimension of the key dot (query heads as N), transposed back for the value dot.
-DEFAULT_ORIENT = 1
 DEFAULT_BLOCK_N = 64
-DEFAULT_WARPS = 1
+DEFAULT_BLOCK16 = 32
 DEFAULT_STAGES = 2
-DEFAULT_PROGRAMS_PER_SM = 16
+# programs per SM: 8 below SMALL_BATCH_HEADS (sequence, KV head) pairs, 16 from there on
+# (H200, Qwen3-8B shapes, 128K: 8 was best at batch 1, 16 at batch 32)
+DEFAULT_PROGRAMS_PER_SM = 8
+DEFAULT_PROGRAMS_PER_SM_LARGE = 16
+SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
+
+
+def _heads_per_program(qg: int, h: int, bsz: int, config: dict) -> int:
+    """KV heads per program: enough that the key dot's ``N = 8`` columns are real query heads,
+    except for few (sequence, KV head) pairs, where one head per program measured faster."""
+    if "heads_per_program" in config:
+        return int(config["heads_per_program"])
+    if bsz * h < SMALL_BATCH_HEADS:
+        return 1
+    m2 = next_pow2(qg)
+    hp = 1
+    while m2 * hp < 8 and hp < 4 and 2 * hp <= next_pow2(h):
+        hp *= 2
+    return hp
 
 
 def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config):
@@ -257,32 +285,48 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     g = cache.group_size
     w = min(g, d // 4)
     nb = d // (4 * w)
-    orient = int(config.get("orient", DEFAULT_ORIENT))
-    m_int2 = max(16, next_pow2(qg)) if orient == 0 else max(2, next_pow2(qg))
     dev = q.device
-    mode = int(config.get("mode", DEFAULT_MODE))
-    if interpreting() and mode == 1:
-        mode = 0
-    block_n = int(config.get("BLOCK_N", DEFAULT_BLOCK_N if d <= 128 else DEFAULT_BLOCK_N // 2))
-    block16 = int(config.get("BLOCK16", 64))
-    num_warps = int(config.get("num_warps", DEFAULT_WARPS))
+    interp = interpreting()
+    asm = int(config.get("mode", DEFAULT_MODE)) == 1 and not interp
+    block_n = int(config.get("BLOCK_N", DEFAULT_BLOCK_N))
+    block16 = int(config.get("BLOCK16", DEFAULT_BLOCK16))
     num_stages = int(config.get("num_stages", DEFAULT_STAGES))
+    hp = _heads_per_program(qg, h, bsz, config)
+    m2 = next_pow2(qg)
+    hgroups = -(-h // hp)
 
-    qr = rotate_query(q, k_rotation, h)
+    # the query in the keys' basis: one small kernel (3xTF32 products, about fp32 accuracy)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_rotation is not None:
+        r = k_rotation
+        if r.dtype != torch.float32 or not r.is_contiguous():
+            r = r.float().contiguous()
+        qr = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
+        bc = d if interp else min(32, d)  # (the interpreter: fewer, larger programs)
+        LAST_LAUNCH["rotate"] = mod.rotate_query_kernel[(bsz * h, d // bc)](
+            q, q.stride(0), q.stride(1), r, qr, h, qg,
+            D=d, M=max(16, next_pow2(qg)), BC=bc, INTERP=interp, num_warps=4,
+        )
+    else:
+        qr = q
+
     # split sizes (host integers only: graph-safe)
-    n_sm = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if q.is_cuda else 8
-    target = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM)) * n_sm
+    # (the interpreter runs programs one after another: one "SM" keeps CPU runs short)
+    n_sm = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
+    ppsm = DEFAULT_PROGRAMS_PER_SM if bsz * h < SMALL_BATCH_HEADS else DEFAULT_PROGRAMS_PER_SM_LARGE
+    target = int(config.get("programs_per_sm", ppsm)) * n_sm
     cap = cache.history_capacity
     if "split_tokens" in config:
         chunk = int(config["split_tokens"])
     else:
-        want = max(1, -(-target // (bsz * h)))
+        want = max(1, -(-target // (bsz * hgroups)))
         chunk = -(-cap // want)
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     s2 = -(-cap // chunk)
     ncap = cache.window_capacity
-    # window chunks: bytes per window token are ~7x an INT2 token's, so a quarter of the INT2
-    # chunk keeps window programs off the critical path
+    # window chunks: a window token is ~7x an INT2 token's bytes; small chunks keep window
+    # programs off the critical path
     chunk16 = int(config.get("split_tokens16", min(256, max(block16, chunk // 4, ncap // 64))))
     chunk16 = -(-chunk16 // block16) * block16
     s16 = -(-ncap // chunk16)
@@ -299,8 +343,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     kc = cache.k_codes
     ks = cache.k_scale
     w16 = cache.k_bf16
-    args = (
-        qr,
+    LAST_LAUNCH["split"] = mod.decode_kernel[(s_all, bsz * hgroups)](
+        qr, qr.stride(0), qr.stride(1),
         kc, ks, cache.k_offset, cache.v_codes, cache.v_scale, cache.v_offset,
         kc.stride(0), kc.stride(1), kc.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
@@ -309,15 +353,9 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         cache.bf16_lens,
         opart, lse,
         qk_scale,
-        h, qg, s16, s_all, chunk, chunk16,
-    )
-    common = dict(D=d, G=g, W=w, NB=nb, BLOCK_N=block_n, BLOCK16=block16, PAGED=cache.paged, PAGE=page,
-                  MODE=mode, INTERP=interpreting())
-    LAST_LAUNCH["window"] = mod.decode_split_kernel[(s16, bsz * h)](
-        *args, **common, M=max(16, next_pow2(qg)), PART=0, ORIENT=0, num_warps=4, num_stages=2,
-    )
-    LAST_LAUNCH["split"] = mod.decode_split_kernel[(s2, bsz * h)](
-        *args, **common, M=m_int2, PART=1, ORIENT=orient, num_warps=num_warps, num_stages=num_stages,
+        h, hgroups, qg, s16, s_all, chunk, chunk16,
+        D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
+        PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, num_warps=1, num_stages=num_stages,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)
     if unrotate:
@@ -329,7 +367,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     # merge: one program per (sequence, query head, 32-channel slice), all partials in one pass
     # when they fit (up to 256 splits)
     block_s = max(16, min(256, next_pow2(s_all)))
-    dc = min(d, 32)
+    dc = d if interp else min(d, 32)
     LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,

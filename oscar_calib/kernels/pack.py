@@ -40,9 +40,11 @@ d, G        W      NB   byte ``j`` holds channels (bits 1:0, 3:2, 5:4, 7:6)
 ==========  =====  ===  ======================================================================
 
 Why: every bit plane of a block is a run of ``W`` consecutive channels inside one
-quantisation group, so the decode kernel extracts a plane with one shift and mask, feeds it
-straight to a tensor-core dot over ``W`` channels, and applies that group's scale to the
-partial scores afterwards: no per-element dequantisation and no interleaving shuffle.
+quantisation group, so the decode kernel turns a 32-bit word of codes into fp16 tensor-core
+operands with one ``and`` per register (``word & (0x00030003 << 2p)`` holds the plane-``p``
+codes of bytes 0 and 2 as fp16 subnormals; bytes 1 and 3 after one shift by 8), runs the dots
+over a group's channels, and applies that group's scale to the partial sums afterwards: no
+per-element dequantisation and no interleaving shuffle (:mod:`._decode_triton`).
 """
 
 from __future__ import annotations

@@ -13,21 +13,24 @@ Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.quant`:
    ``q = clamp(floor(y/s + z + 0.5), 0, 3)``;
 4. store ``fp16(s)``, ``fp16(-z*s)`` and the packed codes (:mod:`.pack`).
 
-The Triton kernel uses IEEE division (``div_rn``) and the same operation order as the reference,
-so codes agree bit for bit when the rotated values agree. The rotation is the one place the
-arithmetic differs: for 16-bit inputs the kernel splits ``R`` into a 16-bit high part and a
-16-bit residual and runs two tensor-core products with fp32 accumulation (``x @ R_hi + x @ R_lo``,
-about 1e-6 relative error, against the reference's fp32 matmul); for fp32 inputs it runs one
-fp32 ("ieee") product. Different summation orders move ``y`` by an ulp or so, which flips a code
-by one level only where ``y/s + z + 0.5`` lies within that distance of an integer (a rounding
-tie): in practice a handful per million codes. ``fast_rotation=True`` uses the high part only
-(one product, ~1e-3 relative error in ``y``; about 0.1% of codes move by one level), and
-``config={"fast_div": True}`` multiplies by ``1/s`` instead of dividing (codes move only at
-rounding ties; ~15% faster on an H200).
+The Triton kernel reproduces the reference's arithmetic: the clip threshold is selected
+exactly (ties included) and ``floor(y/s + z + 0.5)`` uses IEEE division (``div_rn``), so codes
+agree bit for bit when the rotated values agree. The rotation is the one place the arithmetic differs: for 16-bit inputs the kernel splits ``R``
+into a 16-bit high part and a 16-bit residual and runs two tensor-core products with fp32
+accumulation (``x @ R_hi + x @ R_lo``, about 1e-6 relative error, against the reference's fp32
+matmul); for fp32 inputs it runs one fp32 ("ieee") product. Different summation orders move
+``y`` by an ulp or so, which flips a code by one level only where ``y/s + z + 0.5`` lies within
+that distance of an integer (a rounding tie): in practice about one per million codes.
+``fast_rotation=True`` uses the high part only (one product, ~1e-3 relative error in ``y``;
+about 0.1% of codes move by one level), and ``config={"fast_div": True}`` multiplies by ``1/s``
+instead of dividing (codes may move at rounding ties).
 
-Kernel cost: the clip threshold takes ``m = d - k`` row reductions (6 at c = 0.96, d = 128) and
-dominates: on an H200 the kernel moves ~400 GB/s with clipping, ~1.1 TB/s without, against a
-4.2 TB/s copy (``scripts/bench_kernels.py``).
+Kernel cost (H200, 128K tokens x 8 heads, d = 128, bf16 in; ``scripts/bench_kernels.py``):
+the clip selection (:mod:`._write_triton`) measured ~145 us (it was ~530 us as ``2m`` row
+reductions), so rotate + clip + quantise should take ~0.42 ms (~0.7 TB/s, 17% of the 4.2 TB/s
+copy; 0.4 TB/s before) and ~0.28 ms without clip (1.1 TB/s, 26%; unchanged). The two 16-bit
+rotation products, the division and the row reductions keep it compute-bound, far from the
+memory roofline.
 """
 
 from __future__ import annotations
@@ -250,6 +253,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         n_tok,
         D=d, G=group_size, W=min(group_size, d // 4), BT=bt, KB=kb,
         ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(), FAST_DIV=bool(config.get("fast_div", False)),
+        KEYED=rot_mode == 0 and x3.dtype in (torch.bfloat16, torch.float16) and d <= 256,
         num_warps=num_warps,
     )
     return out

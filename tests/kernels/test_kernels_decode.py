@@ -19,9 +19,9 @@ from oscar_calib.kernels import decode as decode_mod
 from oscar_calib.kernels.testing import kv_rows, poison_cache, random_rotation, relative_error
 
 SMALL = {"BLOCK_N": 16, "BLOCK16": 16}
-# (code mode, orientation) variants of the INT2 kernel (see _decode_triton); the inline-PTX
-# mode 1 exists only on the GPU
-DECODE_VARIANTS = [(0, 0), (2, 0), (0, 1)] + ([(1, 0), (1, 1)] if torch.cuda.is_available() else [])
+# (code mode, KV heads per program) variants of the INT2 kernel (see _decode_triton); the
+# inline-PTX mode 1 exists only on the GPU (the interpreter runs mode 0 for it)
+DECODE_VARIANTS = [(0, 1), (0, 2), (0, 4)] + ([(1, 1), (1, 2), (1, 4)] if torch.cuda.is_available() else [])
 
 
 def _window_fake(x, r):
@@ -76,10 +76,12 @@ CASES = {
     "d128_one_kv_head": dict(batch=2, tokens=45, heads=1, qg=8, d=128, g=128, lengths=[45, 29]),
     "d256_g64": dict(batch=1, tokens=40, heads=2, qg=2, d=256, g=64),
     "d256_g32_two_blocks": dict(batch=2, tokens=40, heads=1, qg=4, d=256, g=32, lengths=[40, 23]),
-    "paged_page8_shuffled": dict(batch=3, tokens=70, heads=2, qg=2, d=128, g=32, lengths=[70, 33, 9], page=8),
+    "paged_page8_shuffled": dict(batch=3, tokens=56, heads=2, qg=2, d=128, g=32, lengths=[56, 33, 9], page=8),
     "paged_page32": dict(batch=2, tokens=90, heads=1, qg=4, d=64, g=64, lengths=[90, 41], page=32),
     "history_zero": dict(batch=2, tokens=12, heads=2, qg=2, d=64, g=64, lengths=[12, 7]),
     "int2_only": dict(batch=2, tokens=37, heads=2, qg=4, d=128, g=64, sink=0, recent=0, lengths=[37, 20]),
+    # SmolLM2-like: 3 KV heads (two per program: one program has a missing head), 3 query heads each
+    "d64_three_heads_qg3": dict(batch=2, tokens=50, heads=3, qg=3, d=64, g=64, lengths=[50, 41]),
 }
 
 
@@ -89,23 +91,33 @@ def test_decode_matches_reference(name, device):
     _run(q, cache, rk, rv)
 
 
-@pytest.mark.parametrize("mode,orient", DECODE_VARIANTS)
-def test_decode_kernel_variants(mode, orient, device):
-    q, cache, rk, rv, _ = _case(batch=2, tokens=50, heads=2, qg=4, d=128, g=32, lengths=[50, 31],
-                                seed=mode + 3 * orient, device=device)
-    _run(q, cache, rk, rv, config={**SMALL, "mode": mode, "orient": orient})
+@pytest.mark.parametrize("mode,hp", DECODE_VARIANTS)
+def test_decode_kernel_variants(mode, hp, device):
+    # (hp=4 with 2 KV heads: two head slots of the program are past the end)
+    q, cache, rk, rv, _ = _case(batch=2, tokens=44, heads=2, qg=4, d=128, g=64, lengths=[44, 31],
+                                seed=mode + 3 * hp, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "mode": mode, "heads_per_program": hp})
 
 
-def test_decode_transposed_two_blocks_odd_group(device):
-    # orientation 1 with two byte blocks (d=256, G=32) and 3 query heads per KV head
+@pytest.mark.parametrize("hp", [2, 4])
+def test_decode_heads_per_program_with_missing_heads(hp, device):
+    # 3 KV heads: the last program's head slots past the end are computed on a clamped head
+    # and never stored; paged layout for the per-token page lookups
+    q, cache, rk, rv, _ = _case(batch=2, tokens=48, heads=3, qg=3, d=64, g=32, lengths=[48, 37],
+                                page=16, seed=30 + hp, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "heads_per_program": hp})
+
+
+def test_decode_two_blocks_odd_group(device):
+    # two byte blocks (d=256, G=32: eight groups) and 3 query heads per KV head
     q, cache, rk, rv, _ = _case(batch=2, tokens=44, heads=1, qg=3, d=256, g=32, lengths=[44, 27],
                                 seed=21, device=device)
-    _run(q, cache, rk, rv, config={**SMALL, "orient": 1})
+    _run(q, cache, rk, rv, config={**SMALL, "BLOCK_N": 32})
 
 
 def test_decode_many_splits_mha_and_default_tiles(device):
     # QG = 1 (plain multi-head attention), 16-token splits: many partials, several empty
-    q, cache, rk, rv, _ = _case(batch=2, tokens=90, heads=4, qg=1, d=64, g=32, lengths=[90, 25],
+    q, cache, rk, rv, _ = _case(batch=2, tokens=72, heads=2, qg=1, d=64, g=32, lengths=[72, 25],
                                 seed=4, device=device)
     _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16})
     _run(q, cache, rk, rv, config={})  # production tile sizes
@@ -188,7 +200,7 @@ def test_decode_input_errors(device):
     bad = decode_mod.Int2KVCache(**{**cache.__dict__, "group_size": 128})
     with pytest.raises(InputError, match="not divisible by group size"):
         decode_attention(q, bad, backend="triton")
-    # group size 8 is valid storage but below the kernel's 16-channel planes
+    # group size 8 is valid storage but below the kernel's 32-channel groups
     _, c8, _, _, _ = _case(batch=1, tokens=20, heads=2, qg=1, d=64, g=8, seed=15, device=device)
     with pytest.raises(InputError, match="does not support"):
         decode_attention(q[:1, :2], c8, backend="triton")

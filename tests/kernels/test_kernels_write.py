@@ -81,6 +81,11 @@ def test_write_kernel_identical_arithmetic_with_ties(device):
         _check_close(res, quantize_kv_reference(x.cpu(), None, clip.cpu(), g), exact=True)
     res = quantize_kv(x.half(), None, None, 32, backend="triton")
     _check_close(res, quantize_kv_reference(x.half().cpu(), None, None, 32), exact=True)
+    # 16-bit input without a rotation takes the integer-key clip selection (both branches)
+    for dt in (torch.bfloat16, torch.float16):
+        xb = (x * 1.37).to(dt)
+        res = quantize_kv(xb, None, clip, 64, backend="triton", config={"BT": 16})
+        _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), 64), exact=True)
 
 
 def test_write_kernel_leading_dims_and_scalar_clip(device):
