@@ -53,6 +53,9 @@ app.command("pull")(pull_command)
 app.command("export")(export_command)
 app.command("import")(import_command)
 app.add_typer(zoo_app, name="zoo")
+from .eval import eval_command  # noqa: E402
+
+app.command("eval")(eval_command)
 
 
 def main() -> None:

@@ -1,0 +1,113 @@
+"""``oscar eval``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._common import DeviceOpt, DtypeOpt, JsonOpt, console, emit_json, stdout, table
+
+
+def _numbers(text: str, kind, name: str) -> list:
+    from ..errors import InputError
+
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{name} expects comma-separated numbers, got {text!r}") from None
+
+
+def eval_command(
+    model: Annotated[str, typer.Argument(help="Model alias, checkpoint dir, .gguf file or hub id.")],
+    artifact: Annotated[Optional[Path], typer.Argument(help="Artifact directory for the 'oscar' method "
+                                                       "(without it, 'oscar' is left out).")] = None,
+    task: Annotated[str, typer.Option(help="ppl (held-out perplexity) or niah (needle in a haystack).")] = "ppl",
+    methods: Annotated[str, typer.Option(help="Comma-separated: bf16, naive, hadamard, oscar, quanto.")]
+    = "bf16,naive,hadamard,oscar,quanto",
+    group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: the artifact's, else "
+                                                     "min(128, head_dim)).")] = None,
+    sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens.")] = 64,
+    recent: Annotated[int, typer.Option(help="BF16 recent-window tokens.")] = 256,
+    sequences: Annotated[int, typer.Option(help="ppl: held-out sequences.")] = 2,
+    seq_len: Annotated[int, typer.Option(help="ppl: tokens per sequence.")] = 2048,
+    data: Annotated[str, typer.Option(help="ppl: 'embedded' (its held-out half) or a text file/dir.")] = "embedded",
+    lengths: Annotated[str, typer.Option(help="niah: context lengths, comma-separated.")] = "1024,2048,4096,8192",
+    depths: Annotated[str, typer.Option(help="niah: needle depths in [0, 1], comma-separated.")]
+    = "0,0.25,0.5,0.75,1",
+    samples: Annotated[int, typer.Option(help="niah: prompts per (length, depth).")] = 1,
+    haystack: Annotated[str, typer.Option(help="niah filler: corpus (held-out sentences) or noise (RULER's "
+                                          "repeated sentences).")] = "corpus",
+    seed: Annotated[int, typer.Option(help="Seed for held-out sequences / needles.")] = 0,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG to write (default: ARTIFACT/eval-TASK.png, or "
+                                                 "eval-MODEL-TASK.png here without an artifact).")] = None,
+    record: Annotated[bool, typer.Option(help="Store the results in ARTIFACT/calibration.json and its model card.")]
+    = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Evaluate a 2-bit KV cache: held-out perplexity or needle retrieval, per method.
+
+    Every INT2 method keeps the first --sink and the last --recent tokens in BF16. ppl is
+    teacher-forced and faithful to decoding (each query position reads its own window in BF16,
+    everything older as INT2); niah prefills in full precision and answers with model.generate()
+    through the method's cache (OscarCache for naive/hadamard/oscar, transformers'
+    QuantizedCache for quanto).
+
+    Examples:
+
+    * `oscar eval smollm2-135m zoo/smollm2-135m`
+    * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,hadamard,oscar --json`
+    * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --lengths 2048,8192 --methods bf16,hadamard,oscar`
+    """
+    from ..errors import InputError
+    from ..evaluate import record_eval, run_eval
+
+    if record and (artifact is None or not artifact.is_dir()):
+        raise InputError("--record needs an ARTIFACT directory")
+
+    kw = {"group_size": group_size, "sink": sink, "recent": recent, "seed": seed}
+    if task == "ppl":
+        kw.update(sequences=sequences, seq_len=seq_len, data=data)
+    elif task == "niah":
+        kw.update(lengths=_numbers(lengths, int, "--lengths"), depths=_numbers(depths, float, "--depths"),
+                  samples=samples, haystack=haystack)
+    if plot is None:
+        plot = (artifact if artifact is not None and artifact.is_dir() else Path(".")) / (
+            f"eval-{task}.png" if artifact is not None else f"eval-{Path(model).name}-{task}.png")
+    with console.status("evaluating …") as status:
+        result = run_eval(model, artifact, task=task, methods=methods, device=device, dtype=dtype, plot=plot,
+                          progress=lambda msg: status.update(msg), **kw)
+    if record:
+        record_eval(artifact, result)
+        result.settings["recorded"] = str(artifact)
+    render(result, json_out)
+
+
+def render(result, json_out: bool) -> None:
+    if json_out:
+        emit_json(result.to_json())
+        return
+    s = result.settings
+    if result.task == "ppl":
+        rows = [[r["method"], f"{r['bits_per_element']:.3f}", r["group_size"] or "–", f"{r['ppl']:.3f}",
+                 f"{r['gap_closed_vs_hadamard']:+.0%}" if "gap_closed_vs_hadamard" in r else "–"]
+                for r in result.rows]
+        stdout.print(table(f"oscar eval ppl: {result.model_id}", ["method", "bits/elem", "group", "perplexity",
+                                                                  "Hadamard→BF16 gap closed"], rows,
+                           caption=f"{s['sequences']}×{s['seq_len']} held-out tokens; BF16 sink {s['sink']} + recent "
+                                   f"{s['recent']} per query position; quanto: QuantizedCache defaults"))
+    else:
+        summ = result.summary()
+        lengths = list(summ[0]["by_length"]) if summ else []
+        rows = [[r["method"], f"{r['bits_per_element']:.3f}"] + [f"{r['by_length'][k]:.2f}" for k in lengths]
+                + [f"{r['accuracy']:.2f}"] for r in summ]
+        stdout.print(table(f"oscar eval niah: {result.model_id}", ["method", "bits/elem"] + lengths + ["all"], rows,
+                           caption=f"exact match over depths {s['depths']} × {s['samples']} sample(s); haystack "
+                                   f"{s['haystack']}"))
+    if s.get("plot"):
+        stdout.print(f"plot written to {s['plot']}")
+    if s.get("recorded"):
+        stdout.print(f"results recorded in {s['recorded']}/calibration.json and its README.md")

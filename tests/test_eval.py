@@ -1,0 +1,267 @@
+"""oscar eval: the perplexity simulation, NIAH generation and scoring, the quanto baseline, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import CharTokenizer, loaded_tiny, tiny_model
+from oscar_calib.errors import InputError
+from oscar_calib.evaluate import (SimulatedKV, build_schemes, cache_for, evaluate_niah, evaluate_ppl, make_niah,
+                                  parse_methods, quanto_cache, quanto_sequence_nll, score_niah, sequence_nll)
+from oscar_calib.kernels import quantize_kv
+from oscar_calib.models import geometry_of
+from oscar_calib.oscar_cache import KVScheme, OscarCache
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "mistral", "qwen3"])
+def test_simulation_equals_plain_attention_when_nothing_is_quantised(kind):
+    m = tiny_model(kind, layers=2)
+    ids = torch.randint(1, 120, (1, 40), generator=torch.Generator().manual_seed(0))
+    plain = m(ids).logits
+    scheme = KVScheme.full_precision(geometry_of(m).num_layers, window_dtype=None)
+    with SimulatedKV(m, scheme):
+        sim = m(ids).logits
+    assert torch.allclose(sim, plain, atol=1e-5, rtol=0)
+    # INT2 with sink and window covering every position is lossless too
+    geo = geometry_of(m)
+    wide = KVScheme.uniform("h", geo.num_layers, geo.num_kv_heads, geo.head_dim, 8, rotation="hadamard",
+                            clips=(0.9, 0.9), sink=0, recent=40, window_dtype=None)
+    with SimulatedKV(m, wide):
+        assert torch.allclose(m(ids).logits, plain, atol=1e-5, rtol=0)
+    narrow = KVScheme.uniform("h", geo.num_layers, geo.num_kv_heads, geo.head_dim, 8, rotation="hadamard",
+                              clips=(0.9, 0.9), sink=2, recent=4, window_dtype=None)
+    with SimulatedKV(m, narrow):
+        assert (m(ids).logits - plain).abs().max() > 1e-3
+    assert m.config._attn_implementation != "oscar_kv_sim"      # restored
+
+
+def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
+    """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops)."""
+    rk, ck, rv, cv = scheme.layer(0)
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    g = scheme.group_size
+    kq = quantize_kv(kb.transpose(1, 2), rk, ck, g).dequantize()[0]       # [S, H, d] rotated
+    vq = quantize_kv(vb.transpose(1, 2), rv, cv, g).dequantize()[0]
+    hq, t = q.shape[1], q.shape[2]
+    grp = hq // k.shape[1]
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    hi = (j < scheme.sink) | (i - j < scheme.recent)
+    ok = j <= i if window is None else (j <= i) & (i - j < window)
+    out = torch.zeros(1, t, hq, q.shape[-1])
+    for h in range(hq):
+        kv = h // grp
+        s_hi = q[0, h] @ kb[0, kv].float().T
+        s_lo = (q[0, h] @ rk[kv]) @ kq[:, kv].T
+        s = torch.where(hi, s_hi, s_lo) * scaling
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        p = torch.softmax(s.masked_fill(~ok, -math.inf), -1)
+        out[0, :, h] = (p * hi) @ vb[0, kv].float() + ((p * ~hi) @ vq[:, kv]) @ rv[kv].T
+    return out
+
+
+@pytest.mark.parametrize("softcap,window", [(None, None), (5.0, None), (None, 9)])
+def test_simulation_matches_explicit_selection(softcap, window):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 50, 16), 3 * torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    scheme = KVScheme.uniform("h", 1, 2, 16, 8, rotation="hadamard", clips=(0.96, 0.92), sink=4, recent=10)
+    got = SimulatedKV(None, scheme).attend(0, q, k, v, None, 0.25, window, softcap)
+    assert torch.allclose(got, _reference(q, k, v, scheme, 0.25, softcap, window), atol=2e-5, rtol=0)
+
+
+def test_ppl_bf16_equals_plain_and_int2_is_worse(char_tokenizer):
+    lm = loaded_tiny("llama")
+    ids = torch.randint(1, 120, (1, 64), generator=torch.Generator().manual_seed(1))
+    geo = lm.geometry
+    plain, n = sequence_nll(lm.model, ids)
+    logits = lm.model(ids).logits
+    ref = -torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).sum()
+    assert n == 63 and abs(plain - float(ref)) < 1e-3
+    lossless, _ = sequence_nll(lm.model, ids, KVScheme.full_precision(geo.num_layers, window_dtype=None))
+    assert abs(lossless - plain) < 1e-3
+    naive = build_schemes(["naive"], geo, group_size=16, sink=2, recent=4)["naive"]
+    assert sequence_nll(lm.model, ids, naive)[0] != pytest.approx(plain, abs=1e-3)
+
+
+def test_evaluate_ppl_end_to_end(char_tokenizer):
+    lm = loaded_tiny("gemma3", head_dim=64)           # quanto's default group (64) needs head_dim >= 64
+    res = evaluate_ppl(lm, ["bf16", "naive", "hadamard", "quanto"], group_size=8, sink=4, recent=8, sequences=2,
+                       seq_len=48)
+    by = {r["method"]: r for r in res.rows}
+    assert set(by) == {"bf16", "naive", "hadamard", "quanto"}
+    assert all(math.isfinite(r["ppl"]) and r["tokens"] == 94 for r in res.rows)
+    assert by["hadamard"]["bits_per_element"] == 2 + 32 / 8 and by["bf16"]["bits_per_element"] == 16
+    assert by["bf16"]["gap_closed_vs_hadamard"] == pytest.approx(1.0)
+    assert json.dumps(res.to_json())
+
+
+def test_quanto_baseline_runs():
+    import optimum.quanto  # noqa: F401  (the `quanto` extra, installed by `make test`: no skip)
+    from transformers.cache_utils import QuantizedCache
+
+    m = tiny_model("llama", layers=2, head_dim=64)
+    cache = quanto_cache(m.config)
+    assert isinstance(cache, QuantizedCache)
+    ids = torch.randint(1, 120, (1, 40), generator=torch.Generator().manual_seed(2))
+    nll, n = quanto_sequence_nll(m, ids)
+    plain, _ = sequence_nll(m, ids)
+    assert n == 39 and math.isfinite(nll) and nll != plain
+    out = m.generate(ids, past_key_values=quanto_cache(m.config), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 44)
+    g = tiny_model("gemma3", layers=2, head_dim=64)     # sliding layers: every layer a QuantoQuantizedLayer
+    assert math.isfinite(quanto_sequence_nll(g, ids)[0])
+
+
+def test_niah_generator_is_deterministic(char_tokenizer):
+    a = make_niah(char_tokenizer, 600, 0.5, seed=3)
+    b = make_niah(char_tokenizer, 600, 0.5, seed=3)
+    c = make_niah(char_tokenizer, 600, 0.5, seed=4)
+    assert a.ids == b.ids and a.value == b.value and a.key == b.key
+    assert (c.ids, c.value) != (a.ids, a.value)
+    assert len(a.value) == 7 and a.value.isdigit()
+    assert 500 <= len(a.ids) <= 600
+    needle = char_tokenizer(f"One of the special magic numbers for {a.key} is: {a.value}.")["input_ids"]
+    text = a.ids
+    at = next(i for i in range(len(text)) if text[i:i + len(needle)] == needle)
+    early, late = make_niah(char_tokenizer, 600, 0.0, seed=3), make_niah(char_tokenizer, 600, 1.0, seed=3)
+    n_e = char_tokenizer(f"One of the special magic numbers for {early.key} is")["input_ids"]
+    n_l = char_tokenizer(f"One of the special magic numbers for {late.key} is")["input_ids"]
+    pos = lambda ids, nd: next(i for i in range(len(ids)) if ids[i:i + len(nd)] == nd)  # noqa: E731
+    assert pos(early.ids, n_e) < at < pos(late.ids, n_l)
+    noise = make_niah(char_tokenizer, 400, 0.25, seed=3, haystack="noise")
+    assert noise.ids == make_niah(char_tokenizer, 400, 0.25, seed=3, haystack="noise").ids
+    with pytest.raises(InputError):
+        make_niah(char_tokenizer, 600, 1.5, seed=0)
+
+
+def test_niah_checker():
+    assert score_niah(" 4820193.", "4820193") == 1
+    assert score_niah("The number is 4,820,193 and more", "4820193") == 1
+    assert score_niah(" 4820194.", "4820193") == 0
+    assert score_niah(" 48201930", "4820193") == 0
+    assert score_niah(" 1234567 or 4820193", "4820193") == 0
+    assert score_niah(" no idea", "4820193") == 0
+
+
+def test_niah_cache_from_prefill_equals_direct_prefill():
+    """Building a method's cache from the shared full-precision prefill stores exactly what a
+    prefill through that cache stores."""
+    from oscar_calib.evaluate import _prefill
+
+    m = tiny_model("gemma3", layers=2)
+    ids = torch.randint(1, 120, (1, 30), generator=torch.Generator().manual_seed(5))
+    geo = geometry_of(m)
+    scheme = KVScheme.uniform("h", geo.num_layers, geo.num_kv_heads, geo.head_dim, 8, rotation="hadamard",
+                              clips=(0.96, 0.92), sink=2, recent=5)
+    built = cache_for("hadamard", m, _prefill(m, ids, chunk=7), scheme)
+    direct = OscarCache(m.config, scheme)
+    m(ids, past_key_values=direct, use_cache=True)
+    for a, b in zip(built.layers, direct.layers):
+        assert a.stored_tokens() == b.stored_tokens()
+        assert torch.allclose(a._materialize("k"), b._materialize("k"), atol=1e-6)
+        assert torch.allclose(a._materialize("v"), b._materialize("v"), atol=1e-6)
+    nxt = ids[:, -1:]
+    assert torch.allclose(m(nxt, past_key_values=built).logits, m(nxt, past_key_values=direct).logits, atol=1e-5)
+
+
+class DecodingCharTokenizer(CharTokenizer):
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(48 + int(i) % 10) for i in ids)
+
+
+def test_evaluate_niah_runs():
+    lm = loaded_tiny("llama", head_dim=64)
+    lm.tokenizer = DecodingCharTokenizer()
+    res = evaluate_niah(lm, ["bf16", "hadamard", "quanto"], group_size=8, sink=4, recent=16, lengths=(500,),
+                        depths=(0.0, 1.0), max_new_tokens=3, prefill_chunk=64)
+    assert len(res.rows) == 6
+    assert {r["score"] for r in res.rows} <= {0, 1}
+    s = {r["method"]: r for r in res.summary()}
+    assert set(s) == {"bf16", "hadamard", "quanto"} and s["bf16"]["samples"] == 2
+    assert "cache_bytes_per_token" in next(r for r in res.rows if r["method"] == "hadamard")
+
+
+def test_methods_parsing_and_errors():
+    assert parse_methods("bf16, oscar,bf16") == ["bf16", "oscar"]
+    with pytest.raises(InputError, match="unknown method"):
+        parse_methods("bf16,int3")
+    geo = geometry_of(tiny_model("llama"))
+    with pytest.raises(InputError, match="ARTIFACT"):
+        build_schemes(["oscar"], geo)
+    with pytest.raises(InputError):
+        build_schemes(["naive"], geo, group_size=3)
+
+
+def test_cli_eval(monkeypatch, tmp_path):
+    from oscar_calib.cli import app
+    from oscar_calib.evaluate import EvalResult
+
+    seen = {}
+
+    def fake(model, artifact, **kw):
+        seen.update(kw, model=model, artifact=artifact)
+        return EvalResult("ppl", "m", {"sink": 64, "recent": 256, "sequences": 2, "seq_len": 2048,
+                                       "group_size": 64, "plot": str(kw["plot"])},
+                          [{"method": "bf16", "ppl": 8.2, "bits_per_element": 16.0, "group_size": None},
+                           {"method": "hadamard", "ppl": 9.2, "bits_per_element": 2.5, "group_size": 64}])
+
+    monkeypatch.setattr("oscar_calib.evaluate.run_eval", fake)
+    r = CliRunner().invoke(app, ["eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
+                                 "--group-size", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["rows"][1]["ppl"] == 9.2
+    assert seen["model"] == "smollm2-135m" and seen["group_size"] == 64 and seen["task"] == "ppl"
+    assert seen["methods"] == "bf16,hadamard" and seen["plot"] == tmp_path / "eval-ppl.png"
+    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--lengths", "1024,x"])
+    assert r.exit_code != 0
+
+
+def test_cli_eval_errors_are_one_line(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "oscar_calib", "eval", "smollm2-135m", "--methods", "bf16,int3"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: unknown method") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_write_plot(tmp_path, char_tokenizer):
+    from oscar_calib.evaluate import EvalResult, write_plot
+
+    res = EvalResult("niah", "m", {"sink": 1, "recent": 1, "group_size": 8, "depths": [0], "samples": 1,
+                                   "haystack": "corpus"},
+                     [{"method": "bf16", "length": 100, "score": 1, "bits_per_element": 16.0},
+                      {"method": "bf16", "length": 200, "score": 0, "bits_per_element": 16.0}])
+    write_plot(tmp_path / "p.png", res)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
+    import shutil
+
+    from oscar_calib.artifact import load_artifact
+    from oscar_calib.evaluate import EvalResult, record_eval
+
+    art = tmp_path / "a"
+    shutil.copytree(demo_artifact, art)
+    before = (art / "oscar.safetensors").read_bytes()
+    res = EvalResult("ppl", "m", {"sink": 64, "recent": 256, "sequences": 2, "seq_len": 2048, "data": "x",
+                                  "group_size": 64},
+                     [{"method": "bf16", "ppl": 8.2, "bits_per_element": 16.0, "group_size": None,
+                       "gap_closed_vs_hadamard": 1.0},
+                      {"method": "oscar", "ppl": 8.4, "bits_per_element": 2.5, "group_size": 64,
+                       "gap_closed_vs_hadamard": 0.8}])
+    record_eval(art, res)
+    report = json.loads((art / "calibration.json").read_text())
+    assert report["eval_results"]["ppl"]["rows"][1]["ppl"] == 8.4
+    assert "8.400" in report["eval"] and "+80%" in report["eval"]
+    card = (art / "README.md").read_text()
+    assert "## Evaluation" in card and "8.400" in card
+    assert (art / "oscar.safetensors").read_bytes() == before
+    load_artifact(art)
