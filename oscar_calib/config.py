@@ -106,7 +106,8 @@ def from_mapping(data: dict, *, where: str = "config") -> CalibrationConfig:
     return CalibrationConfig(**data).validate()
 
 
-def load_yaml_section(path: Path, section: str = "calibration") -> dict:
+def load_yaml_mapping(path: Path) -> dict:
+    """A YAML file whose top level is a mapping, or one clear :class:`InputError`."""
     import yaml
 
     try:
@@ -117,6 +118,11 @@ def load_yaml_section(path: Path, section: str = "calibration") -> dict:
         raise InputError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(doc, dict):
         raise InputError(f"{path}: expected a mapping at the top level")
+    return doc
+
+
+def load_yaml_section(path: Path, section: str = "calibration") -> dict:
+    doc = load_yaml_mapping(path)
     sec = doc.get(section, {}) or {}
     if not isinstance(sec, dict):
         raise InputError(f"{path}: '{section}' must be a mapping")

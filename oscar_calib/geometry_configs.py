@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import CalibrationConfig, from_mapping
+from .config import CalibrationConfig, from_mapping, load_yaml_mapping
 from .errors import InputError
 
 SECTIONS = ("geometry", "calibration")
@@ -177,17 +177,8 @@ def geometry_from_mapping(data: dict, *, where: str = "geometry") -> GeometrySpe
 
 def load_model_config(path: Path) -> ModelConfig:
     """Read a ``configs/*.yaml`` file; unknown sections or keys are errors that list the valid ones."""
-    import yaml
-
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise InputError(f"cannot read config {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict):
-        raise InputError(f"{path}: expected a mapping at the top level")
+    doc = load_yaml_mapping(path)
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
         raise InputError(f"{path}: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
