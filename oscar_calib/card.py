@@ -40,9 +40,7 @@ def model_card(report: dict) -> str:
         "Per-layer figures are in `calibration.json`.",
         "",
     ]
-    ev = report.get("eval")
-    if ev:
-        lines += ["## Evaluation", "", "```", str(ev), "```", ""]
+    lines += _eval_section(report)
     lines += [
         "## Use",
         "",
@@ -53,3 +51,36 @@ def model_card(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+_EVAL_LABELS = (("bf16", "BF16 KV cache"), ("naive", "naive INT2"), ("hadamard", "Hadamard (QuaRot-INT2), clips 0.96/0.92"),
+                ("oscar", "**this artifact**"), ("quanto", "transformers QuantizedCache (quanto, 2 bits)"))
+
+
+def _eval_section(report: dict) -> list[str]:
+    """``## Evaluation``: the headline numbers ``oscar eval --record`` stored under ``eval`` as a
+    table, then the full text tables (``eval_results["text"]``)."""
+    ev = report.get("eval")
+    text = (report.get("eval_results") or {}).get("text")
+    if not ev and not text:
+        return []
+    lines = ["## Evaluation", ""]
+    if isinstance(ev, dict):
+        niah = ev.get("niah") if isinstance(ev.get("niah"), dict) else {}
+        rows = [(label, ev.get(f"{m}_ppl"), niah.get(m)) for m, label in _EVAL_LABELS
+                if f"{m}_ppl" in ev or m in niah]
+        if rows:
+            lines += ["| KV cache | held-out perplexity | needle retrieval |", "|---|---|---|"]
+            lines += [f"| {label} | {'–' if p is None else f'{p:.3f}'} | {'–' if a is None else f'{a:.0%}'} |"
+                      for label, p, a in rows]
+            extra = []
+            if "oscar_bits_per_element" in ev:
+                extra.append(f"This artifact stores {ev['oscar_bits_per_element']:g} bits per element of the INT2 history.")
+            if niah.get("lengths"):
+                extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}.")
+            lines += ["", *([" ".join(extra), ""] if extra else [])]
+    if text:
+        lines += ["Measured with `oscar eval` (full tables):", "", "```", text, "```", ""]
+    elif ev and not isinstance(ev, dict):
+        lines += ["```", str(ev), "```", ""]
+    return lines

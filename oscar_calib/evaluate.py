@@ -590,10 +590,29 @@ def eval_text(results: dict) -> str:
     return "\n".join(lines)
 
 
+def eval_headline(results: dict) -> dict:
+    """The few numbers a model card and the zoo table show: perplexity of every method,
+    the artifact's bits per element, and NIAH accuracy per method (nested)."""
+    out: dict = {}
+    ppl = results.get("ppl")
+    if ppl:
+        for r in ppl["rows"]:
+            if r["method"] in ("bf16", "naive", "hadamard", "oscar", "quanto"):
+                out[f"{r['method']}_ppl"] = round(r["ppl"], 3)
+            if r["method"] == "oscar":
+                out["oscar_bits_per_element"] = r["bits_per_element"]
+    niah = results.get("niah")
+    if niah:
+        out["niah"] = {r["method"]: round(r["accuracy"], 3) for r in niah["summary"]}
+        out["niah"]["lengths"] = niah["settings"]["lengths"]
+    return out
+
+
 def record_eval(artifact_dir: Path, result: EvalResult) -> None:
-    """Store ``result`` in the artifact's ``calibration.json`` (``eval_results[task]``, and the
-    text tables under ``eval``, which the model card renders) and rewrite its README.md. The
-    rotations file is not touched."""
+    """Store ``result`` in the artifact's ``calibration.json``: the full result under
+    ``eval_results[task]`` (plus ``eval_results["text"]``, the tables as text) and the headline
+    numbers under ``eval`` (what the model card and ``oscar zoo`` show); then rewrite the model
+    card. The rotations file is not touched."""
     import json
 
     from .artifact import CARD_NAME, REPORT_NAME, atomic_write_text
@@ -605,8 +624,10 @@ def record_eval(artifact_dir: Path, result: EvalResult) -> None:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise InputError(f"cannot record the evaluation: {path} is not readable ({e})") from None
-    report.setdefault("eval_results", {})[result.task] = result.to_json()
-    report["eval"] = eval_text(report["eval_results"])
+    results = report.setdefault("eval_results", {})
+    results[result.task] = result.to_json()
+    results["text"] = eval_text(results)
+    report["eval"] = eval_headline(results)
     atomic_write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
     atomic_write_text(directory / CARD_NAME, model_card(report))
 

@@ -219,6 +219,14 @@ def _fmt(x, digits: int = 4) -> str:
 def eval_text(ev: dict | None) -> str:
     if not ev:
         return "–"
+    ppl = [(label, ev[f"{m}_ppl"]) for m, label in (("bf16", "BF16"), ("hadamard", "Hadamard"), ("oscar", "OSCAR"))
+           if isinstance(ev.get(f"{m}_ppl"), (int, float))]
+    if ppl:                                          # the headline numbers of ``oscar eval --record``
+        out = "ppl " + " / ".join(f"{label} {v:.2f}" for label, v in ppl)
+        niah = ev.get("niah")
+        if isinstance(niah, dict) and isinstance(niah.get("oscar"), (int, float)):
+            out += f"; NIAH OSCAR {niah['oscar']:.0%}"
+        return out
     parts = [f"{k} {_fmt(v, 3)}" for k, v in ev.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return ", ".join(parts[:4]) or "see artifact"
 

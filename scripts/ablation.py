@@ -18,19 +18,24 @@ Variants (each changes one option of the default, or names a combination):
 =================  ========================================================================
 variant            options
 =================  ========================================================================
-``default``        ``CalibrationConfig()``: qqt, sst, u_h_pbr, per KV head, fitted clips,
+``default``        ``CalibrationConfig()``: ktk, sst, u_h_pbr, per KV head, fitted clips,
                    G = min(128, head_dim)
 ``published``      the reference recipe: one rotation per layer, qqt, sst-approx, u_h_pbr,
                    clips 0.96/0.92
+``qqt``            K objective C_Q (the paper's; the default before the ablation)
+``qqt+layer``      qqt with one rotation per layer
 ``layer``          granularity layer
-``ktk``            K objective KᵀK
 ``sst-approx``     V objective: the reference repo's approximation
 ``vtv``            V objective VᵀV
 ``u``              composition U (no Hadamard, no bit reversal)
 ``h-fit``          composition H (data-free Hadamard) with fitted clips
 ``clip-fixed``     clips 0.96/0.92 instead of fitted
+``no-clip``        no clipping (ratios 1.0/1.0)
 ``g/2``, ``g*2``   half / double the default group size (bits/element 2 + 32/G)
 =================  ========================================================================
+
+Per-layer and per-KV-head statistics are the same for ``head`` and ``layer`` granularity when a
+model has one KV head (Gemma-3-270M), so ``layer`` only matters for SmolLM2 (3 KV heads).
 """
 
 from __future__ import annotations
@@ -47,28 +52,29 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
     "default": {},
-    "published": {"granularity": "layer", "v_objective": "sst-approx", "k_clip": 0.96, "v_clip": 0.92},
+    "published": {"k_objective": "qqt", "granularity": "layer", "v_objective": "sst-approx",
+                  "k_clip": 0.96, "v_clip": 0.92},
+    "qqt": {"k_objective": "qqt"},
+    "qqt+layer": {"k_objective": "qqt", "granularity": "layer"},
     "layer": {"granularity": "layer"},
-    "ktk": {"k_objective": "ktk"},
     "sst-approx": {"v_objective": "sst-approx"},
     "vtv": {"v_objective": "vtv"},
     "u": {"composition": "u"},
     "h-fit": {"composition": "h"},
     "clip-fixed": {"k_clip": 0.96, "v_clip": 0.92},
+    "no-clip": {"k_clip": 1.0, "v_clip": 1.0},
     "g/2": {"group_size": "half"},
     "g*2": {"group_size": "double"},
-    # combinations of the options that helped one at a time
-    "ktk+vtv": {"k_objective": "ktk", "v_objective": "vtv"},
-    "ktk+sst-approx": {"k_objective": "ktk", "v_objective": "sst-approx"},
-    "ktk+layer": {"k_objective": "ktk", "granularity": "layer"},
-    "ktk+vtv+layer": {"k_objective": "ktk", "v_objective": "vtv", "granularity": "layer"},
 }
 
 
 def stats_run(lm, cfg, cache: Path):
-    """Collect (or load) the statistics and held-out rows of the default calibration."""
+    """Collect (or load) the statistics and held-out rows of the default calibration (with the
+    ``sst-approx`` accumulator too, so every V objective can be built from one run; the other
+    accumulators do not depend on it)."""
     import torch
 
+    from oscar_calib.config import CalibrationConfig
     from oscar_calib.corpus import plan_tokens
     from oscar_calib.pipeline import StatsRun, collect_statistics
     from oscar_calib.stats import LayerStats, Reservoir
@@ -76,12 +82,12 @@ def stats_run(lm, cfg, cache: Path):
     plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
                        seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
                        seed=cfg.seed)
-    key = plan.sha256() + lm.fingerprint
+    key = plan.sha256() + lm.fingerprint + ":approx"
     geo = lm.geometry
     if cache.exists():
         state = torch.load(cache, map_location="cpu", weights_only=True)
         if state["key"] == key:
-            run = StatsRun(stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, cfg.pilot_tokens)
+            run = StatsRun(stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, cfg.pilot_tokens, approx=True)
                                   for _ in range(geo.num_layers)],
                            reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)])
             for s, st in zip(run.stats, state["stats"]):
@@ -90,7 +96,7 @@ def stats_run(lm, cfg, cache: Path):
                 r.q, r.k, r.v, r.o = rs["q"], rs["k"], rs["v"], rs["o"]
             run.layer_info = {int(k): v for k, v in state["layer_info"].items()}
             return run, state["timing"]
-    run, timing = collect_statistics(lm, plan, cfg)
+    run, timing = collect_statistics(lm, plan, CalibrationConfig(**{**cfg.to_dict(), "v_objective": "sst-approx"}))
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "timing": timing, "stats": [s.state_dict() for s in run.stats],
                 "reservoir": [{"q": r.q, "k": r.k, "v": r.v, "o": r.o} for r in run.reservoir],
@@ -165,6 +171,13 @@ def main() -> None:
                                     "bits_per_element": scheme.bits_per_element, "eval_s": time.perf_counter() - t1}
             print(f"{key}: {results['rows'][key]['ppl']:.3f}", flush=True)
             save()
+    key = f"hadamard-noclip@{g0}"                     # the no-clip reference point for ``no-clip``
+    if "no-clip" in names and key not in results["rows"]:
+        scheme = build_schemes(["hadamard"], geo, group_size=g0, sink=base.sink_tokens, recent=base.recent_tokens,
+                               hadamard_clips=(1.0, 1.0))["hadamard"]
+        results["rows"][key] = {"ppl": ppl(scheme), "group_size": g0, "bits_per_element": scheme.bits_per_element}
+        print(f"{key}: {results['rows'][key]['ppl']:.3f}", flush=True)
+        save()
     for name in names:
         if name in results["rows"]:
             continue

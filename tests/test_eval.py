@@ -260,8 +260,22 @@ def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     record_eval(art, res)
     report = json.loads((art / "calibration.json").read_text())
     assert report["eval_results"]["ppl"]["rows"][1]["ppl"] == 8.4
-    assert "8.400" in report["eval"] and "+80%" in report["eval"]
+    assert "8.400" in report["eval_results"]["text"] and "+80%" in report["eval_results"]["text"]
+    assert report["eval"] == {"bf16_ppl": 8.2, "oscar_ppl": 8.4, "oscar_bits_per_element": 2.5}
     card = (art / "README.md").read_text()
-    assert "## Evaluation" in card and "8.400" in card
+    assert "## Evaluation" in card
+    assert "| **this artifact** | 8.400 | – |" in card and "| BF16 KV cache | 8.200 | – |" in card
+    assert "stores 2.5 bits per element" in card and "+80%" in card
     assert (art / "oscar.safetensors").read_bytes() == before
     load_artifact(art)
+
+    from oscar_calib.zoo import eval_text
+    assert eval_text(report["eval"]) == "ppl BF16 8.20 / OSCAR 8.40"
+    niah = EvalResult("niah", "m", {"depths": [0.5], "samples": 1, "haystack": "corpus", "lengths": [1024]},
+                      [{"method": "oscar", "length": 1024, "depth": 0.5, "score": 1, "bits_per_element": 2.5,
+                        "answer": "1234567", "expected": "1234567"}])
+    record_eval(art, niah)
+    report = json.loads((art / "calibration.json").read_text())
+    assert report["eval"]["oscar_ppl"] == 8.4 and report["eval"]["niah"]["oscar"] == 1.0
+    assert eval_text(report["eval"]) == "ppl BF16 8.20 / OSCAR 8.40; NIAH OSCAR 100%"
+    assert "| **this artifact** | 8.400 | 100% |" in (art / "README.md").read_text()

@@ -39,8 +39,8 @@ def calibrate_command(
     seed: Annotated[Optional[int], typer.Option(help="Seed for choosing sequences (default: 0).")] = None,
     heldout_tokens: Annotated[Optional[int], typer.Option(help="Held-out prefix length for clip fitting "
                                                           "(default: 512).")] = None,
-    k_objective: Annotated[Optional[str], typer.Option(help="Key objective: qqt (query covariance) or ktk "
-                                                       "(default: qqt).")] = None,
+    k_objective: Annotated[Optional[str], typer.Option(help="Key objective: ktk (key second moment) or qqt "
+                                                       "(query covariance, the paper's) (default: ktk).")] = None,
     v_objective: Annotated[Optional[str], typer.Option(help="Value objective: sst (exact score-weighted), "
                                                        "sst-approx (reference repo's), vtv (default: sst).")] = None,
     composition: Annotated[Optional[str], typer.Option(help="u_h_pbr, u, h or identity (default: u_h_pbr).")] = None,
