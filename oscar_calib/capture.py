@@ -78,12 +78,44 @@ def _configs(model):
     return out
 
 
-class Capture:
+class AttentionRoute:
+    """Base of the context managers that route every attention layer of a model through one
+    registered transformers attention function (``name``, registered by the subclass): on enter
+    each attention config of ``self.model`` gets ``name`` and the mask function of ``mask_base``;
+    on exit the previous implementations come back. ``active`` is the subclass's stack of live
+    routes; the registered function serves the innermost one."""
+
+    name: str
+    active: list
+
+    def _route(self, mask_base: str):
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
+        self._saved = []
+        for c in _configs(self.model):
+            self._saved.append((c, c._attn_implementation))
+            c._attn_implementation = self.name
+        self.active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c, impl in reversed(self._saved):
+            c._attn_implementation = impl
+        self._saved.clear()
+        if self.active and self.active[-1] is self:
+            self.active.pop()
+
+
+class Capture(AttentionRoute):
     """Context manager that routes a model's attention through observers.
 
     >>> with Capture(model, [observer]) as cap:
     ...     model(input_ids)
     """
+
+    name = CAPTURE_NAME
+    active = _ACTIVE
 
     def __init__(self, model, observers: list[Observer]):
         self.model = model
@@ -93,30 +125,15 @@ class Capture:
         self.base = "sdpa"
 
     def __enter__(self) -> "Capture":
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
         _register()
-        configs = _configs(self.model)
-        base = configs[0]._attn_implementation or "sdpa"
+        base = _configs(self.model)[0]._attn_implementation or "sdpa"
         if base == CAPTURE_NAME:
             raise RuntimeError("capture is already active on this model")
         if base not in ("sdpa", "eager"):
             # flash/flex kernels do not return what we need on every device; sdpa is exact
             base = "sdpa"
         self.base = base
-        ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_NAME, ALL_MASK_ATTENTION_FUNCTIONS[base])
-        for c in configs:
-            self._saved.append((c, c._attn_implementation))
-            c._attn_implementation = CAPTURE_NAME
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for c, name in reversed(self._saved):
-            c._attn_implementation = name
-        self._saved.clear()
-        if _ACTIVE and _ACTIVE[-1] is self:
-            _ACTIVE.pop()
+        return self._route(base)
 
 
 @torch.no_grad()

@@ -383,10 +383,12 @@ def checkpoint_name(ctx: DistContext, base: str) -> str:
 
 @dataclass
 class Placement:
-    """Big-model loading: accelerate's ``device_map`` and ``max_memory`` for ``from_pretrained``."""
+    """Big-model loading: accelerate's ``device_map``, ``max_memory`` and ``offload_dir`` (the
+    folder for weights offloaded to disk) for ``from_pretrained``."""
 
     device_map: str | dict | None = None
     max_memory: dict | None = None
+    offload_dir: str | None = None
 
     def gpus_per_rank(self, gpus: int) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
@@ -403,7 +405,7 @@ class Placement:
         mm = {g: user.get(g, int(torch.cuda.mem_get_info(g)[0] * 0.9)) for g in gpus if g < n}
         mm.update({k: v for k, v in user.items() if not isinstance(k, int)})
         mm.setdefault("cpu", _cpu_bytes())
-        return Placement(self.device_map, mm)
+        return Placement(self.device_map, mm, self.offload_dir)
 
 
 def _cpu_bytes() -> int:

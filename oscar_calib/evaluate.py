@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from .capture import AttentionRoute
 from .clip import BASELINE_CLIPS
 from .errors import InputError, OscarError
 from .oscar_cache import DEFAULT_RECENT, DEFAULT_SINK, KVScheme, OscarCache
@@ -109,12 +110,6 @@ def bits_of(method: str, scheme: KVScheme | None) -> float:
 
 # ----------------------------------------------------------------------------- simulated attention
 
-def _attention_configs(model):
-    from .capture import _configs
-
-    return _configs(model)
-
-
 def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                    softcap=None, **kwargs):
     sim = _ACTIVE[-1]
@@ -127,7 +122,7 @@ def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     return out.to(query.dtype), None
 
 
-class SimulatedKV:
+class SimulatedKV(AttentionRoute):
     """Route a model's attention through :meth:`attend`, which reads K/V as ``scheme`` stores
     them (per query position: sink and recent window in BF16, the rest INT2). Sets and restores
     the attention implementation of every config of the model, also on error.
@@ -136,28 +131,18 @@ class SimulatedKV:
     ...     logits = model(ids).logits
     """
 
+    name = SIM_NAME
+    active = _ACTIVE
+
     def __init__(self, model, scheme: KVScheme):
         self.model, self.scheme = model, scheme
         self._saved: list = []
 
     def __enter__(self) -> "SimulatedKV":
         from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
         AttentionInterface.register(SIM_NAME, _sim_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(SIM_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-        for c in _attention_configs(self.model):
-            self._saved.append((c, c._attn_implementation))
-            c._attn_implementation = SIM_NAME
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for c, name in reversed(self._saved):
-            c._attn_implementation = name
-        self._saved.clear()
-        if _ACTIVE and _ACTIVE[-1] is self:
-            _ACTIVE.pop()
+        return self._route("sdpa")
 
     @staticmethod
     def _allowed(mask, b: int, t: int, s: int, window: int | None, device) -> torch.Tensor:

@@ -153,9 +153,10 @@ def _quiet():
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
-               trust_remote_code: bool = False, device_map=None, max_memory=None):
+               trust_remote_code: bool = False, device_map=None, max_memory=None, offload_folder=None):
     """Load ``(model, tokenizer, source)``. The model is in eval mode; GGUF weights are
-    de-quantised by transformers (float32 unless ``dtype`` says otherwise)."""
+    de-quantised by transformers (float32 unless ``dtype`` says otherwise). ``device_map``,
+    ``max_memory`` and ``offload_folder`` go to accelerate's big-model loading."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
@@ -178,7 +179,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         with _quiet():
             tok = AutoTokenizer.from_pretrained(load_path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
-                load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory, **kwargs
+                load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory,
+                **({"offload_folder": str(offload_folder)} if offload_folder is not None else {}), **kwargs
             )
             if "gguf_file" in kwargs and gguf_cache_dir(source) is not None:
                 _save_gguf_cache(model, tok, gguf_cache_dir(source))

@@ -57,11 +57,11 @@ class LoadedModel:
 def prepare_model(cfg: CalibrationConfig, *, device: str | None = None,
                   placement: Placement | None = None) -> LoadedModel:
     """Load ``cfg.model`` on ``device`` (default ``cfg.device``), or spread it with accelerate's
-    ``placement.device_map`` / ``max_memory`` (GPUs, CPU, disk)."""
+    ``placement.device_map`` / ``max_memory`` / ``offload_dir`` (GPUs, CPU, disk)."""
     p = placement or Placement()
     model, tok, src = load_model(cfg.model, dtype=cfg.dtype, device=device or cfg.device,
                                  trust_remote_code=cfg.trust_remote_code, device_map=p.device_map,
-                                 max_memory=p.max_memory)
+                                 max_memory=p.max_memory, offload_folder=p.offload_dir)
     return LoadedModel(model, tok, src, geometry_of(model), model_fingerprint(model))
 
 

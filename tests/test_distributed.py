@@ -240,3 +240,33 @@ def test_device_map_with_disk_offload_equals_plain_run(tmp_path, tiny_dir, plain
     assert_same_rotations(tmp_path / "big", plain_artifact)
     res = calibrate(cfg, tmp_path / "cpu", placement=Placement({"": "cpu"}))
     assert (tmp_path / "cpu" / "oscar.safetensors").read_bytes() == (plain_artifact / "oscar.safetensors").read_bytes()
+
+
+def test_offload_dir_is_used_and_result_unchanged(tmp_path, tiny_dir, plain_artifact, monkeypatch):
+    import transformers
+
+    seen = {}
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    cfg = CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48, device="cpu")
+    off = tmp_path / "offload"
+    res = calibrate(cfg, tmp_path / "big", placement=Placement("auto", {"cpu": 200_000}, str(off)))
+    assert seen["offload_folder"] == str(off) and seen["device_map"] == "auto"
+    assert "disk" in set(res.loaded.model.hf_device_map.values())
+    assert_same_rotations(tmp_path / "big", plain_artifact)
+
+
+def test_offload_dir_bad_input(monkeypatch, capsys, tmp_path, tiny_dir):
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                            *CLI_ARGS, "--offload-dir", str(tmp_path / "off"))
+    assert_one_line_error(code, err, "--offload-dir needs --device-map")
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                            *CLI_ARGS, "--device-map", "auto", "--offload-dir", str(tmp_path / "afile"))
+    assert_one_line_error(code, err, "is a file, not a folder")
+    assert not (tmp_path / "o").exists() and (tmp_path / "afile").read_text() == "x"

@@ -57,6 +57,8 @@ def calibrate_command(
                                                       "auto, balanced, sequential, cpu, cuda:N or a JSON map.")] = None,
     max_memory: Annotated[Optional[str], typer.Option(help="Memory per device for --device-map, e.g. "
                                                       "0=70GiB,1=70GiB,cpu=200GiB (the rest is offloaded to disk).")] = None,
+    offload_dir: Annotated[Optional[Path], typer.Option(help="Folder for weights offloaded to disk with --device-map "
+                                                        "(safetensors checkpoints are read in place without it).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an artifact already in --out.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its checkpoint in --out.")] = False,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
@@ -95,7 +97,12 @@ def calibrate_command(
     dmap, mmem = parse_device_map(device_map), parse_max_memory(max_memory)
     if mmem is not None and dmap is None:
         raise InputError("--max-memory needs --device-map (e.g. --device-map auto)")
-    placement = Placement(dmap, mmem) if dmap is not None else None
+    if offload_dir is not None:
+        if dmap is None:
+            raise InputError("--offload-dir needs --device-map (e.g. --device-map auto)")
+        if offload_dir.exists() and not offload_dir.is_dir():
+            raise InputError(f"--offload-dir {offload_dir} is a file, not a folder")
+    placement = Placement(dmap, mmem, str(offload_dir) if offload_dir else None) if dmap is not None else None
     if nproc is not None and nproc < 1:
         raise InputError(f"--nproc must be at least 1, got {nproc}")
     if launched():                       # this process is one rank (started by --nproc, torchrun, accelerate)
