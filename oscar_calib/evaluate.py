@@ -271,11 +271,12 @@ def quanto_cache(config):
 
 
 @torch.no_grad()
-def quanto_sequence_nll(model, ids: torch.Tensor, progress=None) -> tuple[float, int]:
-    """Teacher-forced NLL decoding ``ids`` token by token through a quanto ``QuantizedCache``."""
+def quanto_sequence_nll(model, ids: torch.Tensor, progress=None, make_cache=None) -> tuple[float, int]:
+    """Teacher-forced NLL decoding ``ids`` token by token through a quanto ``QuantizedCache``
+    (or the cache ``make_cache(config)`` returns: a lossless one checks the loop itself)."""
     dev = next(model.parameters()).device
     ids = ids.to(dev)
-    cache = quanto_cache(model.config)
+    cache = (make_cache or quanto_cache)(model.config)
     dec, _, _ = _decoder_and_head(model)
     total, n = 0.0, ids.shape[1] - 1
     for t in range(n):

@@ -111,6 +111,10 @@ def test_quanto_baseline_runs():
     nll, n = quanto_sequence_nll(m, ids)
     plain, _ = sequence_nll(m, ids)
     assert n == 39 and math.isfinite(nll) and nll != plain
+    # the token-by-token loop itself is exact: with a lossless cache it equals the one-pass NLL
+    from transformers import DynamicCache
+    exact, _ = quanto_sequence_nll(m, ids, make_cache=lambda cfg: DynamicCache())
+    assert exact == pytest.approx(plain, rel=1e-5)
     out = m.generate(ids, past_key_values=quanto_cache(m.config), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 44)
     g = tiny_model("gemma3", layers=2, head_dim=64)     # sliding layers: every layer a QuantoQuantizedLayer
