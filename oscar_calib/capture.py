@@ -92,7 +92,7 @@ class AttentionRoute:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
         ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
-        self._saved = []
+        self._saved: list[tuple[object, str]] = []
         for c in _configs(self.model):
             self._saved.append((c, c._attn_implementation))
             c._attn_implementation = self.name
@@ -121,7 +121,6 @@ class Capture(AttentionRoute):
         self.model = model
         self.observers = list(observers)
         self.calls = 0
-        self._saved: list[tuple[object, str]] = []
         self.base = "sdpa"
 
     def __enter__(self) -> "Capture":

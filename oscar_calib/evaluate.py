@@ -136,7 +136,6 @@ class SimulatedKV(AttentionRoute):
 
     def __init__(self, model, scheme: KVScheme):
         self.model, self.scheme = model, scheme
-        self._saved: list = []
 
     def __enter__(self) -> "SimulatedKV":
         from transformers import AttentionInterface
@@ -583,8 +582,7 @@ def eval_headline(results: dict) -> dict:
     ppl = results.get("ppl")
     if ppl:
         for r in ppl["rows"]:
-            if r["method"] in ("bf16", "naive", "hadamard", "oscar", "quanto"):
-                out[f"{r['method']}_ppl"] = round(r["ppl"], 3)
+            out[f"{r['method']}_ppl"] = round(r["ppl"], 3)
             if r["method"] == "oscar":
                 out["oscar_bits_per_element"] = r["bits_per_element"]
     niah = results.get("niah")
