@@ -31,3 +31,15 @@ class ArtifactError(OscarError):
 
 class OutputExistsError(OscarError):
     """The output location already holds something we would overwrite."""
+
+
+class EvalError(OscarError):
+    """An evaluation cannot run as asked."""
+
+
+class DistributedError(OscarError):
+    """Ranks disagree, a rank failed, or a collective could not complete."""
+
+
+class PublishError(OscarError):
+    """A hub refused or failed a request; the message names the hub and the next step."""

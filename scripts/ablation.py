@@ -74,10 +74,10 @@ def stats_run(lm, cfg, cache: Path):
     accumulators do not depend on it)."""
     import torch
 
-    from oscar_calib.config import CalibrationConfig
-    from oscar_calib.corpus import plan_tokens
-    from oscar_calib.pipeline import StatsRun, collect_statistics
-    from oscar_calib.stats import LayerStats, Reservoir
+    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
+    from oscar_calib.calibrate.stats import LayerStats, Reservoir
+    from oscar_calib.spec.config import CalibrationConfig
 
     plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
                        seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
@@ -116,12 +116,13 @@ def main() -> None:
 
     import torch
 
-    from oscar_calib.artifact import Artifact
-    from oscar_calib.config import CalibrationConfig
-    from oscar_calib.evaluate import build_schemes, heldout_sequences, sequence_nll
-    from oscar_calib.oscar_cache import KVScheme
-    from oscar_calib.pipeline import build_rotations, prepare_model
-    from oscar_calib.quant import default_group_size
+    from oscar_calib.calibrate.pipeline import build_rotations, prepare_model
+    from oscar_calib.eval.methods import build_schemes
+    from oscar_calib.eval.ppl import heldout_sequences, sequence_nll
+    from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.spec.artifact import Artifact
+    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.spec.defaults import default_group_size
 
     if args.threads:
         torch.set_num_threads(args.threads)

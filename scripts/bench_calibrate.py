@@ -41,9 +41,9 @@ from pathlib import Path
 def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: int, device: str) -> dict:
     import torch
 
-    from oscar_calib.config import CalibrationConfig
-    from oscar_calib.corpus import plan_tokens
-    from oscar_calib.pipeline import collect_statistics, prepare_model
+    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.calibrate.pipeline import collect_statistics, prepare_model
+    from oscar_calib.spec.config import CalibrationConfig
 
     cfg = CalibrationConfig(model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
                             dtype="float32" if device == "cpu" else "bfloat16")
@@ -61,7 +61,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
-    from oscar_calib.pipeline import _forward
+    from oscar_calib.calibrate.pipeline import _forward
 
     def plain():          # the same forward the pipeline runs (no KV cache, last-position logits only)
         with torch.no_grad():
@@ -69,7 +69,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
                 _forward(lm.model, b.to(dev))
         sync()
 
-    from oscar_calib.corpus import TokenPlan
+    from oscar_calib.calibrate.corpus import TokenPlan
 
     stream_only = TokenPlan(plan.calibration, [], plan.source)   # the fixed held-out capture is not streaming
 
@@ -203,8 +203,8 @@ def qwen3_8b_geometry(device: str):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from oscar_calib.models import ModelSource, geometry_of, model_fingerprint
-    from oscar_calib.pipeline import LoadedModel
+    from oscar_calib.model.geometry import geometry_of, model_fingerprint
+    from oscar_calib.model.load import LoadedModel, ModelSource
 
     geo = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
@@ -225,7 +225,7 @@ def qwen3_8b_geometry(device: str):
 
 
 def gpu_plan(tokens: int, seq_len: int):
-    from oscar_calib.corpus import plan_tokens
+    from oscar_calib.calibrate.corpus import plan_tokens
 
     plan = plan_tokens(ByteTokenizer(), data="embedded", tokens=tokens, seq_len=seq_len, heldout_tokens=512,
                        heldout_seqs=1, seed=0)
@@ -234,7 +234,7 @@ def gpu_plan(tokens: int, seq_len: int):
 
 
 def gpu_cfg(tokens: int, seq_len: int, batch_size: int):
-    from oscar_calib.config import CalibrationConfig
+    from oscar_calib.spec.config import CalibrationConfig
 
     return CalibrationConfig(model="qwen3-8b-geometry", tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                              heldout_tokens=512, dtype="bfloat16", device=DEV)
@@ -244,7 +244,7 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
     """Plain forwards vs collect_statistics over the same 30K tokens, alternating; medians."""
     import torch
 
-    from oscar_calib.pipeline import _forward, collect_statistics
+    from oscar_calib.calibrate.pipeline import _forward, collect_statistics
 
     plan, cfg = gpu_plan(GPU_TOKENS, seq_len), gpu_cfg(GPU_TOKENS, seq_len, batch_size)
     batches = [b.to(DEV) for b in plan.batches(batch_size)]
@@ -283,7 +283,7 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
 def peak_memory(lm, weights: int, seq_len: int, batch_size: int) -> list[dict]:
     import torch
 
-    from oscar_calib.pipeline import _forward, collect_statistics
+    from oscar_calib.calibrate.pipeline import _forward, collect_statistics
 
     rows = []
     for tokens in MEM_BUDGETS:
@@ -312,8 +312,8 @@ def update_microbench(lm, seq_len: int, batch_size: int, plain_per_batch_s: floa
     in float64), and the finiteness check."""
     import torch
 
-    from oscar_calib.pipeline import _check_finite
-    from oscar_calib.stats import ACCUMULATORS, LayerStats
+    from oscar_calib.calibrate.pipeline import _check_finite
+    from oscar_calib.calibrate.stats import ACCUMULATORS, LayerStats
 
     geo = lm.geometry
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -362,9 +362,9 @@ def dp_worker(job: dict) -> None:
     """One rank of the data-parallel measurement (started by gpu_main through oscar's launcher)."""
     import torch
 
-    from oscar_calib.distributed import session
-    from oscar_calib.pipeline import _forward, collect_statistics
-    from oscar_calib.stats import ACCUMULATORS
+    from oscar_calib.calibrate.parallel import session
+    from oscar_calib.calibrate.pipeline import _forward, collect_statistics
+    from oscar_calib.calibrate.stats import ACCUMULATORS
 
     global DEV, SMALL
     DEV, SMALL = job["device"], job["small"]
@@ -417,7 +417,7 @@ def gpu_main(args) -> None:
 
     import torch
 
-    from oscar_calib.distributed import launch
+    from oscar_calib.calibrate.parallel import launch
 
     _small(args)
     if _cuda() and not torch.cuda.is_available():

@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from oscar_calib.kernels import (  # noqa: E402
+from oscar_calib.kernels import (
     Int2KVCache,
     QuantizedKV,
     bits_per_element,
@@ -71,7 +71,7 @@ from oscar_calib.kernels import (  # noqa: E402
 )
 from oscar_calib.kernels import decode as decode_mod  # noqa: E402
 from oscar_calib.kernels import write as write_mod  # noqa: E402
-from oscar_calib.kernels.testing import (  # noqa: E402
+from oscar_calib.kernels.testing import (
     code_agreement,
     kv_rows,
     random_int2_cache,

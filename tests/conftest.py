@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import FAST, CharTokenizer, tiny_model  # noqa: F401  (re-exported for fixtures)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,27 +20,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer, source) of the real SmolLM2-135M-Instruct, float32 on the CPU."""
-    from oscar_calib.models import load_model
+    from oscar_calib.model.load import load_model
 
-    return load_model("smollm2-135m", device="cpu")
+    lm = load_model("smollm2-135m", device="cpu")
+    return lm.model, lm.tokenizer, lm.source
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2):
     """The same model wrapped as the pipeline's LoadedModel."""
-    from oscar_calib.models import geometry_of, model_fingerprint
-    from oscar_calib.pipeline import LoadedModel
+    from oscar_calib.model.load import LoadedModel
 
-    model, tok, src = smollm2
-    return LoadedModel(model, tok, src, geometry_of(model), model_fingerprint(model))
+    return LoadedModel.wrap(*smollm2)
 
 
 @pytest.fixture(scope="session")
 def demo_artifact(tmp_path_factory, smollm2_loaded) -> Path:
     """A SmolLM2 artifact calibrated once per session with FAST settings (read-only: copy it
     before changing anything)."""
-    from oscar_calib.config import CalibrationConfig
-    from oscar_calib.pipeline import calibrate
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.spec.config import CalibrationConfig
 
     out = tmp_path_factory.mktemp("demo") / "smollm2"
     calibrate(CalibrationConfig(**FAST), out, loaded=smollm2_loaded)

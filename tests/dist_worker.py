@@ -1,5 +1,5 @@
 """One rank of a data-parallel test job (tests/test_distributed.py starts it through
-``oscar_calib.distributed.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
+``oscar_calib.calibrate.parallel.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
 
 Argument: a JSON job file ``{"cfg": {...}, "out": str, "work": str, "resume": bool,
 "model": {tiny_model kwargs}, "model_rank": {rank: kwargs}, "die": {rank: batch}}``. Every rank
@@ -21,9 +21,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)     # the single-process reference in the test runs with one thread too
 
 from helpers import loaded_tiny  # noqa: E402
-from oscar_calib.config import CalibrationConfig  # noqa: E402
+
+from oscar_calib.calibrate.pipeline import calibrate  # noqa: E402
 from oscar_calib.errors import OscarError  # noqa: E402
-from oscar_calib.pipeline import calibrate  # noqa: E402
+from oscar_calib.spec.config import CalibrationConfig  # noqa: E402
 
 
 def main() -> None:

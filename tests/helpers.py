@@ -54,8 +54,8 @@ class CharTokenizer:
 
 def loaded_tiny(kind: str = "llama", **kw):
     """A tiny random-init model wrapped as the pipeline's LoadedModel (character tokenizer)."""
-    from oscar_calib.models import ModelSource, geometry_of, model_fingerprint
-    from oscar_calib.pipeline import LoadedModel
+    from oscar_calib.model.geometry import geometry_of, model_fingerprint
+    from oscar_calib.model.load import LoadedModel, ModelSource
 
     model = tiny_model(kind, **kw)
     src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from helpers import tiny_model
-from oscar_calib.capture import Capture
-from oscar_calib.clip import HeldoutLayer
+
+from oscar_calib.model.capture import Capture
+from oscar_calib.numerics.clip import HeldoutLayer
 
 
 def _capture(model, ids):

@@ -98,7 +98,7 @@ def test_config_file_sets_defaults_and_rejects_unknown_keys(monkeypatch, capsys,
     code, stdout, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--config", str(cfg),
                                  "--out", str(out), "--no-verify", "--json")
     assert code == 0, err
-    from oscar_calib.artifact import read_metadata
+    from oscar_calib.spec.artifact import read_metadata
 
     assert read_metadata(out)["granularity"] == "layer"
     cfg.write_text("calibration:\n  tokenz: 5\n")

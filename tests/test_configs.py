@@ -8,12 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_calib.artifact import TENSOR_KINDS, check_structure, tensor_name, tensor_shape
-from oscar_calib.config import from_mapping, load_yaml_section
 from oscar_calib.errors import InputError
-from oscar_calib.geometry_configs import geometry_from_mapping, load_model_config
-from oscar_calib.models import attention_modules, geometry_of, model_fingerprint
-from oscar_calib.registry import ARCHITECTURES, ArchSpec
+from oscar_calib.model.configs import geometry_from_mapping, load_model_config
+from oscar_calib.model.geometry import attention_modules, geometry_of, model_fingerprint
+from oscar_calib.model.registry import ARCHITECTURES, ArchSpec
+from oscar_calib.spec.artifact import (
+    TENSOR_KINDS,
+    check_structure,
+    tensor_name,
+    tensor_shape,
+)
+from oscar_calib.spec.config import from_mapping, load_yaml_section
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -13,17 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from helpers import loaded_tiny, tiny_model
-from oscar_calib.config import CalibrationConfig
-from oscar_calib.distributed import (DistributedError, Placement, check_nproc, launch, parse_device_map,
-                                     parse_max_memory)
-from oscar_calib.errors import InputError
-from oscar_calib.pipeline import CHECKPOINT_NAME, calibrate
-from oscar_calib.rotation import eig_desc
-from oscar_calib.stats import ACCUMULATORS
+from safetensors.torch import load_file
 from test_cli import assert_one_line_error, run_main
+
+from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
+from oscar_calib.calibrate.parallel import check_nproc, launch
+from oscar_calib.calibrate.pipeline import calibrate
+from oscar_calib.calibrate.stats import ACCUMULATORS
+from oscar_calib.errors import DistributedError, InputError
+from oscar_calib.model.placement import Placement, parse_device_map, parse_max_memory
+from oscar_calib.numerics.rotation import eig_desc
+from oscar_calib.spec.config import CalibrationConfig
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 # 16 sequences of 64 tokens, 2 per batch: 8 batches, 4 per rank. The sst-approx pilot (384 tokens)
@@ -119,7 +120,8 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     here the other rank loaded another revision: every rank stops before writing anything."""
     import contextlib
 
-    from oscar_calib import distributed, pipeline
+    from oscar_calib.calibrate import parallel as distributed
+    from oscar_calib.calibrate import pipeline
 
     class TwoRanks(distributed.DistContext):
         def gather_objects(self, obj, what):
@@ -162,7 +164,7 @@ def test_nproc_beyond_devices_is_refused(monkeypatch, capsys, tmp_path, tiny_dir
 def test_half_precision_grams_match_float64(monkeypatch):
     """bf16 activations take the batched float32-output GEMM (exact products); float64 is forced by
     OSCAR_EXACT_GRAMS=1. They agree to float32 summation error; float32 inputs never take it."""
-    from oscar_calib.stats import LayerStats, half_precision_grams
+    from oscar_calib.calibrate.stats import LayerStats, half_precision_grams
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 6, 96, 16, generator=gen).bfloat16()

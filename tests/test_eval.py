@@ -7,15 +7,18 @@ import math
 
 import pytest
 import torch
+from helpers import CharTokenizer, loaded_tiny, tiny_model
 from typer.testing import CliRunner
 
-from helpers import CharTokenizer, loaded_tiny, tiny_model
 from oscar_calib.errors import InputError
-from oscar_calib.evaluate import (SimulatedKV, build_schemes, cache_for, evaluate_niah, evaluate_ppl, make_niah,
-                                  parse_methods, quanto_cache, quanto_sequence_nll, score_niah, sequence_nll)
+from oscar_calib.eval.methods import build_schemes, parse_methods, quanto_cache
+from oscar_calib.eval.niah import cache_for, evaluate_niah, make_niah, score_niah
+from oscar_calib.eval.ppl import evaluate_ppl, quanto_sequence_nll, sequence_nll
 from oscar_calib.kernels import quantize_kv
-from oscar_calib.models import geometry_of
-from oscar_calib.oscar_cache import KVScheme, OscarCache
+from oscar_calib.model.geometry import geometry_of
+from oscar_calib.runtime.cache import OscarCache
+from oscar_calib.runtime.scheme import KVScheme
+from oscar_calib.runtime.simulate import SimulatedKV
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "mistral", "qwen3"])
@@ -155,7 +158,7 @@ def test_niah_checker():
 def test_niah_cache_from_prefill_equals_direct_prefill():
     """Building a method's cache from the shared full-precision prefill stores exactly what a
     prefill through that cache stores."""
-    from oscar_calib.evaluate import _prefill
+    from oscar_calib.eval.niah import _prefill
 
     m = tiny_model("gemma3", layers=2)
     ids = torch.randint(1, 120, (1, 30), generator=torch.Generator().manual_seed(5))
@@ -203,7 +206,7 @@ def test_methods_parsing_and_errors():
 
 def test_cli_eval(monkeypatch, tmp_path):
     from oscar_calib.cli import app
-    from oscar_calib.evaluate import EvalResult
+    from oscar_calib.eval.report import EvalResult
 
     seen = {}
 
@@ -214,7 +217,7 @@ def test_cli_eval(monkeypatch, tmp_path):
                           [{"method": "bf16", "ppl": 8.2, "bits_per_element": 16.0, "group_size": None},
                            {"method": "hadamard", "ppl": 9.2, "bits_per_element": 2.5, "group_size": 64}])
 
-    monkeypatch.setattr("oscar_calib.evaluate.run_eval", fake)
+    monkeypatch.setattr("oscar_calib.eval.run_eval", fake)
     r = CliRunner().invoke(app, ["eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
                                  "--group-size", "64", "--json"])
     assert r.exit_code == 0, r.output
@@ -236,7 +239,7 @@ def test_cli_eval_errors_are_one_line(tmp_path, monkeypatch):
 
 
 def test_write_plot(tmp_path, char_tokenizer):
-    from oscar_calib.evaluate import EvalResult, write_plot
+    from oscar_calib.eval.report import EvalResult, write_plot
 
     res = EvalResult("niah", "m", {"sink": 1, "recent": 1, "group_size": 8, "depths": [0], "samples": 1,
                                    "haystack": "corpus"},
@@ -249,8 +252,8 @@ def test_write_plot(tmp_path, char_tokenizer):
 def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     import shutil
 
-    from oscar_calib.artifact import load_artifact
-    from oscar_calib.evaluate import EvalResult, record_eval
+    from oscar_calib.eval.report import EvalResult, record_eval
+    from oscar_calib.spec.artifact import load_artifact
 
     art = tmp_path / "a"
     shutil.copytree(demo_artifact, art)
@@ -273,7 +276,7 @@ def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     assert (art / "oscar.safetensors").read_bytes() == before
     load_artifact(art)
 
-    from oscar_calib.zoo import eval_text
+    from oscar_calib.tools.zoo import eval_text
     assert eval_text(report["eval"]) == "ppl BF16 8.20 / OSCAR 8.40"
     niah = EvalResult("niah", "m", {"depths": [0.5], "samples": 1, "haystack": "corpus", "lengths": [1024]},
                       [{"method": "oscar", "length": 1024, "depth": 0.5, "score": 1, "bits_per_element": 2.5,

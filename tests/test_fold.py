@@ -18,13 +18,34 @@ import torch
 from helpers import tiny_model
 
 from oscar_calib import FORMAT_VERSION, __version__
-from oscar_calib.artifact import (FORMAT_NAME, REQUIRED_METADATA, WEIGHTS_NAME, Artifact, LayerRotations,
-                                  load_artifact, read_metadata, write_artifact_files)
-from oscar_calib.errors import ArtifactError, NumericalError, OutputExistsError, UnsupportedModelError
-from oscar_calib.fold import (CHECK_TOLERANCE, fold_and_check, fold_checkpoint, fold_v_rotation, rel_diff,
-                              run_and_capture, sample_input_ids)
-from oscar_calib.models import geometry_of, model_fingerprint
-from oscar_calib.quant import default_group_size, quantize_int2, simulate_kv_quant
+from oscar_calib.errors import (
+    ArtifactError,
+    NumericalError,
+    OutputExistsError,
+    UnsupportedModelError,
+)
+from oscar_calib.model.geometry import geometry_of, model_fingerprint
+from oscar_calib.numerics.quant import quantize_int2, simulate_kv_quant
+from oscar_calib.spec.artifact import (
+    FORMAT_NAME,
+    REQUIRED_METADATA,
+    WEIGHTS_NAME,
+    Artifact,
+    LayerRotations,
+    load_artifact,
+    read_metadata,
+    write_artifact_files,
+)
+from oscar_calib.spec.defaults import default_group_size
+from oscar_calib.tools.fold import (
+    CHECK_TOLERANCE,
+    fold_and_check,
+    fold_checkpoint,
+    fold_v_rotation,
+    rel_diff,
+    run_and_capture,
+    sample_input_ids,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -239,7 +260,7 @@ def test_fold_math_per_head_tiny():
 
 def test_wrong_fold_is_caught(tmp_path, monkeypatch):
     """The proof refuses a fold that is wrong (R instead of Rᵀ on the V rows) and writes nothing."""
-    import oscar_calib.fold as fold
+    import oscar_calib.tools.fold as fold
 
     src, model = save_tiny(tmp_path)
     art_dir = tmp_path / "art"
@@ -363,7 +384,7 @@ def test_already_folded_artifact(tmp_path):
 
 
 def test_unsupported_layouts(monkeypatch):
-    from oscar_calib import registry
+    from oscar_calib.model import registry
 
     model = make_model("llama")
     art = make_artifact(model)

@@ -10,13 +10,13 @@ import torch
 from test_validate import make_artifact, random_rotation
 from typer.testing import CliRunner
 
-import oscar_calib.models as models
-from oscar_calib.artifact import WEIGHTS_NAME, load_artifact
+import oscar_calib.model.load as models
 from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, OutputExistsError
-from oscar_calib.interop import export_sglang, import_sglang
-from oscar_calib.models import ModelSource, model_fingerprint
-from oscar_calib.validate import validate_artifact
+from oscar_calib.model.load import ModelSource
+from oscar_calib.spec.artifact import WEIGHTS_NAME, load_artifact
+from oscar_calib.tools.sglang import export_sglang, import_sglang
+from oscar_calib.tools.validate import validate_artifact
 
 runner = CliRunner()
 
@@ -91,9 +91,9 @@ def test_export_into_existing_directory_needs_overwrite(tmp_path):
                                                      "v_rotations.pt"]
 
 
-def test_round_trip_through_the_fork_format(demo_artifact, smollm2, tmp_path):
+def test_round_trip_through_the_fork_format(demo_artifact, smollm2_loaded, tmp_path):
     export_sglang(demo_artifact, tmp_path / "serve")
-    res = import_sglang(tmp_path / "serve" / "k_rotations.pt", tmp_path / "serve" / "v_rotations.pt", smollm2,
+    res = import_sglang(tmp_path / "serve" / "k_rotations.pt", tmp_path / "serve" / "v_rotations.pt", smollm2_loaded,
                         tmp_path / "imported")
     assert validate_artifact(tmp_path / "imported").ok
     a, b = load_artifact(demo_artifact), load_artifact(tmp_path / "imported")
@@ -111,8 +111,10 @@ def test_round_trip_through_the_fork_format(demo_artifact, smollm2, tmp_path):
 def tiny_loaded():
     from helpers import tiny_model
 
+    from oscar_calib.model.load import LoadedModel
+
     model = tiny_model("llama")          # 2 layers, 4 query / 2 KV heads, head_dim 16
-    return model, None, ModelSource("tiny", "test/tiny-llama", "", None, "local")
+    return LoadedModel.wrap(model, None, ModelSource("tiny", "test/tiny-llama", "", None, "local"))
 
 
 def save(path: Path, obj) -> Path:
@@ -130,7 +132,7 @@ def test_import_version_1_without_eigenvalues(tmp_path):
     loaded = tiny_loaded()
     res = import_sglang(k, v, loaded, tmp_path / "out", clip=(0.9, None))
     art = load_artifact(tmp_path / "out")
-    assert art.metadata["granularity"] == "layer" and art.metadata["model_fingerprint"] == model_fingerprint(loaded[0])
+    assert art.metadata["granularity"] == "layer" and art.metadata["model_fingerprint"] == loaded.fingerprint
     assert torch.equal(art.layers[0].k_rotation, rots[0].expand(2, 16, 16))
     assert torch.equal(art.layers[1].v_rotation[1], rots[0])
     assert torch.equal(art.layers[0].k_eigenvalues, torch.zeros(2, 16))

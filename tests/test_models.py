@@ -1,16 +1,26 @@
 """Model resolution (aliases, GGUF files and directories, checkpoints, hub ids), data sources,
 the registry and fingerprints."""
 
-import json
 
 import pytest
-
 from helpers import loaded_tiny, tiny_model
-from oscar_calib.corpus import load_texts, plan_tokens
-from oscar_calib.errors import DataError, InputError, ModelLoadError, UnsupportedModelError
-from oscar_calib.models import (ALIASES, gguf_cache_dir, geometry_of, load_model, model_fingerprint, resolve_model,
-                                spec_for_model_id)
-from oscar_calib.registry import ARCHITECTURES, arch_for
+
+from oscar_calib.calibrate.corpus import load_texts, plan_tokens
+from oscar_calib.errors import (
+    DataError,
+    InputError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+from oscar_calib.model.geometry import geometry_of, model_fingerprint
+from oscar_calib.model.load import (
+    ALIASES,
+    gguf_cache_dir,
+    load_model,
+    resolve_model,
+    spec_for_model_id,
+)
+from oscar_calib.model.registry import ARCHITECTURES, arch_for
 
 
 def test_alias_resolves_to_the_wheel_gguf():
@@ -52,7 +62,8 @@ def test_not_a_model_name():
 
 
 def test_checkpoint_dir_loads_and_keeps_fingerprint(tiny_llama_dir, smollm2):
-    model, tok, src = load_model(str(tiny_llama_dir), device="cpu")
+    lm = load_model(str(tiny_llama_dir), device="cpu")
+    model, src = lm.model, lm.source
     assert src.kind == "local" and geometry_of(model).num_kv_heads == 2
     ref = tiny_model("llama", vocab_size=len(smollm2[1]))
     assert model_fingerprint(model) == model_fingerprint(ref)
@@ -80,7 +91,7 @@ def test_geometry_of_gemma3_layer_types():
 
 
 def test_data_sources(tmp_path, char_tokenizer):
-    import pyarrow as pa            # a dependency of datasets
+    import pyarrow as pa  # a dependency of datasets
     import pyarrow.parquet as pq
 
     text = " ".join(f"w{i}" for i in range(2000))

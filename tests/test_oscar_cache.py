@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from helpers import tiny_model
 from oscar_calib.errors import ArtifactError, UnsupportedModelError
-from oscar_calib.models import geometry_of
-from oscar_calib.oscar_cache import KVScheme, OscarCache, OscarLayer, check_transformers
+from oscar_calib.model.geometry import geometry_of
+from oscar_calib.runtime.cache import OscarCache, OscarLayer, check_transformers
+from oscar_calib.runtime.scheme import KVScheme
 
 
 def lossless(model, sink=3, recent=4):
@@ -75,7 +76,7 @@ def test_smollm2_generate_identical_text(smollm2):
 
 def test_decode_equals_perplexity_simulation():
     """Token-by-token decoding through the cache reads exactly what the ppl simulation reads."""
-    from oscar_calib.evaluate import SimulatedKV
+    from oscar_calib.runtime.simulate import SimulatedKV
 
     for kind in ("llama", "mistral"):
         m = tiny_model(kind, layers=2)

@@ -3,7 +3,6 @@ resume, architectures and error paths."""
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,13 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FAST, loaded_tiny
 from safetensors import safe_open
 
-from helpers import FAST, loaded_tiny
-from oscar_calib.artifact import REQUIRED_METADATA, TENSOR_KINDS, load_artifact, tensor_name
-from oscar_calib.config import CalibrationConfig
+from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
+from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.errors import DataError, InputError, NumericalError, OutputExistsError
-from oscar_calib.pipeline import CHECKPOINT_NAME, calibrate
+from oscar_calib.spec.artifact import (
+    REQUIRED_METADATA,
+    TENSOR_KINDS,
+    load_artifact,
+    tensor_name,
+)
+from oscar_calib.spec.config import CalibrationConfig
 
 TINY_FAST = dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64)
 
@@ -113,8 +118,8 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from helpers import loaded_tiny
         from test_pipeline import TINY_FAST
-        from oscar_calib.config import CalibrationConfig
-        from oscar_calib.pipeline import calibrate
+        from oscar_calib.spec.config import CalibrationConfig
+        from oscar_calib.calibrate.pipeline import calibrate
 
         def die(n):
             if n == 3:

@@ -5,9 +5,20 @@ import pytest
 import torch
 
 from oscar_calib.errors import InputError
-from oscar_calib.hadamard import bit_reversal_order, bit_reversal_permutation, hadamard, walsh_hadamard
-from oscar_calib.quant import (check_group_size, clip_rows, clip_threshold, default_group_size, dequantize_int2,
-                               fake_quant_int2, quantize_int2)
+from oscar_calib.numerics.hadamard import (
+    bit_reversal_order,
+    bit_reversal_permutation,
+    hadamard,
+    walsh_hadamard,
+)
+from oscar_calib.numerics.quant import (
+    clip_rows,
+    clip_threshold,
+    dequantize_int2,
+    fake_quant_int2,
+    quantize_int2,
+)
+from oscar_calib.spec.defaults import check_group_size, default_group_size
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256])

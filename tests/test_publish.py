@@ -11,10 +11,10 @@ import pytest
 from test_validate import _bad_clip, make_artifact
 from typer.testing import CliRunner
 
-import oscar_calib.publish as publish
-from oscar_calib.artifact import WEIGHTS_NAME
+import oscar_calib.tools.publish as publish
 from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
+from oscar_calib.spec.artifact import WEIGHTS_NAME
 
 runner = CliRunner()
 FILES = ["README.md", "calibration.json", "oscar.safetensors", "verify.json"]

@@ -2,9 +2,14 @@ import pytest
 import torch
 
 from oscar_calib.errors import InputError
-from oscar_calib.hadamard import bit_reversal_permutation, walsh_hadamard
-from oscar_calib.rotation import (COMPOSITIONS, compose, eig_desc, orthogonality_error,
-                                  rotations_from_covariance)
+from oscar_calib.numerics.hadamard import bit_reversal_permutation, walsh_hadamard
+from oscar_calib.numerics.rotation import (
+    COMPOSITIONS,
+    compose,
+    eig_desc,
+    orthogonality_error,
+    rotations_from_covariance,
+)
 
 
 def _cov(h, d, seed=0):

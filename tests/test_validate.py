@@ -13,10 +13,21 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from oscar_calib.artifact import (WEIGHTS_NAME, Artifact, LayerRotations, load_artifact, serialize_safetensors,
-                                  write_artifact_files)
 from oscar_calib.cli import app
-from oscar_calib.validate import ModelReference, find_artifacts, validate_artifact, validate_paths
+from oscar_calib.spec.artifact import (
+    WEIGHTS_NAME,
+    Artifact,
+    LayerRotations,
+    load_artifact,
+    serialize_safetensors,
+    write_artifact_files,
+)
+from oscar_calib.tools.validate import (
+    ModelReference,
+    find_artifacts,
+    validate_artifact,
+    validate_paths,
+)
 
 runner = CliRunner()
 FAKE_FINGERPRINT = hashlib.sha256(b"not a real model").hexdigest()

@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
-
 from helpers import FAST, loaded_tiny
-from oscar_calib.artifact import load_artifact, write_artifact_files
-from oscar_calib.config import CalibrationConfig
+
+from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.errors import ArtifactError
-from oscar_calib.pipeline import calibrate
-from oscar_calib.verify import verify_artifact
+from oscar_calib.spec.artifact import load_artifact, write_artifact_files
+from oscar_calib.spec.config import CalibrationConfig
+from oscar_calib.tools.verify import verify_artifact
 
 QUICK = dict(depths=(400, 700), sequences=1, positions=2)
 

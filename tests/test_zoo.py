@@ -11,9 +11,9 @@ import pytest
 from test_validate import make_artifact
 from typer.testing import CliRunner
 
-from oscar_calib import zoo
-from oscar_calib.artifact import WEIGHTS_NAME
 from oscar_calib.cli import app
+from oscar_calib.spec.artifact import WEIGHTS_NAME
+from oscar_calib.tools import zoo
 
 runner = CliRunner()
 

@@ -41,6 +41,7 @@ from .verify import verify_command  # noqa: E402
 
 app.command("verify")(verify_command)
 from .fold import fold_weights_command  # noqa: E402
+
 app.command("fold-weights")(fold_weights_command)
 from .interop import export_command, import_command  # noqa: E402
 from .publish import pull_command, push_command  # noqa: E402

@@ -8,7 +8,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import DeviceOpt, DtypeOpt, JsonOpt, TrustOpt, console, emit_json, fmt, stdout, table
+from ._common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    TrustOpt,
+    console,
+    emit_json,
+    fmt,
+    stdout,
+    table,
+)
 
 EXAMPLES = """
     Examples:
@@ -73,10 +83,16 @@ def calibrate_command(
     README.md and calibration.json into --out. Then runs `oscar verify` on it (unless
     --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
-    from ..config import CalibrationConfig, from_mapping, load_yaml_section, parse_clip
-    from ..distributed import Placement, cli_argv, env_world_size, launched, parse_device_map, parse_max_memory
+    from ..calibrate.parallel import cli_argv, env_world_size, launched
+    from ..calibrate.pipeline import calibrate, calibrate_parallel
     from ..errors import InputError, OscarError
-    from ..pipeline import calibrate, calibrate_parallel
+    from ..model.placement import Placement, parse_device_map, parse_max_memory
+    from ..spec.config import (
+        CalibrationConfig,
+        from_mapping,
+        load_yaml_section,
+        parse_clip,
+    )
 
     base = load_yaml_section(config) if config else {}
     values = dict(base)
@@ -111,7 +127,14 @@ def calibrate_command(
     elif nproc is not None and nproc > 1:
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(TextColumn("[bold]capture"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                    TimeElapsedColumn(), TimeRemainingColumn(), console=console)
@@ -145,7 +168,7 @@ def calibrate_command(
                       f"the automatic verify is skipped: run `oscar verify {result.out}` on a machine where the "
                       "model fits one device")
     if verify:
-        from ..verify import verify_artifact
+        from ..tools.verify import verify_artifact
 
         with console.status("verifying the artifact with the INT2 kernels …"):
             verdict = verify_artifact(result.out, loaded=result.loaded).summary()

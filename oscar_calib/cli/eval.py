@@ -63,7 +63,8 @@ def eval_command(
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --lengths 2048,8192 --methods bf16,hadamard,oscar`
     """
     from ..errors import InputError
-    from ..evaluate import record_eval, run_eval
+    from ..eval import run_eval
+    from ..eval.report import record_eval
 
     if record and (artifact is None or not artifact.is_dir()):
         raise InputError("--record needs an ARTIFACT directory")

@@ -44,10 +44,16 @@ def fold_weights_command(
     `oscar`), and the artifact is copied to --out/oscar/ marked v_folded=true, so no engine
     rotates V twice. Keys are not changed: k_rotation stays online.
     """
-    from ..fold import fold_checkpoint
-    from ..models import resolve_device
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from ..model.load import resolve_device
+    from ..tools.fold import fold_checkpoint
 
     bar = Progress(TextColumn("[bold]{task.description:<9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=console, disable=json_out)

@@ -37,8 +37,8 @@ def export_command(
     format (format_version 1 for per-layer artifacts, 2 for per-KV-head), clips.json, and serve.env
     with the serving settings (clip ratios, sink/recent tokens, group size, whether V is folded).
     """
-    from ..rotation import choose
-    from ..interop import export_sglang
+    from ..numerics.rotation import choose
+    from ..tools.sglang import export_sglang
 
     choose("--format", fmt_name, FORMATS)
     result = export_sglang(artifact, out, overwrite=overwrite)
@@ -68,8 +68,8 @@ def import_command(
     """Turn upstream rotation files (the OSCAR SGLang fork's / RotationZoo's K and V .pt) into a
     format-v1 artifact for MODEL. Files are opened with torch.load(weights_only=True) only.
     """
-    from ..config import parse_clip
-    from ..interop import import_sglang
+    from ..spec.config import parse_clip
+    from ..tools.sglang import import_sglang
 
     clips = parse_clip(clip)
     result = import_sglang(k_file, v_file, model, out, clip=clips, group_size=group_size, sink_tokens=sink,

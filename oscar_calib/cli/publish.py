@@ -52,7 +52,7 @@ def push_command(
     `oscar verify`) unless --force. Tokens: HF_TOKEN or `hf auth login`; MODELSCOPE_API_TOKEN or
     `modelscope login`.
     """
-    from ..publish import parse_target, plan_push, push
+    from ..tools.publish import parse_target, plan_push, push
 
     plan = plan_push(artifact, parse_target(to), revision=revision, private=private,
                      commit_message=commit_message, force=force)
@@ -91,7 +91,7 @@ def pull_command(
     """Download an artifact into the local zoo cache (`$OSCAR_CACHE/zoo/HUB/ORG/NAME`) or --out,
     validate it, and move it into place only when it is valid.
     """
-    from ..publish import pull
+    from ..tools.publish import pull
 
     result = pull(source, revision=revision, out=out, overwrite=overwrite)
     if json_out:

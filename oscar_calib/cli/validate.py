@@ -31,7 +31,7 @@ def validate_command(
     orthogonal rotations, clip ratios in (0, 1], descending eigenvalues, and with --model the
     fingerprint. Prints one line per problem; exit code 1 when there is any.
     """
-    from ..validate import model_reference, validate_paths
+    from ..tools.validate import model_reference, validate_paths
 
     ref = model_reference(model, trust_remote_code=trust_remote_code) if model else None
     reports = validate_paths(paths, model=ref, allow_empty=allow_empty)

@@ -7,7 +7,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import DeviceOpt, DtypeOpt, JsonOpt, console, emit_json, fmt, stdout, table
+from ._common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    fmt,
+    stdout,
+    table,
+)
 
 
 def verify_command(
@@ -41,7 +50,7 @@ def verify_command(
     * `oscar verify zoo/smollm2-135m --model smollm2-135m --depths 1024,4096 --json`
     """
     from ..errors import InputError
-    from ..verify import verify_artifact
+    from ..tools.verify import verify_artifact
 
     try:
         depth_list = [int(x) for x in depths.split(",") if x.strip()]

@@ -24,7 +24,7 @@ def list_command(zoo: ZooOpt = None,
 
     Examples: `oscar zoo list`, `oscar zoo list --json`, `oscar zoo list --zoo my-zoo --no-cache`
     """
-    from ..zoo import eval_text, list_entries, pull_cache_dir, repo_zoo_dir
+    from ..tools.zoo import eval_text, list_entries, pull_cache_dir, repo_zoo_dir
 
     root = zoo or repo_zoo_dir()
     entries = list_entries(root, include_cache=cache)
@@ -54,7 +54,7 @@ def index_command(zoo: ZooOpt = None,
                                                       "if not.")] = False,
                   json_out: JsonOpt = False) -> None:
     """Regenerate zoo/index.json from the committed artifacts (deterministic; --check for CI)."""
-    from ..zoo import INDEX_NAME, index_is_current, repo_zoo_dir, write_index
+    from ..tools.zoo import INDEX_NAME, index_is_current, repo_zoo_dir, write_index
 
     root = zoo or repo_zoo_dir()
     if check:
@@ -78,6 +78,6 @@ def index_command(zoo: ZooOpt = None,
 @zoo_app.command("table")
 def table_command(zoo: ZooOpt = None) -> None:
     """Print the README's zoo table (markdown) generated from zoo/index.json."""
-    from ..zoo import load_index, markdown_table, repo_zoo_dir
+    from ..tools.zoo import load_index, markdown_table, repo_zoo_dir
 
     typer.echo(markdown_table(load_index(zoo or repo_zoo_dir())), nl=False)

@@ -23,10 +23,17 @@ use. Storage format and packing order: :mod:`oscar_calib.kernels.pack`; cache la
 :mod:`oscar_calib.kernels.cache`.
 """
 
-from ._common import BACKENDS, DEFAULT_RECENT, DEFAULT_SINK, ENV_VAR
+from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
+from ._common import BACKENDS, ENV_VAR
 from .cache import Int2KVCache, build_cache, split_lengths, to_paged
 from .decode import decode_attention, decode_attention_reference
-from .pack import QuantizedKV, bits_per_element, dequantize_packed, pack_codes, unpack_codes
+from .pack import (
+    QuantizedKV,
+    bits_per_element,
+    dequantize_packed,
+    pack_codes,
+    unpack_codes,
+)
 from .write import quantize_kv, quantize_kv_reference
 
 __all__ = [

@@ -23,12 +23,11 @@ from types import ModuleType
 import torch
 
 from ..errors import InputError
+from ..spec.defaults import check_group_size
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "OSCAR_KERNELS"
 
-DEFAULT_SINK = 64
-DEFAULT_RECENT = 256
 FP16_MAX = 65504.0
 # Codes are fed to the tensor cores as fp16 *subnormals* (bit pattern == code): value = code * 2**-24.
 SUBNORMAL_UNIT = 2.0**-24
@@ -91,10 +90,6 @@ def load_triton_module(name: str) -> ModuleType:
     return mod
 
 
-def is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -126,13 +121,9 @@ def check_tensor(
 
 
 def check_group(head_dim: int, group_size: int) -> None:
-    """Group-size rules shared by every kernel (same messages as :func:`quant.check_group_size`)."""
-    if not isinstance(group_size, int) or isinstance(group_size, bool):
-        raise InputError(f"group size must be an int, got {group_size!r}")
-    if group_size <= 0 or group_size & (group_size - 1):
-        raise InputError(f"group size {group_size} is not a power of two")
-    if head_dim % group_size:
-        raise InputError(f"head_dim {head_dim} is not divisible by group size {group_size}")
+    """Group-size rules shared by every kernel: :func:`~oscar_calib.spec.defaults.check_group_size`
+    plus a head_dim that packs into whole bytes."""
+    check_group_size(head_dim, group_size)
     if head_dim % 4:
         raise InputError(f"head_dim {head_dim} is not a multiple of 4 (four 2-bit codes per byte)")
 

@@ -39,9 +39,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import quant
 from ..errors import InputError
-from ._common import DEFAULT_RECENT, DEFAULT_SINK, check_group, check_tensor, is_pow2
+from ..spec.defaults import (
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    default_group_size,
+    is_power_of_two,
+)
+from ._common import check_group, check_tensor
 from .pack import PARAM_DTYPE
 from .write import quantize_kv
 
@@ -130,7 +135,7 @@ class Int2KVCache:
             raise InputError("cache.k_bf16 must be contiguous in its last dimension")
         if self.paged:
             check_tensor("cache.block_table", self.block_table, ndim=2, dtypes=(torch.int32,), shape={0: b})
-            if not is_pow2(self.k_codes.shape[2]):
+            if not is_power_of_two(self.k_codes.shape[2]):
                 raise InputError(f"page size {self.k_codes.shape[2]} is not a power of two")
         elif self.k_codes.shape[0] != b:
             raise InputError(f"cache.k_codes has batch {self.k_codes.shape[0]}, hist_lens has {b}")
@@ -213,7 +218,7 @@ def build_cache(
         raise InputError(f"sink and recent must be >= 0, got {sink} and {recent}")
     B, T, H, d = k.shape
     if group_size is None:
-        group_size = quant.default_group_size(d)
+        group_size = default_group_size(d)
     check_group(d, group_size)
     if lengths is None:
         lens = [T] * B
@@ -221,7 +226,7 @@ def build_cache(
         lens = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
         if len(lens) != B or any(not 1 <= n <= T for n in lens):
             raise InputError(f"lengths must be {B} values in [1, {T}], got {lens}")
-    if page_size is not None and not is_pow2(page_size):
+    if page_size is not None and not is_power_of_two(page_size):
         raise InputError(f"page size {page_size} is not a power of two")
     dev = k.device
     parts = [split_lengths(n, sink, recent) for n in lens]
@@ -274,7 +279,7 @@ def to_paged(cache: Int2KVCache, page_size: int, generator: torch.Generator | No
     """Copy a contiguous cache into the paged layout (pages shuffled with ``generator``)."""
     if cache.paged:
         raise InputError("cache is already paged")
-    if not is_pow2(page_size):
+    if not is_power_of_two(page_size):
         raise InputError(f"page size {page_size} is not a power of two")
     hists = cache.hist_lens.tolist()
     npages = [(n + page_size - 1) // page_size for n in hists]

@@ -61,10 +61,10 @@ from functools import lru_cache
 import torch
 
 from ..errors import InputError
+from ..spec.defaults import is_power_of_two
 from ._common import (
     check_tensor,
     interpreting,
-    is_pow2,
     load_triton_module,
     next_pow2,
     resolve_backend,
@@ -175,7 +175,7 @@ def decode_attention_reference(
 
 def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     d, g = cache.head_dim, cache.group_size
-    if not is_pow2(d) or not 64 <= d <= 256:
+    if not is_power_of_two(d) or not 64 <= d <= 256:
         return f"head_dim {d} (the decode kernel needs 64, 128 or 256)"
     if g < 32:
         return f"group size {g} (the decode kernel needs groups of at least 32 channels)"

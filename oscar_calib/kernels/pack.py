@@ -1,7 +1,7 @@
 """Storage format of the INT2 KV cache: code packing, per-group scale/offset, :class:`QuantizedKV`.
 
 Per token, per KV head, a row of ``d`` rotated-and-clipped channels is quantised per group of
-``G`` channels with :func:`oscar_calib.quant.quantize_int2` (codes ``q`` in 0..3, scale ``s``,
+``G`` channels with :func:`oscar_calib.numerics.quant.quantize_int2` (codes ``q`` in 0..3, scale ``s``,
 zero ``z``). What is stored:
 
 ==========  ==========================  ==========================================================
@@ -13,7 +13,7 @@ tensor      shape, dtype                 content
 ==========  ==========================  ==========================================================
 
 Dequantisation is ``x_hat = q * scale + offset`` in float32, which is
-:func:`~oscar_calib.quant.dequantize_int2`'s ``(q - z) * s`` rewritten with ``offset = -z*s``.
+:func:`~oscar_calib.numerics.quant.dequantize_int2`'s ``(q - z) * s`` rewritten with ``offset = -z*s``.
 
 Why fp16 scale and fp16 *offset* (not fp16 zero): the zero point ``z = -min/s`` overflows fp16
 when a group's range is small compared with its mean (``z`` reaches 1e5 for a nearly constant

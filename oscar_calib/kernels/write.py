@@ -5,7 +5,7 @@
 (or a float, or None = no clip), and returns a :class:`~oscar_calib.kernels.pack.QuantizedKV`
 with ``codes uint8 [..., kv_heads, d/4]``, ``scale``/``offset`` float16 ``[..., kv_heads, d/G]``.
 
-Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.quant`:
+Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.numerics.quant`:
 
 1. rotate ``y = x @ R[h]`` (float32 result);
 2. clip: ``t = sorted(|y|)[min(floor(c*d), d-1)]``, ``y = max(min(y, t), -t)``;
@@ -40,13 +40,13 @@ import weakref
 
 import torch
 
-from .. import quant
 from ..errors import InputError
+from ..numerics import quant
+from ..spec.defaults import default_group_size, is_power_of_two
 from ._common import (
     check_group,
     check_tensor,
     interpreting,
-    is_pow2,
     load_triton_module,
     resolve_backend,
     same_device,
@@ -62,7 +62,7 @@ def _validate(x, rotation, clip, group_size) -> tuple[int, int, int, torch.Tenso
         raise InputError(f"x must be [..., kv_heads, head_dim], got shape {tuple(x.shape)}")
     kvh, d = x.shape[-2], x.shape[-1]
     if group_size is None:
-        group_size = quant.default_group_size(d)
+        group_size = default_group_size(d)
     check_group(d, group_size)
     if rotation is not None:
         check_tensor("rotation", rotation, ndim=3, dtypes=(torch.float32, torch.float64))
@@ -94,7 +94,7 @@ def quantize_kv_reference(
     clip: torch.Tensor | float | None,
     group_size: int | None = None,
 ) -> QuantizedKV:
-    """Pure-torch reference of :func:`quantize_kv` (built from :mod:`oscar_calib.quant`)."""
+    """Pure-torch reference of :func:`quantize_kv` (built from :mod:`oscar_calib.numerics.quant`)."""
     kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size)
     y = x.float()
     if rotation is not None:
@@ -107,7 +107,7 @@ def quantize_kv_reference(
 
 
 def _triton_support(d: int, group_size: int) -> str | None:
-    if not is_pow2(d) or not 16 <= d <= 256:
+    if not is_power_of_two(d) or not 16 <= d <= 256:
         return f"head_dim {d} (the kernel needs a power of two in 16..256)"
     return None
 

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from oscar_calib import quant
 from oscar_calib.errors import InputError
 from oscar_calib.kernels import (
     build_cache,
@@ -16,7 +15,13 @@ from oscar_calib.kernels import (
     to_paged,
 )
 from oscar_calib.kernels import decode as decode_mod
-from oscar_calib.kernels.testing import kv_rows, poison_cache, random_rotation, relative_error
+from oscar_calib.kernels.testing import (
+    kv_rows,
+    poison_cache,
+    random_rotation,
+    relative_error,
+)
+from oscar_calib.numerics import quant
 
 SMALL = {"BLOCK_N": 16, "BLOCK16": 16}
 # (code mode, KV heads per program) variants of the INT2 kernel (see _decode_triton); the

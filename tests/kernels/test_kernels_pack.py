@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from oscar_calib import quant
 from oscar_calib.errors import InputError
 from oscar_calib.kernels import (
     QuantizedKV,
@@ -13,6 +12,7 @@ from oscar_calib.kernels import (
     unpack_codes,
 )
 from oscar_calib.kernels.testing import kv_rows, random_rotation
+from oscar_calib.numerics import quant
 
 
 def test_packing_order_matches_docstring():

@@ -1,0 +1,179 @@
+"""Calibration text: the embedded corpus, local files, or a `datasets` hub id.
+
+The embedded corpus is CPython's own documentation topics (``pydoc_data.topics``, ~110K tokens
+of English, no network). Topics are joined in key order and the token stream is split in two
+halves: ``calibration`` (first half, what ``oscar calibrate`` reads by default) and ``heldout``
+(second half, what ``oscar verify`` and ``oscar eval`` read), so the two never overlap.
+
+Documents are joined with the tokenizer's EOS token and the stream is cut into sequences of
+``seq_len`` tokens (the last one may be shorter); no padding is ever used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import DataError, InputError
+
+EMBEDDED = "embedded"
+SPLITS = ("calibration", "heldout")
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
+
+
+def embedded_texts() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def _read_file(path: Path, text_field: str) -> list[str]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".txt", ".md"):
+            return [path.read_text(encoding="utf-8", errors="replace")]
+        if suffix in (".jsonl", ".json"):
+            out = []
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    raise DataError(f"{path}:{n}: not valid JSON") from None
+                if not isinstance(rec, dict) or text_field not in rec:
+                    raise DataError(f"{path}:{n}: no {text_field!r} field (choose one with --text-field)")
+                out.append(str(rec[text_field]))
+            return out
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+            if text_field not in table.column_names:
+                raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
+            return [str(x) for x in table.column(text_field).to_pylist()]
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    raise InputError(f"{path}: unsupported data file type {suffix!r} (use {', '.join(TEXT_SUFFIXES)})")
+
+
+def load_texts(data: str, *, split: str = "train", text_field: str = "text") -> tuple[list[str], str]:
+    """Documents and a short description of where they came from."""
+    if data == EMBEDDED:
+        return embedded_texts(), "embedded:pydoc_data.topics"
+    path = Path(data).expanduser()
+    if path.is_file():
+        return _read_file(path, text_field), f"file:{path.name}"
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"{data}: directory has no {'/'.join(TEXT_SUFFIXES)} files")
+        texts = []
+        for f in files:
+            texts.extend(_read_file(f, text_field))
+        return texts, f"dir:{path.name}"
+    if data.startswith((".", "/", "~")) or data.count("/") > 1 or Path(data).suffix.lower() in TEXT_SUFFIXES:
+        raise DataError(f"data path {data!r} does not exist")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(data, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "could not load"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"cannot load dataset {data!r} (split {split!r}) from the hub: {first}") from None
+    if text_field not in ds.column_names:
+        raise DataError(f"dataset {data!r} has no column {text_field!r} (columns: {', '.join(ds.column_names)})")
+    return [str(x) for x in ds[text_field]], f"hub:{data}:{split}"
+
+
+def token_stream(texts: list[str], tokenizer) -> torch.Tensor:
+    """All documents tokenised and joined with EOS (1-D int64)."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for t in texts:
+        if not t.strip():
+            continue
+        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class TokenPlan:
+    """The exact token ids a run uses: calibration sequences and held-out sequences."""
+
+    calibration: list[torch.Tensor]
+    heldout: list[torch.Tensor]
+    source: str
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.calibration)
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for s in self.calibration + self.heldout:
+            h.update(s.numpy().astype("<i8").tobytes())
+            h.update(b"|")
+        return h.hexdigest()
+
+    def batches(self, batch_size: int) -> list[torch.Tensor]:
+        """Equal-length sequences stacked ``batch_size`` at a time (a shorter tail alone)."""
+        out, cur = [], []
+        for s in self.calibration:
+            if cur and (len(cur) == batch_size or len(s) != len(cur[0])):
+                out.append(torch.stack(cur))
+                cur = []
+            cur.append(s)
+        if cur:
+            out.append(torch.stack(cur))
+        return out
+
+
+def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_field: str = "text",
+                tokens: int, seq_len: int, heldout_tokens: int, heldout_seqs: int = 1,
+                seed: int = 0, corpus_split: str = "calibration") -> TokenPlan:
+    """Choose calibration and held-out sequences.
+
+    The stream is cut into ``seq_len`` windows; a ``seed``-driven permutation picks which windows
+    calibrate (enough for ``tokens``) and which ``heldout_seqs`` windows are held out (their first
+    ``heldout_tokens`` tokens). For the embedded corpus, ``corpus_split`` picks its half.
+    """
+    if tokens <= 0:
+        raise InputError(f"--tokens must be positive, got {tokens}")
+    if seq_len < 16:
+        raise InputError(f"--seq-len must be at least 16, got {seq_len}")
+    texts, source = load_texts(data, split=split, text_field=text_field)
+    stream = token_stream(texts, tokenizer)
+    if data == EMBEDDED:
+        half = len(stream) // 2
+        stream = stream[:half] if corpus_split == "calibration" else stream[half:]
+        source += f"[{corpus_split}]"
+    if len(stream) == 0:
+        raise DataError(f"no text in {source}")
+    windows = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)]
+    if len(windows) > 1 and len(windows[-1]) < seq_len:
+        windows.pop()                       # a ragged tail window is dropped
+    need_cal = -(-tokens // seq_len)
+    if len(windows) < need_cal + heldout_seqs:
+        raise DataError(
+            f"{source} has {len(stream)} tokens; {tokens} calibration tokens in sequences of {seq_len} plus "
+            f"{heldout_seqs} held-out sequence(s) need {(need_cal + heldout_seqs) * seq_len} "
+            "(lower --tokens or --seq-len, or give more data)"
+        )
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(windows), generator=g).tolist()
+    held = [windows[i][:heldout_tokens] for i in order[:heldout_seqs]]
+    cal_idx = sorted(order[heldout_seqs:heldout_seqs + need_cal])
+    cal = [windows[i] for i in cal_idx]
+    extra = need_cal * seq_len - tokens
+    if extra:
+        cal[-1] = cal[-1][: seq_len - extra]
+    if len(cal[-1]) < 2:
+        cal.pop()
+    return TokenPlan(calibration=cal, heldout=held, source=source)

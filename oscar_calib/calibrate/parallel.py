@@ -1,0 +1,506 @@
+"""Data-parallel calibration (torch.distributed) and big-model placement (accelerate).
+
+Data parallelism
+================
+
+Every rank loads the same model, plans the same token ids, and streams its share of the
+calibration batches through its own copy; the float64 accumulators are then summed over ranks and
+rank 0 writes the artifact. The same code runs however the ranks were started:
+
+=============================================  ===============================================
+started by                                     what sets RANK / WORLD_SIZE / MASTER_ADDR / ...
+=============================================  ===============================================
+``oscar calibrate --nproc N``                  torch's elastic launcher (the engine behind
+                                               ``torchrun``), called in-process; it re-executes
+                                               the same command line once per rank
+``torchrun --nproc-per-node N -m oscar_calib   torchrun
+calibrate ...``
+``accelerate launch -m oscar_calib calibrate`` accelerate (through torchrun)
+a script calling ``pipeline.calibrate``         whatever started it (env://); a process group
+                                               the script already initialised is reused
+=============================================  ===============================================
+
+Decisions:
+
+* **Backend and device**: ``nccl`` with device ``cuda:LOCAL_RANK`` when the run's device is CUDA,
+  ``gloo`` on the CPU. Control messages (start-up check, barriers) always go through a ``gloo``
+  group, so a dead peer shows up as a closed connection rather than an NCCL hang.
+  ``NCCL_NVLS_ENABLE`` defaults to ``0`` (NVLink multicast off: one all-reduce per run gains
+  nothing from it, and some shared hosts require it off).
+* **Sharding**: batch ``i`` (of the single-process batch list) goes to rank ``i % world``; the
+  union over ranks is exactly the single-process token stream.
+* **Reduction**: one ``all_reduce(SUM)`` of every layer's float64 sums, weight sums and token
+  counts (counts are exact in float64 below 2**53). Only the order of float additions differs from
+  a single process, so accumulators agree to ~1e-15 relative (tested at 1e-12).
+* **sst-approx pilot**: the pilot is the same as in a single process: the first ``P`` batches of
+  the global stream, ``P`` the fewest whose tokens reach ``pilot_tokens``. Each rank buffers the K/V
+  rows of its own pilot batches; after them, every rank joins one all-reduce of its pilot query sums,
+  so C̃_Q is the single-process pilot C̃_Q up to summation order, and every rank weights with it.
+* **Held-out rows, rotations, clips, artifact**: rank 0 only.
+* **Checkpoints**: per rank, ``<out>/.oscar-checkpoint.rank{r}-of-{world}.pt`` (this rank's partial
+  sums over its own shard). ``--resume`` resumes each rank from its own file, with the same world
+  size (another size is refused with the size to use). Files are kept when a rank dies, and removed
+  once rank 0 has written the artifact.
+* **Failures**: ``init_process_group`` gets a timeout (``OSCAR_DIST_TIMEOUT`` seconds, default
+  1800) for every collective. At start-up every rank's model fingerprint, token-plan sha256,
+  settings and start-up error (if any) are all-gathered; any mismatch or error stops every rank with
+  the same :class:`DistributedError` before anything is written. A collective that fails (a dead
+  peer closes its sockets) and a SIGTERM from the launcher both become a one-line
+  :class:`DistributedError`; checkpoints stay. With ``--nproc`` the parent names the rank that died.
+
+Big models
+==========
+
+``--device-map auto`` (or ``balanced``, ``sequential``, a JSON dict) and ``--max-memory
+0=70GiB,cpu=200GiB`` go to ``from_pretrained``, i.e. accelerate's big-model dispatch: layers spread
+over GPUs, CPU RAM and disk (safetensors checkpoints are disk-offloaded in place, read from their own
+files). Each layer's accumulators live on the device its attention runs on (moved there at the
+first batch), and are gathered on the CPU at the end. With data parallelism as well, each rank gets
+an equal, contiguous slice of the node's GPUs (rank ``r`` of ``n`` per node: GPUs ``r·k … r·k+k−1``,
+``k = gpus // n``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import re
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import DistributedError, InputError
+from ..model.placement import Placement, cpu_bytes
+
+DEFAULT_TIMEOUT_S = 1800
+CPU_HINT = "on the CPU each rank needs a core of its own"
+
+
+# ----------------------------------------------------------------------------- context
+
+def env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise DistributedError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+def launched() -> bool:
+    """True inside a rank of a multi-process job (torchrun, accelerate launch, ``--nproc``)."""
+    import torch.distributed as dist
+
+    return env_world_size() > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+@dataclass
+class DistContext:
+    """Where this process stands in the job. A plain single-process run is ``DistContext()``."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: str | None = None       # this rank's compute device ("cuda:1", "cpu"); None: as configured
+    backend: str | None = None
+    ctrl: object = None             # gloo group for control messages (None: the default group)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        return torch.device(self.device if self.backend == "nccl" else "cpu")
+
+    def shard(self, items: Sequence) -> list:
+        """Item ``i`` goes to rank ``i % world_size``."""
+        return list(items[self.rank::self.world_size])
+
+    # collectives: every failure becomes one DistributedError line -----------------------------
+    def _fail(self, what: str, e: BaseException) -> DistributedError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]
+        return DistributedError(f"rank {self.rank}: lost contact with another rank during {what} ({first}); "
+                                "another rank probably failed, see its message; checkpoints are kept, rerun with "
+                                "--resume")
+
+    def gather_objects(self, obj, what: str) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.ctrl)
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several types
+            raise self._fail(what, e) from None
+        return out
+
+    def barrier(self, what: str) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(group=self.ctrl, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                   wait_all_ranks=True)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(what, e) from None
+
+    def all_reduce_(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (on the communication device) and return it."""
+        import torch.distributed as dist
+
+        self.barrier(what)          # a dead peer fails here, on gloo, instead of hanging in NCCL
+        buf = t.to(self.comm_device)
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(what, e) from None
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    def broadcast_(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.barrier(what)
+        buf = t.to(self.comm_device)
+        try:
+            dist.broadcast(buf, src=src)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(what, e) from None
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get("OSCAR_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
+    try:
+        v = float(raw)
+    except ValueError:
+        raise InputError(f"OSCAR_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
+    if v <= 0:
+        raise InputError("OSCAR_DIST_TIMEOUT must be positive")
+    return v
+
+
+def _rank_device(device: str, local_rank: int, placement: "Placement | None") -> tuple[str, str]:
+    """(backend, this rank's device) for a configured ``device`` ("auto", "cpu", "cuda", ...)."""
+    from ..model.load import resolve_device
+
+    dev = resolve_device(device)
+    if not dev.startswith("cuda"):
+        return "gloo", "cpu"
+    n = torch.cuda.device_count()
+    per = placement.gpus_per_rank(n) if placement is not None and placement.device_map is not None else 1
+    first = local_rank * per
+    if first >= n:
+        raise DistributedError(f"rank with LOCAL_RANK={local_rank} has no GPU: only {n} CUDA device(s) visible "
+                               "(one rank per GPU; start fewer ranks)")
+    return "nccl", f"cuda:{first}"
+
+
+@contextlib.contextmanager
+def session(device: str = "auto", placement: "Placement | None" = None) -> Iterator[DistContext]:
+    """The job this process belongs to. Initialises ``torch.distributed`` from the environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when WORLD_SIZE > 1 and no process
+    group exists yet, and destroys only a group it created. Single process: ``DistContext()``."""
+    import torch.distributed as dist
+
+    existing = dist.is_available() and dist.is_initialized()
+    if not existing and env_world_size() <= 1:
+        yield DistContext()
+        return
+    if not dist.is_available():
+        raise DistributedError("this torch build has no torch.distributed")
+    timeout = _timeout_s()
+    if existing:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise DistributedError(f"WORLD_SIZE={env_world_size()} but {', '.join(missing)} not set; start the ranks "
+                                   "with torchrun, accelerate launch or oscar calibrate --nproc")
+        rank, world = int(os.environ["RANK"]), env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend, dev = _rank_device(device, local_rank, placement)
+    if existing:
+        backend = dist.get_backend()
+        if backend != "nccl" and dev.startswith("cuda"):
+            raise DistributedError(f"the process group uses {backend}; CUDA calibration needs nccl")
+    created, ctrl = False, None
+    old_term = None
+    try:
+        if not existing:
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            kwargs = {}
+            if backend == "nccl":
+                torch.cuda.set_device(torch.device(dev))
+                kwargs["device_id"] = torch.device(dev)
+            try:
+                dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
+            except Exception as e:  # noqa: BLE001
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise DistributedError(f"rank {rank}: cannot join the process group "
+                                       f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}): {first}") \
+                    from None
+            created = True
+        if backend != "gloo":
+            ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        ctx = DistContext(rank, world, local_rank, local_world, dev, backend, ctrl, timeout)
+
+        def _terminated(signum, frame):   # the launcher stops survivors with SIGTERM
+            raise DistributedError(f"rank {rank}: stopped by the launcher (another rank failed, see its message); "
+                                   "checkpoints are kept, rerun with --resume")
+
+        try:
+            old_term = signal.signal(signal.SIGTERM, _terminated)
+        except ValueError:      # not the main thread
+            old_term = None
+        yield ctx
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        if created:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- start-up check
+
+def check_agreement(ctx: DistContext, info: dict, error: BaseException | None) -> None:
+    """All ranks exchange ``info`` (fingerprint, tokens sha, settings) and their start-up error.
+    Raises ``error`` on the rank that had it, and :class:`DistributedError` on every other rank
+    when any rank failed or the ranks disagree. Single process: just raises ``error``."""
+    if not ctx.enabled:
+        if error is not None:
+            raise error
+        return
+    mine = dict(info, error=None if error is None else f"{type(error).__name__}: {error}")
+    ranks = ctx.gather_objects(mine, "the start-up check")
+    if error is not None:
+        raise error
+    failed = [(r, v["error"]) for r, v in enumerate(ranks) if v["error"]]
+    if failed:
+        r, msg = failed[0]
+        raise DistributedError(f"rank {r} failed at start-up ({msg}); nothing was written")
+    for key, what in (("fingerprint", "the model fingerprint (different models or revisions?)"),
+                      ("tokens", "the calibration token ids (different data or tokenizers?)"),
+                      ("settings", "the calibration settings")):
+        vals = [v.get(key) for v in ranks]
+        if len(set(vals)) > 1:
+            shown = ", ".join(f"rank {r}: {str(v)[:12]}" for r, v in enumerate(vals))
+            raise DistributedError(f"ranks disagree on {what}: {shown}; every rank must load the same model, data "
+                                   "and settings; nothing was written")
+
+
+# ----------------------------------------------------------------------------- accumulators
+
+def placement_for_rank(placement: Placement | None, ctx: DistContext) -> Placement | None:
+    """This rank's share of a big-model placement: under data parallelism with a device map, an
+    equal, contiguous slice of the node's GPUs (rank ``r`` of ``n`` per node: GPUs ``r·k … r·k+k−1``,
+    ``k = gpus // n``), each at 90% of its free memory unless ``--max-memory`` says otherwise."""
+    if placement is None or not ctx.enabled or placement.device_map is None or not torch.cuda.is_available():
+        return placement
+    n = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
+    per = max(n // max(local_world, 1), 1)
+    gpus = range(ctx.local_rank * per, ctx.local_rank * per + per)
+    user = dict(placement.max_memory or {})
+    mm = {g: user.get(g, int(torch.cuda.mem_get_info(g)[0] * 0.9)) for g in gpus if g < n}
+    mm.update({k: v for k, v in user.items() if not isinstance(k, int)})
+    mm.setdefault("cpu", cpu_bytes())
+    return Placement(placement.device_map, mm, placement.offload_dir)
+
+
+def pilot_batches(batches: Sequence[torch.Tensor], pilot_tokens: int) -> int:
+    """How many leading batches form the sst-approx pilot in a single process (the fewest whose
+    tokens reach ``pilot_tokens``; all of them if the budget is smaller)."""
+    seen = 0
+    for i, b in enumerate(batches):
+        seen += b.numel()
+        if seen >= pilot_tokens:
+            return i + 1
+    return len(batches)
+
+
+def freeze_pilot_across_ranks(stats: list, ctx: DistContext, pilot_tokens: int) -> None:
+    """Freeze every layer's sst-approx pilot C̃_Q from the pilot batches of all ranks. Each rank
+    calls this exactly once, after its own pilot batches (``pilot_tokens``: tokens in the global
+    pilot). A rank resumed from a checkpoint taken after the freeze already holds C̃_Q; it is then
+    broadcast to the others instead (it is the same on every rank)."""
+    frozen = stats[0].pilot_cq is not None
+    flags = torch.zeros(ctx.world_size, dtype=torch.float64)
+    flags[ctx.rank] = float(frozen)
+    ctx.all_reduce_(flags, "the sst-approx pilot")
+    if bool(flags.any()):
+        src = int(flags.nonzero()[0, 0])
+        dev = ctx.comm_device
+        if ctx.rank == src:
+            buf = torch.stack([s.pilot_cq.to(dev) for s in stats])
+        else:
+            h, d = stats[0].num_kv_heads, stats[0].head_dim
+            buf = torch.zeros(len(stats), h, d, d, dtype=torch.float64, device=dev)
+        cqs = ctx.broadcast_(buf, src, "the sst-approx pilot")
+    else:
+        buf = torch.stack([s.sums["q"].to(ctx.comm_device) for s in stats])
+        cqs = ctx.all_reduce_(buf, "the sst-approx pilot") / max(pilot_tokens * stats[0].group, 1)
+    for s, cq in zip(stats, cqs):
+        s.freeze_pilot(cq)
+
+
+def all_reduce_stats(stats: list, ctx: DistContext) -> None:
+    """Sum every layer's accumulators, weight sums and token counts over ranks, in place."""
+    from .stats import ACCUMULATORS
+
+    if not ctx.enabled:
+        return
+    parts = []
+    for s in stats:
+        if s.approx and s.pilot_cq is None:
+            raise RuntimeError("all_reduce_stats before the sst-approx pilot was frozen")
+        parts += [s.sums[n].reshape(-1) for n in ACCUMULATORS]
+        parts += [s.w_sum.reshape(-1), torch.tensor([float(s.tokens)], dtype=torch.float64, device=s.w_sum.device)]
+    flat = torch.cat([p.to(ctx.comm_device) for p in parts])
+    ctx.all_reduce_(flat, "the reduction of the accumulators")
+    off = 0
+    for s in stats:
+        for n in ACCUMULATORS:
+            t = s.sums[n]
+            t.copy_(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
+        s.w_sum.copy_(flat[off:off + s.w_sum.numel()])
+        off += s.w_sum.numel()
+        s.tokens = int(round(float(flat[off])))
+        off += 1
+
+
+def checkpoint_name(ctx: DistContext, base: str) -> str:
+    """``base`` for a single process, ``<stem>.rank{r}-of-{world}.pt`` for a rank."""
+    if not ctx.enabled:
+        return base
+    stem = base[:-3] if base.endswith(".pt") else base
+    return f"{stem}.rank{ctx.rank}-of-{ctx.world_size}.pt"
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+# ----------------------------------------------------------------------------- launching
+
+def available_devices(device: str) -> tuple[int, str]:
+    """(how many ranks this machine can take, what they are) for a configured device."""
+    from ..model.load import resolve_device
+
+    dev = resolve_device(device)
+    if dev.startswith("cuda"):
+        return torch.cuda.device_count(), "CUDA device(s) visible (one rank per GPU)"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return cores, f"CPU core(s) available to this process ({CPU_HINT})"
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    """Refuse ``--nproc`` below 1 or above the devices of this machine (GPUs on CUDA, cores on the CPU)."""
+    if nproc < 1:
+        raise InputError(f"--nproc must be at least 1, got {nproc}")
+    n, what = available_devices(device)
+    if nproc > n:
+        raise InputError(f"--nproc {nproc}: only {n} {what}")
+
+
+def launch(nproc: int, cmd: list[str], *, hint: str = "", env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` (an executable and its arguments) as ``nproc`` local ranks through torch's
+    elastic launcher (what ``torchrun --standalone`` runs), and wait.
+
+    Returns 0 when every rank exits 0 and 1 when only rank 0 exits with 1 (the CLI's "verification
+    failed"); raises :class:`DistributedError` naming the rank that failed first otherwise (a
+    rank that dies stops the others)."""
+    from torch.distributed.elastic.multiprocessing import (
+        DefaultLogsSpecs,
+        SignalException,
+    )
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise InputError(f"--nproc must be at least 1, got {nproc}")
+    import dataclasses
+
+    extra = {"shutdown_timeout": 15} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"oscar-{uuid.uuid4().hex[:12]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          logs_specs=DefaultLogsSpecs(), **extra)
+    added = dict(env or {})
+    added.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    if "OMP_NUM_THREADS" not in os.environ:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        added["OMP_NUM_THREADS"] = str(max(cores // nproc, 1))
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    levels = [lg.level for lg in loggers]
+    saved = {k: os.environ.get(k) for k in list(added) + ["TORCHELASTIC_SIGNALS_TO_HANDLE"]}
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        os.environ.update(added)
+        elastic_launch(config, cmd[0])(*cmd[1:])
+        return 0
+    except SignalException:
+        raise KeyboardInterrupt from None
+    except ChildFailedError as e:
+        return _report_failure(e.failures, hint)
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _report_failure(failures: dict, hint: str) -> int:
+    if set(failures) == {0} and failures[0].exitcode == 1:
+        return 1
+    # the root cause: the earliest failure that is not the launcher's own SIGTERM to survivors
+    items = sorted(failures.items(), key=lambda kv: (kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
+    rank, f = items[0]
+    if f.exitcode < 0:
+        try:
+            name = signal.Signals(-f.exitcode).name
+        except ValueError:
+            name = f"signal {-f.exitcode}"
+        what = f"rank {rank} died ({name})"
+    else:
+        what = f"rank {rank} failed with exit code {f.exitcode} (its message is above)"
+    others = sorted(r for r in failures if r != rank)
+    stopped = f"; rank(s) {', '.join(map(str, others))} were stopped" if others else ""
+    raise DistributedError(f"{what}{stopped}{'; ' + hint if hint else ''}")
+
+
+def cli_argv(command: str) -> list[str]:
+    """This process's command line from ``command`` on (what each rank re-executes)."""
+    argv = list(sys.argv[1:])
+    if command not in argv:
+        raise InputError(f"cannot find the {command!r} command in this process's arguments to re-execute it; "
+                         f"start the ranks with: torchrun --nproc-per-node N -m oscar_calib {command} ...")
+    return argv[argv.index(command):]
+
+
+__all__ = ["DistContext", "placement_for_rank", "session", "launched", "launch", "check_nproc",
+           "check_agreement", "all_reduce_stats", "freeze_pilot_across_ranks", "pilot_batches", "checkpoint_name", "cli_argv", "available_devices"]

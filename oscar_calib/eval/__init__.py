@@ -1,0 +1,85 @@
+"""``oscar eval``: held-out perplexity and needle-in-a-haystack retrieval with a 2-bit KV cache.
+
+Methods (every INT2 method uses the same group size, sink and recent window):
+
+============  ===========================================================================
+method        what the KV cache holds
+============  ===========================================================================
+``bf16``      every K/V row in BF16 (the reference)
+``naive``     INT2 history, no rotation, no clip
+``hadamard``  INT2 history, Walsh–Hadamard rotation (QuaRot-style), clips 0.96/0.92
+``oscar``     INT2 history with the artifact's rotations and clips
+``quanto``    transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
+              residual length 128, group 64, no sink
+============  ===========================================================================
+
+Perplexity (``task="ppl"``) is teacher-forced on held-out text (the embedded corpus' ``heldout``
+half by default: 2 sequences × 2048 tokens), faithful to decoding: for every query position
+``i``, key/value ``j`` is read in BF16 when ``j < sink`` or ``i − j < recent`` and as INT2 (rotated,
+clipped, quantised, stored with fp16 scale/offset exactly as :mod:`oscar_calib.kernels` stores it)
+otherwise. It runs in one forward pass per sequence through an attention function registered with
+transformers' ``AttentionInterface`` (:class:`SimulatedKV`) that computes the scores with both key
+versions and picks per (i, j), and splits the probabilities into their BF16 and INT2 parts for
+``P·V``; the model's causal and sliding-window masks and GQA are honoured, math is float32. With
+nothing quantised it equals plain attention (tested). ``quanto`` has no such simulation: it
+decodes the text token by token through a real ``QuantizedCache``.
+
+Needle in a haystack (``task="niah"``, RULER's ``niah_single`` style): a needle "One of the
+special magic numbers for {key} is: {value}." (a random word pair and a 7-digit number) is placed
+at several depths of filler text (held-out corpus sentences, or RULER's repeated "noise"
+sentences), followed by the question. The prompt (all but its last token) is prefilled once in
+full precision, as a serving engine prefills; each method's cache is built from that prefill
+(INT2 history written exactly as :class:`~oscar_calib.runtime.cache.OscarCache` writes it), and
+``model.generate`` answers greedily from the last prompt token, so every answer token, the first
+included, is decoded through the method's cache. Score: 1 when the first number in the answer
+equals the value, else 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import EvalError, InputError
+from .methods import (
+    METHODS,
+    QUANTO_DEFAULTS,
+    bits_of,
+    build_schemes,
+    parse_methods,
+    quanto_cache,
+)
+from .niah import evaluate_niah, make_niah, score_niah
+from .ppl import evaluate_ppl, heldout_sequences, quanto_sequence_nll, sequence_nll
+from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
+
+TASKS = ("ppl", "niah")
+
+
+def run_eval(model: str, artifact_path: Path | None, *, task: str = "ppl", methods="bf16,naive,hadamard,oscar,quanto",
+             loaded=None, device: str = "auto", dtype: str = "auto", plot: Path | None = None, **kw) -> EvalResult:
+    """Load the model (and artifact), run ``task`` and write the plot. Used by ``oscar eval``."""
+    from ..model.load import load_model
+    from ..spec.artifact import load_artifact, require_compatible
+
+    if task not in TASKS:
+        raise InputError(f"unknown --task {task!r}; choose from {', '.join(TASKS)}")
+    ms = parse_methods(methods)
+    if artifact_path is None and "oscar" in ms:
+        ms = [m for m in ms if m != "oscar"]
+        if not ms:
+            raise InputError("method 'oscar' needs an ARTIFACT")
+    art = load_artifact(Path(artifact_path)) if artifact_path is not None else None
+    lm = loaded or load_model(model, device=device, dtype=dtype)
+    if art is not None:
+        require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
+    fn = evaluate_ppl if task == "ppl" else evaluate_niah
+    result = fn(lm, ms, artifact=art, **kw)
+    if plot is not None:
+        write_plot(Path(plot), result)
+        result.settings["plot"] = str(plot)
+    return result
+
+
+__all__ = ["EvalError", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes", "eval_headline",
+           "eval_text", "evaluate_niah", "evaluate_ppl", "heldout_sequences", "make_niah", "parse_methods",
+           "quanto_cache", "quanto_sequence_nll", "record_eval", "run_eval", "score_niah", "sequence_nll", "write_plot"]

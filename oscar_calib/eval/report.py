@@ -1,0 +1,150 @@
+"""Evaluation results: the result type, text tables, headline numbers, recording into an artifact, plots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InputError
+
+
+@dataclass
+class EvalResult:
+    task: str
+    model_id: str
+    settings: dict
+    rows: list[dict]
+    timings: dict = field(default_factory=dict)
+
+    def summary(self) -> list[dict]:
+        """ppl: one row per method; niah: one row per method with accuracy per length."""
+        if self.task == "ppl":
+            return self.rows
+        out = []
+        for m in dict.fromkeys(r["method"] for r in self.rows):
+            rs = [r for r in self.rows if r["method"] == m]
+            by_len = {}
+            for r in rs:
+                by_len.setdefault(r["length"], []).append(r["score"])
+            out.append({"method": m, "accuracy": sum(r["score"] for r in rs) / len(rs), "samples": len(rs),
+                        "by_length": {str(k): sum(v) / len(v) for k, v in sorted(by_len.items())},
+                        "bits_per_element": rs[0]["bits_per_element"]})
+        return out
+
+    def to_json(self) -> dict:
+        return {"task": self.task, "model_id": self.model_id, "settings": self.settings, "summary": self.summary(),
+                "rows": self.rows, "timings": self.timings}
+
+
+def eval_text(results: dict) -> str:
+    """Plain-text tables of recorded results (``{task: EvalResult.to_json()}``), for model cards."""
+    lines = []
+    ppl = results.get("ppl")
+    if ppl:
+        s = ppl["settings"]
+        lines.append(f"held-out perplexity: {s['sequences']} x {s['seq_len']} tokens of {s['data']}, "
+                     f"BF16 sink {s['sink']} + recent {s['recent']} per query position, INT2 history")
+        lines.append(f"{'method':<10}{'bits/elem':>10}{'group':>7}{'perplexity':>12}{'gap closed':>12}")
+        for r in ppl["rows"]:
+            gap = f"{r['gap_closed_vs_hadamard']:+.0%}" if "gap_closed_vs_hadamard" in r else "-"
+            lines.append(f"{r['method']:<10}{r['bits_per_element']:>10.3f}{str(r['group_size'] or '-'):>7}"
+                         f"{r['ppl']:>12.3f}{gap:>12}")
+        lines.append("gap closed: share of the Hadamard -> BF16 perplexity gap closed; quanto: transformers "
+                     "QuantizedCache (2 bits, residual 128, group 64)")
+    niah = results.get("niah")
+    if niah:
+        s = niah["settings"]
+        if lines:
+            lines.append("")
+        lengths = list(niah["summary"][0]["by_length"]) if niah["summary"] else []
+        lines.append(f"needle in a haystack (exact match): depths {s['depths']}, {s['samples']} sample(s) each, "
+                     f"haystack {s['haystack']}, generate() through the cache")
+        lines.append(f"{'method':<10}{'bits/elem':>10}" + "".join(f"{k:>8}" for k in lengths) + f"{'all':>8}")
+        for r in niah["summary"]:
+            lines.append(f"{r['method']:<10}{r['bits_per_element']:>10.3f}"
+                         + "".join(f"{r['by_length'][k]:>8.2f}" for k in lengths) + f"{r['accuracy']:>8.2f}")
+    return "\n".join(lines)
+
+
+def eval_headline(results: dict) -> dict:
+    """The few numbers a model card and the zoo table show: perplexity of every method,
+    the artifact's bits per element, and NIAH accuracy per method (nested)."""
+    out: dict = {}
+    ppl = results.get("ppl")
+    if ppl:
+        for r in ppl["rows"]:
+            out[f"{r['method']}_ppl"] = round(r["ppl"], 3)
+            if r["method"] == "oscar":
+                out["oscar_bits_per_element"] = r["bits_per_element"]
+    niah = results.get("niah")
+    if niah:
+        out["niah"] = {r["method"]: round(r["accuracy"], 3) for r in niah["summary"]}
+        out["niah"]["lengths"] = niah["settings"]["lengths"]
+    return out
+
+
+def record_eval(artifact_dir: Path, result: EvalResult) -> None:
+    """Store ``result`` in the artifact's ``calibration.json``: the full result under
+    ``eval_results[task]`` (plus ``eval_results["text"]``, the tables as text) and the headline
+    numbers under ``eval`` (what the model card and ``oscar zoo`` show); then rewrite the model
+    card. The rotations file is not touched."""
+    import json
+
+    from ..fsutil import atomic_write_text
+    from ..spec.artifact import CARD_NAME, REPORT_NAME
+    from ..spec.card import model_card
+
+    directory = Path(artifact_dir)
+    path = directory / REPORT_NAME
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot record the evaluation: {path} is not readable ({e})") from None
+    results = report.setdefault("eval_results", {})
+    results[result.task] = result.to_json()
+    results["text"] = eval_text(results)
+    report["eval"] = eval_headline(results)
+    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(directory / CARD_NAME, model_card(report))
+
+
+def write_plot(path: Path, result: EvalResult) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..fsutil import atomic_write_bytes
+
+    if result.task == "ppl":
+        fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
+        rows = result.rows
+        names = [f"{r['method']}\n{r['bits_per_element']:.2f} b" for r in rows]
+        vals = [r["ppl"] for r in rows]
+        bars = ax.bar(names, vals, color=["#888" if r["method"] == "bf16" else "#c55" if r["method"] == "oscar"
+                                          else "#58a" for r in rows])
+        for bar, v in zip(bars, vals):
+            ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("held-out perplexity (log)")
+        ax.set_title(f"{result.model_id}: sink {result.settings['sink']} + recent {result.settings['recent']} BF16, "
+                     f"group {result.settings['group_size']}", fontsize=9)
+    else:
+        fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
+        for s in result.summary():
+            xs = [int(k) for k in s["by_length"]]
+            ax.plot(xs, list(s["by_length"].values()), "o-", label=s["method"])
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("NIAH exact match")
+        ax.set_title(f"{result.model_id}: needle retrieval through the KV cache", fontsize=9)
+        ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buf.getvalue())

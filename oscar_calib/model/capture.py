@@ -1,0 +1,141 @@
+"""Capture post-RoPE Q/K/V and the per-head attention output through transformers' attention
+interface.
+
+The model's attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
+with query/key/value exactly as the KV cache holds them (after q/k norms and RoPE) and the mask
+(causal, padding, sliding window) already built for that layer. :class:`Capture` registers one
+function, ``oscar_capture``, that calls the model's own implementation (``sdpa`` or ``eager``),
+hands its inputs and output to an observer, and returns the output unchanged, so the model's
+logits do not change. It is the single owner of this registration: entering switches every
+config of the model to ``oscar_capture`` and exiting restores what was there, also on error.
+
+Observers receive ``(layer_idx, module, q, k, v, o, kwargs)`` with ``q`` [B, Hq, T, d],
+``k``/``v`` [B, Hkv, T, d], ``o`` [B, T, Hq, d].
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+CAPTURE_NAME = "oscar_capture"
+
+Observer = Callable[..., None]
+
+_ACTIVE: list["Capture"] = []
+
+
+def _base_function(name: str, module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        mod = sys.modules.get(type(module).__module__)
+        fn = getattr(mod, "eager_attention_forward", None)
+        if fn is None:
+            raise UnsupportedModelError(f"{type(module).__name__}: no eager attention function found")
+        return fn
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        raise UnsupportedModelError(f"attention implementation {name!r} cannot be captured; use sdpa or eager")
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    cap = _ACTIVE[-1]
+    fn = _base_function(cap.base, module)
+    out, weights = fn(module, query, key, value, attention_mask, **kwargs)
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx; cannot attribute captures")
+    cap.calls += 1
+    for obs in cap.observers:
+        obs(layer, module, query, key, value, out, kwargs)
+    return out, weights
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_NAME, _capture_attention)
+
+
+def _configs(model):
+    seen, out = set(), []
+    stack = [model.config]
+    while stack:
+        c = stack.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        out.append(c)
+        for key in getattr(c, "sub_configs", {}) or {}:
+            sub = getattr(c, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                stack.append(sub)
+    return out
+
+
+class AttentionRoute:
+    """Base of the context managers that route every attention layer of a model through one
+    registered transformers attention function (``name``, registered by the subclass): on enter
+    each attention config of ``self.model`` gets ``name`` and the mask function of ``mask_base``;
+    on exit the previous implementations come back. ``active`` is the subclass's stack of live
+    routes; the registered function serves the innermost one."""
+
+    name: str
+    active: list
+
+    def _route(self, mask_base: str):
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
+        self._saved: list[tuple[object, str]] = []
+        for c in _configs(self.model):
+            self._saved.append((c, c._attn_implementation))
+            c._attn_implementation = self.name
+        self.active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c, impl in reversed(self._saved):
+            c._attn_implementation = impl
+        self._saved.clear()
+        if self.active and self.active[-1] is self:
+            self.active.pop()
+
+
+class Capture(AttentionRoute):
+    """Context manager that routes a model's attention through observers.
+
+    >>> with Capture(model, [observer]) as cap:
+    ...     model(input_ids)
+    """
+
+    name = CAPTURE_NAME
+    active = _ACTIVE
+
+    def __init__(self, model, observers: list[Observer]):
+        self.model = model
+        self.observers = list(observers)
+        self.calls = 0
+        self.base = "sdpa"
+
+    def __enter__(self) -> "Capture":
+        _register()
+        base = _configs(self.model)[0]._attn_implementation or "sdpa"
+        if base == CAPTURE_NAME:
+            raise RuntimeError("capture is already active on this model")
+        if base not in ("sdpa", "eager"):
+            # flash/flex kernels do not return what we need on every device; sdpa is exact
+            base = "sdpa"
+        self.base = base
+        return self._route(base)
+
+
+@torch.no_grad()
+def run_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass without a KV cache; returns the logits."""
+    return model(input_ids=input_ids.to(model.device), use_cache=False).logits

@@ -1,0 +1,77 @@
+"""Attention geometry of a decoder and the model fingerprint an artifact records.
+
+``geometry_of`` reads a model or its config (refusing families the registry marks unsupported);
+``model_fingerprint`` is the sha256 of the config (volatile keys dropped) and the names and shapes
+of the attention weights, so an artifact can tell whether it belongs to a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+from .registry import ArchSpec, arch_for, get_attr_path
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Attention geometry of a decoder: what an artifact's shapes depend on."""
+
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]   # "full_attention" / "sliding_attention" per layer
+    sliding_window: int | None
+
+    @property
+    def group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def geometry_of(model_or_config) -> Geometry:
+    config = text_config(getattr(model_or_config, "config", model_or_config))
+    model_type = config.model_type
+    arch_for(model_type)  # raises for unsupported families
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        raise UnsupportedModelError(f"{model_type}: multi-head latent attention (MLA) is not supported")
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"{model_type}: {n_heads} query heads do not split over {n_kv} KV heads")
+    n_layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+    return Geometry(model_type, n_layers, n_heads, n_kv, head_dim, tuple(types),
+                    getattr(config, "sliding_window", None))
+
+
+def attention_modules(model) -> list:
+    spec: ArchSpec = arch_for(text_config(model.config).model_type)
+    layers = get_attr_path(model, spec.layers)
+    return [getattr(layer, spec.attention) for layer in layers]
+
+
+_VOLATILE = {"transformers_version", "torch_dtype", "dtype", "quantization_config", "use_cache",
+             "name_or_path", "oscar", "architectures", "attn_implementation"}
+
+
+def model_fingerprint(model) -> str:
+    """sha256 of the model's config (volatile keys dropped: dtype, versions, paths, quantisation,
+    attention backend) and the names and shapes of its attention weights."""
+    cfg = text_config(model.config).to_dict()
+    cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE and not k.startswith("_")}
+    spec = arch_for(text_config(model.config).model_type)
+    shapes = []
+    for i, attn in enumerate(attention_modules(model)):
+        for name, p in sorted(attn.named_parameters()):
+            shapes.append((f"{spec.layers}.{i}.{spec.attention}.{name}", list(p.shape)))
+    blob = json.dumps({"config": cfg, "attention_weights": shapes}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,172 @@
+"""Clip fitting and held-out error measurement.
+
+Held-out rows are whole causal prefixes of sequences that the statistics never saw (see
+:class:`oscar_calib.calibrate.stats.Reservoir`). For KV head ``h`` with rotation ``R`` and clip ratio ``c``,
+``x̂ = Q_int2(clip_c(x R))`` (every held-out token quantised, no BF16 sink/window: the harshest case).
+
+Objectives minimised over the clip grid, independently per layer and KV head:
+
+* **K**: query-weighted logit error ``E_K(c) = mean_t (k̂_t − k_t R) Rᵀ C_Q R (k̂_t − k_t R)ᵀ``,
+  i.e. the expected squared error of the logits ``q·kᵀ`` under the calibrated query covariance.
+* **V**: attention-output error ``E_V(c) = Σ_j ‖P_j (V̂ − V R)‖² / Σ_j ‖P_j V R‖²`` over the
+  query heads ``j`` sharing the KV head, with ``P_j`` the model's own causal (and sliding-window)
+  attention probabilities on the held-out sequence. Rotations are orthogonal, so this equals the
+  error of the un-rotated output.
+
+The report's held-out figures are relative RMS errors: logits (``k``), attention output with V
+quantised (``v``), and attention output with both quantised (``attn``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .quant import clip_rows, fake_quant_int2
+
+CLIP_GRID = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.90, 0.88, 0.85, 0.80, 0.75)
+
+
+@dataclass
+class HeldoutLayer:
+    """Held-out activations of one layer: lists (one entry per sequence) of q [T, Hq, d],
+    k/v [T, Hkv, d] and the model's attention output o [T, Hq, d]."""
+
+    q: list[torch.Tensor]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    o: list[torch.Tensor]
+    scaling: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        self._probs: list[torch.Tensor] | None = None
+
+    @property
+    def group(self) -> int:
+        return self.q[0].shape[1] // self.k[0].shape[1]
+
+    def mask(self, t: int) -> torch.Tensor:
+        i = torch.arange(t).unsqueeze(1)
+        j = torch.arange(t).unsqueeze(0)
+        m = j <= i
+        if self.sliding_window:
+            m &= j > i - self.sliding_window
+        return m
+
+    def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """[Hq, T, T] scaled (and soft-capped) logits, GQA-expanded, unmasked."""
+        kx = k.repeat_interleave(self.group, dim=1)
+        s = torch.einsum("thd,shd->hts", q.double(), kx.double()) * self.scaling
+        if self.softcap:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        return s
+
+    def probs(self) -> list[torch.Tensor]:
+        if self._probs is None:
+            self._probs = []
+            for q, k in zip(self.q, self.k):
+                s = self.logits(q, k).masked_fill(~self.mask(q.shape[0]), -math.inf)
+                self._probs.append(torch.softmax(s, -1))
+        return self._probs
+
+    def prob_grams(self) -> list[torch.Tensor]:
+        """Per sequence, ``Σ_{j∈G(h)} P_jᵀ P_j`` for every KV head h: [Hkv, T, T]."""
+        if getattr(self, "_grams", None) is None:
+            grp = self.group
+            self._grams = []
+            for p in self.probs():
+                hq, t, _ = p.shape
+                pg = p.reshape(hq // grp, grp, t, t)
+                self._grams.append(torch.einsum("hjts,hjtu->hsu", pg, pg))
+        return self._grams
+
+    def attend(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[Hq, T, T] probabilities × v [T, Hkv, d] -> [T, Hq, d]."""
+        vx = v.double().repeat_interleave(self.group, dim=1)
+        return torch.einsum("hts,shd->thd", p, vx)
+
+    def k_rows(self) -> torch.Tensor:
+        return torch.cat(self.k).double()         # [N, Hkv, d]
+
+
+def _quant_grid(x: torch.Tensor, grid: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [N, d] -> [len(grid), N, d] fake-quantised after clipping at every grid ratio."""
+    xs = x.unsqueeze(0).expand(len(grid), *x.shape)
+    clipped = clip_rows(xs, grid.view(-1, 1))
+    return fake_quant_int2(clipped, group_size).double()
+
+
+def fit_k_clip(k_rows: torch.Tensor, rot: torch.Tensor, cq: torch.Tensor, group_size: int,
+               grid=CLIP_GRID) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-KV-head K clip minimising the query-weighted logit error.
+
+    ``k_rows`` [N, h, d], ``rot`` [h, d, d], ``cq`` [h, d, d] (un-rotated C_Q).
+    Returns the chosen ratios [h] and the error table [h, len(grid)]."""
+    g = torch.tensor(grid, dtype=torch.float64)
+    h = k_rows.shape[1]
+    best, table = torch.empty(h, dtype=torch.float64), torch.empty(h, len(grid), dtype=torch.float64)
+    for i in range(h):
+        r = rot[i].double()
+        kr = k_rows[:, i].double() @ r
+        c = r.T @ cq[i].double() @ r
+        diff = _quant_grid(kr.float(), g, group_size) - kr
+        err = torch.einsum("gnd,de,gne->g", diff, c, diff) / kr.shape[0]
+        table[i] = err
+        best[i] = g[int(torch.argmin(err))]
+    return best, table
+
+
+def fit_v_clip(held: HeldoutLayer, rot: torch.Tensor, group_size: int,
+               grid=CLIP_GRID) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-KV-head V clip minimising the attention-output error. Returns ratios [h], table."""
+    g = torch.tensor(grid, dtype=torch.float64)
+    h = held.k[0].shape[1]
+    num = torch.zeros(h, len(grid), dtype=torch.float64)
+    den = torch.zeros(h, dtype=torch.float64)
+    for gram_p, v in zip(held.prob_grams(), held.v):
+        for i in range(h):
+            m = gram_p[i]                                           # Σ_j P_jᵀ P_j  [T, T]
+            vr = v[:, i].double() @ rot[i].double()                 # [T, d]
+            diff = _quant_grid(vr.float(), g, group_size) - vr       # [G, T, d]
+            # Σ_j ‖P_j D‖² = tr(Dᵀ M D)
+            num[i] += ((m @ diff) * diff).sum((1, 2))
+            den[i] += ((m @ vr) * vr).sum()
+    table = num / den.clamp(min=1e-300).unsqueeze(1)
+    return g[table.argmin(1)], table
+
+
+def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size: int) -> dict:
+    """Relative RMS errors on the held-out rows for one layer (see module docstring)."""
+    num = {"k": 0.0, "v": 0.0, "attn": 0.0}
+    den = {"k": 0.0, "v": 0.0, "attn": 0.0}
+    for q, k, v, p in zip(held.q, held.k, held.v, held.probs()):
+        m = held.mask(q.shape[0])
+        kq = _dequant_heads(k, k_rot, k_clip, group_size)
+        vq = _dequant_heads(v, v_rot, v_clip, group_size)
+        s_ref = held.logits(q, k)
+        s_q = held.logits(q, kq)
+        num["k"] += float(((s_q - s_ref) * m).pow(2).sum())
+        den["k"] += float((s_ref * m).pow(2).sum())
+        o_ref = held.attend(p, v)
+        num["v"] += float((held.attend(p, vq) - o_ref).pow(2).sum())
+        p_q = torch.softmax(s_q.masked_fill(~m, -math.inf), -1)
+        num["attn"] += float((held.attend(p_q, vq) - o_ref).pow(2).sum())
+        den["v"] += float(o_ref.pow(2).sum())
+        den["attn"] += float(o_ref.pow(2).sum())
+    return {key: math.sqrt(num[key] / max(den[key], 1e-300)) for key in num}
+
+
+def _dequant_heads(x: torch.Tensor, rot: torch.Tensor, clip: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Quantise [T, h, d] rows per head and return them un-rotated (float64)."""
+    r = rot.double()
+    xr = torch.einsum("thd,hde->the", x.double(), r)
+    out = torch.empty_like(xr)
+    for i in range(x.shape[1]):
+        c = float(clip[i])
+        xi = clip_rows(xr[:, i].float(), c) if c < 1 else xr[:, i].float()
+        out[:, i] = fake_quant_int2(xi, group_size).double()
+    return torch.einsum("the,hde->thd", out, r)

@@ -1,0 +1,107 @@
+"""``KVScheme``: how one method stores K/V (rotations, clips, INT2 group size, BF16 sink and window).
+
+Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the perplexity simulation
+(:mod:`oscar_calib.runtime.simulate`) and every evaluation method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
+
+
+@dataclass
+class KVScheme:
+    """How one method stores K/V: per-layer rotations and clips, INT2 group size, sink, window.
+
+    ``k_rotation[i]``/``v_rotation[i]`` are ``[kv_heads, d, d]`` (``None`` = identity) and
+    ``k_clip[i]``/``v_clip[i]`` ``[kv_heads]`` (``None`` = no clip). ``group_size=None`` means no
+    INT2 at all (the history stays in ``window_dtype``). ``window_dtype=None`` keeps the model's
+    own dtype for the sink and window (no rounding).
+    """
+
+    name: str
+    num_layers: int
+    group_size: int | None
+    k_rotation: list = field(default_factory=list)
+    v_rotation: list = field(default_factory=list)
+    k_clip: list = field(default_factory=list)
+    v_clip: list = field(default_factory=list)
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    window_dtype: torch.dtype | None = torch.bfloat16
+
+    def __post_init__(self):
+        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip"):
+            lst = getattr(self, name)
+            if not lst:
+                setattr(self, name, [None] * self.num_layers)
+            elif len(lst) != self.num_layers:
+                raise InputError(f"{self.name}: {name} has {len(lst)} layers, expected {self.num_layers}")
+        check_window(self.sink, self.recent)
+        if self.group_size is not None:
+            check_group_size(None, self.group_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.group_size is not None
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per history element: ``2 + 32/G`` (fp16 scale and offset per group), or the
+        window dtype's width when nothing is quantised."""
+        if self.group_size is None:
+            return float(torch.finfo(self.window_dtype).bits) if self.window_dtype else 32.0
+        from ..kernels.pack import bits_per_element
+
+        return bits_per_element(self.group_size)
+
+    def layer(self, i: int) -> tuple:
+        return self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i]
+
+    # -- constructors ------------------------------------------------------------------------
+    @classmethod
+    def full_precision(cls, num_layers: int, *, name: str = "bf16", window_dtype=torch.bfloat16,
+                       sink: int = DEFAULT_SINK, recent: int = DEFAULT_RECENT) -> "KVScheme":
+        """No INT2: every K/V row in ``window_dtype`` (None: the model's dtype, i.e. lossless)."""
+        return cls(name, num_layers, None, sink=sink, recent=recent, window_dtype=window_dtype)
+
+    @classmethod
+    def uniform(cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int, *,
+                rotation: str = "identity", clips: tuple[float, float] = (1.0, 1.0), sink: int = DEFAULT_SINK,
+                recent: int = DEFAULT_RECENT, window_dtype=torch.bfloat16) -> "KVScheme":
+        """One data-free rotation for every layer: ``identity`` (naive INT2) or ``hadamard``
+        (QuaRot-style), with global clip ratios ``(k, v)``."""
+        from ..numerics.hadamard import hadamard
+
+        if rotation == "identity":
+            r = None
+        elif rotation == "hadamard":
+            r = hadamard(head_dim, warn=False).float().expand(num_kv_heads, -1, -1).contiguous()
+        else:
+            raise InputError(f"unknown rotation {rotation!r}; choose identity or hadamard")
+        ck = None if clips[0] >= 1 else torch.full((num_kv_heads,), float(clips[0]))
+        cv = None if clips[1] >= 1 else torch.full((num_kv_heads,), float(clips[1]))
+        return cls(name, num_layers, group_size, [r] * num_layers, [r] * num_layers, [ck] * num_layers,
+                   [cv] * num_layers, sink=sink, recent=recent, window_dtype=window_dtype)
+
+    @classmethod
+    def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
+                      recent: int | None = None, window_dtype=torch.bfloat16) -> "KVScheme":
+        """The artifact's rotations and clips; group size, sink and window default to its metadata."""
+        from ..spec.artifact import Artifact, load_artifact
+
+        art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
+        md = art.metadata
+        return cls(
+            name, art.num_layers, int(group_size or art.group_size),
+            [lr.k_rotation.float() for lr in art.layers], [lr.v_rotation.float() for lr in art.layers],
+            [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
+            sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
+            recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
+            window_dtype=window_dtype)

@@ -1,0 +1,260 @@
+"""The artifact contract, format version 1: tensor names, metadata keys, reading and writing.
+
+This module is the one place that names the tensors and metadata of ``oscar.safetensors``.
+
+Layout of an artifact directory::
+
+    <out>/oscar.safetensors     rotations, clips and eigenvalues (float32)
+    <out>/README.md             model card
+    <out>/calibration.json      per-layer report, timings, settings
+
+Writes are atomic (temporary name in the same directory, then ``os.replace``) and
+deterministic: the safetensors header is serialised with sorted keys, so the same tensors and
+metadata give byte-identical files (the stock serialiser orders metadata by hash).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import FORMAT_VERSION
+from ..errors import ArtifactError
+from ..fsutil import atomic_write_bytes, atomic_write_text
+
+WEIGHTS_NAME = "oscar.safetensors"
+CARD_NAME = "README.md"
+REPORT_NAME = "calibration.json"
+FORMAT_NAME = "oscar-rotations"
+
+TENSOR_KINDS = ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")
+
+REQUIRED_METADATA = (
+    "format", "format_version", "model_id", "model_fingerprint", "num_layers",
+    "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "bits", "sink_tokens",
+    "recent_tokens", "k_objective", "v_objective", "composition", "granularity", "calibration",
+    "toolkit_version",
+)
+INT_METADATA = ("format_version", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                "group_size", "bits", "sink_tokens", "recent_tokens")
+
+
+def tensor_name(layer: int, kind: str) -> str:
+    if kind not in TENSOR_KINDS:
+        raise KeyError(kind)
+    return f"layers.{layer}.{kind}"
+
+
+def tensor_shape(kind: str, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    if kind.endswith("rotation"):
+        return (num_kv_heads, head_dim, head_dim)
+    if kind.endswith("clip"):
+        return (num_kv_heads,)
+    return (num_kv_heads, head_dim)
+
+
+@dataclass
+class LayerRotations:
+    """One decoder layer's entry; tensors per KV head."""
+
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_clip: torch.Tensor
+    v_clip: torch.Tensor
+    k_eigenvalues: torch.Tensor
+    v_eigenvalues: torch.Tensor
+
+
+@dataclass
+class Artifact:
+    """An artifact in memory: per-layer tensors plus string metadata."""
+
+    layers: list[LayerRotations]
+    metadata: dict[str, str]
+    path: Path | None = None
+    report: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.metadata["num_kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.metadata["head_dim"])
+
+    @property
+    def group_size(self) -> int:
+        return int(self.metadata["group_size"])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for kind in TENSOR_KINDS:
+                out[tensor_name(i, kind)] = getattr(layer, kind).detach().to("cpu", torch.float32).contiguous()
+        return out
+
+
+# ----------------------------------------------------------------------------- bytes
+
+_DTYPE_TAG = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
+
+
+def serialize_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """Canonical safetensors bytes: tensors in name order, header JSON with sorted keys,
+    padded with spaces to 8 bytes. Readable by every safetensors reader."""
+    header: dict = {"__metadata__": {k: str(v) for k, v in sorted(metadata.items())}}
+    chunks, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        if t.dtype not in _DTYPE_TAG:
+            raise ArtifactError(f"cannot store dtype {t.dtype} for {name}")
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _DTYPE_TAG[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    hjson = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    hjson += b" " * (-len(hjson) % 8)
+    return struct.pack("<Q", len(hjson)) + hjson + b"".join(chunks)
+
+
+# ----------------------------------------------------------------------------- read / write
+
+def has_artifact(directory: Path) -> bool:
+    return (Path(directory) / WEIGHTS_NAME).exists()
+
+
+def write_artifact_files(directory: Path, artifact: Artifact, card: str, report: dict) -> Path:
+    """Write the three files of an artifact into an existing ``directory``; the safetensors
+    file goes last so a directory holding it always holds a complete artifact."""
+    directory = Path(directory)
+    atomic_write_text(directory / REPORT_NAME, json.dumps(report, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(directory / CARD_NAME, card)
+    atomic_write_bytes(directory / WEIGHTS_NAME, serialize_safetensors(artifact.tensors(), artifact.metadata))
+    artifact.path = directory
+    return directory / WEIGHTS_NAME
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """Read only the header of a safetensors file (no tensor data)."""
+    path = _weights_path(path)
+    try:
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise ArtifactError(f"{path}: truncated safetensors header")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > 100_000_000 or n > path.stat().st_size - 8:
+                raise ArtifactError(f"{path}: corrupt safetensors header length {n}")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
+    return dict(header.get("__metadata__") or {})
+
+
+def _weights_path(path: Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        path = path / WEIGHTS_NAME
+    if not path.exists():
+        raise ArtifactError(f"no artifact at {path}")
+    return path
+
+
+def load_artifact(path: Path, *, check: bool = True) -> Artifact:
+    """Load an artifact directory (or its ``oscar.safetensors``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    wpath = _weights_path(path)
+    metadata = read_metadata(wpath)
+    try:
+        tensors = load_file(str(wpath))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{wpath}: cannot read tensors ({e})") from None
+    if check:
+        problems = check_structure(tensors, metadata)
+        if problems:
+            raise ArtifactError(f"{wpath}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    n = int(metadata["num_layers"])
+    layers = [LayerRotations(**{k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS}) for i in range(n)]
+    report = {}
+    rpath = wpath.parent / REPORT_NAME
+    if rpath.exists():
+        try:
+            report = json.loads(rpath.read_text())
+        except ValueError:
+            report = {}
+    return Artifact(layers=layers, metadata=metadata, path=wpath.parent, report=report)
+
+
+def check_structure(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[str]:
+    """Format-v1 structure checks: metadata keys and types, every tensor present with its shape.
+    Returns one message per problem (empty when fine)."""
+    problems = []
+    if metadata.get("format") != FORMAT_NAME:
+        problems.append(f"metadata 'format' is {metadata.get('format')!r}, expected {FORMAT_NAME!r}")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        problems.append(f"unsupported format_version {metadata.get('format_version')!r} (this toolkit reads {FORMAT_VERSION})")
+    missing = [k for k in REQUIRED_METADATA if k not in metadata]
+    if missing:
+        problems.append(f"metadata missing {', '.join(missing)}")
+    for k in INT_METADATA:
+        if k in metadata and not str(metadata[k]).isdigit():
+            problems.append(f"metadata {k!r} is not a non-negative integer: {metadata[k]!r}")
+    if problems:
+        return problems
+    n, h, d = (int(metadata[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
+    expected = {tensor_name(i, k): tensor_shape(k, h, d) for i in range(n) for k in TENSOR_KINDS}
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"missing tensor {name}")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+        elif tensors[name].dtype != torch.float32:
+            problems.append(f"{name} has dtype {tensors[name].dtype}, expected float32")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        problems.append(f"unexpected tensors: {', '.join(extra[:5])}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- artifact vs model
+
+GEOMETRY_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
+
+
+def compatibility_problems(metadata: dict[str, str], geometry, fingerprint: str | None, *,
+                           model_name: str = "this model") -> list[str]:
+    """Why an artifact (its ``metadata``) does not belong to a model with ``geometry`` (anything with
+    ``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``head_dim``) and ``fingerprint``
+    (None: not checked). Empty when it does. The one artifact-matches-model check of the toolkit."""
+    problems = []
+    for key in GEOMETRY_KEYS:
+        have, want = metadata.get(key), getattr(geometry, key)
+        if have is not None and str(have) != str(want):
+            problems.append(f"{key} is {have} but {model_name} has {want}")
+    if fingerprint is not None and metadata.get("model_fingerprint") != fingerprint:
+        problems.append(f"model fingerprint {str(metadata.get('model_fingerprint'))[:12]}… does not match "
+                        f"{model_name} ({fingerprint[:12]}…): calibrated for another model "
+                        f"({metadata.get('model_id')!r}) or config; calibrate this model with `oscar calibrate`")
+    return problems
+
+
+def require_compatible(artifact: "Artifact | dict[str, str]", geometry, fingerprint: str | None, *,
+                       model_name: str = "this model") -> None:
+    """Raise :class:`ArtifactError` (naming the artifact) unless it belongs to the model."""
+    md = artifact.metadata if isinstance(artifact, Artifact) else artifact
+    problems = compatibility_problems(md, geometry, fingerprint, model_name=model_name)
+    if problems:
+        where = getattr(artifact, "path", None) or "the artifact"
+        raise ArtifactError(f"{where}: {problems[0]}")

@@ -1,0 +1,63 @@
+"""The scheme's defaults and shape rules, defined once and imported everywhere else.
+
+==========================  ==========================================================
+name                        meaning
+==========================  ==========================================================
+``DEFAULT_SINK``            first tokens kept in BF16 (the attention sink): 64
+``DEFAULT_RECENT``          last tokens kept in BF16 (the recent window): 256
+``MAX_GROUP_SIZE``          INT2 group size is ``min(128, head_dim)`` by default
+``BASELINE_CLIPS``          the reference repo's global (K, V) clip ratios: (0.96, 0.92)
+``ORTHOGONALITY_TOL``       ``‖R Rᵀ − I‖∞`` below this (float32 rotations, float64 math)
+``BITS``                    bits per quantised element code: 2
+==========================  ==========================================================
+
+This module imports nothing heavy (no torch), so every layer of the package can use it.
+"""
+
+from __future__ import annotations
+
+from ..errors import InputError
+
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+MAX_GROUP_SIZE = 128
+BASELINE_CLIPS = (0.96, 0.92)
+ORTHOGONALITY_TOL = 1e-5
+BITS = 2
+
+
+def is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def default_group_size(head_dim: int) -> int:
+    """``min(128, head_dim)``, lowered to the largest power of two dividing head_dim."""
+    g = min(MAX_GROUP_SIZE, head_dim)
+    while head_dim % g or not is_power_of_two(g):
+        g -= 1
+    return g
+
+
+def check_group_size(head_dim: int | None, group_size: int) -> None:
+    """A group size is a positive power of two that divides head_dim (None: not checked yet)."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise InputError(f"group size must be an int, got {group_size!r}")
+    if not is_power_of_two(group_size):
+        raise InputError(f"group size {group_size} is not a power of two")
+    if head_dim is not None and head_dim % group_size:
+        raise InputError(f"head_dim {head_dim} is not divisible by group size {group_size}")
+
+
+def check_window(sink: int, recent: int) -> None:
+    """Sink and recent-window token counts are non-negative integers."""
+    for name, n in (("sink", sink), ("recent", recent)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InputError(f"{name} tokens must be a non-negative integer, got {n!r}")
+
+
+def check_clip(name: str, c: float) -> float:
+    """A clip ratio lies in (0, 1]; 1 means no clipping."""
+    c = float(c)
+    if not 0 < c <= 1:
+        raise InputError(f"clip ratio {name}={c} is outside (0, 1]")
+    return c

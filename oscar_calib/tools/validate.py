@@ -1,0 +1,364 @@
+"""``oscar validate``: check artifacts against the format-v1 contract, one line per problem.
+
+=====================  ======================================================================
+check                  what must hold
+=====================  ======================================================================
+file                   a complete safetensors file: 8-byte header length, JSON header, every
+                       tensor's data inside the file (a truncated download is caught here)
+metadata               ``format``/``format_version`` and every required key
+                       (:func:`oscar_calib.spec.artifact.check_structure`), integer fields, ``bits``
+                       = 2, a known ``granularity``/``composition``/objectives, ``group_size`` a
+                       power of two dividing ``head_dim``, query heads a multiple of KV heads,
+                       ``calibration`` a JSON object, ``model_fingerprint`` 64 hex digits
+shapes                 every tensor of every layer present, float32, with its contract shape
+finite                 no NaN/Inf anywhere
+orthogonal             ‖R Rᵀ − I‖∞ < 1e-5 for every stored (float32) rotation, computed in float64
+clips                  every clip ratio in (0, 1]
+eigenvalues            descending along head_dim, up to 1e-6 of the head's largest |λ|
+granularity            ``layer``: one rotation repeated for every KV head
+model (``--model``)    fingerprint, layers, query/KV heads and head_dim equal the model's
+=====================  ======================================================================
+
+A PATH may be an artifact directory, an ``oscar.safetensors`` (or any ``.safetensors``) file, or a
+directory holding artifact directories at any depth (``oscar validate zoo``). The zoo's own
+``index.json`` is skipped, so ``oscar validate zoo/*`` works; any other file is a problem. Problems are
+collected, never raised, so one run reports everything wrong with every artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import FORMAT_VERSION
+from ..errors import OscarError
+from ..numerics.rotation import COMPOSITIONS, GRANULARITIES, K_OBJECTIVES, V_OBJECTIVES
+from ..spec.artifact import (
+    FORMAT_NAME,
+    INT_METADATA,
+    REQUIRED_METADATA,
+    TENSOR_KINDS,
+    WEIGHTS_NAME,
+    check_structure,
+    compatibility_problems,
+    tensor_name,
+)
+from ..spec.defaults import ORTHOGONALITY_TOL
+
+EIGENVALUE_TOL = 1e-6        # relative to the head's largest |eigenvalue|
+IMPORTED = "imported"        # objective/composition of an artifact made by ``oscar import``
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+@dataclass
+class ModelReference:
+    """What ``--model`` contributes: the model's fingerprint and attention geometry."""
+
+    spec: str
+    model_id: str
+    fingerprint: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_model(cls, model, spec: str = "", model_id: str = "") -> "ModelReference":
+        from ..model.geometry import geometry_of, model_fingerprint
+
+        g = geometry_of(model)
+        return cls(spec, model_id or spec, model_fingerprint(model), g.num_layers, g.num_attention_heads,
+                   g.num_kv_heads, g.head_dim)
+
+
+def model_reference(spec: str, *, trust_remote_code: bool = False) -> ModelReference:
+    """Load ``spec`` (alias, directory, .gguf, hub id) and keep only what validation needs."""
+    from ..model.load import load_model
+
+    lm = load_model(spec, device="cpu", trust_remote_code=trust_remote_code)
+    return ModelReference.from_model(lm.model, spec, lm.source.model_id)
+
+
+@dataclass
+class ValidationReport:
+    """The result for one artifact: ``problems`` is empty when it is valid."""
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    checks: dict[str, bool] = field(default_factory=dict)   # check name -> passed (absent: not run)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, check: str, problems: list[str]) -> None:
+        self.checks[check] = self.checks.get(check, True) and not problems
+        self.problems.extend(problems)
+
+    def to_dict(self) -> dict:
+        md = self.metadata
+        return {"path": str(self.path), "ok": self.ok, "problems": list(self.problems), "checks": dict(self.checks),
+                "model_id": md.get("model_id"), "format_version": md.get("format_version"),
+                "num_layers": md.get("num_layers"), "num_kv_heads": md.get("num_kv_heads"),
+                "head_dim": md.get("head_dim"), "granularity": md.get("granularity"),
+                "composition": md.get("composition")}
+
+
+# ----------------------------------------------------------------------------- finding artifacts
+
+def find_artifacts(paths: list[Path], *, allow_empty: bool = False) -> list[tuple[Path, str | None]]:
+    """Expand PATH arguments, in order, into ``(safetensors file, None)`` or, for an argument
+    naming no artifact, ``(argument, message)``. Duplicates are dropped."""
+    out: list[tuple[Path, str | None]] = []
+    seen: set[Path] = set()
+
+    def keep(f: Path) -> None:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            out.append((f, None))
+
+    for p in map(Path, paths):
+        if p.is_file():
+            if p.suffix == ".safetensors":
+                keep(p)
+            elif _is_zoo_index(p):
+                continue          # the zoo's own index.json: `oscar validate zoo/*` skips it
+            else:
+                out.append((p, "not an artifact (give an artifact directory or its oscar.safetensors)"))
+        elif p.is_dir():
+            if (p / WEIGHTS_NAME).is_file():
+                keep(p / WEIGHTS_NAME)
+                continue
+            found = sorted(f for f in p.rglob(WEIGHTS_NAME)
+                           if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            for f in found:
+                keep(f)
+            if not found and not allow_empty:
+                out.append((p, f"no artifact ({WEIGHTS_NAME}) in this directory or below it"))
+        else:
+            out.append((p, "no such file or directory"))
+    return out
+
+
+def _is_zoo_index(path: Path) -> bool:
+    if path.name != "index.json":
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == "oscar-zoo-index"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
+    Returns ``(header, data_start)``; raises :class:`OscarError` with one clear sentence."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise OscarError(f"truncated file ({size} bytes): not even a safetensors header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n == 0 or n > size - 8 or n > 100_000_000:
+            raise OscarError(f"truncated or corrupt safetensors file: header claims {n} bytes, file holds {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise OscarError("corrupt safetensors header (not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise OscarError("corrupt safetensors header (not a JSON object)")
+    data_len = size - 8 - n
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            if info is not None and not isinstance(info, dict):
+                raise OscarError("corrupt safetensors header ('__metadata__' is not an object)")
+            continue
+        try:
+            start, stop = (int(x) for x in info["data_offsets"])
+            shape = [int(s) for s in info["shape"]]
+            width = _DTYPE_BYTES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise OscarError(f"corrupt safetensors header entry for {name!r}") from None
+        if stop - start != math.prod(shape) * width or start < 0 or stop < start:
+            raise OscarError(f"corrupt safetensors header: {name} has offsets {start}..{stop} for shape {shape}")
+        end = max(end, stop)
+    if end > data_len:
+        raise OscarError(f"truncated file: tensor data needs {end} bytes after the header, the file holds {data_len}")
+    return header, 8 + n
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OscarError(f"cannot read tensors ({first})") from None
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _header_metadata_ok(md: dict[str, str]) -> bool:
+    """The conditions under which :func:`check_structure` goes on to check tensors."""
+    return (md.get("format") == FORMAT_NAME and md.get("format_version") == str(FORMAT_VERSION)
+            and all(k in md for k in REQUIRED_METADATA) and all(str(md[k]).isdigit() for k in INT_METADATA))
+
+
+def check_metadata_values(md: dict[str, str]) -> list[str]:
+    """Value checks beyond :func:`check_structure` (which checks presence and integer syntax)."""
+    problems = []
+    ints = {}
+    for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "bits"):
+        v = str(md.get(k, ""))
+        if v.isdigit():
+            ints[k] = int(v)
+    for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size"):
+        if ints.get(k) == 0:
+            problems.append(f"metadata {k!r} must be positive")
+    if "bits" in ints and ints["bits"] != 2:
+        problems.append(f"metadata 'bits' is {ints['bits']}, format v1 stores 2-bit settings only")
+    h, kv = ints.get("num_attention_heads"), ints.get("num_kv_heads")
+    if h and kv and h % kv:
+        problems.append(f"{h} query heads do not split evenly over {kv} KV heads")
+    d, g = ints.get("head_dim"), ints.get("group_size")
+    if d and g and (g & (g - 1) or d % g):
+        problems.append(f"group_size {g} must be a power of two dividing head_dim {d}")
+    if md.get("granularity", "head") not in GRANULARITIES:
+        problems.append(f"unknown granularity {md.get('granularity')!r} (expected one of {', '.join(GRANULARITIES)})")
+    if md.get("composition", IMPORTED) not in (*COMPOSITIONS, IMPORTED):
+        problems.append(f"unknown composition {md.get('composition')!r}")
+    if md.get("k_objective", IMPORTED) not in (*K_OBJECTIVES, IMPORTED):
+        problems.append(f"unknown k_objective {md.get('k_objective')!r}")
+    if md.get("v_objective", IMPORTED) not in (*V_OBJECTIVES, IMPORTED):
+        problems.append(f"unknown v_objective {md.get('v_objective')!r}")
+    fp = md.get("model_fingerprint")
+    if fp is not None and not re.fullmatch(r"[0-9a-f]{64}", fp):
+        problems.append("model_fingerprint is not a sha256 hex digest")
+    if "calibration" in md:
+        try:
+            cal = json.loads(md["calibration"])
+        except ValueError:
+            cal = None
+        if not isinstance(cal, dict):
+            problems.append("metadata 'calibration' is not a JSON object")
+    if md.get("v_folded", "false") not in ("true", "false"):
+        problems.append(f"metadata 'v_folded' is {md.get('v_folded')!r}, expected 'true' or 'false'")
+    return problems
+
+
+def check_values(tensors: dict[str, torch.Tensor], md: dict[str, str]) -> dict[str, list[str]]:
+    """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity.
+    Assumes :func:`check_structure` passed. Returns problems per check name."""
+    out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}
+    n = int(md["num_layers"])
+    per_layer = md.get("granularity") == "layer"
+    for i in range(n):
+        t = {k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS}
+        for k, x in t.items():
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                out["finite"].append(f"{tensor_name(i, k)} has {bad} non-finite value(s)")
+        for k in ("k_rotation", "v_rotation"):
+            r = t[k]
+            if not torch.isfinite(r).all():
+                continue
+            r64 = r.to(torch.float64)
+            eye = torch.eye(r.shape[-1], dtype=torch.float64)
+            err = (r64 @ r64.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2))
+            worst = int(err.argmax())
+            if float(err[worst]) >= ORTHOGONALITY_TOL:
+                out["orthogonal"].append(f"{tensor_name(i, k)} is not orthogonal: ‖RRᵀ − I‖∞ = "
+                                         f"{float(err[worst]):.2e} on KV head {worst} (limit {ORTHOGONALITY_TOL:g})")
+            if per_layer and r.shape[0] > 1 and not torch.allclose(r, r[:1].expand_as(r), atol=1e-6, rtol=0):
+                out["granularity"].append(f"{tensor_name(i, k)} differs between KV heads but granularity is 'layer'")
+        for k in ("k_clip", "v_clip"):
+            c = t[k]
+            bad = (~((c > 0) & (c <= 1))) & torch.isfinite(c)
+            if bad.any():
+                out["clips"].append(f"{tensor_name(i, k)} has ratio(s) outside (0, 1]: "
+                                    f"{', '.join(f'{float(v):g}' for v in c[bad][:4])}")
+        for k in ("k_eigenvalues", "v_eigenvalues"):
+            e = t[k].to(torch.float64)
+            if not torch.isfinite(e).all() or e.shape[-1] < 2:
+                continue
+            scale = e.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+            rise = ((e[..., 1:] - e[..., :-1]) / scale).amax()
+            if float(rise) > EIGENVALUE_TOL:
+                out["eigenvalues"].append(f"{tensor_name(i, k)} is not in descending order")
+    return out
+
+
+def check_against_model(md: dict[str, str], ref: ModelReference) -> list[str]:
+    return compatibility_problems(md, ref, ref.fingerprint, model_name=ref.spec or ref.model_id)
+
+
+def validate_artifact(path: Path, *, model: ModelReference | None = None) -> ValidationReport:
+    """Run every check on one artifact (directory or safetensors file); never raises for a bad
+    artifact: problems are returned in the report."""
+    path = Path(path)
+    wpath = path / WEIGHTS_NAME if path.is_dir() else path
+    report = ValidationReport(path=path)
+    if not wpath.is_file():
+        report.add("file", [f"no {WEIGHTS_NAME} here"])
+        return report
+    try:
+        header, _ = read_header(wpath)
+        report.metadata = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
+        tensors = _load_tensors(wpath)
+    except OscarError as e:
+        report.add("file", [str(e)])
+        return report
+    except OSError as e:
+        report.add("file", [f"cannot read ({e.strerror or e})"])
+        return report
+    report.add("file", [])
+    md = report.metadata
+    structure = check_structure(tensors, md)
+    if not _header_metadata_ok(md):
+        # check_structure stops at metadata problems: without them the expected shapes are unknown
+        report.add("metadata", structure)
+        return report
+    report.add("metadata", check_metadata_values(md))
+    report.add("shapes", structure)
+    if not (report.checks["metadata"] and report.checks["shapes"]):
+        return report
+    for name, problems in check_values(tensors, md).items():
+        report.add(name, problems)
+    if model is not None:
+        report.add("model", check_against_model(md, model))
+    return report
+
+
+def validate_paths(paths: list[Path], *, model: ModelReference | None = None,
+                   allow_empty: bool = False) -> list[ValidationReport]:
+    reports = []
+    for f, error in find_artifacts(paths, allow_empty=allow_empty):
+        if error is not None:
+            reports.append(ValidationReport(path=f, problems=[error], checks={"file": False}))
+        else:
+            reports.append(validate_artifact(f.parent if f.name == WEIGHTS_NAME else f, model=model))
+    return reports
+
+
+def require_valid(path: Path, *, model: ModelReference | None = None) -> ValidationReport:
+    """Validate or raise :class:`~oscar_calib.errors.ArtifactError` naming the first problem."""
+    from ..errors import ArtifactError
+
+    report = validate_artifact(path, model=model)
+    if not report.ok:
+        more = f" (+{len(report.problems) - 1} more; run `oscar validate {path}`)" if len(report.problems) > 1 else ""
+        raise ArtifactError(f"{path}: {report.problems[0]}{more}")
+    return report
