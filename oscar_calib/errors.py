@@ -1,5 +1,7 @@
 """Typed errors. The library raises these; the CLI turns each into one line and exit code 2."""
 
+from __future__ import annotations
+
 
 class OscarError(Exception):
     """Base class of every error the toolkit reports to a user."""
@@ -43,3 +45,9 @@ class DistributedError(OscarError):
 
 class PublishError(OscarError):
     """A hub refused or failed a request; the message names the hub and the next step."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty): what a
+    one-line error quotes from a library's exception."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from test_cli import assert_one_line_error, run_main
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
-from oscar_calib.calibrate.parallel import check_nproc, launch
+from oscar_calib.calibrate.launch import check_nproc, launch
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.calibrate.stats import ACCUMULATORS
 from oscar_calib.errors import DistributedError, InputError
@@ -120,15 +120,15 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     here the other rank loaded another revision: every rank stops before writing anything."""
     import contextlib
 
-    from oscar_calib.calibrate import parallel as distributed
-    from oscar_calib.calibrate import pipeline
+    from oscar_calib.calibrate import parallel
 
-    class TwoRanks(distributed.DistContext):
+    class TwoRanks(parallel.DistContext):
         def gather_objects(self, obj, what):
             other = dict(obj, fingerprint="0" * 64)                  # "another revision" on the other rank
             return [obj, other] if self.rank == 0 else [other, obj]
 
-    monkeypatch.setattr(pipeline, "session", lambda *a, **k: contextlib.nullcontext(
+    monkeypatch.setenv("WORLD_SIZE", "2")                             # this process is one rank of two
+    monkeypatch.setattr(parallel, "session", lambda *a, **k: contextlib.nullcontext(
         TwoRanks(rank=rank, world_size=2, device="cpu", backend="gloo")))
     with pytest.raises(DistributedError, match="ranks disagree on the model fingerprint .*rank 0: .*rank 1: "):
         calibrate(CalibrationConfig(**CFG), tmp_path / "out", loaded=loaded_tiny())

@@ -1,3 +1,4 @@
 """Calibration: the corpus and token plan (:mod:`.corpus`), streaming float64 accumulators
-(:mod:`.stats`), checkpoints (:mod:`.checkpoint`), the single-process algorithm
-(:mod:`.pipeline`) and data parallelism over torch.distributed (:mod:`.parallel`)."""
+(:mod:`.stats`), checkpoints (:mod:`.checkpoint`), the single-process algorithm (:mod:`.pipeline`)
+and its report (:mod:`.report`); data parallelism plugs into the pipeline's hook points
+(:mod:`.ranks`) over torch.distributed (:mod:`.parallel`), and :mod:`.launch` starts the ranks."""
