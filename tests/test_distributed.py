@@ -22,7 +22,12 @@ from oscar_calib.calibrate.launch import check_nproc, launch
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.calibrate.stats import ACCUMULATORS
 from oscar_calib.errors import DistributedError, InputError
-from oscar_calib.model.placement import Placement, parse_device_map, parse_max_memory
+from oscar_calib.model.placement import (
+    Placement,
+    parse_device_map,
+    parse_max_memory,
+    placement_from_options,
+)
 from oscar_calib.numerics.rotation import eig_desc
 from oscar_calib.spec.config import CalibrationConfig
 
@@ -190,6 +195,22 @@ def test_bad_placement_options():
     assert parse_device_map("auto") == "auto" and parse_device_map('{"": "cpu"}') == {"": "cpu"}
     with pytest.raises(InputError, match="--device-map"):
         parse_device_map("everywhere")
+    assert placement_from_options("auto", "0=1GiB", None) == Placement("auto", {0: "1GiB"}, None)
+    assert placement_from_options(None, None, None) is None
+    with pytest.raises(InputError, match="--max-memory needs --device-map"):
+        placement_from_options(None, "0=1GiB", None)
+
+
+def test_a_rank_with_a_device_map_gets_its_slice_of_the_gpus(monkeypatch):
+    from oscar_calib.calibrate.parallel import _rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _rank_device("cuda", 1, Placement("auto")) == ("nccl", "cuda:2")     # GPUs 2 and 3
+    assert _rank_device("cuda", 1, None) == ("nccl", "cuda:1")                  # one GPU per rank
+    with pytest.raises(DistributedError, match="LOCAL_RANK=2 has no GPU"):
+        _rank_device("cuda", 2, Placement("auto"))
 
 
 # ----------------------------------------------------------------------------- big models
