@@ -15,7 +15,13 @@ from ..numerics.rotation import (
     V_OBJECTIVES,
     choose,
 )
-from .defaults import DEFAULT_RECENT, DEFAULT_SINK, check_clip, is_power_of_two
+from .defaults import (
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    check_clip,
+    check_window,
+    is_power_of_two,
+)
 
 
 @dataclass
@@ -61,9 +67,9 @@ class CalibrationConfig:
                      "checkpoint_every"):
             if int(getattr(self, name)) <= 0:
                 raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("sink_tokens", "recent_tokens", "seed"):
-            if int(getattr(self, name)) < 0:
-                raise InputError(f"--{name.replace('_', '-')} must be non-negative")
+        check_window(self.sink_tokens, self.recent_tokens)
+        if int(self.seed) < 0:
+            raise InputError("--seed must be non-negative")
         for name in ("k_clip", "v_clip"):
             if getattr(self, name) is not None:
                 check_clip(name[0], getattr(self, name))
