@@ -41,6 +41,7 @@ from ..numerics.rotation import (
 from ..spec.artifact import (
     FORMAT_NAME,
     REPORT_NAME,
+    SHARED_CLIP_METADATA,
     WEIGHTS_NAME,
     Artifact,
     LayerRotations,
@@ -56,6 +57,7 @@ from .checkpoint import (
 from .corpus import TokenPlan, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
+from .shared import fit_shared
 from .stats import LayerStats, Reservoir, check_finite, require_finite
 
 ProgressFn = Callable[[int, int], None]
@@ -293,6 +295,8 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
         if ranks.is_main:
             t2 = time.perf_counter()
             layers, rows = build_rotations(run, cfg, lm.geometry, group_size)
+            shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
+                                      layers, rows)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
     except (KeyboardInterrupt, SystemExit, DistributedError):
         raise            # the checkpoint stays for --resume
@@ -306,9 +310,10 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
         ckpt.unlink(missing_ok=True)
         return CalibrationResult(out, None, None, lm, stats=run, rank=ranks.rank)
     metadata = artifact_metadata(cfg, lm, plan, group_size)
+    metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in shared_clips))))
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
-    report = build_report(cfg, lm, metadata, group_size, rows, timing)
+    report = build_report(cfg, lm, metadata, group_size, rows, timing, shared_clips)
     write_outputs(out, artifact, report)
     ckpt.unlink(missing_ok=True)
     ranks.barrier("rank 0 writing the artifact")

@@ -21,23 +21,28 @@ def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Mean held-out attention error of the calibrated rotations and of Hadamard, over layers."""
+    """Mean held-out attention error of the calibrated rotations, of Hadamard and (when every row
+    has it) of the fork's shared rotations and clips, over layers."""
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     o = [r["heldout"]["oscar"]["attn"] for r in rows]
     h = [r["heldout"]["hadamard"]["attn"] for r in rows]
-    return {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
-            "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
+    out = {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
+           "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
+    if all("fork" in r["heldout"] for r in rows):
+        out["mean_attn_error_fork"] = mean([r["heldout"]["fork"]["attn"] for r in rows])
+    return out
 
 
 def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, str], group_size: int,
-                 rows: list[dict], timing: dict) -> dict:
-    """``calibration.json``: the run's settings, calibration data, geometry, per-layer rows and timings."""
+                 rows: list[dict], timing: dict, fork_clips) -> dict:
+    """``calibration.json``: the run's settings, calibration data, geometry, per-layer rows, timings
+    and the fork's global (K, V) clip pair."""
     geo = lm.geometry
     return {
         "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
         "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
         "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
-        "summary": summary(rows), "layers": rows, "timings": timing,
+        "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(fork_clips),
     }
 
 
