@@ -8,7 +8,7 @@
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
 every variant re-runs only the rotation and clip step (``pipeline.build_rotations``) with its
-options changed, and is scored by ``oscar eval``'s perplexity (``evaluate.sequence_nll``: 2 × 2048
+options changed, and is scored by ``oscar eval``'s perplexity (``eval.ppl.sequence_nll``: 2 × 2048
 held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history). Baselines use the
 same sink, window and group size: BF16, naive INT2 (no rotation, no clip) and Hadamard (QuaRot-INT2,
 clips 0.96/0.92).
@@ -117,6 +117,7 @@ def main() -> None:
     import torch
 
     from oscar_calib.calibrate.pipeline import build_rotations, prepare_model
+    from oscar_calib.eval import EvalOptions
     from oscar_calib.eval.methods import build_schemes
     from oscar_calib.eval.ppl import heldout_sequences, sequence_nll
     from oscar_calib.runtime.scheme import KVScheme
@@ -132,18 +133,20 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
     base = CalibrationConfig(model=args.model, device="cpu")
+    opts = EvalOptions(methods=("bf16", "naive", "hadamard"), sequences=args.sequences, seq_len=args.seq_len,
+                       sink=base.sink_tokens, recent=base.recent_tokens)     # `oscar eval`'s settings, checked
     t0 = time.perf_counter()
     lm = prepare_model(base)
     geo = lm.geometry
     g0 = default_group_size(geo.head_dim)
     run, timing = stats_run(lm, base, out.with_suffix(".stats.pt"))
     print(f"statistics: {timing.get('statistics_s', 0):.0f} s", flush=True)
-    seqs = heldout_sequences(lm.tokenizer, sequences=args.sequences, seq_len=args.seq_len)
+    seqs = heldout_sequences(lm.tokenizer, sequences=opts.sequences, seq_len=opts.seq_len, seed=opts.seed)
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("rows", {})
     results["settings"] = {"model": lm.source.model_id, "tokens": base.tokens, "seq_len": base.seq_len,
-                           "eval_sequences": args.sequences, "eval_seq_len": args.seq_len, "sink": base.sink_tokens,
-                           "recent": base.recent_tokens, "default_group_size": g0}
+                           "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
+                           "recent": opts.recent, "default_group_size": g0}
 
     def ppl(scheme) -> float:
         nll = n = 0
@@ -162,19 +165,19 @@ def main() -> None:
 
     groups = sorted({group_of(v) for v in names})
     for g in groups:                                 # baselines at every group size used
-        for m in (["bf16"] if g == groups[0] else []) + ["naive", "hadamard"]:
+        for m in (x for x in opts.methods if x != "bf16" or g == groups[0]):
             key = m if m == "bf16" else f"{m}@{g}"
             if key in results["rows"]:
                 continue
             t1 = time.perf_counter()
-            scheme = build_schemes([m], geo, group_size=g, sink=base.sink_tokens, recent=base.recent_tokens)[m]
+            scheme = build_schemes([m], geo, group_size=g, sink=opts.sink, recent=opts.recent)[m]
             results["rows"][key] = {"ppl": ppl(scheme), "group_size": None if m == "bf16" else g,
                                     "bits_per_element": scheme.bits_per_element, "eval_s": time.perf_counter() - t1}
             print(f"{key}: {results['rows'][key]['ppl']:.3f}", flush=True)
             save()
     key = f"hadamard-noclip@{g0}"                     # the no-clip reference point for ``no-clip``
     if "no-clip" in names and key not in results["rows"]:
-        scheme = build_schemes(["hadamard"], geo, group_size=g0, sink=base.sink_tokens, recent=base.recent_tokens,
+        scheme = build_schemes(["hadamard"], geo, group_size=g0, sink=opts.sink, recent=opts.recent,
                                hadamard_clips=(1.0, 1.0))["hadamard"]
         results["rows"][key] = {"ppl": ppl(scheme), "group_size": g0, "bits_per_element": scheme.bits_per_element}
         print(f"{key}: {results['rows'][key]['ppl']:.3f}", flush=True)
@@ -190,7 +193,7 @@ def main() -> None:
         t_rot = time.perf_counter() - t1
         art = Artifact(layers=layers, metadata={"group_size": str(g), "num_kv_heads": str(geo.num_kv_heads),
                                                 "head_dim": str(geo.head_dim)})
-        scheme = KVScheme.from_artifact(art, group_size=g, sink=base.sink_tokens, recent=base.recent_tokens)
+        scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent)
         results["rows"][name] = {"ppl": ppl(scheme), "group_size": g, "bits_per_element": scheme.bits_per_element,
                                  "options": VARIANTS[name], "rotations_s": t_rot,
                                  "eval_s": time.perf_counter() - t1 - t_rot,

@@ -28,7 +28,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2):
-    """The same model wrapped as the pipeline's LoadedModel."""
+    """The same model wrapped as a LoadedModel (model.load), as every tool takes it."""
     from oscar_calib.model.load import LoadedModel
 
     return LoadedModel.wrap(*smollm2)

@@ -53,7 +53,7 @@ class CharTokenizer:
 
 
 def loaded_tiny(kind: str = "llama", **kw):
-    """A tiny random-init model wrapped as the pipeline's LoadedModel (character tokenizer)."""
+    """A tiny random-init model wrapped as a LoadedModel (model.load; character tokenizer)."""
     from oscar_calib.model.geometry import geometry_of, model_fingerprint
     from oscar_calib.model.load import LoadedModel, ModelSource
 

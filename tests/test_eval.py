@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import CharTokenizer, loaded_tiny, tiny_model
 from typer.testing import CliRunner
 
-from oscar_calib.errors import InputError
+from oscar_calib.errors import ArtifactError, InputError
+from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.eval.methods import build_schemes, parse_methods, quanto_cache
 from oscar_calib.eval.niah import cache_for, evaluate_niah, make_niah, score_niah
-from oscar_calib.eval.ppl import evaluate_ppl, quanto_sequence_nll, sequence_nll
+from oscar_calib.eval.ppl import (
+    evaluate_ppl,
+    heldout_sequences,
+    quanto_sequence_nll,
+    sequence_nll,
+)
 from oscar_calib.kernels import quantize_kv
 from oscar_calib.model.geometry import geometry_of
 from oscar_calib.runtime.cache import OscarCache
@@ -77,7 +84,7 @@ def test_simulation_matches_explicit_selection(softcap, window):
     assert torch.allclose(got, _reference(q, k, v, scheme, 0.25, softcap, window), atol=2e-5, rtol=0)
 
 
-def test_ppl_bf16_equals_plain_and_int2_is_worse(char_tokenizer):
+def test_ppl_bf16_equals_plain_and_int2_is_worse(smollm2_loaded):
     lm = loaded_tiny("llama")
     ids = torch.randint(1, 120, (1, 64), generator=torch.Generator().manual_seed(1))
     geo = lm.geometry
@@ -87,20 +94,53 @@ def test_ppl_bf16_equals_plain_and_int2_is_worse(char_tokenizer):
     assert n == 63 and abs(plain - float(ref)) < 1e-3
     lossless, _ = sequence_nll(lm.model, ids, KVScheme.full_precision(geo.num_layers, window_dtype=None))
     assert abs(lossless - plain) < 1e-3
-    naive = build_schemes(["naive"], geo, group_size=16, sink=2, recent=4)["naive"]
-    assert sequence_nll(lm.model, ids, naive)[0] != pytest.approx(plain, abs=1e-3)
+    # INT2 history is worse than BF16 on a trained model (a random-init one may score either way):
+    # SmolLM2, 128 held-out tokens, 4 sink + 16 recent tokens in BF16. Measured (nats per token):
+    # BF16 2.36, Hadamard INT2 2.61, naive INT2 4.07.
+    real = heldout_sequences(smollm2_loaded.tokenizer, sequences=1, seq_len=128)[0].unsqueeze(0)
+    bf16, n = sequence_nll(smollm2_loaded.model, real)
+    schemes = build_schemes(["naive", "hadamard"], smollm2_loaded.geometry, sink=4, recent=16)
+    nats = {m: sequence_nll(smollm2_loaded.model, real, s)[0] / n for m, s in schemes.items()}
+    assert nats["hadamard"] > bf16 / n + 0.1 and nats["naive"] > nats["hadamard"] + 0.5, (bf16 / n, nats)
 
 
 def test_evaluate_ppl_end_to_end(char_tokenizer):
     lm = loaded_tiny("gemma3", head_dim=64)           # quanto's default group (64) needs head_dim >= 64
-    res = evaluate_ppl(lm, ["bf16", "naive", "hadamard", "quanto"], group_size=8, sink=4, recent=8, sequences=2,
+    opts = EvalOptions(methods=("bf16", "naive", "hadamard", "quanto"), group_size=8, sink=4, recent=8, sequences=2,
                        seq_len=48)
+    res = evaluate_ppl(lm, opts)
     by = {r["method"]: r for r in res.rows}
     assert set(by) == {"bf16", "naive", "hadamard", "quanto"}
     assert all(math.isfinite(r["ppl"]) and r["tokens"] == 94 for r in res.rows)
     assert by["hadamard"]["bits_per_element"] == 2 + 32 / 8 and by["bf16"]["bits_per_element"] == 16
     assert by["bf16"]["gap_closed_vs_hadamard"] == pytest.approx(1.0)
-    assert json.dumps(res.to_json())
+    doc = json.loads(json.dumps(res.to_json()))
+    assert doc["task"] == "ppl" and doc["rows"] == res.rows and doc["summary"] == res.rows
+    assert doc["settings"] | {"methods": None} == {
+        "methods": None, "sink": 4, "recent": 8, "sequences": 2, "seq_len": 48, "seed": 0, "group_size": 8,
+        "data": "embedded:pydoc_data.topics[heldout]", "artifact": None, "quanto": {"nbits": 2, "residual_length": 128,
+                                                                                   "q_group_size": 64}}
+    assert doc["settings"]["methods"] == ["bf16", "naive", "hadamard", "quanto"]
+    # the pre-0.2 call (methods and keyword settings) gives the same figures, with a warning
+    with pytest.warns(DeprecationWarning, match="EvalOptions"):
+        old = evaluate_ppl(lm, ["bf16", "naive"], group_size=8, sink=4, recent=8, sequences=2, seq_len=48)
+    assert [r["ppl"] for r in old.rows] == [by["bf16"]["ppl"], by["naive"]["ppl"]]
+
+
+@pytest.mark.slow
+def test_oscar_beats_hadamard_beats_naive_on_the_demo_artifact(demo_artifact, smollm2_loaded):
+    """The product's claim, through `oscar eval`'s own path (the artifact validated and matched to
+    the model): held-out perplexity BF16 < OSCAR < Hadamard < naive INT2. One sequence of 512
+    tokens with 16 sink + 64 recent tokens in BF16 (the defaults, 64 + 256, leave too little INT2
+    history in 512 tokens to tell the methods apart). Measured: 9.10, 9.74, 11.50, 54.56 (OSCAR
+    closes 73% of the Hadamard -> BF16 gap)."""
+    opts = EvalOptions(methods="bf16,naive,hadamard,oscar", sequences=1, seq_len=512, sink=16, recent=64)
+    res = run_eval("smollm2-135m", demo_artifact, opts, loaded=smollm2_loaded)
+    ppl = {r["method"]: r["ppl"] for r in res.rows}
+    assert ppl["bf16"] < ppl["oscar"] < 0.93 * ppl["hadamard"], ppl
+    assert ppl["hadamard"] < 0.5 * ppl["naive"], ppl
+    assert next(r for r in res.rows if r["method"] == "oscar")["gap_closed_vs_hadamard"] > 0.5
+    assert res.settings["artifact"] == str(demo_artifact) and res.settings["group_size"] == 64
 
 
 def test_quanto_baseline_runs():
@@ -204,14 +244,46 @@ def test_methods_parsing_and_errors():
         build_schemes(["naive"], geo, group_size=3)
 
 
+def test_eval_options_are_validated_once():
+    o = EvalOptions(methods="bf16, oscar,bf16", lengths="512,1024", depths="0,0.5")
+    assert (o.methods, o.lengths, o.depths) == (("bf16", "oscar"), (512, 1024), (0.0, 0.5))
+    assert EvalOptions(methods=["naive"]).replace(task="niah").methods == ("naive",)
+    for change, message in [({"task": "mmlu"}, "unknown --task 'mmlu'"), ({"methods": "bf16,int3"}, "unknown method"),
+                            ({"group_size": 24}, "not a power of two"), ({"sink": -1}, "sink tokens"),
+                            ({"sequences": 0}, "--sequences must be a positive integer"),
+                            ({"seq_len": 1}, "--seq-len must be a positive integer"),
+                            ({"lengths": "1024,x"}, "--lengths expects comma-separated numbers"),
+                            ({"depths": (0.5, 1.5)}, r"--depths must lie in \[0, 1\]"),
+                            ({"haystack": "hay"}, "unknown haystack 'hay'"), ({"samples": 0}, "--samples")]:
+        with pytest.raises(InputError, match=message):
+            EvalOptions(**change)
+
+
+def _nan_copy(demo_artifact, dst):
+    from oscar_calib.spec.artifact import load_artifact, write_artifact_files
+
+    art = load_artifact(demo_artifact)
+    art.layers[1].k_rotation[0, 2, 3] = float("nan")
+    dst.mkdir()
+    write_artifact_files(dst, art, "# nan\n", {})
+    return dst
+
+
+def test_eval_refuses_an_invalid_artifact_before_loading_the_model(demo_artifact, tmp_path):
+    bad = _nan_copy(demo_artifact, tmp_path / "nan")
+    with pytest.raises(ArtifactError) as exc:          # no such model: the artifact is refused first
+        run_eval("no-such-org/no-such-model", bad, EvalOptions(methods="bf16,oscar"))
+    assert str(exc.value) == f"{bad}: layers.1.k_rotation has 1 non-finite value(s)"
+
+
 def test_cli_eval(monkeypatch, tmp_path):
     from oscar_calib.cli import app
     from oscar_calib.eval.report import EvalResult
 
     seen = {}
 
-    def fake(model, artifact, **kw):
-        seen.update(kw, model=model, artifact=artifact)
+    def fake(model, artifact, options, **kw):
+        seen.update(kw, model=model, artifact=artifact, options=options)
         return EvalResult("ppl", "m", {"sink": 64, "recent": 256, "sequences": 2, "seq_len": 2048,
                                        "group_size": 64, "plot": str(kw["plot"])},
                           [{"method": "bf16", "ppl": 8.2, "bits_per_element": 16.0, "group_size": None},
@@ -222,13 +294,21 @@ def test_cli_eval(monkeypatch, tmp_path):
                                  "--group-size", "64", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["rows"][1]["ppl"] == 9.2
-    assert seen["model"] == "smollm2-135m" and seen["group_size"] == 64 and seen["task"] == "ppl"
-    assert seen["methods"] == "bf16,hadamard" and seen["plot"] == tmp_path / "eval-ppl.png"
+    assert seen["model"] == "smollm2-135m" and seen["plot"] == tmp_path / "eval-ppl.png"
+    assert seen["options"] == EvalOptions(methods=("bf16", "hadamard"), group_size=64)
+    # the CLI's defaults are EvalOptions' defaults (one set, checked here), task included
+    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen["options"] == EvalOptions() and seen["artifact"] is None
+    assert seen["plot"] == Path("eval-smollm2-135m-ppl.png")
+    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--lengths", "2048,4096",
+                                 "--depths", "0.5", "--haystack", "noise", "--json"])
+    assert seen["options"] == EvalOptions(task="niah", lengths=(2048, 4096), depths=(0.5,), haystack="noise")
     r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--lengths", "1024,x"])
     assert r.exit_code != 0
 
 
-def test_cli_eval_errors_are_one_line(tmp_path, monkeypatch):
+def test_cli_eval_errors_are_one_line(tmp_path, demo_artifact):
     import subprocess
     import sys
 
@@ -236,6 +316,11 @@ def test_cli_eval_errors_are_one_line(tmp_path, monkeypatch):
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: unknown method") and len(r.stderr.strip().splitlines()) == 1
+    bad = _nan_copy(demo_artifact, tmp_path / "nan")    # issue 17: refused, never a perplexity of "nan"
+    r = subprocess.run([sys.executable, "-m", "oscar_calib", "eval", "smollm2-135m", str(bad), "--methods", "oscar"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"error: {bad}: layers.1.k_rotation has 1 non-finite value(s)"]
 
 
 def test_write_plot(tmp_path, char_tokenizer):

@@ -25,6 +25,7 @@ from oscar_calib.errors import (
     UnsupportedModelError,
 )
 from oscar_calib.model.geometry import geometry_of, model_fingerprint
+from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.numerics.quant import quantize_int2, simulate_kv_quant
 from oscar_calib.spec.artifact import (
     FORMAT_NAME,
@@ -70,7 +71,7 @@ def artifact_metadata(model, model_id: str = "tiny") -> dict[str, str]:
         "num_attention_heads": str(geo.num_attention_heads), "num_kv_heads": str(geo.num_kv_heads),
         "head_dim": str(geo.head_dim), "group_size": str(default_group_size(geo.head_dim)), "bits": "2",
         "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
-        "composition": "random", "granularity": "head",
+        "composition": "imported", "granularity": "head",
         "calibration": json.dumps({"data": "random orthogonal (test)", "tokens": 0, "seed": 0}),
         "toolkit_version": __version__,
     }
@@ -127,6 +128,11 @@ def char_tokenizer():
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
+
+
+def wrap(model, tokenizer=None) -> LoadedModel:
+    """A model in memory as the LoadedModel that ``fold_checkpoint(loaded=...)`` takes."""
+    return LoadedModel.wrap(model, tokenizer, ModelSource("tiny", "tiny", "", None, "local"))
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -260,7 +266,7 @@ def test_fold_math_per_head_tiny():
 
 def test_wrong_fold_is_caught(tmp_path, monkeypatch):
     """The proof refuses a fold that is wrong (R instead of Rᵀ on the V rows) and writes nothing."""
-    import oscar_calib.tools.fold as fold
+    import oscar_calib.tools.fold.weights as fold
 
     src, model = save_tiny(tmp_path)
     art_dir = tmp_path / "art"
@@ -367,7 +373,7 @@ def test_artifact_for_another_model(tmp_path):
         fold_checkpoint(str(src), art_dir, tmp_path / "out")
     deeper = tmp_path / "art3"
     make_artifact(tiny_model("llama", layers=3), deeper)
-    with pytest.raises(ArtifactError, match="num_layers 3 vs 2"):
+    with pytest.raises(ArtifactError, match="num_layers is 3 but this model has 2"):
         fold_checkpoint(str(src), deeper, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -381,6 +387,33 @@ def test_already_folded_artifact(tmp_path):
     with pytest.raises(ArtifactError, match="v_folded"):
         fold_v_rotation(model, load_artifact(art_dir))
     assert not (tmp_path / "out").exists()
+
+
+def test_invalid_artifact_is_refused_with_the_validators_line(tmp_path):
+    """A NaN anywhere (here a K rotation, which folding never touches) or a non-orthogonal rotation
+    is refused up front with `oscar validate`'s line; nothing is written."""
+    from oscar_calib.tools.validate import validate_artifact
+
+    src, model = save_tiny(tmp_path)
+    art = make_artifact(model)
+    art.layers[1].k_rotation[0, 2, 3] = float("nan")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_artifact_files(bad, art, "# bad\n", {})
+    line = validate_artifact(bad).problems[0]
+    assert line == "layers.1.k_rotation has 1 non-finite value(s)"
+    with pytest.raises(ArtifactError) as exc:
+        fold_checkpoint(str(src), bad, tmp_path / "out")
+    assert str(exc.value) == f"{bad}: {line}"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ArtifactError, match="layers.1.k_rotation has 1 non-finite"):
+        fold_v_rotation(copy.deepcopy(model), art)                 # an artifact in memory too
+    skewed = make_artifact(model)
+    skewed.layers[0].v_rotation[1] *= 1.01
+    folded = copy.deepcopy(model)
+    with pytest.raises(ArtifactError, match=r"layers.0.v_rotation is not orthogonal: .* on KV head 1"):
+        fold_v_rotation(folded, skewed)
+    assert torch.equal(folded.model.layers[0].self_attn.v_proj.weight, model.model.layers[0].self_attn.v_proj.weight)
 
 
 def test_unsupported_layouts(monkeypatch):
@@ -412,14 +445,14 @@ def test_quantised_model_refused_gguf_marker_dropped(tmp_path):
     make_artifact(model, art_dir)
     model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="awq"))
     with pytest.raises(UnsupportedModelError, match=r"quantised \(awq\)"):
-        fold_checkpoint("tiny", art_dir, tmp_path / "out", loaded=(model, None))
+        fold_checkpoint("tiny", art_dir, tmp_path / "out", loaded=wrap(model))
     assert not (tmp_path / "out").exists()
     # a GGUF-loaded model carries a quantiser over de-quantised float weights: it folds, and the
     # checkpoint is plain safetensors; without a tokenizer the proof runs on random ids
     gguf = make_model("llama")
     gguf.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="gguf"))
     gguf.config.quantization_config = {"quant_method": "gguf"}
-    res = fold_checkpoint("tiny", art_dir, tmp_path / "out", loaded=(gguf, None))
+    res = fold_checkpoint("tiny", art_dir, tmp_path / "out", loaded=wrap(gguf))
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["oscar"]["v_folded"] is True
     assert res.report["check"]["input"] == "random" and not (tmp_path / "out" / "tokenizer_config.json").exists()
@@ -468,7 +501,7 @@ def folded_smollm2(tmp_path_factory, smollm2, demo_artifact):
     model, tok, src = smollm2
     out = tmp_path_factory.mktemp("fold") / "smollm2-oscar"
     folded = copy.deepcopy(model)              # the fixture model is shared: fold a copy
-    res = fold_checkpoint("smollm2-135m", demo_artifact, out, loaded=(folded, tok, src), sample_shape=SMOL_SAMPLE)
+    res = fold_checkpoint("smollm2-135m", demo_artifact, out, loaded=LoadedModel.wrap(folded, tok, src), sample_shape=SMOL_SAMPLE)
     return folded, out, res
 
 

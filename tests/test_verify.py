@@ -66,10 +66,39 @@ def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
         assert a["artifact"]["attn"] > 0          # the INT2 history really was quantised
 
 
-def test_verify_refuses_an_artifact_of_another_model(tmp_path):
-    out = tmp_path / "a"
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory):
+    """A tiny Llama's artifact (read-only: copy it before changing anything)."""
+    out = tmp_path_factory.mktemp("verify") / "a"
     calibrate(CalibrationConfig(**{**FAST, "tokens": 256, "seq_len": 64, "heldout_tokens": 32}), out,
               loaded=loaded_tiny("llama"))
+    return out
+
+
+def test_verify_refuses_an_artifact_of_another_model(tiny_artifact):
     with pytest.raises(ArtifactError, match="another model"):
-        verify_artifact(out, loaded=loaded_tiny("qwen3"), backend="torch", write=False, **QUICK)
-    assert not (out / "verify.json").exists()
+        verify_artifact(tiny_artifact, loaded=loaded_tiny("qwen3"), backend="torch", write=False, **QUICK)
+    assert not (tiny_artifact / "verify.json").exists()
+    lm = loaded_tiny("llama")
+    with pytest.raises(TypeError, match="LoadedModel"):
+        verify_artifact(tiny_artifact, loaded=(lm.model, lm.tokenizer), write=False, **QUICK)
+
+
+@pytest.mark.parametrize("kind", ["nan", "skewed"])
+def test_verify_refuses_an_invalid_artifact_up_front(tiny_artifact, tmp_path, kind):
+    """Issue 17: a NaN or a non-orthogonal rotation is refused with the validator's line before
+    any model is loaded (here there is no such model), never "error nan is not below the baseline"."""
+    art = load_artifact(tiny_artifact)
+    if kind == "nan":
+        art.layers[1].k_rotation[0, 2, 3] = float("nan")
+        line = "layers.1.k_rotation has 1 non-finite value(s)"
+    else:
+        art.layers[0].v_rotation[1] *= 1.01
+        line = "layers.0.v_rotation is not orthogonal"
+    bad = tmp_path / kind
+    bad.mkdir()
+    write_artifact_files(bad, art, "bad\n", {})
+    with pytest.raises(ArtifactError) as exc:
+        verify_artifact(bad, model="no-such-org/no-such-model", backend="torch", **QUICK)
+    assert str(exc.value).startswith(f"{bad}: {line}")
+    assert not (bad / "verify.json").exists()

@@ -7,16 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
 from ._common import DeviceOpt, DtypeOpt, JsonOpt, console, emit_json, stdout, table
-
-
-def _numbers(text: str, kind, name: str) -> list:
-    from ..errors import InputError
-
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{name} expects comma-separated numbers, got {text!r}") from None
 
 
 def eval_command(
@@ -28,8 +20,8 @@ def eval_command(
     = "bf16,naive,hadamard,oscar,quanto",
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: the artifact's, else "
                                                      "min(128, head_dim)).")] = None,
-    sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens.")] = 64,
-    recent: Annotated[int, typer.Option(help="BF16 recent-window tokens.")] = 256,
+    sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens.")] = DEFAULT_SINK,
+    recent: Annotated[int, typer.Option(help="BF16 recent-window tokens.")] = DEFAULT_RECENT,
     sequences: Annotated[int, typer.Option(help="ppl: held-out sequences.")] = 2,
     seq_len: Annotated[int, typer.Option(help="ppl: tokens per sequence.")] = 2048,
     data: Annotated[str, typer.Option(help="ppl: 'embedded' (its held-out half) or a text file/dir.")] = "embedded",
@@ -63,24 +55,19 @@ def eval_command(
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --lengths 2048,8192 --methods bf16,hadamard,oscar`
     """
     from ..errors import InputError
-    from ..eval import run_eval
+    from ..eval import EvalOptions, run_eval
     from ..eval.report import record_eval
 
     if record and (artifact is None or not artifact.is_dir()):
         raise InputError("--record needs an ARTIFACT directory")
-
-    kw = {"group_size": group_size, "sink": sink, "recent": recent, "seed": seed}
-    if task == "ppl":
-        kw.update(sequences=sequences, seq_len=seq_len, data=data)
-    elif task == "niah":
-        kw.update(lengths=_numbers(lengths, int, "--lengths"), depths=_numbers(depths, float, "--depths"),
-                  samples=samples, haystack=haystack)
+    options = EvalOptions(task=task, methods=methods, group_size=group_size, sink=sink, recent=recent, seed=seed,
+                          sequences=sequences, seq_len=seq_len, data=data, lengths=lengths, depths=depths,
+                          samples=samples, haystack=haystack)
     if plot is None:
         plot = (artifact if artifact is not None and artifact.is_dir() else Path(".")) / (
             f"eval-{task}.png" if artifact is not None else f"eval-{Path(model).name}-{task}.png")
     with console.status("evaluating …") as status:
-        result = run_eval(model, artifact, task=task, methods=methods, device=device, dtype=dtype, plot=plot,
-                          progress=lambda msg: status.update(msg), **kw)
+        result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=status.update)
     if record:
         record_eval(artifact, result)
         result.settings["recorded"] = str(artifact)

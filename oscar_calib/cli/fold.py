@@ -42,7 +42,8 @@ def fold_weights_command(
     must equal the original values times R (max relative difference ≤ 1e-4), and the saved
     checkpoint is reloaded and checked again. config.json records the folded artifact (key
     `oscar`), and the artifact is copied to --out/oscar/ marked v_folded=true, so no engine
-    rotates V twice. Keys are not changed: k_rotation stays online.
+    rotates V twice. Keys are not changed: k_rotation stays online. The artifact is validated
+    first (oscar validate's rules) and must match MODEL.
     """
     from rich.progress import (
         BarColumn,

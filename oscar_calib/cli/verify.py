@@ -42,7 +42,8 @@ def verify_command(
     decode kernel at several depths and compares with full-precision attention, for the artifact
     and for a Hadamard baseline (clips 0.96/0.92). Passes (exit 0) when the artifact's mean error
     is below the baseline's and no layer exceeds --max-layer-error; otherwise exit 1. Writes
-    verify.json and verify.png into the artifact directory.
+    verify.json and verify.png into the artifact directory. The artifact is validated first
+    (oscar validate's rules).
 
     Examples:
 

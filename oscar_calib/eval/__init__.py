@@ -13,6 +13,8 @@ method        what the KV cache holds
               residual length 128, group 64, no sink
 ============  ===========================================================================
 
+Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
+
 Perplexity (``task="ppl"``) is teacher-forced on held-out text (the embedded corpus' ``heldout``
 half by default: 2 sequences × 2048 tokens), faithful to decoding: for every query position
 ``i``, key/value ``j`` is read in BF16 when ``j < sink`` or ``i − j < recent`` and as INT2 (rotated,
@@ -49,37 +51,43 @@ from .methods import (
     quanto_cache,
 )
 from .niah import evaluate_niah, make_niah, score_niah
+from .options import TASKS, EvalOptions, as_options
 from .ppl import evaluate_ppl, heldout_sequences, quanto_sequence_nll, sequence_nll
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
-TASKS = ("ppl", "niah")
 
-
-def run_eval(model: str, artifact_path: Path | None, *, task: str = "ppl", methods="bf16,naive,hadamard,oscar,quanto",
-             loaded=None, device: str = "auto", dtype: str = "auto", plot: Path | None = None, **kw) -> EvalResult:
-    """Load the model (and artifact), run ``task`` and write the plot. Used by ``oscar eval``."""
+def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None = None, *, loaded=None,
+             device: str = "auto", dtype: str = "auto", plot: Path | None = None, progress=None,
+             **legacy) -> EvalResult:
+    """Validate the artifact (``oscar validate``'s rules), load the model (or take ``loaded``, a
+    :class:`~oscar_calib.model.load.LoadedModel`), run ``options.task`` and write the plot. Without
+    an artifact the ``oscar`` method is left out. Used by ``oscar eval``. ``legacy``: the pre-0.2
+    keyword settings (``task=``, ``methods=``, ``sink=``, ...; deprecated)."""
     from ..model.load import load_model
     from ..spec.artifact import load_artifact, require_compatible
+    from ..tools.validate import require_valid
 
-    if task not in TASKS:
-        raise InputError(f"unknown --task {task!r}; choose from {', '.join(TASKS)}")
-    ms = parse_methods(methods)
-    if artifact_path is None and "oscar" in ms:
-        ms = [m for m in ms if m != "oscar"]
-        if not ms:
+    opts = as_options(options, legacy.pop("task", getattr(options, "task", "ppl")), legacy)
+    if artifact_path is None and "oscar" in opts.methods:
+        if opts.methods == ("oscar",):
             raise InputError("method 'oscar' needs an ARTIFACT")
-    art = load_artifact(Path(artifact_path)) if artifact_path is not None else None
+        opts = opts.replace(methods=tuple(m for m in opts.methods if m != "oscar"))
+    art = None
+    if artifact_path is not None:
+        require_valid(Path(artifact_path))       # a NaN or non-orthogonal rotation: the validator's line
+        art = load_artifact(Path(artifact_path))
     lm = loaded or load_model(model, device=device, dtype=dtype)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
-    fn = evaluate_ppl if task == "ppl" else evaluate_niah
-    result = fn(lm, ms, artifact=art, **kw)
+    fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah
+    result = fn(lm, opts, artifact=art, progress=progress)
     if plot is not None:
         write_plot(Path(plot), result)
         result.settings["plot"] = str(plot)
     return result
 
 
-__all__ = ["EvalError", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes", "eval_headline",
-           "eval_text", "evaluate_niah", "evaluate_ppl", "heldout_sequences", "make_niah", "parse_methods",
-           "quanto_cache", "quanto_sequence_nll", "record_eval", "run_eval", "score_niah", "sequence_nll", "write_plot"]
+__all__ = ["EvalError", "EvalOptions", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes",
+           "eval_headline", "eval_text", "evaluate_niah", "evaluate_ppl", "heldout_sequences", "make_niah",
+           "parse_methods", "quanto_cache", "quanto_sequence_nll", "record_eval", "run_eval", "score_niah",
+           "sequence_nll", "write_plot"]

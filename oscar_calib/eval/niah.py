@@ -23,8 +23,8 @@ import torch
 from ..errors import InputError
 from ..runtime.cache import OscarCache
 from ..runtime.scheme import KVScheme
-from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
 from .methods import bits_of, build_schemes, quanto_cache
+from .options import EvalOptions, as_options
 from .report import EvalResult
 
 NIAH_PREFIX = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -155,12 +155,14 @@ def cache_for(method: str, model, prefill, scheme: KVScheme | None):
 
 
 @torch.no_grad()
-def evaluate_niah(lm, methods: list[str], *, artifact=None, group_size: int | None = None, sink: int = DEFAULT_SINK,
-                  recent: int = DEFAULT_RECENT, lengths=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-                  samples: int = 1, seed: int = 0, haystack: str = "corpus", max_new_tokens: int = 12,
-                  prefill_chunk: int = 2048, progress=None) -> EvalResult:
-    """NIAH accuracy of every method (see the module docstring)."""
+def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, progress=None, **legacy) -> EvalResult:
+    """NIAH accuracy of every method of ``options`` (see the module docstring).
+    ``legacy``: the pre-0.2 keyword settings (deprecated)."""
     t0 = time.perf_counter()
+    o = as_options(options, "niah", legacy)
+    methods, group_size, sink, recent, seed = list(o.methods), o.group_size, o.sink, o.recent, o.seed
+    lengths, depths, samples, haystack = o.lengths, o.depths, o.samples, o.haystack
+    max_new_tokens, prefill_chunk = o.max_new_tokens, o.prefill_chunk
     model, tok = lm.model, lm.tokenizer
     schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent)
     max_ctx = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)

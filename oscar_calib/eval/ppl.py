@@ -12,8 +12,8 @@ import torch
 
 from ..runtime.scheme import KVScheme
 from ..runtime.simulate import SimulatedKV
-from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
 from .methods import QUANTO_DEFAULTS, bits_of, build_schemes, quanto_cache
+from .options import EvalOptions, as_options
 from .report import EvalResult
 
 
@@ -83,11 +83,13 @@ def quanto_sequence_nll(model, ids: torch.Tensor, progress=None, make_cache=None
     return total, n
 
 
-def evaluate_ppl(lm, methods: list[str], *, artifact=None, group_size: int | None = None, sink: int = DEFAULT_SINK,
-                 recent: int = DEFAULT_RECENT, sequences: int = 2, seq_len: int = 2048, data: str = "embedded",
-                 seed: int = 0, progress=None) -> EvalResult:
-    """Held-out perplexity of every method (see the module docstring)."""
+def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progress=None, **legacy) -> EvalResult:
+    """Held-out perplexity of every method of ``options`` (see the module docstring).
+    ``legacy``: the pre-0.2 keyword settings (deprecated)."""
     t0 = time.perf_counter()
+    o = as_options(options, "ppl", legacy)
+    methods, group_size, sink, recent = list(o.methods), o.group_size, o.sink, o.recent
+    sequences, seq_len, data, seed = o.sequences, o.seq_len, o.data, o.seed
     schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent)
     seqs = heldout_sequences(lm.tokenizer, sequences=sequences, seq_len=seq_len, data=data, seed=seed)
     rows, timings = [], {}

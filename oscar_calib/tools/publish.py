@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +43,9 @@ from ..errors import (
     ArtifactError,
     InputError,
     OscarError,
-    OutputExistsError,
     PublishError,
 )
-from ..fsutil import apply_umask_mode, replace_dir
+from ..fsutil import staged_dir
 from ..spec.artifact import CARD_NAME, WEIGHTS_NAME
 from .validate import ModelReference, ValidationReport, require_valid, validate_artifact
 from .zoo import PULL_RECORD, VERIFY_NAME  # PULL_RECORD is a hidden file: never pushed
@@ -277,12 +275,7 @@ def pull(source: Target | str, *, revision: str | None = None, out: Path | None 
     """Download an artifact repository, validate it and move it into place (see module doc)."""
     target = parse_target(source) if isinstance(source, str) else source
     dest = Path(out) if out is not None else cache_dir_for(target)
-    if out is not None and dest.exists() and (not dest.is_dir() or any(dest.iterdir())) and not overwrite:
-        raise OutputExistsError(f"{dest} is not empty; pass --overwrite to replace it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
-    try:
-        apply_umask_mode(tmp)
+    with staged_dir(dest, overwrite=overwrite or out is None, tag="pull") as tmp:
         download_snapshot(target, revision, tmp)
         shutil.rmtree(tmp / ".cache", ignore_errors=True)     # huggingface_hub's local-dir bookkeeping
         if not (tmp / WEIGHTS_NAME).is_file():
@@ -293,10 +286,6 @@ def pull(source: Target | str, *, revision: str | None = None, out: Path | None 
             raise ArtifactError(f"{target}: downloaded artifact is invalid: {report.problems[0]}{more}")
         record = {"source": str(target), "url": target.url, "revision": revision, "pulled_at": int(time.time())}
         (tmp / PULL_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     report.path = dest
     return PullResult(target, dest, revision, report)
 

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import InputError
 from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..model.load import LoadedModel
 from ..numerics.hadamard import hadamard
 from ..spec.artifact import load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
@@ -177,18 +178,24 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
             "samples": len(rows)}
 
 
-def verify_artifact(path: Path, *, model: str | None = None, loaded=None, device: str = "auto", dtype: str = "auto",
-                    backend: str = "auto", depths=DEFAULT_DEPTHS, sequences: int = 2, positions: int = 8,
-                    data: str = "embedded",
-                    max_layer_error: float = DEFAULT_MAX_LAYER_ERROR, seed: int = 0, write: bool = True,
-                    plot: bool = True, quiet: bool = False, progress=None) -> VerifyResult:
-    """Verify an artifact; see the module docstring. ``loaded`` reuses a pipeline LoadedModel."""
+def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel | None = None, device: str = "auto",
+                    dtype: str = "auto", backend: str = "auto", depths=DEFAULT_DEPTHS, sequences: int = 2,
+                    positions: int = 8, data: str = "embedded", max_layer_error: float = DEFAULT_MAX_LAYER_ERROR,
+                    seed: int = 0, write: bool = True, plot: bool = True, quiet: bool = False,
+                    progress=None) -> VerifyResult:
+    """Verify an artifact; see the module docstring. ``loaded`` (a :class:`LoadedModel`) uses a
+    model already in memory instead of loading ``model``. The artifact is validated first
+    (``oscar validate``'s rules: a NaN or a non-orthogonal rotation is refused with its line)."""
     from ..calibrate.corpus import plan_tokens
     from ..model.capture import Capture
-    from ..model.load import LoadedModel, load_model
+    from ..model.load import load_model
+    from .validate import require_valid
 
     t0 = time.perf_counter()
     path = Path(path)
+    if loaded is not None and not isinstance(loaded, LoadedModel):
+        raise TypeError("verify_artifact(loaded=...) takes a LoadedModel (LoadedModel.wrap(model, tokenizer, source))")
+    require_valid(path)
     art = load_artifact(path)
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 2:
@@ -200,7 +207,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded=None, device
 
         model = model or spec_for_model_id(art.metadata.get("model_id", ""))
         loaded = load_model(model, device=device, dtype=dtype)
-    lm: LoadedModel = loaded
+    lm = loaded
     require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     geo = lm.geometry
     dev = next(lm.model.parameters()).device

@@ -1,0 +1,118 @@
+"""What ``oscar eval`` runs: one typed options object, validated once, on construction.
+
+=================  ======  ======================================================================
+field              task    meaning (default)
+=================  ======  ======================================================================
+``task``           both    ``ppl`` (held-out perplexity) or ``niah`` (needle in a haystack)
+``methods``        both    methods to compare, a tuple or comma-separated text (all five)
+``group_size``     both    INT2 group size (None: the artifact's, else ``min(128, head_dim)``)
+``sink``           both    first tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_SINK`)
+``recent``         both    last tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_RECENT`)
+``seed``           both    chooses the held-out sequences / the needles (0)
+``sequences``      ppl     held-out sequences (2)
+``seq_len``        ppl     tokens per sequence (2048)
+``data``           ppl     ``embedded`` (the corpus' held-out half) or a text file or directory
+``lengths``        niah    context lengths, a tuple or comma-separated text (1024 … 8192)
+``depths``         niah    needle depths in [0, 1] (0, 0.25, 0.5, 0.75, 1)
+``samples``        niah    prompts per (length, depth) (1)
+``haystack``       niah    filler: ``corpus`` (held-out sentences) or ``noise`` (RULER's)
+``max_new_tokens`` niah    answer tokens generated (12)
+``prefill_chunk``  niah    tokens per prefill forward pass (2048)
+=================  ======  ======================================================================
+
+Every field is checked in :meth:`EvalOptions.__post_init__`, whatever the task, so a bad value is
+one :class:`~oscar_calib.errors.InputError` naming the ``oscar eval`` option before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+from ..errors import InputError
+from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
+from .methods import METHODS, parse_methods
+
+TASKS = ("ppl", "niah")
+
+
+def parse_numbers(value, kind, option: str) -> tuple:
+    """``value`` (comma-separated text or a sequence) as a tuple of ``kind``."""
+    items = [x for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
+    try:
+        return tuple(kind(x) for x in items)
+    except (TypeError, ValueError):
+        raise InputError(f"{option} expects comma-separated numbers, got {value!r}") from None
+
+
+def _positive(option: str, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InputError(f"{option} must be a positive integer, got {n!r}")
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """The settings of one evaluation (see the module docstring); immutable and validated."""
+
+    task: str = "ppl"
+    methods: tuple[str, ...] = METHODS
+    group_size: int | None = None
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    seed: int = 0
+    sequences: int = 2
+    seq_len: int = 2048
+    data: str = "embedded"
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    samples: int = 1
+    haystack: str = "corpus"
+    max_new_tokens: int = 12
+    prefill_chunk: int = 2048
+
+    def __post_init__(self) -> None:
+        from .niah import HAYSTACKS  # niah imports this module
+
+        if self.task not in TASKS:
+            raise InputError(f"unknown --task {self.task!r}; choose from {', '.join(TASKS)}")
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        set_("methods", tuple(parse_methods(self.methods)))
+        set_("lengths", parse_numbers(self.lengths, int, "--lengths"))
+        set_("depths", parse_numbers(self.depths, float, "--depths"))
+        if self.group_size is not None:
+            check_group_size(None, self.group_size)
+        check_window(self.sink, self.recent)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise InputError(f"--seed must be an integer, got {self.seed!r}")
+        for option, n in (("--sequences", self.sequences), ("--samples", self.samples),
+                          ("max_new_tokens", self.max_new_tokens), ("prefill_chunk", self.prefill_chunk)):
+            _positive(option, n)
+        _positive("--seq-len", self.seq_len - 1)          # at least one prediction
+        if not self.data:
+            raise InputError("--data is empty")
+        if not self.lengths or any(n < 1 for n in self.lengths):
+            raise InputError(f"--lengths must be positive integers, got {list(self.lengths)}")
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise InputError(f"--depths must lie in [0, 1], got {list(self.depths)}")
+        if self.haystack not in HAYSTACKS:
+            raise InputError(f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}")
+
+    def replace(self, **changes) -> "EvalOptions":
+        return dataclasses.replace(self, **changes)
+
+
+def as_options(options, task: str, legacy: dict) -> EvalOptions:
+    """``options`` for ``task``. The pre-0.2 calls (``evaluate_ppl(lm, methods, sink=..., ...)``,
+    ``run_eval(..., task=..., sink=...)``) still work, with a :class:`DeprecationWarning`."""
+    if isinstance(options, EvalOptions) and not legacy:
+        return options if options.task == task else options.replace(task=task)
+    if options is None and not legacy:
+        return EvalOptions(task=task)
+    warnings.warn("pass an oscar_calib.eval.EvalOptions instead of methods and keyword settings; "
+                  "the keyword form goes away in 0.3", DeprecationWarning, stacklevel=3)
+    if isinstance(options, EvalOptions):
+        return options.replace(task=task, **legacy)
+    if options is not None:
+        legacy = {**legacy, "methods": options}
+    return EvalOptions(task=task, **legacy)
