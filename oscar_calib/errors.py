@@ -43,3 +43,8 @@ class DistributedError(OscarError):
 
 class PublishError(OscarError):
     """A hub refused or failed a request; the message names the hub and the next step."""
+
+
+class CacheError(OscarError):
+    """A KV cache cannot do what was asked (used without its attention function, cropped past what
+    it can restore exactly)."""
