@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 CHUNK_ELEMENTS = 1 << 24          # scores per block: bounds the temporaries (64 MiB of float32)
+MIN_CHUNK = 64                    # history tokens per block at least
 
 
 def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None) -> torch.Tensor:
@@ -104,7 +105,7 @@ def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_
     bsz, hq, t, d = q.shape
     h = store.heads
     qr = _per_head(q.reshape(bsz, h, hq // h, t, d), p.k_rotation)                 # [B, H, G, T, d]
-    chunk = max(64, CHUNK_ELEMENTS // max(1, hq * t * bsz))
+    chunk = max(MIN_CHUNK, CHUNK_ELEMENTS // max(1, hq * t * bsz))
 
     def all_blocks():
         yield from _cached_blocks(store, n_new, qidx, chunk)
