@@ -19,6 +19,7 @@ from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.errors import DataError, InputError, NumericalError, OutputExistsError
 from oscar_calib.spec.artifact import (
     REQUIRED_METADATA,
+    SHARED_KINDS,
     TENSOR_KINDS,
     load_artifact,
     tensor_name,
@@ -48,7 +49,9 @@ def check_contract(out: Path, layers: int, heads: int, kv: int, d: int):
         map(str, (layers, heads, kv, d)))
     cal = json.loads(md["calibration"])
     assert {"data", "tokens", "seq_len", "seed", "token_sha256"} <= set(cal)
-    assert keys == {tensor_name(i, k) for i in range(layers) for k in TENSOR_KINDS}
+    shared = SHARED_KINDS if md["granularity"] == "head" and kv > 1 else ()   # one rotation per layer, for engines
+    assert keys == {tensor_name(i, k) for i in range(layers) for k in TENSOR_KINDS + shared}
+    assert all(0 < float(md[k]) <= 1 for k in ("fork_k_clip", "fork_v_clip"))
     for i in range(layers):
         r = tensors[tensor_name(i, "k_rotation")]
         assert r.shape == (kv, d, d) and r.dtype == torch.float32

@@ -41,6 +41,7 @@ from ..numerics.rotation import (
 from ..spec.artifact import (
     FORMAT_NAME,
     REPORT_NAME,
+    SHARED_CLIP_METADATA,
     WEIGHTS_NAME,
     Artifact,
     LayerRotations,
@@ -66,6 +67,7 @@ from .parallel import (
     placement_for_rank,
     session,
 )
+from .shared import fit_shared
 from .stats import LayerStats, Reservoir
 
 ProgressFn = Callable[[int, int], None]
@@ -327,8 +329,11 @@ def summary(rows: list[dict]) -> dict:
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     o = [r["heldout"]["oscar"]["attn"] for r in rows]
     h = [r["heldout"]["hadamard"]["attn"] for r in rows]
-    return {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
-            "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
+    out = {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
+           "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
+    if all("fork" in r["heldout"] for r in rows):
+        out["mean_attn_error_fork"] = mean([r["heldout"]["fork"]["attn"] for r in rows])
+    return out
 
 
 def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, resume: bool = False,
@@ -382,6 +387,7 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ctx: DistContext, *, overwrite
         if ctx.is_main:
             t2 = time.perf_counter()
             layers, rows = build_rotations(run, cfg, geo, group_size)
+            shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, geo, group_size, layers, rows)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
     except (KeyboardInterrupt, SystemExit, DistributedError):
         raise            # the checkpoint stays for --resume
@@ -395,13 +401,14 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ctx: DistContext, *, overwrite
         ckpt.unlink(missing_ok=True)
         return CalibrationResult(out, None, None, lm, stats=run, rank=ctx.rank)
     metadata = artifact_metadata(cfg, lm, plan, group_size)
+    metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in shared_clips))))
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
     report = {
         "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
         "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
         "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
-        "summary": summary(rows), "layers": rows, "timings": timing,
+        "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(shared_clips),
     }
     from ..spec.card import model_card
 

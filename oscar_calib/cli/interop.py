@@ -7,18 +7,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import JsonOpt, ModelOpt, TrustOpt, emit_json, stdout
+from ._common import JsonOpt, ModelOpt, TrustOpt, console, emit_json, stdout
 
 EXPORT_EXAMPLES = """
     Examples:
 
-    * `oscar export runs/qwen3-8b --format sglang --out serve/qwen3-8b`
+    * `oscar export runs/qwen3-8b --out serve/qwen3-8b` then `serve/qwen3-8b/launch.sh --tensor-parallel-size 4`
+    * `oscar export runs/qwen3-8b --out serve/qwen3-8b-pr20 --target pr20` (per-KV-head rotations; a fork build
+      with its PR #20)
+    * `oscar export folded/qwen3-8b/oscar --out serve/folded` (a `fold-weights` checkpoint: identity V file)
+    * `oscar export runs/qwen3-8b --out serve/x --clip k=0.96,v=0.92 --sink 64 --recent 256`
     """
 
 IMPORT_EXAMPLES = """
     Examples:
 
-    * `oscar import k_rotations.pt v_rotations.pt --model Qwen/Qwen3-8B --out runs/qwen3-8b-imported`
+    * `oscar import k_rotation_qqt_r_h_pbr.pt v_rotation_sst_r_h_pbr.pt --model Qwen/Qwen3-8B --out runs/qwen3-8b-imported`
     * `oscar import K.pt V.pt --model smollm2-135m --out runs/imported --clip k=0.95,v=0.9`
     """
 
@@ -30,26 +34,49 @@ def export_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the exported files.")],
     fmt_name: Annotated[str, typer.Option("--format", help="Target format: sglang (the OSCAR SGLang "
                                           "fork).")] = "sglang",
+    target: Annotated[str, typer.Option(help="fork-main (one rotation per layer: what the fork's main loads) or "
+                                        "pr20 (one per KV head: needs a fork build with its PR #20).")] = "fork-main",
+    model_path: Annotated[Optional[str], typer.Option(help="--model-path for the server (default: the folded "
+                                                      "checkpoint, else the artifact's base model id).")] = None,
+    clip: Annotated[Optional[str], typer.Option(help="The one K and one V clip ratio to serve, k=..,v=.. (default: "
+                                                "the ratios fitted for the target at calibration).")] = None,
+    sink: Annotated[Optional[int], typer.Option(help="BF16 sink tokens (default: the artifact's; a multiple of "
+                                                "8).")] = None,
+    recent: Annotated[Optional[int], typer.Option(help="BF16 recent-window tokens (default: the artifact's; a "
+                                                  "multiple of 8, at least 8).")] = None,
+    folded: Annotated[Optional[bool], typer.Option("--folded/--not-folded", help="Serve a checkpoint whose V rotation "
+                                                   "is already folded by `oscar fold-weights` (identity V file); "
+                                                   "default: the artifact's v_folded flag.")] = None,
+    prefill_backend: Annotated[str, typer.Option(help="launch.sh default prefill attention backend: fa3 (Hopper) "
+                                                 "or triton.")] = "fa3",
     overwrite: Annotated[bool, typer.Option(help="Replace files already in --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Export ARTIFACT for serving: k_rotations.pt and v_rotations.pt in the OSCAR SGLang fork's
-    format (format_version 1 for per-layer artifacts, 2 for per-KV-head), clips.json, and serve.env
-    with the serving settings (clip ratios, sink/recent tokens, group size, whether V is folded).
+    """Export ARTIFACT for serving in the OSCAR SGLang fork: the K and V rotation files it loads,
+    serve.env with its SGLANG_* settings (windows, the one K and one V clip ratio, V absorption),
+    launch.sh with its server flags, and clips.json. The files are checked against the fork's
+    loader rules before anything is written.
     """
     from ..numerics.rotation import choose
+    from ..spec.config import parse_clip
     from ..tools.sglang import export_sglang
 
     choose("--format", fmt_name, FORMATS)
-    result = export_sglang(artifact, out, overwrite=overwrite)
+    result = export_sglang(artifact, out, target=target, model_path=model_path, clip=parse_clip(clip), sink=sink,
+                           recent=recent, folded=folded, prefill_backend=prefill_backend, overwrite=overwrite)
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")
     if json_out:
         emit_json(result.to_dict())
         return
-    stdout.print(f"exported {artifact} for the OSCAR SGLang fork (rotation format_version "
+    s = result.settings
+    stdout.print(f"exported {artifact} for the OSCAR SGLang fork ({result.target}, rotation format_version "
                  f"{result.format_version}) into {result.out}:")
     for f in result.files:
         stdout.print(f"  {result.out / f}")
-    stdout.print(f"serve with: set -a; . {result.out / 'serve.env'}; set +a")
+    stdout.print(f"clips k={s.k_clip:g} v={s.v_clip:g} ({result.clip_source}); windows {s.sink} + {s.recent} BF16; "
+                 f"group {s.group_size}; V {'identity (folded checkpoint)' if s.v_identity else 'absorbed at load' if s.absorb_v else 'rotated online'}")
+    stdout.print(f"serve with: {result.out / 'launch.sh'}   (model: {s.model_path})")
 
 
 def import_command(

@@ -170,3 +170,24 @@ def _dequant_heads(x: torch.Tensor, rot: torch.Tensor, clip: torch.Tensor, group
         xi = clip_rows(xr[:, i].float(), c) if c < 1 else xr[:, i].float()
         out[:, i] = fake_quant_int2(xi, group_size).double()
     return torch.einsum("the,hde->thd", out, r)
+
+
+def choose_global_clips(k_tables: list[torch.Tensor], v_tables: list[torch.Tensor],
+                        grid=CLIP_GRID) -> tuple[float | None, float | None]:
+    """One K and one V clip ratio for a whole model from per-layer error tables ``[h, len(grid)]``
+    (as :func:`fit_k_clip` / :func:`fit_v_clip` return them): every (layer, KV head) row is made
+    relative (K: divided by its no-clip entry, since the K objective is an absolute logit error whose
+    scale varies by layer; V: already relative) and the grid ratio minimising their mean is chosen,
+    so every layer counts the same. An empty list gives None for that cache."""
+    col = list(grid).index(1.0)
+    out = []
+    for tables, relative in ((k_tables, False), (v_tables, True)):
+        if not tables:
+            out.append(None)
+            continue
+        rows = []
+        for t in tables:
+            t = torch.as_tensor(t, dtype=torch.float64)
+            rows.append(t if relative else t / t[:, col:col + 1].clamp(min=1e-300))
+        out.append(float(grid[int(torch.cat(rows).mean(0).argmin())]))
+    return out[0], out[1]

@@ -35,9 +35,13 @@ class KVScheme:
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT
     window_dtype: torch.dtype | None = torch.bfloat16
+    # per layer, [kv_heads, d, d] or None: the attention output is mapped back with ``o @ Rᵀ`` although
+    # V is stored as the model computes it (an engine that absorbed R_v into the V projection at load
+    # time, like the OSCAR SGLang fork with SGLANG_OSCAR_ABSORB_V_ROTATION=1)
+    v_output: list = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip"):
+        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output"):
             lst = getattr(self, name)
             if not lst:
                 setattr(self, name, [None] * self.num_layers)
@@ -111,3 +115,42 @@ class KVScheme:
             sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
             recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
             window_dtype=window_dtype)
+
+    @classmethod
+    def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,
+                             group_size: int | None = None, sink: int | None = None, recent: int | None = None,
+                             absorb_v: bool = False, bf16_rotations: bool = True,
+                             window_dtype=torch.bfloat16) -> "KVScheme":
+        """What the OSCAR SGLang fork's main serves for this artifact: the layer's shared rotation for
+        every KV head, ONE K and ONE V clip ratio for the whole model (``clips``, default the
+        artifact's fitted global pair), its group size and windows. ``bf16_rotations`` rounds the
+        rotations to bf16 as the fork's KV pool holds them (the query still meets ``Rᵀ`` exactly as the
+        fork computes ``(qR)·k̂``). ``absorb_v`` stores V as the model computes it and maps the
+        output back (the caller has folded ``R_v`` into the V projection, as the fork does at load).
+        Scales are simulated with oscar's fp16 scale/offset storage (the fork keeps float32)."""
+        from ..errors import ArtifactError
+        from ..spec.artifact import Artifact, load_artifact
+
+        art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
+        clips = clips or art.shared_clips()
+        if clips is None:
+            raise ArtifactError(f"{art.path}: no global clip ratios recorded; re-run `oscar calibrate` or pass clips")
+        h = art.num_kv_heads
+        rot = {}
+        for which in ("k", "v"):
+            shared = [art.shared_rotation(i, which) for i in range(art.num_layers)]
+            if any(s is None for s in shared):
+                raise ArtifactError(f"{art.path}: no shared per-layer rotations (made before oscar 0.2); re-run "
+                                    "`oscar calibrate`")
+            rs = [s[0].float() for s in shared]
+            if bf16_rotations:
+                rs = [r.to(torch.bfloat16).float() for r in rs]
+            rot[which] = [r.expand(h, -1, -1).contiguous() for r in rs]
+        md = art.metadata
+        ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in clips)
+        n = art.num_layers
+        return cls(name, n, int(group_size or art.group_size), rot["k"], [None] * n if absorb_v else rot["v"],
+                   [ck] * n, [cv] * n,
+                   sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
+                   recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
+                   window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [])

@@ -109,8 +109,12 @@ class SimulatedKV(AttentionRoute):
         qf = q.float()
         if not softcap:
             o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=allowed, scale=scaling)
-            return o.transpose(1, 2)
-        sc = (qf @ keys.transpose(-1, -2)) * scaling
-        sc = torch.tanh(sc / softcap) * softcap
-        p = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1)
-        return (p @ values).transpose(1, 2)
+        else:
+            sc = (qf @ keys.transpose(-1, -2)) * scaling
+            sc = torch.tanh(sc / softcap) * softcap
+            o = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1) @ values
+        out_rot = sch.v_output[layer]
+        if out_rot is not None:                     # absorbed R_v: map the output back, o @ Rᵀ per KV head
+            r = out_rot.to(o.device, torch.float32).repeat_interleave(grp, 0)            # [Hq, d, d]
+            o = torch.einsum("bhtd,hed->bhte", o, r)
+        return o.transpose(1, 2)

@@ -32,6 +32,13 @@ REPORT_NAME = "calibration.json"
 FORMAT_NAME = "oscar-rotations"
 
 TENSOR_KINDS = ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")
+# Optional, additive (toolkit 0.2): one rotation per layer shared by all its KV heads, computed from the
+# pooled statistics, for engines that take one rotation per layer (the OSCAR SGLang fork's main). All of
+# them or none, for every layer; eigenvalues descending like the per-head ones.
+SHARED_KINDS = ("k_layer_rotation", "v_layer_rotation", "k_layer_eigenvalues", "v_layer_eigenvalues")
+# Optional metadata (toolkit 0.2): the one K and one V clip ratio fitted for the shared rotations
+# (an engine that applies one ratio per cache for the whole model).
+SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
 
 REQUIRED_METADATA = (
     "format", "format_version", "model_id", "model_fingerprint", "num_layers",
@@ -44,12 +51,16 @@ INT_METADATA = ("format_version", "num_layers", "num_attention_heads", "num_kv_h
 
 
 def tensor_name(layer: int, kind: str) -> str:
-    if kind not in TENSOR_KINDS:
+    if kind not in TENSOR_KINDS and kind not in SHARED_KINDS:
         raise KeyError(kind)
     return f"layers.{layer}.{kind}"
 
 
 def tensor_shape(kind: str, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    if kind in ("k_layer_rotation", "v_layer_rotation"):
+        return (head_dim, head_dim)
+    if kind in ("k_layer_eigenvalues", "v_layer_eigenvalues"):
+        return (head_dim,)
     if kind.endswith("rotation"):
         return (num_kv_heads, head_dim, head_dim)
     if kind.endswith("clip"):
@@ -59,7 +70,7 @@ def tensor_shape(kind: str, num_kv_heads: int, head_dim: int) -> tuple[int, ...]
 
 @dataclass
 class LayerRotations:
-    """One decoder layer's entry; tensors per KV head."""
+    """One decoder layer's entry: tensors per KV head, and optionally the layer's shared rotation."""
 
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
@@ -67,6 +78,10 @@ class LayerRotations:
     v_clip: torch.Tensor
     k_eigenvalues: torch.Tensor
     v_eigenvalues: torch.Tensor
+    k_layer_rotation: torch.Tensor | None = None
+    v_layer_rotation: torch.Tensor | None = None
+    k_layer_eigenvalues: torch.Tensor | None = None
+    v_layer_eigenvalues: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,11 +109,37 @@ class Artifact:
     def group_size(self) -> int:
         return int(self.metadata["group_size"])
 
+    @property
+    def granularity(self) -> str:
+        return self.metadata.get("granularity", "head")
+
+    def shared_rotation(self, layer: int, which: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's one rotation for all KV heads ``[d, d]`` and its eigenvalues ``[d]``
+        (descending), for ``which`` in ``"k"``/``"v"``: the stored shared rotation, or the per-head
+        one when every head has the same (granularity ``layer``, or one KV head); None for a
+        per-head artifact made before shared rotations were stored."""
+        lr = self.layers[layer]
+        stored = getattr(lr, f"{which}_layer_rotation")
+        if stored is not None:
+            return stored, getattr(lr, f"{which}_layer_eigenvalues")
+        if self.granularity == "layer" or self.num_kv_heads == 1:
+            return getattr(lr, f"{which}_rotation")[0], getattr(lr, f"{which}_eigenvalues")[0]
+        return None
+
+    def shared_clips(self) -> tuple[float, float] | None:
+        """The fitted (K, V) clip ratios for the shared rotations, or None when not recorded."""
+        md = self.metadata
+        if not all(k in md for k in SHARED_CLIP_METADATA):
+            return None
+        return float(md["fork_k_clip"]), float(md["fork_v_clip"])
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for i, layer in enumerate(self.layers):
-            for kind in TENSOR_KINDS:
-                out[tensor_name(i, kind)] = getattr(layer, kind).detach().to("cpu", torch.float32).contiguous()
+            for kind in TENSOR_KINDS + SHARED_KINDS:
+                t = getattr(layer, kind)
+                if t is not None:
+                    out[tensor_name(i, kind)] = t.detach().to("cpu", torch.float32).contiguous()
         return out
 
 
@@ -186,7 +227,8 @@ def load_artifact(path: Path, *, check: bool = True) -> Artifact:
         if problems:
             raise ArtifactError(f"{wpath}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
     n = int(metadata["num_layers"])
-    layers = [LayerRotations(**{k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS}) for i in range(n)]
+    layers = [LayerRotations(**{k: tensors.get(tensor_name(i, k)) for k in TENSOR_KINDS + SHARED_KINDS})
+              for i in range(n)]
     report = {}
     rpath = wpath.parent / REPORT_NAME
     if rpath.exists():
@@ -214,7 +256,10 @@ def check_structure(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
     if problems:
         return problems
     n, h, d = (int(metadata[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
-    expected = {tensor_name(i, k): tensor_shape(k, h, d) for i in range(n) for k in TENSOR_KINDS}
+    kinds = TENSOR_KINDS
+    if any(name.endswith(SHARED_KINDS) for name in tensors):      # optional: all of them or none
+        kinds = TENSOR_KINDS + SHARED_KINDS
+    expected = {tensor_name(i, k): tensor_shape(k, h, d) for i in range(n) for k in kinds}
     for name, shape in expected.items():
         if name not in tensors:
             problems.append(f"missing tensor {name}")

@@ -35,6 +35,9 @@ def model_card(report: dict) -> str:
         "|---|---|",
         f"| this artifact | {summ['mean_attn_error_oscar']:.4f} |",
         f"| Hadamard, clips 0.96/0.92 | {summ['mean_attn_error_hadamard']:.4f} |",
+        *([f"| the OSCAR SGLang fork's scheme: one rotation per layer, clips "
+           f"k={report['fork_clips'][0]:g}, v={report['fork_clips'][1]:g} for the whole model "
+           f"| {summ['mean_attn_error_fork']:.4f} |"] if "mean_attn_error_fork" in summ and report.get("fork_clips") else []),
         "",
         f"Better than Hadamard on {summ['layers_better_than_hadamard']} of {summ['num_layers']} layers. "
         "Per-layer figures are in `calibration.json`.",
@@ -47,6 +50,7 @@ def model_card(report: dict) -> str:
         "```",
         "oscar verify <this directory> --model <base model>",
         "oscar fold-weights <base model> <this directory> --out folded/",
+        "oscar export <this directory> --out serve/      # the OSCAR SGLang fork: serve/launch.sh",
         "```",
         "",
     ]

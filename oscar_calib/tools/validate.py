@@ -13,6 +13,10 @@ metadata               ``format``/``format_version`` and every required key
 shapes                 every tensor of every layer present, float32, with its contract shape
 finite                 no NaN/Inf anywhere
 orthogonal             ‖R Rᵀ − I‖∞ < 1e-5 for every stored (float32) rotation, computed in float64
+                       (the optional shared per-layer rotations included)
+shared                 the optional ``layers.{i}.{k,v}_layer_rotation`` [d, d] and
+                       ``{k,v}_layer_eigenvalues`` [d]: all of them or none; metadata
+                       ``fork_k_clip``/``fork_v_clip``: both or neither, each in (0, 1]
 clips                  every clip ratio in (0, 1]
 eigenvalues            descending along head_dim, up to 1e-6 of the head's largest |λ|
 granularity            ``layer``: one rotation repeated for every KV head
@@ -43,6 +47,8 @@ from ..spec.artifact import (
     FORMAT_NAME,
     INT_METADATA,
     REQUIRED_METADATA,
+    SHARED_CLIP_METADATA,
+    SHARED_KINDS,
     TENSOR_KINDS,
     WEIGHTS_NAME,
     check_structure,
@@ -254,6 +260,16 @@ def check_metadata_values(md: dict[str, str]) -> list[str]:
             cal = None
         if not isinstance(cal, dict):
             problems.append("metadata 'calibration' is not a JSON object")
+    present = [k for k in SHARED_CLIP_METADATA if k in md]
+    if present and len(present) != len(SHARED_CLIP_METADATA):
+        problems.append(f"metadata has {present[0]!r} without {[k for k in SHARED_CLIP_METADATA if k not in md][0]!r}")
+    for k in present:
+        try:
+            c = float(md[k])
+        except ValueError:
+            c = float("nan")
+        if not 0 < c <= 1:
+            problems.append(f"metadata {k!r} is {md[k]!r}, expected a clip ratio in (0, 1]")
     if md.get("v_folded", "false") not in ("true", "false"):
         problems.append(f"metadata 'v_folded' is {md.get('v_folded')!r}, expected 'true' or 'false'")
     return problems
@@ -266,23 +282,24 @@ def check_values(tensors: dict[str, torch.Tensor], md: dict[str, str]) -> dict[s
     n = int(md["num_layers"])
     per_layer = md.get("granularity") == "layer"
     for i in range(n):
-        t = {k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS}
+        t = {k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS + SHARED_KINDS if tensor_name(i, k) in tensors}
         for k, x in t.items():
             bad = int((~torch.isfinite(x)).sum())
             if bad:
                 out["finite"].append(f"{tensor_name(i, k)} has {bad} non-finite value(s)")
-        for k in ("k_rotation", "v_rotation"):
-            r = t[k]
-            if not torch.isfinite(r).all():
+        for k in ("k_rotation", "v_rotation", "k_layer_rotation", "v_layer_rotation"):
+            r = t.get(k)
+            if r is None or not torch.isfinite(r).all():
                 continue
             r64 = r.to(torch.float64)
             eye = torch.eye(r.shape[-1], dtype=torch.float64)
-            err = (r64 @ r64.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2))
+            err = (r64 @ r64.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2)).reshape(-1)
             worst = int(err.argmax())
             if float(err[worst]) >= ORTHOGONALITY_TOL:
+                where = f" on KV head {worst}" if r.dim() == 3 else ""
                 out["orthogonal"].append(f"{tensor_name(i, k)} is not orthogonal: ‖RRᵀ − I‖∞ = "
-                                         f"{float(err[worst]):.2e} on KV head {worst} (limit {ORTHOGONALITY_TOL:g})")
-            if per_layer and r.shape[0] > 1 and not torch.allclose(r, r[:1].expand_as(r), atol=1e-6, rtol=0):
+                                         f"{float(err[worst]):.2e}{where} (limit {ORTHOGONALITY_TOL:g})")
+            if per_layer and r.dim() == 3 and r.shape[0] > 1 and not torch.allclose(r, r[:1].expand_as(r), atol=1e-6, rtol=0):
                 out["granularity"].append(f"{tensor_name(i, k)} differs between KV heads but granularity is 'layer'")
         for k in ("k_clip", "v_clip"):
             c = t[k]
@@ -290,7 +307,9 @@ def check_values(tensors: dict[str, torch.Tensor], md: dict[str, str]) -> dict[s
             if bad.any():
                 out["clips"].append(f"{tensor_name(i, k)} has ratio(s) outside (0, 1]: "
                                     f"{', '.join(f'{float(v):g}' for v in c[bad][:4])}")
-        for k in ("k_eigenvalues", "v_eigenvalues"):
+        for k in ("k_eigenvalues", "v_eigenvalues", "k_layer_eigenvalues", "v_layer_eigenvalues"):
+            if k not in t:
+                continue
             e = t[k].to(torch.float64)
             if not torch.isfinite(e).all() or e.shape[-1] < 2:
                 continue

@@ -1,0 +1,69 @@
+"""Shared per-layer rotations and one global K/V clip pair, for engines that take one rotation per
+layer and one clip ratio per cache (the OSCAR SGLang fork's main branch).
+
+Decisions (documented in the README, "Serving in the OSCAR SGLang fork"):
+
+* **Shared rotation**: the layer's KV-head covariances are pooled (their mean, the same pooling as
+  ``--granularity layer``) and eigendecomposed once; composed exactly like the per-head rotations
+  (``U·H·P_br`` by default). It is stored only when the per-head rotations differ between heads;
+  for ``--granularity layer`` or one KV head the per-head rotation already is the layer's.
+* **Global clips**: one K ratio and one V ratio for the whole model, chosen from the same grid as the
+  per-head fit on the same held-out rows, with the shared rotations, by
+  :func:`~oscar_calib.numerics.clip.choose_global_clips` (every layer counts the same). Fixed clips
+  (``--clip k=..,v=..``) are used as they are.
+* **Cost report**: the held-out errors of this scheme (shared rotation, global clips) are added to
+  every layer's report row beside OSCAR's own and Hadamard's, so ``calibration.json`` says what
+  sharing costs on this model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics.clip import choose_global_clips, fit_k_clip, fit_v_clip, heldout_errors
+from ..numerics.rotation import K_OBJECTIVES, V_OBJECTIVES, rotations_from_covariance
+
+
+def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list, rows: list) -> tuple[float, float]:
+    """Add shared rotations to ``layers`` (when heads differ), fork-scheme held-out errors to
+    ``rows``, and return the global ``(k_clip, v_clip)``. ``held_layers(i)`` gives layer i's
+    :class:`~oscar_calib.numerics.clip.HeldoutLayer`."""
+    h = geo.num_kv_heads
+    shared_needed = cfg.granularity == "head" and h > 1
+    kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
+    k_tables, v_tables = [], []
+    rots = []
+    for i, s in enumerate(stats):
+        if shared_needed:
+            k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, "layer", warn=False)
+            v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, "layer", warn=False)
+            lr = layers[i]
+            lr.k_layer_rotation, lr.k_layer_eigenvalues = k_rot[0].float(), k_eig[0].float()
+            lr.v_layer_rotation, lr.v_layer_eigenvalues = v_rot[0].float(), v_eig[0].float()
+        else:
+            k_rot, v_rot = layers[i].k_rotation.double(), layers[i].v_rotation.double()
+        rots.append((k_rot, v_rot))
+        tables = rows[i].get("clip_tables") or {}
+        held = None
+        if cfg.k_clip is None:
+            if not shared_needed and tables.get("k") is not None:
+                kt = torch.tensor(tables["k"], dtype=torch.float64)
+            else:
+                held = held or held_layers(i)
+                _, kt = fit_k_clip(held.k_rows(), k_rot, s.covariance("q"), group_size)
+            k_tables.append(kt)
+        if cfg.v_clip is None:
+            if not shared_needed and tables.get("v") is not None:
+                vt = torch.tensor(tables["v"], dtype=torch.float64)
+            else:
+                held = held or held_layers(i)
+                _, vt = fit_v_clip(held, v_rot, group_size)
+            v_tables.append(vt)
+    k_fit, v_fit = choose_global_clips(k_tables, v_tables)
+    k_clip = cfg.k_clip if cfg.k_clip is not None else k_fit
+    v_clip = cfg.v_clip if cfg.v_clip is not None else v_fit
+    for i, (k_rot, v_rot) in enumerate(rots):
+        full = lambda c: torch.full((h,), float(c), dtype=torch.float64)  # noqa: E731
+        rows[i]["heldout"]["fork"] = heldout_errors(held_layers(i), k_rot, full(k_clip), v_rot, full(v_clip),
+                                                    group_size)
+    return float(k_clip), float(v_clip)
