@@ -187,6 +187,9 @@ class OscarCache(Cache):
         check_transformers()
         if not scheme.quantized:
             raise InputError(f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache")
+        if any(r is not None for r in scheme.v_output):
+            raise InputError(f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is "
+                             "simulated by SimulatedKV only")
         windows = layer_windows(config)
         if len(windows) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
