@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import CacheError
 from ..model.capture import AttentionRoute, _base_function
 from .attend import attend_cached
+from .storage import write_step
 
 ATTENTION_NAME = "oscar_int2"
 
@@ -45,8 +47,12 @@ def _registered_attention(module, query, key, value, attention_mask, **kwargs):
     layer_idx = getattr(module, "layer_idx", None)
     for route in reversed(_ACTIVE):
         layers = route.cache.layers
-        if layer_idx is not None and layer_idx < len(layers) and layers[layer_idx].takes(key):
-            return layer_attention(layers[layer_idx], module, query, key, value, attention_mask, kwargs)
+        if layer_idx is None or layer_idx >= len(layers) or layers[layer_idx].pending is None:
+            continue
+        if not layers[layer_idx].takes(key):
+            raise CacheError(f"layer {layer_idx}: the model changed K/V between cache.update and attention; "
+                             "OscarCache cannot serve this attention module")
+        return layer_attention(layers[layer_idx], module, query, key, value, attention_mask, kwargs)
     return _base_function("sdpa", module)(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -74,6 +80,19 @@ def _causal(t: int, window: int | None, device) -> torch.Tensor:
     return ok.unsqueeze(0)
 
 
+def kernel_decodes(layer, query: torch.Tensor, softcap) -> bool:
+    """Whether a decode step of ``layer`` runs the Triton kernel (else the chunked torch path):
+    full-attention layers, no soft-cap, a 16-bit window, a shape the kernel takes, and the
+    backend (``auto``: CUDA tensors)."""
+    from ..kernels._common import resolve_backend
+    from ..kernels.decode import _triton_support
+
+    if layer.is_sliding or softcap or layer.store.plan.window_dtype not in (torch.bfloat16, torch.float16):
+        return False
+    view = layer.store.kernel_view()
+    return resolve_backend(layer.backend, [query, view.k_codes], _triton_support(view, query[:, :, 0])) == "triton"
+
+
 def layer_attention(layer, module, query, key, value, mask, kwargs):
     """One layer's attention for this call (see the module docstring). Returns ``(out [B, T, Hq, d],
     None)`` like every transformers attention function."""
@@ -88,8 +107,8 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
         layer.write(key, value, valid)
         return out, None
     if t == 1 and all(v is None for v in valid):           # a decode step: write, then read the cache
-        store.write_step(key, value)
-        if layer.uses_kernel(query, softcap):
+        write_step(store, key, value)
+        if kernel_decodes(layer, query, softcap):
             from ..kernels import decode_attention
 
             p = store.plan

@@ -36,10 +36,42 @@ from ..errors import ArtifactError, CacheError, InputError
 from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
 from .plan import LayerPlan
 from .scheme import KVScheme
-from .storage import LayerStore
+from .storage import LayerStore, write_step, write_tokens
 
 
-class OscarLayer(CacheLayerMixin):
+class _BatchOps:
+    """Beam search and batch edits of an :class:`OscarLayer` (``self.store``, ``self.seen``)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store is not None:
+            self.store.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            idx = [i for i in range(self.store.batch) for _ in range(repeats)]
+            self.store.map_batch(lambda t: t.repeat_interleave(repeats, dim=0), idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.map_batch(lambda t: t[indices, ...], torch.as_tensor(indices).tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a positive value: keep that many, the
+        transformers <= 5.17 convention). Exact only while no stored token has left the window:
+        later, the tokens that would come back into the window exist only as INT2."""
+        remove = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        if remove <= 0:
+            return
+        if self.store is not None:
+            if not self.store.exact_after_removing():
+                raise CacheError(f"OscarCache cannot crop {remove} token(s) exactly: tokens that left the BF16 "
+                                 "window are stored only as INT2 (crop is exact while the context fits in "
+                                 "sink + recent)")
+            self.store.set_counts([max(0, c - remove) for c in self.store.counts])
+        self.seen = max(0, self.seen - remove)
+
+
+class OscarLayer(_BatchOps, CacheLayerMixin):
     """One decoder layer of :class:`OscarCache` (the real cache): transformers' layer API over a
     :class:`~oscar_calib.runtime.storage.LayerStore`; the attention itself runs in
     :func:`~oscar_calib.runtime.attention.layer_attention`."""
@@ -84,9 +116,9 @@ class OscarLayer(CacheLayerMixin):
 
     def write(self, k: torch.Tensor, v: torch.Tensor, valid: list) -> None:
         if k.shape[2] == 1 and all(x is None for x in valid):
-            self.store.write_step(k, v)
+            write_step(self.store, k, v)
         else:
-            self.store.write(k, v, valid)
+            write_tokens(self.store, k, v, valid)
 
     def write_prefix(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store tokens whose attention was computed elsewhere (e.g. a shared full-precision prefill)."""
@@ -94,16 +126,6 @@ class OscarLayer(CacheLayerMixin):
             self.lazy_initialization(k, v)
         self.write(k, v, [None] * k.shape[0])
         self.seen += k.shape[2]
-
-    def uses_kernel(self, query: torch.Tensor, softcap) -> bool:
-        """Whether a decode step runs the Triton kernel (else the chunked torch path)."""
-        from ..kernels._common import resolve_backend
-        from ..kernels.decode import _triton_support
-
-        if self.is_sliding or softcap or self.store.plan.window_dtype not in (torch.bfloat16, torch.float16):
-            return False
-        view = self.store.kernel_view()
-        return resolve_backend(self.backend, [query, view.k_codes], _triton_support(view, query[:, :, 0])) == "triton"
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # the mask covers this call's tokens only: the cache knows which stored tokens are real
@@ -123,35 +145,6 @@ class OscarLayer(CacheLayerMixin):
 
     def prefetch(self):
         return None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (a positive value: keep that many, the
-        transformers <= 5.17 convention). Exact only while no stored token has left the window."""
-        remove = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
-        if remove <= 0:
-            return
-        if self.store is not None and max(self.store.counts) > self.sink + self.recent:
-            raise CacheError(f"OscarCache cannot crop {remove} token(s) exactly: tokens that left the BF16 window "
-                             "are stored only as INT2 (crop is exact while the context fits in sink + recent)")
-        if self.store is not None:
-            self.store.counts = [max(0, c - remove) for c in self.store.counts]
-            self.store.n.copy_(torch.tensor(self.store.counts))
-            self.store._sync_lens()
-        self.seen = max(0, self.seen - remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.store is not None:
-            self.store.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx.tolist())
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.store is not None:
-            idx = [i for i in range(self.store.batch) for _ in range(repeats)]
-            self.store.map_batch(lambda t: t.repeat_interleave(repeats, dim=0), idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.store is not None:
-            idx = torch.as_tensor(indices).tolist()
-            self.store.map_batch(lambda t: t[indices, ...], idx)
 
 
 def checked_artifact(artifact, model):

@@ -132,8 +132,9 @@ class Int2Store:
 
 
 class LayerStore:
-    """Window + INT2 history + token counts of one layer; the write path and the kernel's view.
-    ``plan`` is the layer's :class:`~oscar_calib.runtime.plan.LayerPlan` (already on the device)."""
+    """Window + INT2 history + token counts of one layer, and the decode kernel's view of them.
+    ``plan`` is the layer's :class:`~oscar_calib.runtime.plan.LayerPlan` (already on the device);
+    :func:`write_step` and :func:`write_tokens` fill it."""
 
     def __init__(self, plan, batch: int, heads: int, d: int, device, reserve: int = 0):
         self.plan, self.batch, self.heads, self.d = plan, batch, heads, d
@@ -148,62 +149,22 @@ class LayerStore:
         self.hist_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self._view = None
 
-    # -- writes ----------------------------------------------------------------------------
     def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens per sequence in the history (grows it if needed)."""
         if self.hist.grow(tokens - self.plan.sink):
             self._view = None
 
-    def write_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One new token per sequence, all valid: ``k``/``v`` ``[B, H, 1, d]`` (graph-safe: no host
-        reads; the history must have room, see :meth:`reserve`)."""
-        if max(self.counts) + 1 - self.plan.sink > self.hist.cap:
-            self.reserve(max(self.counts) + 1)
-        rows = torch.stack([k[:, :, 0], v[:, :, 0]], 1).to(self.plan.window_dtype)   # [B, 2, H, d]
-        b = torch.arange(self.batch, device=rows.device)
-        self.window.kv[b, :, :, self.window.slots(self.n)] = self.plan.rotate(rows).to(self.plan.window_dtype)
-        q = self.plan.quantize(rows.view(self.batch, 2 * self.heads, self.d))
-        hs = self.hist.slots(self.n - self.plan.sink)
-        for dst, src in zip(self.hist.tensors(), (q.codes, q.scale, q.offset)):
-            dst[b, :, :, hs] = src.view(self.batch, 2, self.heads, -1)
-        self.n += 1
-        self.counts = [c + 1 for c in self.counts]
-        self._sync_lens()
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, valid: list[torch.Tensor | None]) -> None:
-        """New tokens ``k``/``v`` ``[B, H, T, d]``; ``valid[b]`` indexes the valid ones of row ``b``
-        (None: all ``T``)."""
-        s = self.plan.sink
-        longest = max(c + (k.shape[2] if sel is None else len(sel)) for c, sel in zip(self.counts, valid))
-        self.reserve(longest + GROW_MIN)
-        for b, sel in enumerate(valid):
-            rows = torch.stack([k[b], v[b]])                                        # [2, H, T, d]
-            if sel is not None:
-                rows = rows.index_select(2, sel)
-            rows = rows.to(self.plan.window_dtype)
-            n0, m = self.counts[b], rows.shape[2]
-            t = torch.arange(n0, n0 + m, device=rows.device)
-            keep = (t < s) | (t >= n0 + m - self.plan.recent)
-            pos = keep.nonzero().squeeze(1)
-            rot = self.plan.rotate(rows[:, :, pos].permute(2, 0, 1, 3)).permute(1, 2, 0, 3)   # [2, H, m', d]
-            self.window.kv[b].index_copy_(2, self.window.slots(t[pos]), rot.to(self.plan.window_dtype))
-            first = max(0, s - n0, m - self.hist.cap if self.hist.ring else 0)
-            for a in range(first, m, WRITE_CHUNK):
-                part = rows[:, :, a:a + WRITE_CHUNK]
-                x = part.permute(2, 0, 1, 3).reshape(part.shape[2], 2 * self.heads, self.d)
-                q = self.plan.quantize(x)
-                hs = self.hist.slots(t[a:a + WRITE_CHUNK] - s)
-                for dst, src in zip(self.hist.tensors(), (q.codes, q.scale, q.offset)):
-                    dst[b].index_copy_(2, hs, src.view(part.shape[2], 2, self.heads, -1).permute(1, 2, 0, 3))
-            self.counts[b] = n0 + m
+    def set_counts(self, counts: list[int]) -> None:
+        self.counts = list(counts)
         self.n.copy_(torch.tensor(self.counts, dtype=torch.int64))
-        self._sync_lens()
+        self.sync_lens()
 
-    def _sync_lens(self) -> None:
+    def sync_lens(self) -> None:
+        """The kernel's lengths from the counts (device ops only)."""
         p = self.plan
         self.bf16_lens.copy_(self.n.clamp(max=p.sink + p.recent))
         self.hist_lens.copy_((self.n - p.sink - p.recent).clamp(min=0))
 
-    # -- reads -----------------------------------------------------------------------------
     def kernel_view(self) -> Int2KVCache:
         """The layer as the decode kernel's contiguous :class:`Int2KVCache` (views, no copies)."""
         if self._view is None:
@@ -215,6 +176,10 @@ class LayerStore:
     def history_span(self) -> int:
         """History slots that may hold a token (host bound over the batch)."""
         return max(0, min(self.hist.cap, max(self.counts) - self.plan.sink))
+
+    def exact_after_removing(self) -> bool:
+        """Whether the last tokens can be dropped exactly: no stored token has left the window yet."""
+        return max(self.counts) <= self.plan.sink + self.plan.recent
 
     def map_batch(self, fn, index: list[int]) -> None:
         """Apply ``fn`` to every per-sequence tensor (beam reorder, repeat, select); ``index``
@@ -229,3 +194,48 @@ class LayerStore:
     def nbytes(self) -> int:
         ts = (self.window.kv,) + self.hist.tensors()
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One new token per sequence, all real: ``k``/``v`` ``[B, H, 1, d]``. Graph-safe (device
+    ops only, slots computed from the device counts) while the history has room (:meth:`reserve`)."""
+    p = st.plan
+    if max(st.counts) + 1 - p.sink > st.hist.cap:
+        st.reserve(max(st.counts) + 1)
+    rows = torch.stack([k[:, :, 0], v[:, :, 0]], 1).to(p.window_dtype)                 # [B, 2, H, d]
+    b = torch.arange(st.batch, device=rows.device)
+    st.window.kv[b, :, :, st.window.slots(st.n)] = p.rotate(rows).to(p.window_dtype)
+    q = p.quantize(rows.view(st.batch, 2 * st.heads, st.d))
+    hs = st.hist.slots(st.n - p.sink)
+    for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
+        dst[b, :, :, hs] = src.view(st.batch, 2, st.heads, -1)
+    st.n += 1
+    st.counts = [c + 1 for c in st.counts]
+    st.sync_lens()
+
+
+def write_tokens(st: LayerStore, k: torch.Tensor, v: torch.Tensor, valid: list[torch.Tensor | None]) -> None:
+    """New tokens ``k``/``v`` ``[B, H, T, d]``; ``valid[b]`` indexes the real ones of row ``b``
+    (None: all ``T``). Only the tokens that end in the window are rotated into it; every token
+    from the sink on is quantised into its history slot, :data:`WRITE_CHUNK` at a time."""
+    p, s = st.plan, st.plan.sink
+    longest = max(c + (k.shape[2] if sel is None else len(sel)) for c, sel in zip(st.counts, valid))
+    if longest - s > st.hist.cap:                      # no reservation covers it: room for GROW_MIN more
+        st.reserve(longest + GROW_MIN)
+    counts = list(st.counts)
+    for b, sel in enumerate(valid):
+        rows = torch.stack([k[b], v[b]])                                               # [2, H, T, d]
+        rows = (rows if sel is None else rows.index_select(2, sel)).to(p.window_dtype)
+        n0, m = counts[b], rows.shape[2]
+        t = torch.arange(n0, n0 + m, device=rows.device)
+        pos = ((t < s) | (t >= n0 + m - p.recent)).nonzero().squeeze(1)
+        rot = p.rotate(rows[:, :, pos].permute(2, 0, 1, 3)).permute(1, 2, 0, 3)        # [2, H, m', d]
+        st.window.kv[b].index_copy_(2, st.window.slots(t[pos]), rot.to(p.window_dtype))
+        for a in range(max(0, s - n0, m - st.hist.cap if st.hist.ring else 0), m, WRITE_CHUNK):
+            part = rows[:, :, a:a + WRITE_CHUNK]
+            q = p.quantize(part.permute(2, 0, 1, 3).reshape(part.shape[2], 2 * st.heads, st.d))
+            hs = st.hist.slots(t[a:a + WRITE_CHUNK] - s)
+            for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
+                dst[b].index_copy_(2, hs, src.view(part.shape[2], 2, st.heads, -1).permute(1, 2, 0, 3))
+        counts[b] = n0 + m
+    st.set_counts(counts)

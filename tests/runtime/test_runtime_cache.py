@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from oscar_calib.errors import ArtifactError, CacheError
 from oscar_calib.model.geometry import geometry_of
 from oscar_calib.runtime import KVScheme, OscarCache, SimulatedCache
+from oscar_calib.runtime.attention import kernel_decodes
 
 ON_GPU = torch.cuda.is_available()
 
@@ -109,7 +110,7 @@ def test_kernel_path_equals_torch_path():
     tri_cache = OscarCache(m.config, sch, backend="triton")
     tri = step_logits(m, tri_cache, ids, 10)
     ref = step_logits(m, OscarCache(m.config, sch, backend="torch"), ids, 10)
-    assert tri_cache.layers[0].uses_kernel(torch.zeros(2, 4, 1, 64, device=dev), None)
+    assert kernel_decodes(tri_cache.layers[0], torch.zeros(2, 4, 1, 64, device=dev), None)
     assert (tri - ref).abs().max() < 2e-2 * ref.abs().max()
     assert torch.equal(tri.argmax(-1), ref.argmax(-1))
 

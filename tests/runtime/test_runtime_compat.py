@@ -8,7 +8,11 @@ from helpers import tiny_model
 
 from oscar_calib.errors import UnsupportedModelError
 from oscar_calib.runtime import compat
-from oscar_calib.runtime.compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
+from oscar_calib.runtime.compat import (
+    SUPPORTED_TRANSFORMERS,
+    check_transformers,
+    layer_windows,
+)
 
 
 def test_installed_version_is_in_the_tested_range():

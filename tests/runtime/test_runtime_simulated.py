@@ -11,8 +11,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from oscar_calib.errors import ArtifactError
 from oscar_calib.model.geometry import geometry_of
-from oscar_calib.runtime.simulated import SimulatedCache, SimulatedLayer
 from oscar_calib.runtime.scheme import KVScheme
+from oscar_calib.runtime.simulated import SimulatedCache, SimulatedLayer
 
 
 def lossless(model, sink=3, recent=4):
