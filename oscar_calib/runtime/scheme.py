@@ -1,7 +1,8 @@
 """``KVScheme``: how one method stores K/V (rotations, clips, INT2 group size, BF16 sink and window).
 
-Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the perplexity simulation
-(:mod:`oscar_calib.runtime.simulate`) and every evaluation method.
+Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the two accuracy simulations
+(:mod:`oscar_calib.runtime.simulated`, a ``Cache``; :mod:`oscar_calib.runtime.simulate`, per query
+position for perplexity) and every evaluation method.
 """
 
 from __future__ import annotations
