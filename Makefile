@@ -21,8 +21,7 @@ demo: setup
 	$(PYTHON) -m oscar_calib calibrate smollm2-135m --out runs/demo --overwrite --device cpu
 
 test: setup
-	$(PYTHON) -m oscar_calib validate zoo --allow-empty
-	$(PYTHON) -m oscar_calib zoo index --check
+	$(PYTHON) scripts/run_hook.py oscar-validate zoo
 	$(PYTHON) -m pytest -q tests
 	$(MAKE) test-low
 

@@ -1,5 +1,7 @@
 """Typed errors. The library raises these; the CLI turns each into one line and exit code 2."""
 
+from __future__ import annotations
+
 
 class OscarError(Exception):
     """Base class of every error the toolkit reports to a user."""
@@ -48,3 +50,9 @@ class PublishError(OscarError):
 class CacheError(OscarError):
     """A KV cache cannot do what was asked (used without its attention function, cropped past what
     it can restore exactly)."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty): what a
+    one-line error quotes from a library's exception."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

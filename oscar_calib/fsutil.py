@@ -13,7 +13,10 @@ staged_dir           a directory built under a temporary name beside ``out`` and
                      ``merge=False``: ``out`` is replaced as a whole (what it held is kept until the
                      new one is ready). ``merge=True``: the staged files are moved into ``out`` one
                      by one (``last`` moved last), other files in ``out`` are left alone.
+                     ``if_absent=True`` (caches): installed only if no other writer got there first.
 replace_dir          move a finished directory onto ``dest``, restoring ``dest`` if the move fails
+check_can_replace    refuse a file where a directory goes, or an occupied directory unless overwrite
+check_writable       refuse an output directory that cannot be created or written (a real probe)
 ===================  ==============================================================================
 """
 
@@ -22,11 +25,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from .errors import OutputExistsError
+from .errors import InputError, OutputExistsError
 
 
 def _umask() -> int:
@@ -88,21 +91,43 @@ def replace_dir(src: Path, dest: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def check_can_replace(out: Path, *, overwrite: bool) -> None:
-    """Refuse a file at ``out``, or a non-empty directory unless ``overwrite``."""
+def check_can_replace(out: Path, *, overwrite: bool, occupied: Callable[[Path], bool] | None = None,
+                      what: str = "is not empty") -> None:
+    """Refuse a file at ``out``, or a directory that is ``occupied`` (default: non-empty) unless
+    ``overwrite``; the message says ``f"{out} {what}"``."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out} is not empty; pass --overwrite to replace it")
+    full = occupied or (lambda d: any(d.iterdir()))
+    if out.is_dir() and full(out) and not overwrite:
+        raise OutputExistsError(f"{out} {what}; pass --overwrite to replace it")
+
+
+def check_writable(out: Path) -> None:
+    """Refuse an output directory that cannot be created or written: its nearest existing ancestor
+    must be a directory where a file can be made (a real probe: ``os.access`` says yes to root
+    even on read-only file systems)."""
+    out = Path(out)
+    parent = out if out.is_dir() else out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"cannot create output directory {out}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".oscar-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise InputError(f"output directory {out} is not writable") from None
 
 
 @contextmanager
 def staged_dir(out: Path, *, overwrite: bool = False, merge: bool = False, last: str | None = None,
-               check: bool = True, tag: str = "tmp") -> Iterator[Path]:
+               check: bool = True, if_absent: bool = False, tag: str = "tmp") -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; install it when the block succeeds (see the
     module docstring), delete it on any error. With ``check``, refuse a file at ``out`` or a
-    non-empty ``out`` unless ``overwrite``."""
+    non-empty ``out`` unless ``overwrite``. With ``if_absent`` (a cache), the staged directory is
+    installed only where nothing is: if another writer installed ``out`` first, ours is dropped."""
     out = Path(out)
     if check:
         check_can_replace(out, overwrite=overwrite)
@@ -111,6 +136,10 @@ def staged_dir(out: Path, *, overwrite: bool = False, merge: bool = False, last:
     try:
         apply_umask_mode(tmp)
         yield tmp
+        if if_absent:
+            with suppress(OSError):        # a non-empty ``out`` appeared meanwhile: keep it
+                os.replace(tmp, out)
+            return
         if not merge or not out.exists():
             replace_dir(tmp, out)
             return

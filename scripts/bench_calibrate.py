@@ -312,8 +312,7 @@ def update_microbench(lm, seq_len: int, batch_size: int, plain_per_batch_s: floa
     in float64), and the finiteness check."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import _check_finite
-    from oscar_calib.calibrate.stats import ACCUMULATORS, LayerStats
+    from oscar_calib.calibrate.stats import ACCUMULATORS, LayerStats, check_finite
 
     geo = lm.geometry
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -346,11 +345,11 @@ def update_microbench(lm, seq_len: int, batch_size: int, plain_per_batch_s: floa
         out[f"update_{mode}_s"] = statistics.median(ts)
         out[f"update_{mode}_vs_forward"] = out[f"update_{mode}_s"] / plain_per_batch_s
         if mode == "half":
-            _check_finite(stats)
+            check_finite(stats)
             _sync()
             t0 = time.perf_counter()
             for _ in range(5):
-                _check_finite(stats)
+                check_finite(stats)
             out["finite_check_s"] = (time.perf_counter() - t0) / 5
     os.environ.pop("OSCAR_EXACT_GRAMS", None)
     out["half_vs_exact_max_rel_diff"] = max(float((firsts["half"][n] - firsts["exact"][n]).norm()
@@ -362,7 +361,7 @@ def dp_worker(job: dict) -> None:
     """One rank of the data-parallel measurement (started by gpu_main through oscar's launcher)."""
     import torch
 
-    from oscar_calib.calibrate.parallel import session
+    from oscar_calib.calibrate.parallel import data_parallel
     from oscar_calib.calibrate.pipeline import _forward, collect_statistics
     from oscar_calib.calibrate.stats import ACCUMULATORS
 
@@ -370,11 +369,12 @@ def dp_worker(job: dict) -> None:
     DEV, SMALL = job["device"], job["small"]
     if SMALL:
         _small(argparse.Namespace(gpu_device=DEV, small=True))
-    with session(DEV) as ctx:
+    with data_parallel(DEV) as ranks:
+        ctx = ranks.ctx
         lm, _ = qwen3_8b_geometry(ctx.device)
         seq_len, batch_size = job["seq_len"], job["batch_size"]
         plan, cfg = gpu_plan(GPU_TOKENS, seq_len), gpu_cfg(GPU_TOKENS, seq_len, batch_size)
-        mine = [b.to(ctx.device) for b in ctx.shard(plan.batches(batch_size))]
+        mine = [b.to(ctx.device) for b in ranks.shard(plan.batches(batch_size))]
 
         def plain():
             with torch.no_grad():
@@ -383,7 +383,7 @@ def dp_worker(job: dict) -> None:
             _sync()
 
         plain()
-        collect_statistics(lm, plan, cfg, dist=ctx)          # warm-up (NCCL, kernels)
+        collect_statistics(lm, plan, cfg, ranks=ranks)          # warm-up (NCCL, kernels)
         times = {"plain": [], "capture": [], "statistics": []}
         run = None
         for _ in range(job["repeats"]):
@@ -393,7 +393,7 @@ def dp_worker(job: dict) -> None:
                 if name == "plain":
                     plain()
                 else:
-                    run, timing = collect_statistics(lm, plan, cfg, dist=ctx)
+                    run, timing = collect_statistics(lm, plan, cfg, ranks=ranks)
                     _sync()
                     times["statistics"].append(max(ctx.gather_objects(timing["statistics_s"], "timing")))
                 dt = time.perf_counter() - t0
@@ -417,7 +417,7 @@ def gpu_main(args) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.parallel import launch
+    from oscar_calib.calibrate.launch import launch
 
     _small(args)
     if _cuda() and not torch.cuda.is_available():

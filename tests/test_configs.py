@@ -18,7 +18,7 @@ from oscar_calib.spec.artifact import (
     tensor_name,
     tensor_shape,
 )
-from oscar_calib.spec.config import from_mapping, load_yaml_section
+from oscar_calib.spec.config import config_from_options, from_mapping, load_yaml_section
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -141,3 +141,18 @@ def test_missing_geometry_key_and_bad_sections(tmp_path):
     good = tmp_path / "c.yaml"
     good.write_text(f"geometry:\n{lines}\ncalibration:\n  tokens: 4096\n")
     assert load_model_config(good).calibration.tokens == 4096
+
+
+def test_command_line_options_override_the_config_file_only_where_given(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("calibration:\n  dtype: bfloat16\n  tokens: 256\n  seed: 3\n  trust_remote_code: true\n")
+    # None and an option's own default ("auto", False) leave the file's value; 0 is a value
+    cfg = config_from_options(f, dict(tokens=None, seed=0, dtype="auto", device="auto", trust_remote_code=False),
+                              clip="k=0.9,v=0.8")
+    assert (cfg.dtype, cfg.tokens, cfg.seed, cfg.trust_remote_code, cfg.device) == ("bfloat16", 256, 0, True, "auto")
+    assert (cfg.k_clip, cfg.v_clip) == (0.9, 0.8)
+    cfg = config_from_options(f, dict(dtype="float32", tokens=512))
+    assert (cfg.dtype, cfg.tokens, cfg.seed) == ("float32", 512, 3)
+    assert config_from_options(None, dict(model="m", dtype="auto")) == from_mapping({"model": "m"})
+    with pytest.raises(InputError, match="options: unknown key"):
+        config_from_options(None, dict(tokenz=5))

@@ -18,11 +18,16 @@ from safetensors.torch import load_file
 from test_cli import assert_one_line_error, run_main
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
-from oscar_calib.calibrate.parallel import check_nproc, launch
+from oscar_calib.calibrate.launch import check_nproc, launch
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.calibrate.stats import ACCUMULATORS
 from oscar_calib.errors import DistributedError, InputError
-from oscar_calib.model.placement import Placement, parse_device_map, parse_max_memory
+from oscar_calib.model.placement import (
+    Placement,
+    parse_device_map,
+    parse_max_memory,
+    placement_from_options,
+)
 from oscar_calib.numerics.rotation import eig_desc
 from oscar_calib.spec.config import CalibrationConfig
 
@@ -120,15 +125,15 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     here the other rank loaded another revision: every rank stops before writing anything."""
     import contextlib
 
-    from oscar_calib.calibrate import parallel as distributed
-    from oscar_calib.calibrate import pipeline
+    from oscar_calib.calibrate import parallel
 
-    class TwoRanks(distributed.DistContext):
+    class TwoRanks(parallel.DistContext):
         def gather_objects(self, obj, what):
             other = dict(obj, fingerprint="0" * 64)                  # "another revision" on the other rank
             return [obj, other] if self.rank == 0 else [other, obj]
 
-    monkeypatch.setattr(pipeline, "session", lambda *a, **k: contextlib.nullcontext(
+    monkeypatch.setenv("WORLD_SIZE", "2")                             # this process is one rank of two
+    monkeypatch.setattr(parallel, "session", lambda *a, **k: contextlib.nullcontext(
         TwoRanks(rank=rank, world_size=2, device="cpu", backend="gloo")))
     with pytest.raises(DistributedError, match="ranks disagree on the model fingerprint .*rank 0: .*rank 1: "):
         calibrate(CalibrationConfig(**CFG), tmp_path / "out", loaded=loaded_tiny())
@@ -190,6 +195,22 @@ def test_bad_placement_options():
     assert parse_device_map("auto") == "auto" and parse_device_map('{"": "cpu"}') == {"": "cpu"}
     with pytest.raises(InputError, match="--device-map"):
         parse_device_map("everywhere")
+    assert placement_from_options("auto", "0=1GiB", None) == Placement("auto", {0: "1GiB"}, None)
+    assert placement_from_options(None, None, None) is None
+    with pytest.raises(InputError, match="--max-memory needs --device-map"):
+        placement_from_options(None, "0=1GiB", None)
+
+
+def test_a_rank_with_a_device_map_gets_its_slice_of_the_gpus(monkeypatch):
+    from oscar_calib.calibrate.parallel import _rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _rank_device("cuda", 1, Placement("auto")) == ("nccl", "cuda:2")     # GPUs 2 and 3
+    assert _rank_device("cuda", 1, None) == ("nccl", "cuda:1")                  # one GPU per rank
+    with pytest.raises(DistributedError, match="LOCAL_RANK=2 has no GPU"):
+        _rank_device("cuda", 2, Placement("auto"))
 
 
 # ----------------------------------------------------------------------------- big models

@@ -124,3 +124,31 @@ def test_embedded_halves_do_not_overlap(char_tokenizer):
     assert a.sha256() != b.sha256()
     lm = loaded_tiny()
     assert lm.geometry.num_layers == 2
+
+
+def test_gguf_cache_is_installed_whole_and_only_once(tmp_path):
+    """The de-quantised copy goes through fsutil.staged_dir: a failed save leaves nothing, and a
+    second writer keeps the first writer's copy."""
+    import types
+    from pathlib import Path
+
+    from oscar_calib.model.load import _save_gguf_cache
+
+    class Saver:
+        def __init__(self, name: str, fail: bool = False):
+            self.name, self.fail = name, fail
+            self.config, self.hf_quantizer = types.SimpleNamespace(quantization_config={}), object()
+
+        def save_pretrained(self, d):
+            if self.fail:
+                raise OSError("disk full")
+            (Path(d) / self.name).write_text(self.name)
+
+    target = tmp_path / "gguf" / "m-0123"
+    _save_gguf_cache(Saver("model.safetensors", fail=True), Saver("tokenizer.json"), target)
+    assert not target.exists() and not list(target.parent.iterdir())
+    _save_gguf_cache(Saver("model.safetensors"), Saver("tokenizer.json"), target)
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    _save_gguf_cache(Saver("other.safetensors"), Saver("tokenizer.json"), target)
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert [p.name for p in target.parent.iterdir()] == ["m-0123"]           # no staging left behind

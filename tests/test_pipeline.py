@@ -3,6 +3,7 @@ resume, architectures and error paths."""
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -195,6 +196,28 @@ def test_jsonl_and_directory_data(tmp_path):
     (docs / "b.txt").write_text(text)
     res = run_tiny(tmp_path / "o", data=str(docs), text_field="body")
     assert res.report["calibration"]["data"] == "dir:docs"
+
+
+def test_single_process_never_enters_the_data_parallel_code(tmp_path):
+    """A plain run calls the pipeline's hooks on ``Ranks()``: it neither imports
+    calibrate.parallel nor starts a process group."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from helpers import loaded_tiny
+        from test_pipeline import TINY_FAST
+        from oscar_calib.spec.config import CalibrationConfig
+        from oscar_calib.calibrate.pipeline import calibrate
+        import torch.distributed as dist
+
+        res = calibrate(CalibrationConfig(**TINY_FAST), {str(tmp_path / "a")!r}, loaded=loaded_tiny())
+        assert res.artifact is not None and "world_size" not in res.report["timings"]
+        assert not dist.is_initialized()
+        assert "oscar_calib.calibrate.parallel" not in sys.modules, "a single process entered calibrate.parallel"
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
 
 
 @pytest.mark.slow

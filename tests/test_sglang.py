@@ -22,9 +22,20 @@ from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV
-from oscar_calib.spec.artifact import WEIGHTS_NAME, Artifact, LayerRotations, load_artifact, write_artifact_files
-from oscar_calib.tools.sglang import (export_sglang, fork_load_problems, identity_payload, import_sglang, payload,
-                                      read_rotation_file)
+from oscar_calib.spec.artifact import (
+    WEIGHTS_NAME,
+    Artifact,
+    LayerRotations,
+    load_artifact,
+)
+from oscar_calib.tools.sglang import (
+    export_sglang,
+    fork_load_problems,
+    identity_payload,
+    import_sglang,
+    payload,
+    read_rotation_file,
+)
 from oscar_calib.tools.validate import validate_artifact
 
 runner = CliRunner()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError, InputError
+from ..errors import DataError, InputError, first_line
 
 EMBEDDED = "embedded"
 SPLITS = ("calibration", "heldout")
@@ -83,8 +83,7 @@ def load_texts(data: str, *, split: str = "train", text_field: str = "text") -> 
 
         ds = datasets.load_dataset(data, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "could not load"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"cannot load dataset {data!r} (split {split!r}) from the hub: {first}") from None
+        raise DataError(f"cannot load dataset {data!r} (split {split!r}) from the hub: {first_line(e)}") from None
     if text_field not in ds.column_names:
         raise DataError(f"dataset {data!r} has no column {text_field!r} (columns: {', '.join(ds.column_names)})")
     return [str(x) for x in ds[text_field]], f"hub:{data}:{split}"

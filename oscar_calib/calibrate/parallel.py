@@ -1,11 +1,11 @@
-"""Data-parallel calibration (torch.distributed) and big-model placement (accelerate).
+"""Data-parallel calibration over torch.distributed: the :class:`DataParallel` hooks of the pipeline.
 
-Data parallelism
-================
-
-Every rank loads the same model, plans the same token ids, and streams its share of the
-calibration batches through its own copy; the float64 accumulators are then summed over ranks and
-rank 0 writes the artifact. The same code runs however the ranks were started:
+:mod:`.pipeline` is the single-process algorithm; it calls the hook points of
+:class:`~oscar_calib.calibrate.ranks.Ranks` (a table there), and only a process started as one rank
+of a job enters :func:`session` and gets :class:`DataParallel`. Every rank loads the same model,
+plans the same token ids, and streams its share of the calibration batches through its own copy;
+the float64 accumulators are then summed over ranks and rank 0 writes the artifact. The same code
+runs however the ranks were started:
 
 =============================================  ===============================================
 started by                                     what sets RANK / WORLD_SIZE / MASTER_ADDR / ...
@@ -13,6 +13,7 @@ started by                                     what sets RANK / WORLD_SIZE / MAS
 ``oscar calibrate --nproc N``                  torch's elastic launcher (the engine behind
                                                ``torchrun``), called in-process; it re-executes
                                                the same command line once per rank
+                                               (:mod:`oscar_calib.calibrate.launch`)
 ``torchrun --nproc-per-node N -m oscar_calib   torchrun
 calibrate ...``
 ``accelerate launch -m oscar_calib calibrate`` accelerate (through torchrun)
@@ -47,60 +48,38 @@ Decisions:
   the same :class:`DistributedError` before anything is written. A collective that fails (a dead
   peer closes its sockets) and a SIGTERM from the launcher both become a one-line
   :class:`DistributedError`; checkpoints stay. With ``--nproc`` the parent names the rank that died.
-
-Big models
-==========
-
-``--device-map auto`` (or ``balanced``, ``sequential``, a JSON dict) and ``--max-memory
-0=70GiB,cpu=200GiB`` go to ``from_pretrained``, i.e. accelerate's big-model dispatch: layers spread
-over GPUs, CPU RAM and disk (safetensors checkpoints are disk-offloaded in place, read from their own
-files). Each layer's accumulators live on the device its attention runs on (moved there at the
-first batch), and are gathered on the CPU at the end. With data parallelism as well, each rank gets
-an equal, contiguous slice of the node's GPUs (rank ``r`` of ``n`` per node: GPUs ``r·k … r·k+k−1``,
-``k = gpus // n``).
+* **Big models** (:mod:`oscar_calib.model.placement`): with a device map as well, each rank gets an
+  equal, contiguous slice of the node's GPUs (:func:`placement_for_rank`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import os
 import re
 import signal
-import sys
-import uuid
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
-from ..errors import DistributedError, InputError
+from ..errors import DistributedError, InputError, first_line
 from ..model.placement import Placement, cpu_bytes
+from .ranks import Ranks, env_world_size, launched
+from .stats import ACCUMULATORS
 
 DEFAULT_TIMEOUT_S = 1800
-CPU_HINT = "on the CPU each rank needs a core of its own"
 
 
-# ----------------------------------------------------------------------------- context
-
-def env_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise DistributedError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
-
-
-def launched() -> bool:
-    """True inside a rank of a multi-process job (torchrun, accelerate launch, ``--nproc``)."""
-    import torch.distributed as dist
-
-    return env_world_size() > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
+# ----------------------------------------------------------------------------- the job
 
 @dataclass
 class DistContext:
-    """Where this process stands in the job. A plain single-process run is ``DistContext()``."""
+    """This process's place in a torch.distributed job, and the collectives calibration uses:
+    every failure of one becomes a one-line :class:`DistributedError`. A plain single process is
+    ``DistContext()``."""
 
     rank: int = 0
     world_size: int = 1
@@ -123,60 +102,35 @@ class DistContext:
     def comm_device(self) -> torch.device:
         return torch.device(self.device if self.backend == "nccl" else "cpu")
 
-    def shard(self, items: Sequence) -> list:
-        """Item ``i`` goes to rank ``i % world_size``."""
-        return list(items[self.rank::self.world_size])
-
-    # collectives: every failure becomes one DistributedError line -----------------------------
-    def _fail(self, what: str, e: BaseException) -> DistributedError:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]
-        return DistributedError(f"rank {self.rank}: lost contact with another rank during {what} ({first}); "
-                                "another rank probably failed, see its message; checkpoints are kept, rerun with "
-                                "--resume")
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several types
+            first = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))[:200]
+            raise DistributedError(f"rank {self.rank}: lost contact with another rank during {what} ({first}); "
+                                   "another rank probably failed, see its message; checkpoints are kept, rerun "
+                                   "with --resume") from None
 
     def gather_objects(self, obj, what: str) -> list:
-        import torch.distributed as dist
-
         out = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, obj, group=self.ctrl)
-        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several types
-            raise self._fail(what, e) from None
+        self._call(what, dist.all_gather_object, out, obj, group=self.ctrl)
         return out
 
     def barrier(self, what: str) -> None:
-        import torch.distributed as dist
-
-        try:
-            dist.monitored_barrier(group=self.ctrl, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                   wait_all_ranks=True)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(what, e) from None
+        self._call(what, dist.monitored_barrier, group=self.ctrl,
+                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True)
 
     def all_reduce_(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Sum ``t`` over ranks in place (on the communication device) and return it."""
-        import torch.distributed as dist
-
-        self.barrier(what)          # a dead peer fails here, on gloo, instead of hanging in NCCL
-        buf = t.to(self.comm_device)
-        try:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(what, e) from None
-        if buf is not t:
-            t.copy_(buf)
-        return t
+        return self._collective(t, what, dist.all_reduce, op=dist.ReduceOp.SUM)
 
     def broadcast_(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
-        import torch.distributed as dist
+        return self._collective(t, what, dist.broadcast, src=src)
 
-        self.barrier(what)
+    def _collective(self, t: torch.Tensor, what: str, fn, **kwargs) -> torch.Tensor:
+        self.barrier(what)          # a dead peer fails here, on gloo, instead of hanging in NCCL
         buf = t.to(self.comm_device)
-        try:
-            dist.broadcast(buf, src=src)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(what, e) from None
+        self._call(what, fn, buf, **kwargs)
         if buf is not t:
             t.copy_(buf)
         return t
@@ -193,6 +147,12 @@ def _timeout_s() -> float:
     return v
 
 
+def gpus_per_rank(gpus: int) -> int:
+    """GPUs of one rank when a device map spreads each rank's model: ``gpus // ranks per node``."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
+    return max(gpus // max(local_world, 1), 1)
+
+
 def _rank_device(device: str, local_rank: int, placement: "Placement | None") -> tuple[str, str]:
     """(backend, this rank's device) for a configured ``device`` ("auto", "cpu", "cuda", ...)."""
     from ..model.load import resolve_device
@@ -201,7 +161,7 @@ def _rank_device(device: str, local_rank: int, placement: "Placement | None") ->
     if not dev.startswith("cuda"):
         return "gloo", "cpu"
     n = torch.cuda.device_count()
-    per = placement.gpus_per_rank(n) if placement is not None and placement.device_map is not None else 1
+    per = gpus_per_rank(n) if placement is not None and placement.device_map is not None else 1
     first = local_rank * per
     if first >= n:
         raise DistributedError(f"rank with LOCAL_RANK={local_rank} has no GPU: only {n} CUDA device(s) visible "
@@ -214,8 +174,6 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
     """The job this process belongs to. Initialises ``torch.distributed`` from the environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when WORLD_SIZE > 1 and no process
     group exists yet, and destroys only a group it created. Single process: ``DistContext()``."""
-    import torch.distributed as dist
-
     existing = dist.is_available() and dist.is_initialized()
     if not existing and env_world_size() <= 1:
         yield DistContext()
@@ -250,10 +208,8 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
             try:
                 dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
             except Exception as e:  # noqa: BLE001
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise DistributedError(f"rank {rank}: cannot join the process group "
-                                       f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}): {first}") \
-                    from None
+                raise DistributedError(f"rank {rank}: cannot join the process group ({os.environ.get('MASTER_ADDR')}:"
+                                       f"{os.environ.get('MASTER_PORT')}): {first_line(e)}") from None
             created = True
         if backend != "gloo":
             ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
@@ -276,7 +232,7 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
                 dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------- start-up check
+# ----------------------------------------------------------------------------- start-up
 
 def check_agreement(ctx: DistContext, info: dict, error: BaseException | None) -> None:
     """All ranks exchange ``info`` (fingerprint, tokens sha, settings) and their start-up error.
@@ -304,8 +260,6 @@ def check_agreement(ctx: DistContext, info: dict, error: BaseException | None) -
                                    "and settings; nothing was written")
 
 
-# ----------------------------------------------------------------------------- accumulators
-
 def placement_for_rank(placement: Placement | None, ctx: DistContext) -> Placement | None:
     """This rank's share of a big-model placement: under data parallelism with a device map, an
     equal, contiguous slice of the node's GPUs (rank ``r`` of ``n`` per node: GPUs ``r·k … r·k+k−1``,
@@ -313,8 +267,7 @@ def placement_for_rank(placement: Placement | None, ctx: DistContext) -> Placeme
     if placement is None or not ctx.enabled or placement.device_map is None or not torch.cuda.is_available():
         return placement
     n = torch.cuda.device_count()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
-    per = max(n // max(local_world, 1), 1)
+    per = gpus_per_rank(n)
     gpus = range(ctx.local_rank * per, ctx.local_rank * per + per)
     user = dict(placement.max_memory or {})
     mm = {g: user.get(g, int(torch.cuda.mem_get_info(g)[0] * 0.9)) for g in gpus if g < n}
@@ -322,6 +275,8 @@ def placement_for_rank(placement: Placement | None, ctx: DistContext) -> Placeme
     mm.setdefault("cpu", cpu_bytes())
     return Placement(placement.device_map, mm, placement.offload_dir)
 
+
+# ----------------------------------------------------------------------------- accumulators
 
 def pilot_batches(batches: Sequence[torch.Tensor], pilot_tokens: int) -> int:
     """How many leading batches form the sst-approx pilot in a single process (the fewest whose
@@ -361,8 +316,6 @@ def freeze_pilot_across_ranks(stats: list, ctx: DistContext, pilot_tokens: int) 
 
 def all_reduce_stats(stats: list, ctx: DistContext) -> None:
     """Sum every layer's accumulators, weight sums and token counts over ranks, in place."""
-    from .stats import ACCUMULATORS
-
     if not ctx.enabled:
         return
     parts = []
@@ -385,122 +338,63 @@ def all_reduce_stats(stats: list, ctx: DistContext) -> None:
         off += 1
 
 
-def checkpoint_name(ctx: DistContext, base: str) -> str:
-    """``base`` for a single process, ``<stem>.rank{r}-of-{world}.pt`` for a rank."""
-    if not ctx.enabled:
-        return base
-    stem = base[:-3] if base.endswith(".pt") else base
-    return f"{stem}.rank{ctx.rank}-of-{ctx.world_size}.pt"
+# ----------------------------------------------------------------------------- the pipeline's hooks
+
+class DataParallel(Ranks):
+    """The pipeline's hook points for one rank of a data-parallel job (the table in
+    :mod:`oscar_calib.calibrate.ranks`); its collectives go through ``ctx``."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
+        self._pilot: tuple[int, int] | None = None   # (this rank's pilot batches, global pilot tokens)
+
+    def placement(self, placement):
+        return placement_for_rank(placement, self.ctx)
+
+    def checkpoint_name(self, base: str) -> str:
+        stem = base[:-3] if base.endswith(".pt") else base
+        return f"{stem}.rank{self.rank}-of-{self.world_size}.pt"
+
+    def agree(self, info: dict, error: BaseException | None) -> None:
+        check_agreement(self.ctx, info, error)
+
+    def shard(self, batches: Sequence) -> list:
+        """Batch ``i`` goes to rank ``i % world_size``."""
+        return list(batches[self.rank::self.world_size])
+
+    def key_parts(self) -> dict:
+        return {"rank": [self.rank, self.world_size]}
+
+    def plan_pilot(self, batches: Sequence, pilot_tokens: int, approx: bool) -> int:
+        n = pilot_batches(batches, pilot_tokens)
+        mine = len(range(self.rank, n, self.world_size))
+        self._pilot = (mine, sum(b.numel() for b in batches[:n])) if approx else None
+        return 2**62                       # frozen by after_batch, from every rank's pilot batches
+
+    def after_batch(self, stats: list, batches_done: int) -> None:
+        if self._pilot is not None and batches_done >= self._pilot[0]:
+            freeze_pilot_across_ranks(stats, self.ctx, self._pilot[1])
+            self._pilot = None
+
+    def reduce(self, stats: list) -> None:
+        all_reduce_stats(stats, self.ctx)
+
+    def timing(self, batches: Sequence) -> dict:
+        return {"world_size": self.world_size, "rank_batches": len(batches),
+                "rank_tokens": sum(b.numel() for b in batches)}
+
+    def barrier(self, what: str) -> None:
+        self.ctx.barrier(what)
 
 
-# ----------------------------------------------------------------------------- placement
+@contextlib.contextmanager
+def data_parallel(device: str = "auto", placement: Placement | None = None) -> Iterator[DataParallel]:
+    """This rank's hooks, inside :func:`session` (for a process started as one rank of a job)."""
+    with session(device, placement) as ctx:
+        yield DataParallel(ctx)
 
 
-# ----------------------------------------------------------------------------- launching
-
-def available_devices(device: str) -> tuple[int, str]:
-    """(how many ranks this machine can take, what they are) for a configured device."""
-    from ..model.load import resolve_device
-
-    dev = resolve_device(device)
-    if dev.startswith("cuda"):
-        return torch.cuda.device_count(), "CUDA device(s) visible (one rank per GPU)"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return cores, f"CPU core(s) available to this process ({CPU_HINT})"
-
-
-def check_nproc(nproc: int, device: str) -> None:
-    """Refuse ``--nproc`` below 1 or above the devices of this machine (GPUs on CUDA, cores on the CPU)."""
-    if nproc < 1:
-        raise InputError(f"--nproc must be at least 1, got {nproc}")
-    n, what = available_devices(device)
-    if nproc > n:
-        raise InputError(f"--nproc {nproc}: only {n} {what}")
-
-
-def launch(nproc: int, cmd: list[str], *, hint: str = "", env: dict[str, str] | None = None) -> int:
-    """Run ``cmd`` (an executable and its arguments) as ``nproc`` local ranks through torch's
-    elastic launcher (what ``torchrun --standalone`` runs), and wait.
-
-    Returns 0 when every rank exits 0 and 1 when only rank 0 exits with 1 (the CLI's "verification
-    failed"); raises :class:`DistributedError` naming the rank that failed first otherwise (a
-    rank that dies stops the others)."""
-    from torch.distributed.elastic.multiprocessing import (
-        DefaultLogsSpecs,
-        SignalException,
-    )
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    if nproc < 1:
-        raise InputError(f"--nproc must be at least 1, got {nproc}")
-    import dataclasses
-
-    extra = {"shutdown_timeout": 15} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"oscar-{uuid.uuid4().hex[:12]}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          logs_specs=DefaultLogsSpecs(), **extra)
-    added = dict(env or {})
-    added.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
-    if "OMP_NUM_THREADS" not in os.environ:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:
-            cores = os.cpu_count() or 1
-        added["OMP_NUM_THREADS"] = str(max(cores // nproc, 1))
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
-    levels = [lg.level for lg in loggers]
-    saved = {k: os.environ.get(k) for k in list(added) + ["TORCHELASTIC_SIGNALS_TO_HANDLE"]}
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
-        os.environ.update(added)
-        elastic_launch(config, cmd[0])(*cmd[1:])
-        return 0
-    except SignalException:
-        raise KeyboardInterrupt from None
-    except ChildFailedError as e:
-        return _report_failure(e.failures, hint)
-    finally:
-        for lg, lv in zip(loggers, levels):
-            lg.setLevel(lv)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _report_failure(failures: dict, hint: str) -> int:
-    if set(failures) == {0} and failures[0].exitcode == 1:
-        return 1
-    # the root cause: the earliest failure that is not the launcher's own SIGTERM to survivors
-    items = sorted(failures.items(), key=lambda kv: (kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
-    rank, f = items[0]
-    if f.exitcode < 0:
-        try:
-            name = signal.Signals(-f.exitcode).name
-        except ValueError:
-            name = f"signal {-f.exitcode}"
-        what = f"rank {rank} died ({name})"
-    else:
-        what = f"rank {rank} failed with exit code {f.exitcode} (its message is above)"
-    others = sorted(r for r in failures if r != rank)
-    stopped = f"; rank(s) {', '.join(map(str, others))} were stopped" if others else ""
-    raise DistributedError(f"{what}{stopped}{'; ' + hint if hint else ''}")
-
-
-def cli_argv(command: str) -> list[str]:
-    """This process's command line from ``command`` on (what each rank re-executes)."""
-    argv = list(sys.argv[1:])
-    if command not in argv:
-        raise InputError(f"cannot find the {command!r} command in this process's arguments to re-execute it; "
-                         f"start the ranks with: torchrun --nproc-per-node N -m oscar_calib {command} ...")
-    return argv[argv.index(command):]
-
-
-__all__ = ["DistContext", "placement_for_rank", "session", "launched", "launch", "check_nproc",
-           "check_agreement", "all_reduce_stats", "freeze_pilot_across_ranks", "pilot_batches", "checkpoint_name", "cli_argv", "available_devices"]
+__all__ = ["DataParallel", "DistContext", "data_parallel", "session", "launched", "env_world_size",
+           "placement_for_rank", "gpus_per_rank", "check_agreement", "all_reduce_stats",
+           "freeze_pilot_across_ranks", "pilot_batches"]

@@ -5,18 +5,18 @@ result. Accumulators are checkpointed every ``checkpoint_every`` batches into
 ``<out>/.oscar-checkpoint.pt`` (atomic); ``resume=True`` continues from it when the settings,
 model fingerprint and token ids match, and gives a byte-identical ``oscar.safetensors``.
 
-Data parallelism and big models (device maps, offload) are described in
-:mod:`oscar_calib.calibrate.parallel`: ``calibrate`` joins the job that started it (torchrun, accelerate
-launch, ``oscar calibrate --nproc``), and :func:`calibrate_parallel` starts one.
+This is the single-process algorithm. Where data parallelism changes it, it calls a hook of a
+:class:`~oscar_calib.calibrate.ranks.Ranks` (no-ops for one process): ``calibrate`` started as one
+rank of a job (torchrun, accelerate launch, ``oscar calibrate --nproc``) joins it through
+:func:`oscar_calib.calibrate.parallel.data_parallel`; a plain run never starts a process group.
+Starting ranks is :mod:`oscar_calib.calibrate.launch`; big models, :mod:`oscar_calib.model.placement`.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from .. import FORMAT_VERSION, __version__
-from ..errors import DistributedError, InputError, NumericalError, OutputExistsError
+from ..errors import DistributedError, InputError, UnsupportedModelError
 from ..model.capture import Capture
 from ..model.geometry import Geometry
 from ..model.load import LoadedModel, load_model
@@ -45,8 +45,6 @@ from ..spec.artifact import (
     WEIGHTS_NAME,
     Artifact,
     LayerRotations,
-    has_artifact,
-    write_artifact_files,
 )
 from ..spec.config import CalibrationConfig, stable_hash
 from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
@@ -57,18 +55,10 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .corpus import TokenPlan, plan_tokens
-from .parallel import (
-    DistContext,
-    all_reduce_stats,
-    check_agreement,
-    checkpoint_name,
-    freeze_pilot_across_ranks,
-    pilot_batches,
-    placement_for_rank,
-    session,
-)
+from .ranks import Ranks, launched
+from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared
-from .stats import LayerStats, Reservoir
+from .stats import LayerStats, Reservoir, check_finite, require_finite
 
 ProgressFn = Callable[[int, int], None]
 
@@ -79,28 +69,6 @@ def prepare_model(cfg: CalibrationConfig, *, device: str | None = None,
     it with ``placement``."""
     return load_model(cfg.model, dtype=cfg.dtype, device=device or cfg.device,
                       trust_remote_code=cfg.trust_remote_code, placement=placement)
-
-
-def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
-    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and has_artifact(out) and not overwrite:
-        raise OutputExistsError(f"{out} already holds an artifact; pass --overwrite to replace it")
-    parent = out if out.is_dir() else out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise InputError(f"cannot create output directory {out}: {parent} is not a directory")
-    import tempfile
-
-    try:   # a real probe: os.access says yes to root even on read-only file systems
-        fd, probe = tempfile.mkstemp(prefix=".oscar-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError:
-        raise InputError(f"output directory {out} is not writable") from None
 
 
 @dataclass
@@ -126,11 +94,9 @@ class StatsRun:
                 s = self.stats[layer]
                 if torch.device(s.device) != q.device:          # a device map put this layer elsewhere: follow it
                     s.to(q.device)
-                s.update(q, k, v, o)              # finiteness: checked on the small sums (_check_finite)
+                s.update(q, k, v, o)              # finiteness: checked on the small sums (check_finite)
             else:
-                for name, t in (("key", k), ("value", v), ("query", q), ("attention output", o)):
-                    if not torch.isfinite(t).all():
-                        raise NumericalError(f"layer {layer}: non-finite {name} activations (NaN/Inf)")
+                require_finite(layer, {"k": k, "v": v, "q": q, "s": o})
                 self.reservoir[layer].add(q, k, v, o)
         return observe
 
@@ -152,71 +118,42 @@ def _takes_logits_to_keep(cls) -> bool:
         return False
 
 
-def _check_finite(stats: list[LayerStats]) -> None:
-    """Raise NumericalError naming the first layer whose sums hold NaN/Inf. One device sync: the
-    norms of all sums at once (a non-finite entry makes its norm non-finite)."""
-    tensors = [s.sums[n] for s in stats for n in ("k", "v", "q", "s")]
-    by_dev: dict = {}
-    for t in tensors:
-        by_dev.setdefault(t.device, []).append(t)
-    norms = [torch.stack(torch._foreach_norm(ts)).isfinite().all().cpu() for ts in by_dev.values()]
-    if not all(bool(x) for x in norms):
-        for i, s in enumerate(stats):
-            s.check_finite(i)
-
-
 def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig, *,
                        checkpoint: Path | None = None, resume: bool = False,
                        progress: ProgressFn | None = None,
                        on_batch: Callable[[int], None] | None = None,
-                       dist: DistContext | None = None) -> tuple[StatsRun, dict]:
+                       ranks: Ranks | None = None) -> tuple[StatsRun, dict]:
     """Stream the calibration batches through the model, then capture the held-out rows.
 
-    Under data parallelism (``dist``), this rank streams batches ``rank, rank + world, ...``, the
-    accumulators are summed over ranks, and only rank 0 captures held-out rows. The accumulators
-    end on the CPU."""
+    ``ranks`` (default: one process) supplies the data-parallel hooks: this process's share of the
+    batches, the sst-approx pilot exchange, the sum over ranks, and whether it captures the held-out
+    rows. The accumulators end on the CPU."""
     geo, model = lm.geometry, lm.model
-    ctx = dist or DistContext()
+    ranks = ranks or Ranks()
     dev = input_device(model)
     all_batches = plan.batches(cfg.batch_size)
-    batches = [b.to(dev) for b in ctx.shard(all_batches)]     # ids up front: no host sync per batch
-    # under DP the sst-approx pilot is frozen from every rank's pilot batches (distributed.py)
-    n_pilot = pilot_batches(all_batches, cfg.pilot_tokens)
-    my_pilot = len(range(ctx.rank, n_pilot, ctx.world_size))
-    pilot = cfg.pilot_tokens if not ctx.enabled else 2**62
+    batches = [b.to(dev) for b in ranks.shard(all_batches)]     # ids up front: no host sync per batch
     approx = cfg.v_objective == "sst-approx"     # s_approx costs a float64 pass: only when asked for
+    pilot = ranks.plan_pilot(all_batches, cfg.pilot_tokens, approx)
     run = StatsRun(
         stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, pilot, device=dev, approx=approx)
                for _ in range(geo.num_layers)],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
     )
-    parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256()}
-    if not approx:
-        parts["s_approx"] = False
-    if ctx.enabled:
-        parts["rank"] = [ctx.rank, ctx.world_size]
+    parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256(),
+             **({} if approx else {"s_approx": False}), **ranks.key_parts()}
     key = stable_hash(parts)
     resumed = bool(resume and checkpoint and checkpoint.exists() and load_checkpoint(checkpoint, run, key))
     total = sum(b.numel() for b in batches)
     done_tokens = sum(b.numel() for b in batches[:run.batches_done])
     if progress:
         progress(done_tokens, total)
-    pilot_pending = ctx.enabled and approx
-
-    def pilot_exchange():
-        nonlocal pilot_pending
-        if pilot_pending and run.batches_done >= my_pilot:
-            freeze_pilot_across_ranks(run.stats, ctx, sum(b.numel() for b in all_batches[:n_pilot]))
-            pilot_pending = False
-
     t0 = time.perf_counter()
     with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap:
+        ranks.after_batch(run.stats, run.batches_done)
         for i in range(run.batches_done, len(batches)):
-            pilot_exchange()
             _forward(model, batches[i])
             if cap.calls == 0:
-                from ..errors import UnsupportedModelError
-
                 raise UnsupportedModelError("the model's attention does not go through transformers' attention "
                                             "interface; its Q/K/V cannot be captured")
             run.batches_done = i + 1
@@ -225,26 +162,24 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
                 progress(done_tokens, total)
             # finiteness is checked (one device sync) where a checkpoint is due and at the end
             if (run.batches_done % cfg.checkpoint_every == 0) and run.batches_done < len(batches):
-                _check_finite(run.stats)
+                check_finite(run.stats)
                 if checkpoint is not None:
                     save_checkpoint(checkpoint, run, key)
             if on_batch:
                 on_batch(run.batches_done)
-        pilot_exchange()
-        _check_finite(run.stats)
+            ranks.after_batch(run.stats, run.batches_done)
+        check_finite(run.stats)
     t_stats = time.perf_counter() - t0
-    all_reduce_stats(run.stats, ctx)
+    ranks.reduce(run.stats)
     for s in run.stats:
         s.to("cpu")
     t1 = time.perf_counter()
-    if ctx.is_main:
+    if ranks.is_main:
         with torch.no_grad(), Capture(model, [run.observer("heldout")]):
             for seq in plan.heldout:
                 _forward(model, seq.unsqueeze(0).to(dev))
     timing = {"statistics_s": t_stats, "gather_s": t1 - t_stats - t0, "heldout_s": time.perf_counter() - t1,
-              "resumed": resumed, "batches": len(all_batches)}
-    if ctx.enabled:
-        timing.update(world_size=ctx.world_size, rank_batches=len(batches), rank_tokens=total)
+              "resumed": resumed, "batches": len(all_batches), **ranks.timing(batches)}
     return run, timing
 
 
@@ -325,17 +260,6 @@ class CalibrationResult:
     rank: int = 0
 
 
-def summary(rows: list[dict]) -> dict:
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    o = [r["heldout"]["oscar"]["attn"] for r in rows]
-    h = [r["heldout"]["hadamard"]["attn"] for r in rows]
-    out = {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
-           "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
-    if all("fork" in r["heldout"] for r in rows):
-        out["mean_attn_error_fork"] = mean([r["heldout"]["fork"]["attn"] for r in rows])
-    return out
-
-
 def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, resume: bool = False,
               progress: ProgressFn | None = None, on_batch: Callable[[int], None] | None = None,
               loaded: LoadedModel | None = None, placement: Placement | None = None) -> CalibrationResult:
@@ -346,48 +270,33 @@ def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, res
     result with ``artifact`` and ``report`` of ``None``. ``placement`` spreads the model with
     accelerate (``device_map``, ``max_memory``)."""
     cfg.validate()
-    out = Path(out)
-    with session(cfg.device, placement) as ctx:
-        return _calibrate(cfg, out, ctx, overwrite=overwrite, resume=resume, progress=progress, on_batch=on_batch,
-                          loaded=loaded, placement=placement)
+    kw = dict(overwrite=overwrite, resume=resume, progress=progress, on_batch=on_batch, loaded=loaded,
+              placement=placement)
+    if not launched():
+        return _calibrate(cfg, Path(out), Ranks(), **kw)
+    from .parallel import data_parallel
+
+    with data_parallel(cfg.device, placement) as ranks:
+        return _calibrate(cfg, Path(out), ranks, **kw)
 
 
-def _calibrate(cfg: CalibrationConfig, out: Path, ctx: DistContext, *, overwrite: bool, resume: bool,
+def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bool, resume: bool,
                progress: ProgressFn | None, on_batch: Callable[[int], None] | None,
                loaded: LoadedModel | None, placement: Placement | None) -> CalibrationResult:
     t0 = time.perf_counter()
-    ckpt = out / checkpoint_name(ctx, CHECKPOINT_NAME)
-    created, lm, plan, error, info = False, None, None, None, {}
-    try:                                  # under DP every rank learns about any rank's start-up error
-        if ctx.is_main:
-            check_output_dir(out, overwrite, resume)
-            created = not out.exists()
-        if resume:
-            others = other_world_checkpoints(out, ckpt.name)
-            if others:
-                raise InputError(f"{out} holds checkpoints of another number of ranks ({', '.join(others)}); resume "
-                                 f"with the same --nproc, or remove them")
-        lm = loaded or prepare_model(cfg, device=ctx.device, placement=placement_for_rank(placement, ctx))
-        geo = lm.geometry
-        group_size = cfg.group_size or default_group_size(geo.head_dim)
-        check_group_size(geo.head_dim, group_size)
-        plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
-                           tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
-                           heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
-        info = {"fingerprint": lm.fingerprint, "tokens": plan.sha256(),
-                "settings": stable_hash({k: v for k, v in cfg.fingerprint_fields().items() if k != "model"})}
-    except Exception as e:  # noqa: BLE001 - re-raised by check_agreement on this rank
-        error = e
-    check_agreement(ctx, info, error)
+    ckpt = out / ranks.checkpoint_name(CHECKPOINT_NAME)
+    created, lm, plan, group_size = _start(cfg, out, ranks, ckpt, overwrite=overwrite, resume=resume,
+                                           loaded=loaded, placement=placement)
     t_load = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     try:
         run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume,
-                                         progress=progress if ctx.is_main else None, on_batch=on_batch, dist=ctx)
-        if ctx.is_main:
+                                         progress=progress if ranks.is_main else None, on_batch=on_batch, ranks=ranks)
+        if ranks.is_main:
             t2 = time.perf_counter()
-            layers, rows = build_rotations(run, cfg, geo, group_size)
-            shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, geo, group_size, layers, rows)
+            layers, rows = build_rotations(run, cfg, lm.geometry, group_size)
+            shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
+                                      layers, rows)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
     except (KeyboardInterrupt, SystemExit, DistributedError):
         raise            # the checkpoint stays for --resume
@@ -396,43 +305,48 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ctx: DistContext, *, overwrite
         if created and not any(out.iterdir()):
             shutil.rmtree(out, ignore_errors=True)
         raise
-    if not ctx.is_main:
-        ctx.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
+    if not ranks.is_main:
+        ranks.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
         ckpt.unlink(missing_ok=True)
-        return CalibrationResult(out, None, None, lm, stats=run, rank=ctx.rank)
+        return CalibrationResult(out, None, None, lm, stats=run, rank=ranks.rank)
     metadata = artifact_metadata(cfg, lm, plan, group_size)
     metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in shared_clips))))
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
-    report = {
-        "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
-        "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
-        "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
-        "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(shared_clips),
-    }
-    from ..spec.card import model_card
-
-    write_artifact_files(out, artifact, model_card(report), report)
+    report = build_report(cfg, lm, metadata, group_size, rows, timing, shared_clips)
+    write_outputs(out, artifact, report)
     ckpt.unlink(missing_ok=True)
-    if ctx.enabled:
-        ctx.barrier("rank 0 writing the artifact")
-    return CalibrationResult(out, artifact, report, lm, stats=run, rank=ctx.rank)
+    ranks.barrier("rank 0 writing the artifact")
+    return CalibrationResult(out, artifact, report, lm, stats=run, rank=ranks.rank)
 
 
-def calibrate_parallel(cfg: CalibrationConfig, out: Path, nproc: int, argv: list[str], *, overwrite: bool = False,
-                       resume: bool = False) -> int:
-    """Start ``nproc`` local ranks that each run the command line ``argv`` (``calibrate ...``,
-    which must describe ``cfg`` and ``out``) through torch's elastic launcher, after checking
-    what can be checked here. Returns rank 0's exit code (0, or 1 when verification failed);
-    raises :class:`DistributedError` naming the rank that failed otherwise."""
-    from . import parallel
+def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overwrite: bool, resume: bool,
+           loaded: LoadedModel | None, placement: Placement | None) -> tuple[bool, LoadedModel, TokenPlan, int]:
+    """Check the output, load the model and plan the tokens: (whether ``out`` is new, model, plan,
+    group size). Under data parallelism every rank learns about any rank's start-up error."""
+    created, lm, plan, group_size, error, info = False, None, None, None, None, {}
+    try:
+        if ranks.is_main:
+            check_output_dir(out, overwrite, resume)
+            created = not out.exists()
+        if resume:
+            others = other_world_checkpoints(out, ckpt.name)
+            if others:
+                raise InputError(f"{out} holds checkpoints of another number of ranks ({', '.join(others)}); resume "
+                                 f"with the same --nproc, or remove them")
+        lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement))
+        group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
+        check_group_size(lm.geometry.head_dim, group_size)
+        plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
+                           tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
+                           heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
+        info = {"fingerprint": lm.fingerprint, "tokens": plan.sha256(),
+                "settings": stable_hash({k: v for k, v in cfg.fingerprint_fields().items() if k != "model"})}
+    except Exception as e:  # noqa: BLE001 - re-raised by ranks.agree on this rank
+        error = e
+    ranks.agree(info, error)
+    return created, lm, plan, group_size
 
-    cfg.validate()
-    parallel.check_nproc(nproc, cfg.device)
-    check_output_dir(Path(out), overwrite, resume)
-    hint = f"any per-rank checkpoints in {out} are kept: rerun the same command with --resume to continue"
-    return parallel.launch(nproc, [sys.executable, "-m", "oscar_calib", *argv], hint=hint)
 
-
-__all__ = ["calibrate", "calibrate_parallel", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics",
-           "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME", "REPORT_NAME"]
+__all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics", "build_rotations",
+           "artifact_metadata", "StatsRun", "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME", "REPORT_NAME"]

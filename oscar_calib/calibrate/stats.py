@@ -19,7 +19,8 @@ Precision: sums are float64. With float32 activations every gram is computed in 
 bf16/fp16 activations (a bf16 model on a GPU) the q/s/k/v grams of one batch are one batched GEMM
 with float32 output (exact products, float32 sums over at most one sequence), added into the
 float64 sums: 5e-6 relative to the all-float64 path (measured on an H200, 2 × 2048-token
-sequences per batch), and ~3× faster there, where float64 GEMMs of these shapes run far below peak. ``OSCAR_EXACT_GRAMS=1`` forces float64 everywhere.
+sequences per batch), and ~3× faster there, where float64 GEMMs of these shapes run far below peak.
+``OSCAR_EXACT_GRAMS=1`` forces float64 everywhere.
 
 How ``sst-approx`` gets C_Q before the weights: a bounded **pilot buffer**. The K and V rows of
 the first ``pilot_tokens`` calibration tokens are kept (per layer, float32); once that many tokens
@@ -51,7 +52,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LayerStats:
-    """Accumulators of one decoder layer."""
+    """Accumulators of one decoder layer (the table above), and its sst-approx pilot buffer."""
 
     num_kv_heads: int
     group: int
@@ -62,137 +63,80 @@ class LayerStats:
 
     def __post_init__(self):
         h, d = self.num_kv_heads, self.head_dim
-        z = lambda: torch.zeros(h, d, d, dtype=torch.float64, device=self.device)  # noqa: E731
-        self.sums = {name: z() for name in ACCUMULATORS}
+        self.sums = {name: torch.zeros(h, d, d, dtype=torch.float64, device=self.device) for name in ACCUMULATORS}
         self.tokens = 0                 # KV rows seen (per head)
         self.w_sum = torch.zeros(h, dtype=torch.float64, device=self.device)
         self.pilot_cq: torch.Tensor | None = None
         self._pilot_k: list[torch.Tensor] = []
         self._pilot_v: list[torch.Tensor] = []
 
-    # ------------------------------------------------------------------ update
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                valid: torch.Tensor | None = None) -> None:
-        """Fold one batch in. ``q`` [B, Hq, T, d], ``k``/``v`` [B, Hkv, T, d] (as the model's
-        attention function receives them), ``o`` [B, T, Hq, d] (its output, before o_proj),
-        ``valid`` [B, T] bool or None (all tokens)."""
-        h, g, d = self.num_kv_heads, self.group, self.head_dim
-        if not self.approx and valid is None and half_precision_grams(q, k, v, o):
-            if k.shape[0] * k.shape[2]:                 # the fast path needs no per-head rows at all
-                self._grams_half(q, k, v, o)
-                self.tokens += k.shape[0] * k.shape[2]
-            return
-        kr = _rows(k.transpose(1, 2), valid)            # [n, Hkv, d]
-        vr = _rows(v.transpose(1, 2), valid)
-        n = kr.shape[0]
-        if n == 0:
-            return
-        kh = kr.permute(1, 0, 2)
-        vh = vr.permute(1, 0, 2)
-        if valid is None and half_precision_grams(q, k, v, o):
-            self._grams_half(q, k, v, o)
+        """Fold one batch in: ``q`` [B, Hq, T, d], ``k``/``v`` [B, Hkv, T, d] (what attention receives),
+        ``o`` [B, T, Hq, d] (its output, before o_proj), ``valid`` [B, T] bool or None (all tokens)."""
+        half = valid is None and half_precision_grams(q, k, v, o)
+        if half and not self.approx:                    # the fast path needs no per-head rows at all
+            kh = vh = None
+            n = k.shape[0] * k.shape[2]
         else:
-            qr = _rows(q.transpose(1, 2), valid)        # [n, Hq, d]
-            orr = _rows(o, valid)                       # [n, Hq, d]
-            # [n, h*g, d] -> [h, n*g, d]: query heads of one KV head are pooled
-            qh = qr.reshape(n, h, g, d).permute(1, 0, 2, 3).reshape(h, n * g, d)
-            oh = orr.reshape(n, h, g, d).permute(1, 0, 2, 3).reshape(h, n * g, d)
-            self.sums["q"] += gram(qh)
-            self.sums["s"] += gram(oh)
-            self.sums["k"] += gram(kh)
-            self.sums["v"] += gram(vh)
+            kh = _rows(k.transpose(1, 2), valid).permute(1, 0, 2)      # [Hkv, n, d]
+            vh = _rows(v.transpose(1, 2), valid).permute(1, 0, 2)
+            n = kh.shape[1]
+        if not n:
+            return
+        grams = _half_grams(q, k, v, o, self.num_kv_heads) if half else _exact_grams(q, o, kh, vh, valid)
+        for name, g in grams.items():
+            self.sums[name] += g
         self.tokens += n
         if not self.approx:
             return
-        if self.pilot_cq is None:
-            self._pilot_k.append(kh.float())
-            self._pilot_v.append(vh.float())
-            if self.tokens >= self.pilot_tokens:
-                self.freeze_pilot()
-        else:
-            self._weighted(kh, vh)
-
-    def _grams_half(self, q, k, v, o) -> None:
-        """The q/s/k/v grams of bf16/fp16 activations in one batched GEMM: exact products, float32
-        sums over at most one sequence (chunks of ≤ 4096 rows), float64 from there on."""
-        b, hq, t, d = q.shape
-        h, g = self.num_kv_heads, self.group
-        x = torch.cat([q, o.transpose(1, 2), k, v], dim=1)           # [B, 2Hq + 2h, T, d]
-        c = math.gcd(t, 4096) if t > 4096 and math.gcd(t, 4096) >= 512 else t
-        x = x.reshape(-1, c, d)
-        grams = _bmm_float32(x.transpose(1, 2), x).view(b, -1, t // c, d, d).to(torch.float64).sum((0, 2))
-        self.sums["q"] += grams[:hq].view(h, g, d, d).sum(1)
-        self.sums["s"] += grams[hq:2 * hq].view(h, g, d, d).sum(1)
-        self.sums["k"] += grams[2 * hq:2 * hq + h]
-        self.sums["v"] += grams[2 * hq + h:]
+        if self.pilot_cq is not None:
+            return self._weighted(kh, vh)
+        self._pilot_k.append(kh.float())
+        self._pilot_v.append(vh.float())
+        if self.tokens >= self.pilot_tokens:
+            self.freeze_pilot()
 
     def freeze_pilot(self, cq: torch.Tensor | None = None) -> None:
-        """Fix C̃_Q from the tokens seen so far (or to ``cq`` [h, d, d], e.g. the pilot of every
-        data-parallel rank, see :mod:`oscar_calib.calibrate.parallel`) and fold the buffered rows in."""
-        if self.pilot_cq is not None or not self.approx:
-            return
-        if cq is not None:
-            self.pilot_cq = cq.to(device=self.sums["q"].device, dtype=torch.float64)
-        else:
-            self.pilot_cq = self.sums["q"] / max(self.tokens * self.group, 1)
-        for kh, vh in zip(self._pilot_k, self._pilot_v):
-            self._weighted(kh, vh)
-        self._pilot_k, self._pilot_v = [], []
+        """Fix C̃_Q from the tokens seen so far, or to ``cq`` [h, d, d] (every data-parallel rank's pilot,
+        :mod:`oscar_calib.calibrate.parallel`), and fold the buffered rows in."""
+        if self.pilot_cq is None and self.approx:
+            q = self.sums["q"]
+            self.pilot_cq = q / max(self.tokens * self.group, 1) if cq is None else cq.to(q.device, torch.float64)
+            for kh, vh in zip(self._pilot_k, self._pilot_v):
+                self._weighted(kh, vh)
+            self._pilot_k, self._pilot_v = [], []
 
     def _weighted(self, kh: torch.Tensor, vh: torch.Tensor) -> None:
-        k64 = kh.to(torch.float64)
-        w = torch.einsum("hnd,hde,hne->hn", k64, self.pilot_cq, k64)      # [h, n]
-        v64 = vh.to(torch.float64)
-        self.sums["s_approx"] += (v64 * w.unsqueeze(-1)).transpose(-1, -2) @ v64
-        self.w_sum += w.sum(-1)
+        s, w = _approx_sums(kh, vh, self.pilot_cq)
+        self.sums["s_approx"] += s
+        self.w_sum += w
 
-    # ------------------------------------------------------------------ results
     def covariance(self, name: str) -> torch.Tensor:
         """Normalised covariance [h, d, d] (float64) of accumulator ``name``."""
-        if name == "s_approx":
-            if not self.approx:
-                raise ValueError("s_approx was not accumulated (LayerStats(approx=False))")
-            self.freeze_pilot()
-            return self.sums["s_approx"] / self.w_sum.clamp(min=1e-300).view(-1, 1, 1)
-        count = self.tokens * (self.group if name in ("q", "s") else 1)
-        return self.sums[name] / max(count, 1)
-
-    def check_finite(self, layer: int) -> None:
-        """Raise :class:`NumericalError` naming the layer and the activation if a sum is not finite."""
-        for name, what in (("k", "key"), ("v", "value"), ("q", "query"), ("s", "attention output")):
-            if not torch.isfinite(self.sums[name]).all():
-                raise NumericalError(f"layer {layer}: non-finite {what} activations (NaN/Inf)")
+        if name != "s_approx":
+            return self.sums[name] / max(self.tokens * (self.group if name in ("q", "s") else 1), 1)
+        if not self.approx:
+            raise ValueError("s_approx was not accumulated (LayerStats(approx=False))")
+        self.freeze_pilot()
+        return self.sums["s_approx"] / self.w_sum.clamp(min=1e-300).view(-1, 1, 1)
 
     def to(self, device: str | torch.device) -> "LayerStats":
         """Move every accumulator (and the pilot buffer) to ``device``, in place."""
-        self.device = torch.device(device)
-        mv = lambda t: t.to(self.device)  # noqa: E731
-        self.sums = {k: mv(v) for k, v in self.sums.items()}
-        self.w_sum = mv(self.w_sum)
-        self.pilot_cq = None if self.pilot_cq is None else mv(self.pilot_cq)
-        self._pilot_k = [mv(t) for t in self._pilot_k]
-        self._pilot_v = [mv(t) for t in self._pilot_v]
+        self.load_state_dict(self.state_dict(device), device)
         return self
 
-    # ------------------------------------------------------------------ (de)serialisation
-    def state_dict(self) -> dict:
-        return {
-            "sums": {k: v.cpu() for k, v in self.sums.items()},
-            "tokens": self.tokens,
-            "w_sum": self.w_sum.cpu(),
-            "pilot_cq": None if self.pilot_cq is None else self.pilot_cq.cpu(),
-            "pilot_k": [t.cpu() for t in self._pilot_k],
-            "pilot_v": [t.cpu() for t in self._pilot_v],
-        }
+    def state_dict(self, device: str | torch.device = "cpu") -> dict:
+        """Every tensor (on the CPU: what a checkpoint holds) and the token count."""
+        return _to({"sums": self.sums, "tokens": self.tokens, "w_sum": self.w_sum, "pilot_cq": self.pilot_cq,
+                    "pilot_k": self._pilot_k, "pilot_v": self._pilot_v}, device)
 
-    def load_state_dict(self, state: dict) -> None:
-        dev = self.device
-        self.sums = {k: v.to(dev) for k, v in state["sums"].items()}
-        self.tokens = int(state["tokens"])
-        self.w_sum = state["w_sum"].to(dev)
-        self.pilot_cq = None if state["pilot_cq"] is None else state["pilot_cq"].to(dev)
-        self._pilot_k = [t.to(dev) for t in state["pilot_k"]]
-        self._pilot_v = [t.to(dev) for t in state["pilot_v"]]
+    def load_state_dict(self, state: dict, device: str | torch.device | None = None) -> None:
+        """Take ``state`` (a :meth:`state_dict`), onto ``device`` (default: where this layer lives)."""
+        self.device = self.device if device is None else torch.device(device)
+        st = _to(state, self.device)
+        self.sums, self.tokens, self.w_sum = st["sums"], int(st["tokens"]), st["w_sum"]
+        self.pilot_cq, self._pilot_k, self._pilot_v = st["pilot_cq"], st["pilot_k"], st["pilot_v"]
 
 
 def half_precision_grams(*xs: torch.Tensor) -> bool:
@@ -224,6 +168,69 @@ def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE_BMM = False
     return torch.bmm(a.float(), b.float())
+
+
+FINITE_CHECKED = (("k", "key"), ("v", "value"), ("q", "query"), ("s", "attention output"))
+
+
+def require_finite(layer: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`NumericalError` naming the layer and the first activation (``k``, ``v``, ``q``,
+    ``s``: the attention output) whose tensor holds NaN/Inf."""
+    for name, what in FINITE_CHECKED:
+        if not torch.isfinite(tensors[name]).all():
+            raise NumericalError(f"layer {layer}: non-finite {what} activations (NaN/Inf)")
+
+
+def check_finite(stats: list[LayerStats]) -> None:
+    """Raise :class:`NumericalError` naming the first layer whose sums hold NaN/Inf. One device
+    sync: the norms of all sums at once (a non-finite entry makes its norm non-finite)."""
+    by_dev: dict = {}
+    for t in (s.sums[n] for s in stats for n, _ in FINITE_CHECKED):
+        by_dev.setdefault(t.device, []).append(t)
+    norms = [torch.stack(torch._foreach_norm(ts)).isfinite().all().cpu() for ts in by_dev.values()]
+    if not all(bool(x) for x in norms):
+        for i, s in enumerate(stats):
+            require_finite(i, s.sums)
+
+
+def _approx_sums(kh: torch.Tensor, vh: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w vᵀv [h, d, d] and Σ w [h] of K/V rows [h, n, d], w = k C̃_Q kᵀ (float64)."""
+    k64, v64 = kh.to(torch.float64), vh.to(torch.float64)
+    w = torch.einsum("hnd,hde,hne->hn", k64, cq, k64)      # [h, n]
+    return (v64 * w.unsqueeze(-1)).transpose(-1, -2) @ v64, w.sum(-1)
+
+
+def _exact_grams(q: torch.Tensor, o: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                 valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The q/s/k/v grams of one batch in float64; ``kh``/``vh`` are its K/V rows [h, n, d]."""
+    h, n, d = kh.shape
+    qr, orr = _rows(q.transpose(1, 2), valid), _rows(o, valid)        # [n, Hq, d]
+    # [n, h*g, d] -> [h, n*g, d]: query heads of one KV head are pooled
+    qh = qr.reshape(n, h, -1, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+    oh = orr.reshape(n, h, -1, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+    return {"q": gram(qh), "s": gram(oh), "k": gram(kh), "v": gram(vh)}
+
+
+def _half_grams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                h: int) -> dict[str, torch.Tensor]:
+    """The q/s/k/v grams of bf16/fp16 activations in one batched GEMM: exact products, float32
+    sums over at most one sequence (chunks of ≤ 4096 rows), float64 from there on."""
+    b, hq, t, d = q.shape
+    x = torch.cat([q, o.transpose(1, 2), k, v], dim=1)           # [B, 2Hq + 2h, T, d]
+    c = math.gcd(t, 4096) if t > 4096 and math.gcd(t, 4096) >= 512 else t
+    x = x.reshape(-1, c, d)
+    grams = _bmm_float32(x.transpose(1, 2), x).view(b, -1, t // c, d, d).to(torch.float64).sum((0, 2))
+    return {"q": grams[:hq].view(h, hq // h, d, d).sum(1), "s": grams[hq:2 * hq].view(h, hq // h, d, d).sum(1),
+            "k": grams[2 * hq:2 * hq + h], "v": grams[2 * hq + h:]}
+
+
+def _to(tree, device):
+    """Tensors of a nested dict/list (None kept) moved to ``device``."""
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to(v, device) for v in tree]
+    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
 
 
 def _rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

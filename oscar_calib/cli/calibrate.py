@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Iterator, Optional
 
 import typer
 
@@ -83,50 +84,38 @@ def calibrate_command(
     README.md and calibration.json into --out. Then runs `oscar verify` on it (unless
     --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
-    from ..calibrate.parallel import cli_argv, env_world_size, launched
-    from ..calibrate.pipeline import calibrate, calibrate_parallel
-    from ..errors import InputError, OscarError
-    from ..model.placement import Placement, parse_device_map, parse_max_memory
-    from ..spec.config import (
-        CalibrationConfig,
-        from_mapping,
-        load_yaml_section,
-        parse_clip,
-    )
+    from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
+    from ..calibrate.pipeline import calibrate
+    from ..model.placement import placement_from_options
+    from ..spec.config import config_from_options
 
-    base = load_yaml_section(config) if config else {}
-    values = dict(base)
-    cli_values = dict(model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
-                      batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
-                      v_objective=v_objective, composition=composition, granularity=granularity,
-                      group_size=group_size, checkpoint_every=checkpoint_every)
-    values.update({k: v for k, v in cli_values.items() if v is not None})
-    if clip is not None:
-        values["k_clip"], values["v_clip"] = parse_clip(clip)
-    if dtype != "auto" or "dtype" not in values:
-        values["dtype"] = dtype
-    if device != "auto" or "device" not in values:
-        values["device"] = device
-    values["trust_remote_code"] = trust_remote_code or bool(values.get("trust_remote_code", False))
-    cfg: CalibrationConfig = from_mapping(values, where=str(config) if config else "options")
+    cfg = config_from_options(config, dict(
+        model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
+        batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
+        v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
+        checkpoint_every=checkpoint_every, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
-    dmap, mmem = parse_device_map(device_map), parse_max_memory(max_memory)
-    if mmem is not None and dmap is None:
-        raise InputError("--max-memory needs --device-map (e.g. --device-map auto)")
-    if offload_dir is not None:
-        if dmap is None:
-            raise InputError("--offload-dir needs --device-map (e.g. --device-map auto)")
-        if offload_dir.exists() and not offload_dir.is_dir():
-            raise InputError(f"--offload-dir {offload_dir} is a file, not a folder")
-    placement = Placement(dmap, mmem, str(offload_dir) if offload_dir else None) if dmap is not None else None
-    if nproc is not None and nproc < 1:
-        raise InputError(f"--nproc must be at least 1, got {nproc}")
-    if launched():                       # this process is one rank (started by --nproc, torchrun, accelerate)
-        if nproc is not None and nproc != env_world_size():
-            raise InputError(f"--nproc {nproc} but this job has WORLD_SIZE={env_world_size()}")
-    elif nproc is not None and nproc > 1:
+    placement = placement_from_options(device_map, max_memory, offload_dir)
+    if wants_launch(nproc):
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
+    with _progress_bar() as progress, _rank_named_errors():
+        result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
+    if result.rank != 0:
+        return                           # rank 0 reports and verifies
+    verdict = _verify(result) if verify else None
+    if json_out:
+        report = result.report
+        emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
+                   "layers": [{k: v for k, v in r.items() if k != "clip_tables"} for r in report["layers"]],
+                   "verify": verdict})
+    else:
+        _render(result, verdict)
+    raise typer.Exit(0 if verdict is None or verdict["passed"] else 1)
 
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Callable[[int, int], None]]:
+    """A capture progress bar on stderr, started at the first report (after loading)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -148,35 +137,44 @@ def calibrate_command(
         bar.update(task, completed=done, total=total)
 
     try:
-        result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
+        yield progress
+    finally:
+        bar.stop()
+
+
+@contextlib.contextmanager
+def _rank_named_errors() -> Iterator[None]:
+    """Inside a rank of a data-parallel job, an error's line says which rank (once per rank)."""
+    from ..calibrate.ranks import launched
+    from ..errors import OscarError
+
+    try:
+        yield
     except OscarError as e:
         rank = os.environ.get("RANK")
         if launched() and rank is not None and not str(e).startswith("rank "):
-            raise type(e)(f"rank {rank}: {e}") from None     # say which rank, once per rank
+            raise type(e)(f"rank {rank}: {e}") from None
         raise
-    finally:
-        bar.stop()
-    if result.rank != 0:
-        return                           # rank 0 reports and verifies
 
-    report = result.report
-    verdict = None
+
+def _verify(result) -> dict | None:
+    """``oscar verify`` on the new artifact (skipped, with a note, when the model spans devices:
+    verify runs its kernels on one)."""
+    from ..tools.verify import verify_artifact
+
     spread = set(getattr(result.loaded.model, "hf_device_map", {"": 0}).values()) if result.loaded else set()
-    if verify and len(spread) > 1:
-        verify = False                   # verify runs its kernels on one device; see the note below
+    if len(spread) > 1:
         console.print(f"[yellow]note:[/yellow] the model is spread over {', '.join(map(str, sorted(spread, key=str)))}; "
                       f"the automatic verify is skipped: run `oscar verify {result.out}` on a machine where the "
                       "model fits one device")
-    if verify:
-        from ..tools.verify import verify_artifact
+        return None
+    with console.status("verifying the artifact with the INT2 kernels …"):
+        return verify_artifact(result.out, loaded=result.loaded).summary()
 
-        with console.status("verifying the artifact with the INT2 kernels …"):
-            verdict = verify_artifact(result.out, loaded=result.loaded).summary()
-    if json_out:
-        emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
-                   "layers": [{k: v for k, v in r.items() if k != "clip_tables"} for r in report["layers"]],
-                   "verify": verdict})
-        raise typer.Exit(0 if verdict is None or verdict["passed"] else 1)
+
+def _render(result, verdict: dict | None) -> None:
+    """The per-layer table, where the artifact went, and the verify verdict."""
+    report = result.report
     rows = []
     for r in report["layers"]:
         o, h = r["heldout"]["oscar"], r["heldout"]["hadamard"]
@@ -202,7 +200,6 @@ def calibrate_command(
                      f"{result.out}/verify.json)")
         for r in verdict["reasons"]:
             stdout.print(f"  - {r}")
-        raise typer.Exit(0 if verdict["passed"] else 1)
 
 
 def _clips(values: list[float]) -> str:

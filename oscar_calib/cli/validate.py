@@ -2,55 +2,84 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
-from ._common import JsonOpt, TrustOpt, console, emit_json, stdout, table
+from ._common import TrustOpt, console, emit_json, stdout, table
 
 EXAMPLES = """
     Examples:
 
     * `oscar validate runs/smollm2-135m`
-    * `oscar validate zoo --allow-empty` (every artifact under zoo/; CI)
+    * `oscar validate zoo --allow-empty` (every artifact under zoo/)
+    * `oscar validate zoo --format github` (problems as GitHub workflow annotations)
+    * `oscar validate hf:my-org/qwen3-8b-oscar@v1` (a hub repository, downloaded to a temporary folder)
     * `oscar validate runs/qwen3-8b/oscar.safetensors --model Qwen/Qwen3-8B --json`
     """
 
 
+class OutputFormat(str, Enum):
+    text = "text"
+    json = "json"
+    github = "github"
+
+
 def validate_command(
-    paths: Annotated[list[Path], typer.Argument(help="Artifact directories, oscar.safetensors files, or directories "
-                                                "holding artifact directories.")],
+    paths: Annotated[list[str], typer.Argument(
+        help="Artifact directories, oscar.safetensors files, directories holding artifact directories, or hub "
+             "repositories hf:ORG/NAME[@REV] / modelscope:ORG/NAME[@REV] (ms: too), validated in a temporary "
+             "folder that is removed afterwards.", metavar="PATH_OR_REPO...")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Also check fingerprint and shapes against "
                                                  "this model (alias, directory, .gguf or hub id).")] = None,
     allow_empty: Annotated[bool, typer.Option(help="A directory without artifacts is not a problem.")] = False,
+    changed_files: Annotated[bool, typer.Option(
+        "--changed-files", help="PATHs are the files a change touches (what the pre-commit hook passes): "
+        ".safetensors files are validated, a zoo index.json stands for its whole zoo (every artifact below it, "
+        "and the index must be current), other files are skipped.")] = False,
+    output: Annotated[OutputFormat, typer.Option("--format", help="text: a table, problems on stderr; json: "
+                                                 "one document on stdout; github: workflow annotations "
+                                                 "(::error file=...::) on stdout.")] = OutputFormat.text,
     trust_remote_code: TrustOpt = False,
-    json_out: JsonOpt = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
     """Check artifacts against the format-v1 contract: metadata, every shape, finite values,
     orthogonal rotations, clip ratios in (0, 1], descending eigenvalues, and with --model the
     fingerprint. Prints one line per problem; exit code 1 when there is any.
     """
-    from ..tools.validate import model_reference, validate_paths
+    from ..errors import InputError
+    from ..tools.validate import model_reference
+    from ..tools.validate_ci import github_lines, validate_sources
 
+    if json_out and output not in (OutputFormat.text, OutputFormat.json):
+        raise InputError(f"--json and --format {output.value} disagree; give one of them")
+    output = OutputFormat.json if json_out else output
     ref = model_reference(model, trust_remote_code=trust_remote_code) if model else None
-    reports = validate_paths(paths, model=ref, allow_empty=allow_empty)
+    reports = validate_sources(paths, model=ref, allow_empty=allow_empty, changed_files=changed_files)
     bad = [r for r in reports if not r.ok]
-    if json_out:
+    if output is OutputFormat.json:
         emit_json({"ok": not bad, "artifacts": [r.to_dict() for r in reports]})
+    elif output is OutputFormat.github:
+        for line in github_lines(reports):
+            typer.echo(line)
     else:
-        if reports:
-            rows = [[str(r.path), r.metadata.get("model_id", "–"), r.metadata.get("num_layers", "–"),
-                     r.metadata.get("granularity", "–"), "[green]ok[/green]" if r.ok else
-                     f"[red]{len(r.problems)} problem(s)[/red]"] for r in reports]
-            stdout.print(table("oscar validate", ["file", "model", "layers", "granularity", "result"], rows))
-        else:
-            console.print("no artifacts found")
-        for r in bad:
-            for p in r.problems:
-                typer.echo(f"{r.path}: {p}", err=True)
+        _render_text(reports, bad)
     if bad:
         raise typer.Exit(1)
+
+
+def _render_text(reports, bad) -> None:
+    if reports:
+        rows = [[str(r.path), r.metadata.get("model_id", "–"), r.metadata.get("num_layers", "–"),
+                 r.metadata.get("granularity", "–"), "[green]ok[/green]" if r.ok else
+                 f"[red]{len(r.problems)} problem(s)[/red]"] for r in reports]
+        stdout.print(table("oscar validate", ["file", "model", "layers", "granularity", "result"], rows))
+    else:
+        console.print("no artifacts found")
+    for r in bad:
+        for p in r.problems:
+            typer.echo(f"{r.path}: {p}", err=True)
 
 
 validate_command.__doc__ += EXAMPLES

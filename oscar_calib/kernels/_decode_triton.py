@@ -22,6 +22,10 @@ INT2 history (one warp per program, ``BN`` tokens per step):
   ``N = 2 * M2`` columns are all used. Offsets enter as ``sum_t p_t * offset_t`` per group.
 * Online softmax in base 2 with the rescale of the accumulators skipped when no column's
   running maximum moved (exact). Full blocks run unmasked; the last partial block masked.
+* ``PF``: the loop over full blocks carries the next block's token offsets and parameters
+  (loaded before the current block computes: a whole step to arrive instead of a stall in the
+  middle of every step; the code bytes are software-pipelined by Triton already).
+* ``PDL``: grid-dependency control for programmatic dependent launch (see :mod:`.decode`).
 
 Code modes (``ASM``): 1 = the bit operations as inline PTX (GPU); 0 = the same values with
 plain Triton ops (the interpreter, and a GPU fallback). Both are exact.
@@ -303,32 +307,61 @@ def _window_head(q_ptr, s_qb, s_qh, b, h, chunk, k16_ptr, v16_ptr, s_1b, s_1h, s
 
 
 @triton.jit
-def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
-                b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
-                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
-                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
-                G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr, HP: tl.constexpr,
-                BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr,
-                MASKED: tl.constexpr, INTERP: tl.constexpr):
-    """One step of ``BN`` history tokens for ``HP`` KV heads: scores, online softmax, values."""
-    NW: tl.constexpr = W // 4
-    NK: tl.constexpr = M2 * HP
-    NGT: tl.constexpr = os_acc.shape[0]
-    offs_n = tl.arange(0, BN)
-    n = start + offs_n
+def _tok_offsets(start, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
+                 BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Offsets ``[BN]`` of tokens ``start .. start+BN-1`` in bytes (codes), words (value codes)
+    and parameters; paged: through the block table (rows past ``hi`` read page 0)."""
+    n = start + tl.arange(0, BN)
     if PAGED:
         if MASKED:
             pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
         else:
             pg = tl.load(tab_ptr + b * s_tb + n // PAGE).to(tl.int64)
         slot = n % PAGE
-        tc = pg * s_cb + slot * s_cn       # [BN] token offset (bytes), paged
-        tw = pg * s_cbw + slot * s_cw      # in words
-        tp = pg * s_pb + slot * s_pn       # in parameters
+        tc = pg * s_cb + slot * s_cn
+        tw = pg * s_cbw + slot * s_cw
+        tp = pg * s_pb + slot * s_pn
     else:
         tc = n * s_cn
         tw = n * s_cw
         tp = n * s_pn
+    return tc, tw, tp
+
+
+@triton.jit
+def _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp, hoff_p, nmask, g: tl.constexpr):
+    """Scale/offset of group ``g`` for K and V, ``[BN, HP]`` fp16 each (masked rows read 0)."""
+    pbase = tp[:, None] + hoff_p[None, :] + g
+    m = nmask[:, None]
+    ks = tl.load(ks_ptr + pbase, mask=m, other=0.0)
+    ko = tl.load(ko_ptr + pbase, mask=m, other=0.0)
+    vs = tl.load(vs_ptr + pbase, mask=m, other=0.0)
+    vo = tl.load(vo_ptr + pbase, mask=m, other=0.0)
+    return ks, ko, vs, vo
+
+
+@triton.jit
+def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+                b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
+                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
+                tc, tw, tp, pks, pko, pvs, pvo,
+                G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr, HP: tl.constexpr,
+                BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr,
+                MASKED: tl.constexpr, INTERP: tl.constexpr, PF: tl.constexpr):
+    """One step of ``BN`` history tokens for ``HP`` KV heads: scores, online softmax, values.
+
+    ``PF``: the token offsets ``tc, tw, tp`` and the (single group's) parameters ``pks`` ..
+    ``pvo`` were loaded one step earlier by the caller (software prefetch); otherwise they are
+    computed and loaded here."""
+    NW: tl.constexpr = W // 4
+    NK: tl.constexpr = M2 * HP
+    NGT: tl.constexpr = os_acc.shape[0]
+    offs_n = tl.arange(0, BN)
+    n = start + offs_n
+    if not PF:
+        tc, tw, tp = _tok_offsets(start, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
+                                  BN, PAGED, PAGE, MASKED)
     if MASKED:
         nm = n < hi
     # per-(token, head) parameter offsets [BN, HP]
@@ -366,7 +399,10 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
         t = _kunit(kc, U, q0, q1, q2, q3, q4, q5, q6, q7, t, ASM, INTERP)
         if ((U + 1) * W) % G == 0:  # last unit of a group
             g = (U * W) // G
-            if MASKED:
+            if PF:
+                sc = pks.to(tl.float32)
+                of = pko.to(tl.float32)
+            elif MASKED:
                 sc = tl.load(ks_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
                 of = tl.load(ko_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
             else:
@@ -405,7 +441,10 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
     for U in tl.static_range(4 * NB):
         if (U * W) % G == 0:  # first unit of a group
             g = (U * W) // G
-            if MASKED:
+            if PF:
+                vs = pvs.to(tl.float32)
+                vo = pvo.to(tl.float32)
+            elif MASKED:
                 vs = tl.load(vs_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
                 vo = tl.load(vo_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
             else:
@@ -466,7 +505,7 @@ def decode_kernel(
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr,
     HP: tl.constexpr, M16: tl.constexpr, BN: tl.constexpr, BLOCK16: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
-    PARTS: tl.constexpr = 3,
+    PARTS: tl.constexpr = 3, PF: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
     ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
@@ -477,7 +516,11 @@ def decode_kernel(
     pid1 = tl.program_id(1)
     b = pid1 // HG
     h0 = (pid1 % HG) * HP
+    if PDL:  # the merge kernel may launch now; it waits for this grid before reading
+        tl.extra.cuda.gdc_launch_dependents()
     if PARTS == 2 or (PARTS == 3 and pid0 < S16):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for hh in tl.static_range(HP):
             if h0 + hh < H:
                 _window_head(q_ptr, s_qb, s_qh, b, h0 + hh, pid0, k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
@@ -485,6 +528,30 @@ def decode_kernel(
                              D, W, NB, M16, BLOCK16, INTERP)
     if PARTS == 1 or (PARTS == 3 and pid0 >= S16):
         chunk = pid0 - S16
+        # cache-side set-up first: with programmatic dependent launch (PDL) it overlaps the
+        # query-rotation kernel, whose output is read only after gdc_wait
+        hh = tl.arange(0, HP)
+        heff = tl.minimum(h0 + hh, H - 1).to(tl.int64)
+        if PAGED:
+            hoff_c = heff * s_ch
+            hoff_w = heff * (s_ch // 4)
+            hoff_p = heff * s_ph
+        else:
+            hoff_c = b.to(tl.int64) * s_cb + heff * s_ch
+            hoff_w = b.to(tl.int64) * (s_cb // 4) + heff * (s_ch // 4)
+            hoff_p = b.to(tl.int64) * s_pb + heff * s_ph
+        vcw_ptr = vc_ptr.to(tl.pointer_type(tl.int32))
+        L = tl.load(hlen_ptr + b)
+        lo = chunk * CHUNK
+        hi = tl.minimum(lo + CHUNK, L)
+        nfull = tl.maximum(hi - lo, 0) // BN
+        if PF:  # offsets and parameters of the first step
+            tc, tw, tp = _tok_offsets(lo, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
+                                      BN, PAGED, PAGE, True)
+            pks, pko, pvs, pvo = _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp, hoff_p,
+                                              lo + tl.arange(0, BN) < hi, 0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         NW: tl.constexpr = W // 4
         NK: tl.constexpr = M2 * HP
         NGT: tl.constexpr = D // G
@@ -560,35 +627,39 @@ def decode_kernel(
         l_i = tl.zeros([NK], dtype=tl.float32)
         os_acc = tl.zeros([NGT, NK], dtype=tl.float32)
 
-        hh = tl.arange(0, HP)
-        heff = tl.minimum(h0 + hh, H - 1).to(tl.int64)
-        if PAGED:
-            hoff_c = heff * s_ch
-            hoff_w = heff * (s_ch // 4)
-            hoff_p = heff * s_ph
+        if PF:  # offsets and parameters of step i+1 are loaded before step i runs
+            for i in range(0, nfull):
+                nxt = lo + (i + 1) * BN
+                tc1, tw1, tp1 = _tok_offsets(nxt, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cb // 4, s_cn // 4,
+                                             s_pb, s_pn, BN, PAGED, PAGE, True)
+                nks, nko, nvs, nvo = _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp1, hoff_p,
+                                                  nxt + tl.arange(0, BN) < hi, 0)
+                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
+                    lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+                    b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
+                    q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                    o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
+                    tc, tw, tp, pks, pko, pvs, pvo,
+                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, True)
+                tc, tw, tp = tc1, tw1, tp1
+                pks, pko, pvs, pvo = nks, nko, nvs, nvo
         else:
-            hoff_c = b.to(tl.int64) * s_cb + heff * s_ch
-            hoff_w = b.to(tl.int64) * (s_cb // 4) + heff * (s_ch // 4)
-            hoff_p = b.to(tl.int64) * s_pb + heff * s_ph
-        vcw_ptr = vc_ptr.to(tl.pointer_type(tl.int32))
-        L = tl.load(hlen_ptr + b)
-        lo = chunk * CHUNK
-        hi = tl.minimum(lo + CHUNK, L)
-        nfull = tl.maximum(hi - lo, 0) // BN
-        for i in range(0, nfull):
-            o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
-                lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
-                b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
-                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
-                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
-                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP)
+            for i in range(0, nfull):
+                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
+                    lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
+                    b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
+                    q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                    o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
+                    0, 0, 0, 0.0, 0.0, 0.0, 0.0,
+                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, False)
         if lo + nfull * BN < hi:
             o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
                 lo + nfull * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                 b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
                 q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
-                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP)
+                0, 0, 0, 0.0, 0.0, 0.0, 0.0,
+                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP, False)
 
         # ---- epilogue: normalised partial output and log-sum-exp ----
         has = l_i > 0
@@ -620,10 +691,13 @@ def decode_kernel(
 
 @triton.jit
 def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, H, QG,
-                        D: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr):
+                        D: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Grid ``(B*H, D/BC)``: ``out[b, h*QG + m, c0:c0+BC] = q[b, h*QG + m] @ R[h][:, c0:c0+BC]``
     in float32 (3xTF32 products): one dot per program, many programs, so the latency is one
-    read of a ``D x BC`` slice of ``R``."""
+    read of a ``D x BC`` slice of ``R``. ``PDL``: let the decode kernel launch at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     c0 = tl.program_id(1) * BC
     b = pid // H
@@ -645,9 +719,11 @@ def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, H, QG,
 
 @triton.jit
 def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
-                        D: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr):
+                        D: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(B*Hq, D/DC)``: log-sum-exp merge of the split partials for one query head and
-    ``DC`` output channels."""
+    ``DC`` output channels. ``PDL``: launched early, waits for the decode grid."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     c0 = tl.program_id(1) * DC
     b = pid // HQ

@@ -1,7 +1,9 @@
-"""Triton kernel behind :func:`oscar_calib.kernels.write.quantize_kv` (imported lazily).
+"""Triton kernels behind :func:`oscar_calib.kernels.write.quantize_kv` (imported lazily).
 
 One program quantises ``BT`` rows (tokens) of one KV head: load ``[BT, d]``, rotate on the tensor
 cores (fp32 accumulation), find each row's clip threshold, quantise per group, pack and store.
+``quantize_kv_kernel`` holds the row as one ``[BT, d]`` tensor (general); for rows of a single
+byte block, ``quantize_kv_planes_kernel`` holds it as four ``[BT, d/4]`` bit-plane tensors (below).
 
 Clip threshold: ``t = sorted(|y|)[k]`` with ``k = min(floor(c*d), d-1)`` precomputed per head on
 the host, i.e. the ``m``-th largest ``|y|`` with ``m = d - k`` (or minus the ``(k+1)``-th largest of
@@ -156,3 +158,244 @@ def quantize_kv_kernel(
     prow = rows.to(tl.int64)[:, None] * s_st + h * s_sh + tl.arange(0, D // G)[None, :]
     tl.store(scale_ptr + prow, s16, mask=rmask[:, None])
     tl.store(off_ptr + prow, o16, mask=rmask[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Plane-wise kernel (one byte block per row, ``D == 4W``): the row is held as four ``[BT, W]``
+# tensors, plane ``p`` = channels ``[pW, (p+1)W)`` = bit pair ``p`` of bytes ``0..W-1``. Every
+# step (rotation dots, clip selection, group statistics, quantisation, packing) works on
+# tensors of one layout, so packing is four shifts and ors per byte and no reshape moves data
+# between threads.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rdot(xk, r1_ptr, r2_ptr, roff, y, ROT: tl.constexpr, INTERP: tl.constexpr):
+    """``y += xk @ R[roff]`` for one plane's columns (ROT as in :func:`quantize_kv_kernel`)."""
+    r1 = tl.load(r1_ptr + roff)
+    if ROT == 2:
+        y = tl.dot(xk, r1, y, input_precision="ieee")
+    else:
+        if INTERP:  # the interpreter's 16-bit dot is not exact; fp32 is, for 16-bit operands
+            xk = xk.to(tl.float32)
+            r1 = r1.to(tl.float32)
+        y = tl.dot(xk, r1, y)
+        if ROT == 1:
+            r2 = tl.load(r2_ptr + roff)
+            if INTERP:
+                r2 = r2.to(tl.float32)
+            y = tl.dot(xk, r2, y)
+    return y
+
+
+@triton.jit
+def _max4(a0, a1, a2, a3):
+    return tl.maximum(tl.maximum(tl.max(a0, axis=1), tl.max(a1, axis=1)),
+                      tl.maximum(tl.max(a2, axis=1), tl.max(a3, axis=1)))
+
+
+@triton.jit
+def _max4_below(a0, a1, a2, a3, v):
+    """Per row, the largest value strictly below ``v``."""
+    vb = v[:, None]
+    return _max4(tl.where(a0 < vb, a0, float("-inf")), tl.where(a1 < vb, a1, float("-inf")),
+                 tl.where(a2 < vb, a2, float("-inf")), tl.where(a3 < vb, a3, float("-inf")))
+
+
+@triton.jit
+def _count4(a0, a1, a2, a3, v):
+    """Per row, how many values are ``>= v``."""
+    vb = v[:, None]
+    return (tl.sum((a0 >= vb).to(tl.int32), axis=1) + tl.sum((a1 >= vb).to(tl.int32), axis=1)
+            + tl.sum((a2 >= vb).to(tl.int32), axis=1) + tl.sum((a3 >= vb).to(tl.int32), axis=1))
+
+
+@triton.jit
+def _kth_largest4(a0, a1, a2, a3, m, BT: tl.constexpr):
+    """Tie-aware ``m``-th largest per row over the four planes (see :func:`_kth_largest`)."""
+    rem = tl.zeros([BT], dtype=tl.int32) + m
+    t = tl.zeros([BT], dtype=tl.float32)
+    for _ in range(m):
+        v = _max4(a0, a1, a2, a3)
+        vb = v[:, None]
+        cnt = (tl.sum((a0 == vb).to(tl.int32), axis=1) + tl.sum((a1 == vb).to(tl.int32), axis=1)
+               + tl.sum((a2 == vb).to(tl.int32), axis=1) + tl.sum((a3 == vb).to(tl.int32), axis=1))
+        t = tl.where((rem > 0) & (cnt >= rem), v, t)
+        rem = rem - cnt
+        a0 = tl.where(a0 == vb, float("-inf"), a0)
+        a1 = tl.where(a1 == vb, float("-inf"), a1)
+        a2 = tl.where(a2 == vb, float("-inf"), a2)
+        a3 = tl.where(a3 == vb, float("-inf"), a3)
+    return t
+
+
+@triton.jit
+def _select4(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
+    """``m``-th largest per row: ``m`` rounds of "largest below the previous", one count, and the
+    tie-aware selection only for blocks with a tie among the top ``m`` (exact either way)."""
+    v = _max4(a0, a1, a2, a3)
+    for _ in range(m - 1):
+        v = _max4_below(a0, a1, a2, a3, v)
+    ok = (_count4(a0, a1, a2, a3, v) == m) | (rmask == 0)
+    if tl.min(ok.to(tl.int32), axis=0) == 0:
+        v = _kth_largest4(a0, a1, a2, a3, m, BT)
+    return v
+
+
+@triton.jit
+def _key(a, P: tl.constexpr, W: tl.constexpr):
+    return a.to(tl.int32, bitcast=True) | (P * W + tl.arange(0, W))[None, :]
+
+
+@triton.jit
+def _kth_keyed4(a0, a1, a2, a3, m, LARGEST: tl.constexpr, W: tl.constexpr):
+    """:func:`_kth_keyed` over the four planes (unique keys ``bits | channel``; exact)."""
+    k0 = _key(a0, 0, W)
+    k1 = _key(a1, 1, W)
+    k2 = _key(a2, 2, W)
+    k3 = _key(a3, 3, W)
+    if LARGEST:
+        v = _max4(k0, k1, k2, k3)
+        for _ in range(m - 1):
+            vb = v[:, None]
+            v = _max4(tl.where(k0 < vb, k0, -1), tl.where(k1 < vb, k1, -1),
+                      tl.where(k2 < vb, k2, -1), tl.where(k3 < vb, k3, -1))
+    else:
+        v = -_max4(-k0, -k1, -k2, -k3)
+        for _ in range(m - 1):
+            vb = v[:, None]
+            big = 2147483647
+            v = -_max4(-tl.where(k0 > vb, k0, big), -tl.where(k1 > vb, k1, big),
+                       -tl.where(k2 > vb, k2, big), -tl.where(k3 > vb, k3, big))
+    return (v & -256).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _qplane(y, s, z):
+    """Codes of one plane: ``clamp(floor(y/s + z + 0.5), 0, 3)`` with IEEE division."""
+    sb = tl.broadcast_to(s[:, None], y.shape)
+    qf = tl.floor(tl.math.div_rn(y, sb) + z[:, None] + 0.5)
+    return tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
+
+
+@triton.jit
+def _group_params(lo, hi):
+    s = tl.maximum(tl.math.div_rn(hi - lo, tl.full(lo.shape, 3.0, tl.float32)), 1e-8)
+    z = tl.math.div_rn(-lo, s)
+    return s, z
+
+
+@triton.jit
+def _store_params(scale_ptr, off_ptr, prow, rmask, s, z, g: tl.constexpr):
+    off = -(z * s)
+    tl.store(scale_ptr + prow + g, tl.minimum(s, 65504.0).to(tl.float16), mask=rmask)
+    tl.store(off_ptr + prow + g, tl.minimum(tl.maximum(off, -65504.0), 65504.0).to(tl.float16), mask=rmask)
+
+
+@triton.jit
+def quantize_kv_planes_kernel(
+    x_ptr, s_xt, s_xh,
+    r1_ptr, r2_ptr, kidx_ptr,
+    codes_ptr, s_ct, s_ch,
+    scale_ptr, off_ptr, s_st, s_sh,
+    T,
+    D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
+    ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
+):
+    """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
+    ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
+    product per plane)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < T
+    cols = tl.arange(0, W)
+    xrow = x_ptr + rows.to(tl.int64)[:, None] * s_xt + h * s_xh
+    rm = rmask[:, None]
+    if ROT == 0:
+        y0 = tl.load(xrow + cols[None, :], mask=rm, other=0.0).to(tl.float32)
+        y1 = tl.load(xrow + W + cols[None, :], mask=rm, other=0.0).to(tl.float32)
+        y2 = tl.load(xrow + 2 * W + cols[None, :], mask=rm, other=0.0).to(tl.float32)
+        y3 = tl.load(xrow + 3 * W + cols[None, :], mask=rm, other=0.0).to(tl.float32)
+    elif SPLIT:  # one [BT, D] product, then the four planes (a register-level split)
+        y = tl.zeros([BT, D], dtype=tl.float32)
+        kk = tl.arange(0, KB)
+        dd = tl.arange(0, D)
+        rbase = h.to(tl.int64) * D * D
+        for kb in tl.static_range(D // KB):
+            xk = tl.load(xrow + kb * KB + kk[None, :], mask=rm, other=0.0)
+            y = _rdot(xk, r1_ptr, r2_ptr, rbase + (kb * KB + kk)[:, None] * D + dd[None, :], y, ROT, INTERP)
+        ya, yb = tl.split(tl.reshape(tl.permute(tl.reshape(y, [BT, 4, W]), (0, 2, 1)), [BT, W, 2, 2]))
+        y0, y2 = tl.split(ya)
+        y1, y3 = tl.split(yb)
+    else:
+        y0 = tl.zeros([BT, W], dtype=tl.float32)
+        y1 = tl.zeros([BT, W], dtype=tl.float32)
+        y2 = tl.zeros([BT, W], dtype=tl.float32)
+        y3 = tl.zeros([BT, W], dtype=tl.float32)
+        kk = tl.arange(0, KB)
+        rbase = h.to(tl.int64) * D * D
+        for kb in tl.static_range(D // KB):
+            xk = tl.load(xrow + kb * KB + kk[None, :], mask=rm, other=0.0)
+            roff = rbase + (kb * KB + kk)[:, None] * D + cols[None, :]
+            y0 = _rdot(xk, r1_ptr, r2_ptr, roff, y0, ROT, INTERP)
+            y1 = _rdot(xk, r1_ptr, r2_ptr, roff + W, y1, ROT, INTERP)
+            y2 = _rdot(xk, r1_ptr, r2_ptr, roff + 2 * W, y2, ROT, INTERP)
+            y3 = _rdot(xk, r1_ptr, r2_ptr, roff + 3 * W, y3, ROT, INTERP)
+    if CLIP:
+        kq = tl.load(kidx_ptr + h)
+        a0 = tl.abs(y0)
+        a1 = tl.abs(y1)
+        a2 = tl.abs(y2)
+        a3 = tl.abs(y3)
+        if KEYED:
+            if kq >= D // 2:
+                t = _kth_keyed4(a0, a1, a2, a3, D - kq, True, W)
+            else:
+                t = _kth_keyed4(a0, a1, a2, a3, kq + 1, False, W)
+        elif kq >= D // 2:
+            t = _select4(a0, a1, a2, a3, D - kq, rmask, BT)
+        else:
+            t = -_select4(-a0, -a1, -a2, -a3, kq + 1, rmask, BT)
+        tb = t[:, None]
+        y0 = tl.maximum(tl.minimum(y0, tb), -tb)
+        y1 = tl.maximum(tl.minimum(y1, tb), -tb)
+        y2 = tl.maximum(tl.minimum(y2, tb), -tb)
+        y3 = tl.maximum(tl.minimum(y3, tb), -tb)
+
+    # group statistics: a group is 1, 2 or 4 planes (G = W, 2W or 4W)
+    GP: tl.constexpr = G // W
+    l0 = tl.min(y0, axis=1)
+    l1 = tl.min(y1, axis=1)
+    l2 = tl.min(y2, axis=1)
+    l3 = tl.min(y3, axis=1)
+    u0 = tl.max(y0, axis=1)
+    u1 = tl.max(y1, axis=1)
+    u2 = tl.max(y2, axis=1)
+    u3 = tl.max(y3, axis=1)
+    prow = rows.to(tl.int64) * s_st + h * s_sh
+    if GP == 4:
+        s0, z0 = _group_params(tl.minimum(tl.minimum(l0, l1), tl.minimum(l2, l3)),
+                               tl.maximum(tl.maximum(u0, u1), tl.maximum(u2, u3)))
+        _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
+        s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
+    elif GP == 2:
+        s0, z0 = _group_params(tl.minimum(l0, l1), tl.maximum(u0, u1))
+        s2, z2 = _group_params(tl.minimum(l2, l3), tl.maximum(u2, u3))
+        _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
+        _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 1)
+        s1, z1, s3, z3 = s0, z0, s2, z2
+    else:
+        s0, z0 = _group_params(l0, u0)
+        s1, z1 = _group_params(l1, u1)
+        s2, z2 = _group_params(l2, u2)
+        s3, z3 = _group_params(l3, u3)
+        _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
+        _store_params(scale_ptr, off_ptr, prow, rmask, s1, z1, 1)
+        _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 2)
+        _store_params(scale_ptr, off_ptr, prow, rmask, s3, z3, 3)
+    packed = (_qplane(y0, s0, z0) | (_qplane(y1, s1, z1) << 2) | (_qplane(y2, s2, z2) << 4)
+              | (_qplane(y3, s3, z3) << 6))
+    crow = codes_ptr + rows.to(tl.int64)[:, None] * s_ct + h * s_ch
+    tl.store(crow + cols[None, :], packed.to(tl.uint8), mask=rm)

@@ -33,24 +33,32 @@ Triton path (flash-decoding; three launches, all graph-capturable):
      channel-parity as K, so the operand registers hold two channels of one token exactly as
      they come out of the word (no byte transpose) and all N columns are real query heads;
    * online softmax in base 2; the accumulator rescale is skipped when no running maximum
-     moved (exact); full steps run unmasked and the last partial step masked.
+     moved (exact); full steps run unmasked and the last partial step masked;
+   * ``prefetch``: the token offsets (paged: the block-table entries) and the scale/offset
+     parameters of step ``i+1`` are loaded before step ``i`` computes, so their latency hides
+     behind a whole step instead of stalling every step (one group per row, ``G = d``);
+   * ``pdl`` (Hopper): programmatic dependent launch; the decode kernel starts while the
+     rotation kernel runs, does its cache-side set-up (lengths, offsets, first parameters) and
+     waits (``griddepcontrol.wait``) only before reading the rotated query; the merge kernel
+     likewise waits for the decode grid. Nothing is written before the wait.
 3. ``decode_merge_kernel``, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32
    output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``).
 
 The optional output un-rotation is one batched matmul in torch. Nothing reads lengths on the
-host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``): ``mode``
-(1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``, ``heads_per_program``,
-``programs_per_sm``, ``split_tokens``, ``split_tokens16``, ``num_stages``.
+host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
+:data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
+``heads_per_program``, ``programs_per_sm``, ``split_tokens``, ``split_tokens16``,
+``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``.
 
-Measured (H200, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
-tokens; ``scripts/bench_kernels.py``, CUDA-graph replays): at 128K context, batch 1, 64 us
-against 136 us for BF16 ``scaled_dot_product_attention`` (2.1x; 28% of the 4.2 TB/s copy
-bandwidth end to end, the decode kernel alone 43 us, 42%); batch 32, 1.32 ms against 3.66 ms
-(2.8x, 44%).
-The INT2 loop issues about 12 warp instructions per token and KV head (half of them the code
-unpacking) at 255 registers, so it is instruction- and latency-bound, not at the memory
-roofline (which would allow ~7x); at batch 1 another ~20 us go to the rotation and merge
-launches and the gaps between them.
+Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
+tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
+context, batch 1, 63 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.1x, 41%
+of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.30 ms against 5.51 ms (4.2x, 63%).
+Nsight Compute: the decode kernel is latency-bound, not at the memory roofline: 7.5 resident
+warps per SM (255 or 188 registers per thread; at batch 1 also the grid of 8 programs per SM),
+schedulers issuing on ~40% of cycles, 12-16 warp instructions per token and KV head, DRAM at
+50-58% of its peak. At batch 1 the rotation and merge kernels and the gaps between the three
+launches add ~17 us to the 46 us decode kernel.
 """
 
 from __future__ import annotations
@@ -192,6 +200,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _capability(dev: torch.device) -> int:
+    return _major(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: Int2KVCache,
@@ -221,8 +238,8 @@ def decode_attention(
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
         check_lengths: validate the lengths against the capacities (a host synchronisation;
             turn off inside CUDA graphs).
-        config: Triton tuning overrides (``BLOCK_N``, ``num_warps``, ``num_stages``,
-            ``programs_per_sm``, ``split_tokens``, ``mode``); for benchmarks.
+        config: Triton tuning overrides (keys of :data:`TUNING`, ``split_tokens``,
+            ``split_tokens16``); for benchmarks.
 
     Returns:
         ``[B, Hq, d]``: ``o_rot`` (V-rotated basis) or, with ``unrotate``, ``o``.
@@ -247,29 +264,42 @@ def decode_attention(
     return _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config or {})
 
 
-# Tuning defaults (scripts/bench_kernels.py sweeps them; see the module docstring):
-# mode 1 = bit operations as inline PTX (GPU), 0 = plain Triton ops (the interpreter's path);
-# BLOCK_N history tokens per step of a one-warp program; programs_per_sm sets the split count.
-DEFAULT_MODE = 1
-DEFAULT_BLOCK_N = 64
-DEFAULT_BLOCK16 = 32
-DEFAULT_STAGES = 2
-# programs per SM: 8 below SMALL_BATCH_HEADS (sequence, KV head) pairs, 16 from there on
-# (H200, Qwen3-8B shapes, 128K: 8 was best at batch 1, 16 at batch 32)
-DEFAULT_PROGRAMS_PER_SM = 8
-DEFAULT_PROGRAMS_PER_SM_LARGE = 16
+# Tuning defaults (scripts/bench_kernels.py sweeps them; see the module docstring), per regime:
+# "small" below SMALL_BATCH_HEADS (sequence, KV head) pairs, "large" from there on.
+#   mode             1 = bit operations as inline PTX (GPU), 0 = plain Triton ops (interpreter)
+#   BLOCK_N          history tokens per step of a one-warp program (BLOCK16: window tokens)
+#   heads_per_program KV heads per program, or "fill": enough for the key dot's N = 8 columns
+#   programs_per_sm  sets the split count (programs per SM over the whole grid)
+#   prefetch         load the next step's token offsets and parameters one step ahead
+#   maxnreg          register cap per thread (0: none); 128 lets 16 one-warp programs share an SM
+#   pdl              programmatic dependent launch of the decode and merge kernels
+#
+# Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py): prefetch on, 1281 us
+# against 1360 us at batch 32 (-6%), 63.6 against 64.6 us at batch 1 (within noise). maxnreg,
+# pdl and the BLOCK_N = 32 / BLOCK16 = 16 tiles are implemented and tested but not yet timed on
+# a GPU, so they are off (their predicted effect is in the README's kernel section).
+TUNING = {
+    "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
+              "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": False},
+    "large": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
+              "programs_per_sm": 16, "prefetch": True, "maxnreg": 0, "pdl": False},
+}
 SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
 
 
-def _heads_per_program(qg: int, h: int, bsz: int, config: dict) -> int:
-    """KV heads per program: enough that the key dot's ``N = 8`` columns are real query heads,
-    except for few (sequence, KV head) pairs, where one head per program measured faster."""
-    if "heads_per_program" in config:
-        return int(config["heads_per_program"])
-    if bsz * h < SMALL_BATCH_HEADS:
-        return 1
+def tuning(bsz: int, num_kv_heads: int, config: dict | None = None) -> dict:
+    """The effective tuning: the regime's defaults overridden by ``config``."""
+    regime = "small" if bsz * num_kv_heads < SMALL_BATCH_HEADS else "large"
+    return {**TUNING[regime], **(config or {})}
+
+
+def _heads_per_program(qg: int, h: int, cfg: dict) -> int:
+    """KV heads per program: an integer, or "fill": enough that the key dot's ``N = 8`` columns
+    are real query heads (``HP * next_pow2(QG) >= 8``, at most 4 and at most the heads)."""
+    if cfg["heads_per_program"] != "fill":
+        return int(cfg["heads_per_program"])
     m2 = next_pow2(qg)
     hp = 1
     while m2 * hp < 8 and hp < 4 and 2 * hp <= next_pow2(h):
@@ -287,13 +317,19 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     nb = d // (4 * w)
     dev = q.device
     interp = interpreting()
-    asm = int(config.get("mode", DEFAULT_MODE)) == 1 and not interp
-    block_n = int(config.get("BLOCK_N", DEFAULT_BLOCK_N))
-    block16 = int(config.get("BLOCK16", DEFAULT_BLOCK16))
-    num_stages = int(config.get("num_stages", DEFAULT_STAGES))
-    hp = _heads_per_program(qg, h, bsz, config)
+    cfg = tuning(bsz, h, config)
+    asm = int(cfg["mode"]) == 1 and not interp
+    block_n = int(cfg["BLOCK_N"])
+    block16 = int(cfg["BLOCK16"])
+    num_stages = int(cfg["num_stages"])
+    hp = _heads_per_program(qg, h, cfg)
+    # software prefetch of the next step's offsets and parameters (one group per row only)
+    pf = bool(cfg["prefetch"]) and d == g
     m2 = next_pow2(qg)
     hgroups = -(-h // hp)
+    # programmatic dependent launch (Hopper+): each kernel launches while the previous one runs
+    # and waits (griddepcontrol) before reading its output; graph-capturable
+    pdl = bool(cfg["pdl"]) and q.is_cuda and not interp and _capability(dev) >= 9
 
     # the query in the keys' basis: one small kernel (3xTF32 products, about fp32 accuracy)
     if q.stride(-1) != 1:
@@ -306,7 +342,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         bc = d if interp else min(32, d)  # (the interpreter: fewer, larger programs)
         LAST_LAUNCH["rotate"] = mod.rotate_query_kernel[(bsz * h, d // bc)](
             q, q.stride(0), q.stride(1), r, qr, h, qg,
-            D=d, M=max(16, next_pow2(qg)), BC=bc, INTERP=interp, num_warps=4,
+            D=d, M=max(16, next_pow2(qg)), BC=bc, INTERP=interp, PDL=pdl, num_warps=4,
         )
     else:
         qr = q
@@ -314,11 +350,10 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     # split sizes (host integers only: graph-safe)
     # (the interpreter runs programs one after another: one "SM" keeps CPU runs short)
     n_sm = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
-    ppsm = DEFAULT_PROGRAMS_PER_SM if bsz * h < SMALL_BATCH_HEADS else DEFAULT_PROGRAMS_PER_SM_LARGE
-    target = int(config.get("programs_per_sm", ppsm)) * n_sm
+    target = int(cfg["programs_per_sm"]) * n_sm
     cap = cache.history_capacity
-    if "split_tokens" in config:
-        chunk = int(config["split_tokens"])
+    if "split_tokens" in cfg:
+        chunk = int(cfg["split_tokens"])
     else:
         want = max(1, -(-target // (bsz * hgroups)))
         chunk = -(-cap // want)
@@ -327,7 +362,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     ncap = cache.window_capacity
     # window chunks: a window token is ~7x an INT2 token's bytes; small chunks keep window
     # programs off the critical path
-    chunk16 = int(config.get("split_tokens16", min(256, max(block16, chunk // 4, ncap // 64))))
+    chunk16 = int(cfg.get("split_tokens16", min(256, max(block16, chunk // 4, ncap // 64))))
     chunk16 = -(-chunk16 // block16) * block16
     s16 = -(-ncap // chunk16)
     s_all = s16 + s2
@@ -343,6 +378,12 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     kc = cache.k_codes
     ks = cache.k_scale
     w16 = cache.k_bf16
+    launch = {}
+    if pdl and k_rotation is not None:
+        launch["launch_pdl"] = True
+    maxnreg = int(cfg["maxnreg"])
+    if maxnreg and not interp:  # a register cap: more resident warps (ptxas spills past it)
+        launch["maxnreg"] = maxnreg
     LAST_LAUNCH["split"] = mod.decode_kernel[(s_all, bsz * hgroups)](
         qr, qr.stride(0), qr.stride(1),
         kc, ks, cache.k_offset, cache.v_codes, cache.v_scale, cache.v_offset,
@@ -355,7 +396,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         qk_scale,
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
-        PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, num_warps=1, num_stages=num_stages,
+        PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl and k_rotation is not None,
+        num_warps=1, num_stages=num_stages, **launch,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)
     if unrotate:
@@ -371,7 +413,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,
-        D=d, DC=dc, BLOCK_S=block_s, num_warps=4,
+        D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
     if not unrotate:
         return o_rot

@@ -22,15 +22,22 @@ matmul); for fp32 inputs it runs one fp32 ("ieee") product. Different summation 
 ``y`` by an ulp or so, which flips a code by one level only where ``y/s + z + 0.5`` lies within
 that distance of an integer (a rounding tie): in practice about one per million codes.
 ``fast_rotation=True`` uses the high part only (one product, ~1e-3 relative error in ``y``;
-about 0.1% of codes move by one level), and ``config={"fast_div": True}`` multiplies by ``1/s``
-instead of dividing (codes may move at rounding ties).
+about 0.1% of codes move by one level), and ``config={"fast_div": True}`` (general kernel)
+multiplies by ``1/s`` instead of dividing (codes may move at rounding ties).
 
-Kernel cost (H200, 128K tokens x 8 heads, d = 128, bf16 in; ``scripts/bench_kernels.py``):
-the clip selection (:mod:`._write_triton`) measured ~145 us (it was ~530 us as ``2m`` row
-reductions), so rotate + clip + quantise should take ~0.42 ms (~0.7 TB/s, 17% of the 4.2 TB/s
-copy; 0.4 TB/s before) and ~0.28 ms without clip (1.1 TB/s, 26%; unchanged). The two 16-bit
-rotation products, the division and the row reductions keep it compute-bound, far from the
-memory roofline.
+Two Triton kernels (:mod:`._write_triton`): the general one, and a plane-wise one for rows of a
+single byte block (``d == 4 * min(G, d/4)``, e.g. d = 128 with any G >= 32) that holds the row as
+four ``[rows, d/4]`` tensors (one per bit plane), so the clip selection, the group statistics and
+the packing need no data movement between threads. ``config={"planes": ...}`` picks one; by
+default the plane-wise kernel runs for unrotated input and the general one with a rotation
+(the plane-wise kernel then needs four narrow products, or with ``"split": True`` one product
+split into planes).
+
+Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
+``scripts/bench_kernels.py``): rotate + clip + quantise + pack 568 us (539 GB/s, 18% of copy),
+rotate without clip 280 us (36%); without rotation, plane-wise: with clip 279 us (37%), neither
+172 us (59%; the general kernel 223 us). Nsight Compute: latency-bound (216 registers, 12%
+occupancy, DRAM at 18% with rotation and clip).
 """
 
 from __future__ import annotations
@@ -136,7 +143,8 @@ def quantize_kv(
             tensors have the leading shape of ``x``; written in place and returned.
         fast_rotation: Triton only: one 16-bit product for the rotation instead of two
             (see the module docstring).
-        config: Triton tuning overrides (``BT``, ``num_warps``); for benchmarks.
+        config: Triton tuning overrides (``BT``, ``num_warps``, ``KB``, ``planes``: True,
+            False or "auto", ``split``, ``fast_div``); for benchmarks.
 
     Returns:
         :class:`QuantizedKV` with codes ``uint8 [..., kv_heads, d/4]`` and fp16 scale/offset
@@ -180,6 +188,11 @@ def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
 _DERIVED: dict[tuple, tuple] = {}
 # the compiled kernel of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
+# The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs for unrotated input
+# (H100, 128K tokens x 8 heads: 172 us against 223 us without clip); with a rotation the general
+# kernel runs (568 us against 775 us for one product per plane). "split" (one [BT, d] product
+# split into planes) is implemented and tested, not yet timed: off.
+DEFAULT_SPLIT = False
 
 
 def _derived(src: torch.Tensor, tag: tuple, make):
@@ -245,15 +258,25 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
     num_warps = int(config.get("num_warps", 4 if d <= 128 else 8))
     kb = min(d, int(config.get("KB", 64)))
     grid = (math.ceil(n_tok / bt), kvh)
-    LAST_LAUNCH["write"] = mod.quantize_kv_kernel[grid](
+    w = min(group_size, d // 4)
+    planes = config.get("planes", "auto")
+    if planes == "auto":  # measured faster without a rotation, slower with one (one product per plane)
+        planes = rot_mode == 0 or bool(config.get("split", DEFAULT_SPLIT))
+    planes = bool(planes) and d == 4 * w
+    kern = mod.quantize_kv_planes_kernel if planes else mod.quantize_kv_kernel
+    if planes:
+        extra = {"SPLIT": bool(config.get("split", DEFAULT_SPLIT))}
+    else:
+        extra = {"FAST_DIV": bool(config.get("fast_div", False))}
+    LAST_LAUNCH["write"] = kern[grid](
         x3, x3.stride(0), x3.stride(1),
         r1, r2, kidx,
         codes3, codes3.stride(0), codes3.stride(1),
         scale3, off3, scale3.stride(0), scale3.stride(1),
         n_tok,
-        D=d, G=group_size, W=min(group_size, d // 4), BT=bt, KB=kb,
-        ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(), FAST_DIV=bool(config.get("fast_div", False)),
+        D=d, G=group_size, W=w, BT=bt, KB=kb,
+        ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
         KEYED=rot_mode == 0 and x3.dtype in (torch.bfloat16, torch.float16) and d <= 256,
-        num_warps=num_warps,
+        num_warps=num_warps, **extra,
     )
     return out

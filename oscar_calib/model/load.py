@@ -23,7 +23,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError, ModelLoadError, UnsupportedModelError
+from ..errors import InputError, ModelLoadError, UnsupportedModelError, first_line
+from ..fsutil import staged_dir
 from .geometry import Geometry, geometry_of, model_fingerprint
 from .placement import Placement
 
@@ -205,7 +206,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
             if "gguf_file" in kwargs and gguf_cache_dir(source) is not None:
                 _save_gguf_cache(model, tok, gguf_cache_dir(source))
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         if source.kind == "hub":
             raise ModelLoadError(
                 f"cannot load {spec!r} from the Hugging Face hub (no network or not cached?): {first}"
@@ -230,7 +231,7 @@ def _precheck_config(spec: str, source: ModelSource, load_path: str, kwargs: dic
         with _quiet():
             config = AutoConfig.from_pretrained(load_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         if source.kind == "hub":
             raise ModelLoadError(
                 f"cannot load {spec!r} from the Hugging Face hub (no network or not cached?): {first}"
@@ -262,28 +263,17 @@ def gguf_cache_dir(source: ModelSource) -> Path | None:
 
 
 def _save_gguf_cache(model, tok, target: Path) -> None:
-    """Best effort: a failure to cache never fails a load."""
-    import shutil
-    import tempfile
-
+    """Best effort: a failure to cache never fails a load; the first of two racing writers wins."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        # the weights are already de-quantised floats; drop the GGUF marker so they serialise
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)   # another process won the race
+        with staged_dir(target, check=False, if_absent=True, tag="gguf") as tmp:
+            # the weights are already de-quantised floats; drop the GGUF marker so they serialise
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
     except Exception:  # noqa: BLE001
         pass
-
-
-# ----------------------------------------------------------------------------- geometry
 
 
 logging.getLogger("transformers").setLevel(logging.ERROR)

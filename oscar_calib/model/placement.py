@@ -86,6 +86,21 @@ def parse_device_map(text: str | None):
                      "JSON object")
 
 
+def placement_from_options(device_map: str | None, max_memory: str | None,
+                           offload_dir: str | os.PathLike | None) -> Placement | None:
+    """The :class:`Placement` of ``--device-map``, ``--max-memory`` and ``--offload-dir`` (None
+    without a device map); the other two need one, and the offload folder must not be a file."""
+    dmap, mmem = parse_device_map(device_map), parse_max_memory(max_memory)
+    if mmem is not None and dmap is None:
+        raise InputError("--max-memory needs --device-map (e.g. --device-map auto)")
+    if offload_dir is not None:
+        if dmap is None:
+            raise InputError("--offload-dir needs --device-map (e.g. --device-map auto)")
+        if os.path.exists(offload_dir) and not os.path.isdir(offload_dir):
+            raise InputError(f"--offload-dir {offload_dir} is a file, not a folder")
+    return Placement(dmap, mmem, str(offload_dir) if offload_dir is not None else None) if dmap is not None else None
+
+
 def input_device(model) -> torch.device:
     """Where input ids go: the first parameter that is not offloaded (meta); accelerate's hooks move
     inputs on from there."""

@@ -15,7 +15,13 @@ from ..numerics.rotation import (
     V_OBJECTIVES,
     choose,
 )
-from .defaults import DEFAULT_RECENT, DEFAULT_SINK
+from .defaults import (
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    check_clip,
+    check_window,
+    is_power_of_two,
+)
 
 
 @dataclass
@@ -61,14 +67,13 @@ class CalibrationConfig:
                      "checkpoint_every"):
             if int(getattr(self, name)) <= 0:
                 raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("sink_tokens", "recent_tokens", "seed"):
-            if int(getattr(self, name)) < 0:
-                raise InputError(f"--{name.replace('_', '-')} must be non-negative")
+        check_window(self.sink_tokens, self.recent_tokens)
+        if int(self.seed) < 0:
+            raise InputError("--seed must be non-negative")
         for name in ("k_clip", "v_clip"):
-            c = getattr(self, name)
-            if c is not None and not 0 < c <= 1:
-                raise InputError(f"clip ratio {name[0]}={c} is outside (0, 1]")
-        if self.group_size is not None and (self.group_size <= 0 or self.group_size & (self.group_size - 1)):
+            if getattr(self, name) is not None:
+                check_clip(name[0], getattr(self, name))
+        if self.group_size is not None and not is_power_of_two(self.group_size):
             raise InputError(f"--group-size {self.group_size} is not a power of two")
         return self
 
@@ -96,8 +101,7 @@ def parse_clip(text: str | None) -> tuple[float | None, float | None]:
             out[key] = float(val)
         except ValueError:
             raise InputError(f"--clip: {val!r} is not a number") from None
-        if not 0 < out[key] <= 1:
-            raise InputError(f"--clip: {key}={out[key]} is outside (0, 1]")
+        check_clip(key, out[key])
     return out["k"], out["v"]
 
 
@@ -108,6 +112,24 @@ def from_mapping(data: dict, *, where: str = "config") -> CalibrationConfig:
     if unknown:
         raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
     return CalibrationConfig(**data).validate()
+
+
+# command-line values that mean "not given" (the YAML file's value, else the default, stays)
+UNSET_OPTIONS = {"dtype": "auto", "device": "auto", "trust_remote_code": False}
+
+
+def config_from_options(config: Path | None, options: dict, *, clip: str | None = None) -> CalibrationConfig:
+    """The settings of one ``oscar calibrate``: the ``calibration:`` section of the YAML file
+    ``config`` (if any), overridden by the command-line ``options`` that were given (not ``None``
+    and not the option's own default in :data:`UNSET_OPTIONS`), and ``clip`` (``--clip`` text)."""
+    values = load_yaml_section(config) if config else {}
+    values.update({k: v for k, v in options.items() if v is not None and (k not in UNSET_OPTIONS
+                                                                          or v != UNSET_OPTIONS[k])})
+    if clip is not None:
+        values["k_clip"], values["v_clip"] = parse_clip(clip)
+    if "trust_remote_code" in values:
+        values["trust_remote_code"] = bool(values["trust_remote_code"])
+    return from_mapping(values, where=str(config) if config else "options")
 
 
 def load_yaml_mapping(path: Path) -> dict:

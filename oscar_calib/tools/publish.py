@@ -54,6 +54,7 @@ from .zoo import PULL_RECORD, VERIFY_NAME  # PULL_RECORD is a hidden file: never
 
 HUBS = {"hf": "Hugging Face", "modelscope": "ModelScope"}
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,15 @@ def parse_target(text: str) -> Target:
         raise InputError(f"malformed target {text!r}: expected hf:ORG/NAME or modelscope:ORG/NAME "
                          "(letters, digits, '.', '_', '-')")
     return Target(hub, repo)
+
+
+def parse_source(text: str) -> tuple[Target, str | None]:
+    """``hf:ORG/NAME[@REV]`` or ``modelscope:ORG/NAME[@REV]``: the target and the revision (a
+    branch, tag or commit; ``None`` for the default branch)."""
+    base, at, revision = str(text).strip().partition("@")
+    if at and not _REVISION.fullmatch(revision):
+        raise InputError(f"malformed revision {revision!r} in {text!r}")
+    return parse_target(base), revision or None
 
 
 # ----------------------------------------------------------------------------- push
@@ -154,7 +164,7 @@ def plan_push(artifact: Path, target: Target | str, *, revision: str | None = No
     if not folder.is_dir():
         raise InputError(f"{artifact}: not an artifact directory")
     target = parse_target(target) if isinstance(target, str) else target
-    if revision is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}", revision):
+    if revision is not None and not _REVISION.fullmatch(revision):
         raise InputError(f"malformed revision {revision!r}")
     report = require_valid(folder, model=model)
     if not (folder / CARD_NAME).is_file():
@@ -273,7 +283,7 @@ def pull(source: Target | str, *, revision: str | None = None, out: Path | None 
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
     try:
         apply_umask_mode(tmp)
-        _download(target, revision, tmp)
+        download_snapshot(target, revision, tmp)
         shutil.rmtree(tmp / ".cache", ignore_errors=True)     # huggingface_hub's local-dir bookkeeping
         if not (tmp / WEIGHTS_NAME).is_file():
             raise ArtifactError(f"{target} holds no {WEIGHTS_NAME}: not an OSCAR artifact repository")
@@ -291,14 +301,19 @@ def pull(source: Target | str, *, revision: str | None = None, out: Path | None 
     return PullResult(target, dest, revision, report)
 
 
-def _download(target: Target, revision: str | None, local_dir: Path) -> None:
+def download_snapshot(target: Target, revision: str | None, local_dir: Path, *,
+                      allow_patterns: list[str] | None = None) -> None:
+    """Download the repository's files (those matching ``allow_patterns``, default all) into
+    ``local_dir``; raises :class:`PublishError` with one line when the hub cannot be reached or
+    has no such repository or revision."""
+    kwargs = dict(repo_id=target.repo_id, repo_type="model", revision=revision, local_dir=str(local_dir))
+    if allow_patterns is not None:
+        kwargs["allow_patterns"] = allow_patterns
     try:
         if target.hub == "hf":
-            hf_snapshot_download(repo_id=target.repo_id, repo_type="model", revision=revision,
-                                 local_dir=str(local_dir))
+            hf_snapshot_download(**kwargs)
         else:
-            modelscope_snapshot_download()(repo_id=target.repo_id, repo_type="model", revision=revision,
-                                           local_dir=str(local_dir))
+            modelscope_snapshot_download()(**kwargs)
     except OscarError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -101,6 +101,7 @@ class ValidationReport:
     problems: list[str] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)   # check name -> passed (absent: not run)
+    findings: list[tuple[str, str]] = field(default_factory=list)   # (check name, problem), as added
 
     @property
     def ok(self) -> bool:
@@ -109,6 +110,7 @@ class ValidationReport:
     def add(self, check: str, problems: list[str]) -> None:
         self.checks[check] = self.checks.get(check, True) and not problems
         self.problems.extend(problems)
+        self.findings.extend((check, p) for p in problems)
 
     def to_dict(self) -> dict:
         md = self.metadata
@@ -136,7 +138,7 @@ def find_artifacts(paths: list[Path], *, allow_empty: bool = False) -> list[tupl
         if p.is_file():
             if p.suffix == ".safetensors":
                 keep(p)
-            elif _is_zoo_index(p):
+            elif is_zoo_index(p):
                 continue          # the zoo's own index.json: `oscar validate zoo/*` skips it
             else:
                 out.append((p, "not an artifact (give an artifact directory or its oscar.safetensors)"))
@@ -155,7 +157,7 @@ def find_artifacts(paths: list[Path], *, allow_empty: bool = False) -> list[tupl
     return out
 
 
-def _is_zoo_index(path: Path) -> bool:
+def is_zoo_index(path: Path) -> bool:
     if path.name != "index.json":
         return False
     try:
@@ -366,7 +368,8 @@ def validate_paths(paths: list[Path], *, model: ModelReference | None = None,
     reports = []
     for f, error in find_artifacts(paths, allow_empty=allow_empty):
         if error is not None:
-            reports.append(ValidationReport(path=f, problems=[error], checks={"file": False}))
+            reports.append(ValidationReport(path=f))
+            reports[-1].add("file", [error])
         else:
             reports.append(validate_artifact(f.parent if f.name == WEIGHTS_NAME else f, model=model))
     return reports

@@ -104,6 +104,24 @@ def test_decode_kernel_variants(mode, hp, device):
     _run(q, cache, rk, rv, config={**SMALL, "mode": mode, "heads_per_program": hp})
 
 
+@pytest.mark.parametrize("hp", [1, 2])
+@pytest.mark.parametrize("page", [None, 16])
+def test_decode_prefetch_register_cap_pdl(hp, page, device):
+    # software prefetch of the next step's offsets and parameters (paged: the block-table
+    # entries too), a register cap and programmatic dependent launch (the last two act on the
+    # GPU only); lengths leave partial last steps and one empty split
+    q, cache, rk, rv, _ = _case(batch=3, tokens=150, heads=2, qg=4, d=128, g=128, lengths=[150, 97, 40],
+                                page=page, seed=40 + hp, device=device)
+    cfg = {**SMALL, "prefetch": True, "maxnreg": 128, "pdl": True, "heads_per_program": hp, "split_tokens": 48}
+    _run(q, cache, rk, rv, config=cfg)
+    _run(q, cache, rk, rv, unrotate=True, config=cfg)
+    # without a query rotation the decode kernel is launched without PDL
+    qr = decode_mod.rotate_query(q, rk, 2)
+    a = decode_attention(qr, cache, backend="triton", config=cfg)
+    b = decode_attention_reference(qr, cache, out_dtype=torch.float32)
+    assert relative_error(a.float(), b) < 2e-3
+
+
 @pytest.mark.parametrize("hp", [2, 4])
 def test_decode_heads_per_program_with_missing_heads(hp, device):
     # 3 KV heads: the last program's head slots past the end are computed on a clamped head

@@ -8,6 +8,14 @@ from oscar_calib.kernels import QuantizedKV, quantize_kv, quantize_kv_reference
 from oscar_calib.kernels import write as write_mod
 from oscar_calib.kernels.testing import code_agreement, kv_rows, random_rotation
 
+# kernel variants: the general kernel and the plane-wise one (one product per plane, or one
+# [BT, d] product split into planes); "planes" only applies where d == 4 * min(G, d/4)
+KERNELS = {
+    "general": {"planes": False},
+    "planes": {"planes": True, "split": False},
+    "planes_split": {"planes": True, "split": True},
+}
+
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
 # summation order) moves y/s + z + 0.5 across an integer: a rounding tie. Seen: 0.
 TIE_FRACTION = 1e-3
@@ -43,6 +51,7 @@ def _check_close(res: QuantizedKV, ref: QuantizedKV, exact: bool = False):
     assert dev.mean() <= 2e-3 * step.mean()
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize(
     "dtype,d,g,tokens,heads",
     [
@@ -53,7 +62,7 @@ def _check_close(res: QuantizedKV, ref: QuantizedKV, exact: bool = False):
         (torch.bfloat16, 256, 128, 33, 1),
     ],
 )
-def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, device):
+def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, device):
     gen = torch.Generator().manual_seed(d * 7 + g + tokens)
     x = kv_rows((tokens, heads, d), dtype, generator=gen, device=device)
     rot = random_rotation(heads, d, generator=gen, device=device)
@@ -63,29 +72,32 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, device):
     results = []
     for fill in (0x00, 0xFF):  # two poisons: every code byte must be written
         out = _poisoned((tokens,), heads, d, g, device, fill)
-        res = quantize_kv(x, rot, clip, g, backend="triton", out=out, config={"BT": 16})
+        res = quantize_kv(x, rot, clip, g, backend="triton", out=out, config={"BT": 16, **KERNELS[kernel]})
         assert res is out
         _check_close(res, ref)
         results.append(res.codes.cpu())
     assert torch.equal(results[0], results[1])
 
 
-def test_write_kernel_identical_arithmetic_with_ties(device):
+@pytest.mark.parametrize("kernel", ["general", "planes"])
+def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
     gen = torch.Generator().manual_seed(3)
     x = (torch.randint(-6, 7, (33, 2, 64), generator=gen).float() * 0.25).to(device)
     clip = torch.tensor([0.9, 0.5], device=device)
+    cfg = {"BT": 16, **KERNELS[kernel]}
     for g in (16, 64):
-        res = quantize_kv(x, None, clip, g, backend="triton", config={"BT": 16})
+        res = quantize_kv(x, None, clip, g, backend="triton", config=cfg)
         _check_close(res, quantize_kv_reference(x.cpu(), None, clip.cpu(), g), exact=True)
-    res = quantize_kv(x.half(), None, None, 32, backend="triton")
+    res = quantize_kv(x.half(), None, None, 32, backend="triton", config=cfg)
     _check_close(res, quantize_kv_reference(x.half().cpu(), None, None, 32), exact=True)
     # 16-bit input without a rotation takes the integer-key clip selection (both branches)
     for dt in (torch.bfloat16, torch.float16):
         xb = (x * 1.37).to(dt)
-        res = quantize_kv(xb, None, clip, 64, backend="triton", config={"BT": 16})
-        _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), 64), exact=True)
+        for g in (16, 64):
+            res = quantize_kv(xb, None, clip, g, backend="triton", config=cfg)
+            _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), g), exact=True)
 
 
 def test_write_kernel_leading_dims_and_scalar_clip(device):

@@ -1,0 +1,53 @@
+"""What a calibration writes beside its tensors: the output-directory check, ``calibration.json``
+(the report: settings, geometry, per-layer rows, summary, timings) and the model card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import FORMAT_VERSION, __version__
+from ..fsutil import check_can_replace, check_writable
+from ..model.load import LoadedModel
+from ..spec.artifact import Artifact, has_artifact, write_artifact_files
+from ..spec.config import CalibrationConfig
+
+
+def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
+    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable. A
+    directory holding only a checkpoint (``resume``) or other files is fine."""
+    check_can_replace(out, overwrite=overwrite, occupied=has_artifact, what="already holds an artifact")
+    check_writable(out)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Mean held-out attention error of the calibrated rotations, of Hadamard and (when every row
+    has it) of the fork's shared rotations and clips, over layers."""
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    o = [r["heldout"]["oscar"]["attn"] for r in rows]
+    h = [r["heldout"]["hadamard"]["attn"] for r in rows]
+    out = {"mean_attn_error_oscar": mean(o), "mean_attn_error_hadamard": mean(h),
+           "layers_better_than_hadamard": sum(a < b for a, b in zip(o, h)), "num_layers": len(rows)}
+    if all("fork" in r["heldout"] for r in rows):
+        out["mean_attn_error_fork"] = mean([r["heldout"]["fork"]["attn"] for r in rows])
+    return out
+
+
+def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, str], group_size: int,
+                 rows: list[dict], timing: dict, fork_clips) -> dict:
+    """``calibration.json``: the run's settings, calibration data, geometry, per-layer rows, timings
+    and the fork's global (K, V) clip pair."""
+    geo = lm.geometry
+    return {
+        "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
+        "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
+        "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
+        "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(fork_clips),
+    }
+
+
+def write_outputs(out: Path, artifact: Artifact, report: dict) -> None:
+    """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``."""
+    from ..spec.card import model_card
+
+    write_artifact_files(out, artifact, model_card(report), report)

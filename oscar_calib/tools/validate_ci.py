@@ -1,0 +1,169 @@
+"""Validation where CI runs it: hub repositories checked in place, the files a change touches
+(what pre-commit passes a hook), and GitHub workflow annotations.
+
+=========================  ================================================================
+source                     what is validated
+=========================  ================================================================
+``hf:ORG/NAME[@REV]``      the repository's ``oscar.safetensors`` files (at its root or in
+``modelscope:ORG/NAME``    sub-folders), downloaded into a temporary folder that is removed
+(``ms:`` too)              afterwards: nothing is kept, the pull cache is not touched
+a local path               as :func:`~oscar_calib.tools.validate.find_artifacts` expands it
+=========================  ================================================================
+
+With ``changed_files`` the local paths are the files a change touches (pre-commit passes the
+staged files its ``files`` pattern matches): a ``.safetensors`` file is validated; a zoo's
+``index.json`` stands for its whole zoo, so every artifact below its directory is validated and
+the index must be current (what ``oscar zoo index`` would write); any other file, such as an
+unrelated ``index.json``, is skipped.
+
+GitHub annotations follow the workflow-command syntax ``::error file=F,title=T::MESSAGE``; data
+escapes ``%``, CR and LF, properties also ``:`` and ``,`` (the runner's own escaping rules).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from ..errors import PublishError
+from ..spec.artifact import WEIGHTS_NAME
+from .publish import download_snapshot, parse_source
+from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
+from .zoo import INDEX_NAME, index_is_current
+
+_HUB_PREFIX = re.compile(r"(hf|huggingface|modelscope|ms):", re.IGNORECASE)
+
+
+def is_hub_source(text: str) -> bool:
+    """``hf:…``/``modelscope:…``/``ms:…`` that is not also an existing local path."""
+    return bool(_HUB_PREFIX.match(str(text))) and not Path(text).exists()
+
+
+def _failed(path: str | Path, check: str, problem: str) -> ValidationReport:
+    report = ValidationReport(path=Path(path))
+    report.add(check, [problem])
+    return report
+
+
+def validate_hub(source: str, *, model: ModelReference | None = None) -> list[ValidationReport]:
+    """Download ``source``'s artifacts into a temporary folder, validate them, remove the folder.
+    Report paths read ``hf:ORG/NAME[@REV]`` (``/SUB`` for an artifact in a sub-folder). A failed
+    download is a problem in the report, not an exception; a malformed source raises
+    :class:`~oscar_calib.errors.InputError`."""
+    target, revision = parse_source(source)
+    label = f"{target}@{revision}" if revision else str(target)
+    with tempfile.TemporaryDirectory(prefix="oscar-validate-") as tmp:
+        root = Path(tmp)
+        try:
+            download_snapshot(target, revision, root, allow_patterns=[f"*{WEIGHTS_NAME}"])
+        except PublishError as e:
+            return [_failed(label, "download", str(e))]
+        reports = validate_paths([root], model=model, allow_empty=True)
+        for r in reports:
+            rel = r.path.relative_to(root)
+            r.path = Path(label) / rel if rel.parts else Path(label)
+    return reports or [_failed(label, "file", f"holds no {WEIGHTS_NAME}: not an OSCAR artifact repository")]
+
+
+def expand_changed_files(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """``(paths to validate, zoo indexes to check)`` for the files a change touches (module doc)."""
+    targets: list[Path] = []
+    indexes: list[Path] = []
+    for p in map(Path, paths):
+        if p.suffix == ".safetensors":
+            targets.append(p)
+        elif p.name == INDEX_NAME and is_zoo_index(p):
+            targets.append(p.parent)
+            indexes.append(p)
+    return targets, indexes
+
+
+def check_index(index: Path) -> ValidationReport:
+    """The zoo index must equal what ``oscar zoo index`` writes for the artifacts beside it."""
+    report = ValidationReport(path=Path(index))
+    problem = [] if index_is_current(Path(index).parent) else [
+        f"stale: it does not describe the artifacts beside it; run `oscar zoo index --zoo {Path(index).parent}`"]
+    report.add("index", problem)
+    return report
+
+
+def validate_sources(sources: list[str], *, model: ModelReference | None = None, allow_empty: bool = False,
+                     changed_files: bool = False) -> list[ValidationReport]:
+    """Validate local paths and hub repositories, in the order given. Every hub source is parsed
+    before anything is downloaded, so a malformed one fails at once."""
+    for s in sources:
+        if is_hub_source(s):
+            parse_source(s)
+    reports: list[ValidationReport] = []
+    local: list[Path] = []
+
+    def flush() -> None:
+        if changed_files:
+            targets, indexes = expand_changed_files(local)
+            reports.extend(validate_paths(targets, model=model, allow_empty=True))
+            reports.extend(check_index(i) for i in indexes)
+        elif local:
+            reports.extend(validate_paths(local, model=model, allow_empty=allow_empty))
+        local.clear()
+
+    for s in sources:
+        if is_hub_source(s):
+            flush()
+            reports.extend(validate_hub(s, model=model))
+        else:
+            local.append(Path(s))
+    flush()
+    return reports
+
+
+# ----------------------------------------------------------------------------- GitHub annotations
+
+def escape_data(text: str) -> str:
+    """A workflow command's message: ``%``, CR and LF escaped (``%`` first)."""
+    return str(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def escape_property(text: str) -> str:
+    """A workflow command's property value: as :func:`escape_data`, plus ``:`` and ``,``."""
+    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def workflow_command(command: str, message: str, **properties: str | None) -> str:
+    """``::command k=v,k=v::message`` with every part escaped; ``None`` properties are left out."""
+    props = ",".join(f"{k}={escape_property(v)}" for k, v in properties.items() if v is not None)
+    return f"::{command}{' ' + props if props else ''}::{escape_data(message)}"
+
+
+def annotation_file(report: ValidationReport, cwd: Path | None = None) -> str | None:
+    """The file an annotation points at: the artifact's ``oscar.safetensors`` (relative to the
+    working directory, which is the repository root in CI), or ``None`` for a hub repository."""
+    if is_hub_source(str(report.path)):
+        return None
+    path = report.path / WEIGHTS_NAME if (report.path / WEIGHTS_NAME).is_file() else report.path
+    cwd = Path(cwd or os.getcwd()).resolve()
+    try:
+        return path.resolve().relative_to(cwd).as_posix() if path.is_absolute() else path.as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def github_lines(reports: list[ValidationReport], cwd: Path | None = None) -> list[str]:
+    """One ``::error`` annotation per problem, one plain ``ok`` line per valid artifact, and a
+    closing count."""
+    lines = []
+    for r in reports:
+        if r.ok:
+            md = r.metadata
+            about = f" ({md['model_id']}, {md.get('num_layers', '?')} layers)" if "model_id" in md else ""
+            lines.append(f"ok {r.path}{about}")
+            continue
+        file = annotation_file(r, cwd)
+        for check, problem in r.findings or [("", p) for p in r.problems]:
+            message = problem if file else f"{r.path}: {problem}"
+            lines.append(workflow_command("error", message, file=file,
+                                          title=f"oscar validate: {check}" if check else "oscar validate"))
+    bad = sum(not r.ok for r in reports)
+    lines.append(f"oscar validate: {len(reports)} checked, {bad} with problems")
+    return lines
