@@ -47,6 +47,11 @@ class PublishError(OscarError):
     """A hub refused or failed a request; the message names the hub and the next step."""
 
 
+class CacheError(OscarError):
+    """A KV cache cannot do what was asked (used without its attention function, cropped past what
+    it can restore exactly)."""
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty): what a
     one-line error quotes from a library's exception."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..runtime.cache import OscarCache
+from ..runtime.cache import OscarCache, attached
 from ..runtime.scheme import KVScheme
 from .methods import bits_of, build_schemes, quanto_cache
 from .options import EvalOptions, as_options
@@ -145,10 +145,13 @@ def _prefill(model, ids: torch.Tensor, chunk: int):
 
 def cache_for(method: str, model, prefill, scheme: KVScheme | None):
     """A fresh cache for ``method`` holding the prefilled tokens exactly as that method stores
-    them (the prefill itself attended in full precision, as serving engines do)."""
+    them (the prefill itself attended in full precision, as serving engines do). INT2 methods get
+    the real :class:`OscarCache` (generate inside ``attached(cache, model)``)."""
     if method == "bf16":
         return copy.deepcopy(prefill)
-    cache = quanto_cache(model.config) if method == "quanto" else OscarCache(model.config, scheme)
+    if method != "quanto":
+        return OscarCache(model.config, scheme).prefill_from(prefill)
+    cache = quanto_cache(model.config)
     for i, layer in enumerate(prefill.layers):
         cache.layers[i].update(layer.keys, layer.values)
     return cache
@@ -182,8 +185,9 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
             if progress:
                 progress(f"NIAH {n + 1}/{len(jobs)}: length {length}, depth {depth:.2f}: {m}")
             cache = cache_for(m, model, pre, schemes.get(m))
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            with attached(cache, model):
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                     max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             row = {"method": m, "length": length, "tokens": ids.shape[1], "depth": depth, "seed": seed + s,
                    "key": sample.key, "expected": sample.value, "answer": answer.strip()[:60],

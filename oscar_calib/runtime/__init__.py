@@ -1,13 +1,27 @@
-"""Runtime: how a method stores K/V (:class:`~.scheme.KVScheme`), the transformers cache
-(:class:`~.cache.OscarCache`) and the perplexity simulation (:class:`~.simulate.SimulatedKV`).
-The INT2 kernels themselves live in :mod:`oscar_calib.kernels`.
+"""Runtime: OSCAR's 2-bit KV cache inside transformers models.
 
-Importing this package does not import transformers; its names load on first use.
+==========================  =====================  ==============================================
+name                        module                 what it is
+==========================  =====================  ==============================================
+:class:`OscarCache`         :mod:`.cache`          **the real cache**: packed INT2 history written by
+                                                   the write kernel, decode steps through the INT2
+                                                   decode kernel (``with cache.attach(model):``)
+:class:`OscarAttention`     :mod:`.attention`      the registered attention function's route
+:class:`SimulatedCache`     :mod:`.simulated`      accuracy simulation as a ``Cache`` (de-quantises
+                                                   the history for the model's own attention)
+:class:`SimulatedKV`        :mod:`.simulate`       accuracy simulation per query position (ppl)
+:class:`KVScheme`           :mod:`.scheme`         how a method stores K/V (rotations, clips, G, window)
+==========================  =====================  ==============================================
+
+The INT2 kernels themselves live in :mod:`oscar_calib.kernels`. Importing this package does not
+import transformers; its names load on first use.
 """
 
 from __future__ import annotations
 
-_EXPORTS = {"KVScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "SimulatedKV": ".simulate"}
+_EXPORTS = {"KVScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
+            "SimulatedCache": ".simulated", "SimulatedLayer": ".simulated", "SimulatedKV": ".simulate",
+            "SUPPORTED_TRANSFORMERS": ".compat", "check_transformers": ".compat"}
 
 
 def __getattr__(name: str):

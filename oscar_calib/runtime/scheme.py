@@ -1,7 +1,8 @@
 """``KVScheme``: how one method stores K/V (rotations, clips, INT2 group size, BF16 sink and window).
 
-Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the perplexity simulation
-(:mod:`oscar_calib.runtime.simulate`) and every evaluation method.
+Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the two accuracy simulations
+(:mod:`oscar_calib.runtime.simulated`, a ``Cache``; :mod:`oscar_calib.runtime.simulate`, per query
+position for perplexity) and every evaluation method.
 """
 
 from __future__ import annotations
@@ -97,14 +98,20 @@ class KVScheme:
     @classmethod
     def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
                       recent: int | None = None, window_dtype=torch.bfloat16) -> "KVScheme":
-        """The artifact's rotations and clips; group size, sink and window default to its metadata."""
+        """The artifact's rotations and clips; group size, sink and window default to its metadata.
+
+        An artifact marked ``v_folded = "true"`` (``oscar fold-weights``) belongs to a checkpoint whose
+        ``v_proj`` already outputs ``v @ R_v`` and whose ``o_proj`` takes the output in that basis: V
+        is then stored as it comes (no value rotation) and attention outputs stay rotated."""
         from ..spec.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         md = art.metadata
+        folded = md.get("v_folded", "false") == "true"
         return cls(
             name, art.num_layers, int(group_size or art.group_size),
-            [lr.k_rotation.float() for lr in art.layers], [lr.v_rotation.float() for lr in art.layers],
+            [lr.k_rotation.float() for lr in art.layers],
+            [None if folded else lr.v_rotation.float() for lr in art.layers],
             [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
             sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
             recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,

@@ -1,0 +1,118 @@
+"""Pure-torch attention over one layer of the real cache, reading the INT2 history in chunks.
+
+Used on the CPU for decode steps, and on every device for what the decode kernel does not
+cover: sliding-window layers, logit soft-capping, and multi-token calls on a non-empty cache
+(chunked prefill). It never builds one de-quantised copy of the history: blocks of
+:data:`CHUNK_ELEMENTS` scores at most are de-quantised, scored and folded into an online
+softmax (flash-attention style, float32, log-sum-exp rescaling).
+
+What a query reads, for a call that brings sequence ``b`` from ``n`` to ``n'`` valid tokens (a
+decode step writes its token first and reads it from the window, like the decode kernel; a
+multi-token call reads the cache as it was before the call, plus its own tokens):
+
+=============  ==============================================================================
+block          keys a query with token index ``i`` may read
+=============  ==============================================================================
+window         stored token ``t`` with ``t < S`` or ``t >= n' - R`` (16-bit, rotated)
+history        stored token ``t`` with ``S <= t < n' - R`` (INT2, rotated)
+new tokens     the model's own mask over the call's tokens, at full precision (rotated here)
+=============  ==============================================================================
+
+and, in sliding-window layers, only ``i - t < W``. This is the simulation's rule
+(:class:`~oscar_calib.runtime.simulated.SimulatedCache`): a token pushed out of the window by
+this call is read as INT2, the call's own tokens as the model computed them. Attention is
+computed in the rotated basis (``q @ R_k``, values ``v @ R_v``) and the output rotated back with
+``R_vᵀ`` unless V is folded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 24          # scores per block: bounds the temporaries (64 MiB of float32)
+MIN_CHUNK = 64                    # history tokens per block at least
+
+
+def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None) -> torch.Tensor:
+    """``softmax(q kᵀ · scale) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query heads per
+    KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool)``.
+    Rows that may read no key at all return 0."""
+    b, h, g, t, d = q.shape
+    m = torch.full((b, h, g, t), float("-inf"), device=q.device)
+    denom = torch.zeros(b, h, g, t, device=q.device)
+    acc = torch.zeros(b, h, g, t, d, device=q.device)
+    for k, v, allowed in blocks:
+        if k.shape[2] == 0:
+            continue
+        s = torch.einsum("bhgtd,bhld->bhgtl", q, k.float()) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~allowed[:, None, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - base.unsqueeze(-1))
+        corr = torch.exp(m - base)
+        denom = denom * corr + p.sum(-1)
+        acc = acc * corr.unsqueeze(-1) + torch.einsum("bhgtl,bhld->bhgtd", p, v.float())
+        m = m_new
+    return acc / torch.where(denom > 0, denom, torch.ones_like(denom)).unsqueeze(-1)
+
+
+def _per_head(x: torch.Tensor, r: torch.Tensor | None, transpose: bool = False) -> torch.Tensor:
+    """``x [B, H, ..., d] @ r[h]`` (or ``r[h]ᵀ``) in float32."""
+    if r is None:
+        return x.float()
+    eq = "bh...d,hed->bh...e" if transpose else "bh...d,hde->bh...e"
+    return torch.einsum(eq, x.float(), r)
+
+
+def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int):
+    """The window block and the history chunks with their masks (see the module docstring)."""
+    p = store.plan
+    w = p.sliding_window
+
+    keep = (n_new - p.recent).unsqueeze(1)          # tokens from here on stay 16-bit after this call
+
+    def rule(tok, in_window: bool):
+        if in_window:
+            ok = (tok >= 0) & ((tok < p.sink) | (tok >= keep))
+        else:
+            ok = (tok >= p.sink) & (tok < keep)
+        ok = ok.unsqueeze(1)                                                      # [B, 1, L]
+        if w is not None:
+            ok = ok & (qidx.unsqueeze(2) - tok.unsqueeze(1) < w)                  # [B, T, L]
+        return ok
+
+    win = store.window.kv[:, :, :, :p.sink + p.recent]
+    yield win[:, 0], win[:, 1], rule(store.window.slot_tokens(store.n), True)
+    span = store.history_span()
+    for a in range(0, span, chunk):
+        length = min(chunk, span - a)
+        x = store.hist.dequantize(a, length)                                      # [B, 2, H, L, d]
+        yield x[:, 0], x[:, 1], rule(store.hist.slot_tokens(store.n, p.sink, a, length), False)
+
+
+def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_allowed: torch.Tensor,
+                  qidx: torch.Tensor, n_new: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention output ``[B, T, Hq, d]`` (float32) of queries ``q [B, Hq, T, d]`` over the cache as
+    it is (``store``) and the call's tokens ``k``/``v`` ``[B, H, T, d]`` at full precision.
+
+    ``new_allowed [B, T, T]``: which new token each query may read (the model's mask);
+    ``qidx [B, T]``: token index of each query; ``n_new [B]``: valid tokens after the call.
+    ``k = v = None`` when the call's tokens are already written (a decode step reads its own
+    token from the 16-bit window, exactly as the decode kernel does)."""
+    p = store.plan
+    bsz, hq, t, d = q.shape
+    h = store.heads
+    qr = _per_head(q.reshape(bsz, h, hq // h, t, d), p.k_rotation)                 # [B, H, G, T, d]
+    chunk = max(MIN_CHUNK, CHUNK_ELEMENTS // max(1, hq * t * bsz))
+
+    def all_blocks():
+        yield from _cached_blocks(store, n_new, qidx, chunk)
+        if k is not None:
+            yield _per_head(k, p.k_rotation), _per_head(v, p.v_rotation), new_allowed
+
+    o = online_softmax(qr, all_blocks(), scale, softcap)                          # [B, H, G, T, d]
+    if p.v_rotation is not None:
+        o = _per_head(o, p.v_rotation, transpose=True)
+    return o.reshape(bsz, hq, t, d).transpose(1, 2)

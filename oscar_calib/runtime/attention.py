@@ -1,0 +1,160 @@
+"""The attention function of the real cache, registered with transformers' ``AttentionInterface``.
+
+A model's attention module calls ``past_key_values.update(k, v, layer_idx)`` and then the
+configured attention function. With :class:`OscarAttention` active (``with cache.attach(model):``)
+the function is ``oscar_int2``; ``OscarLayer.update`` only hands the new K/V over, and the
+function decides, per call:
+
+=======================  =================================================================
+call                     what runs
+=======================  =================================================================
+prefill (layer empty)    the model's own SDPA over the new tokens with the model's mask (full
+                         precision, exactly as a ``DynamicCache`` prefill), then the write
+decode step, CUDA        write the token (window slot + INT2 history slot), then the Triton
+                         decode kernel (:func:`oscar_calib.kernels.decode_attention`) on the
+                         packed cache: query rotated online by ``k_rotation``, output rotated
+                         back by ``v_rotation`` (left rotated when V is folded into the weights)
+decode step, otherwise   write, then :func:`~oscar_calib.runtime.attend.attend_cached` (pure
+(CPU, sliding window,    torch, history read in chunks; the same rule and the same stored
+soft-cap)                values as the kernel)
+chunked prefill          :func:`~oscar_calib.runtime.attend.attend_cached` over the cache and
+(tokens on a non-empty   the call's tokens at full precision, then the write
+cache)
+=======================  =================================================================
+
+Calls for a cache that is not attached, or with another cache, fall through to plain SDPA.
+Padding: the model's mask tells which new tokens are real (a token is stored when it may attend
+to itself); each sequence counts only its real tokens, so left padding takes no cache room and
+the sink is each sequence's own first tokens. This needs torch >= 2.5 (older versions let fully
+masked rows attend everywhere).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CacheError
+from ..model.capture import AttentionRoute, _base_function
+from .attend import attend_cached
+from .storage import write_step
+
+ATTENTION_NAME = "oscar_int2"
+
+_ACTIVE: list["OscarAttention"] = []
+
+
+def _registered_attention(module, query, key, value, attention_mask, **kwargs):
+    layer_idx = getattr(module, "layer_idx", None)
+    for route in reversed(_ACTIVE):
+        layers = route.cache.layers
+        if layer_idx is None or layer_idx >= len(layers) or layers[layer_idx].pending is None:
+            continue
+        if not layers[layer_idx].takes(key):
+            raise CacheError(f"layer {layer_idx}: the model changed K/V between cache.update and attention; "
+                             "OscarCache cannot serve this attention module")
+        return layer_attention(layers[layer_idx], module, query, key, value, attention_mask, kwargs)
+    return _base_function("sdpa", module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def new_token_rows(mask: torch.Tensor | None, batch: int, t: int):
+    """From the model's mask over this call's tokens: ``(valid, allowed)`` where ``valid`` is one
+    index tensor per row (None: every token of the row is real) and ``allowed [B, T, T]`` bool (None:
+    plain causal)."""
+    if mask is None:
+        return [None] * batch, None
+    m = mask[..., -t:]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    m = m[:, 0].expand(batch, t, t)
+    diag = m.diagonal(dim1=-2, dim2=-1)                                       # [B, T]: attends itself
+    if bool(diag.all()):
+        return [None] * batch, m
+    return [None if bool(row.all()) else row.nonzero().squeeze(1) for row in diag], m
+
+
+def _causal(t: int, window: int | None, device) -> torch.Tensor:
+    i = torch.arange(t, device=device)
+    ok = i.unsqueeze(1) >= i.unsqueeze(0)
+    if window:
+        ok &= i.unsqueeze(1) - i.unsqueeze(0) < window
+    return ok.unsqueeze(0)
+
+
+def kernel_decodes(layer, query: torch.Tensor, softcap) -> bool:
+    """Whether a decode step of ``layer`` runs the Triton kernel (else the chunked torch path):
+    full-attention layers, no soft-cap, a 16-bit window, a shape the kernel takes, and the
+    backend (``auto``: CUDA tensors)."""
+    from ..kernels._common import resolve_backend
+    from ..kernels.decode import _triton_support
+
+    if layer.is_sliding or softcap or layer.store.plan.window_dtype not in (torch.bfloat16, torch.float16):
+        return False
+    view = layer.store.kernel_view()
+    return resolve_backend(layer.backend, [query, view.k_codes], _triton_support(view, query[:, :, 0])) == "triton"
+
+
+def layer_attention(layer, module, query, key, value, mask, kwargs):
+    """One layer's attention for this call (see the module docstring). Returns ``(out [B, T, Hq, d],
+    None)`` like every transformers attention function."""
+    layer.pending = None
+    bsz, _, t, d = query.shape
+    scale = kwargs.get("scaling") or d ** -0.5
+    softcap = kwargs.get("softcap")
+    valid, allowed = new_token_rows(mask, bsz, t)
+    store = layer.store
+    if max(store.counts) == 0:
+        out, _ = _base_function("sdpa", module)(module, query, key, value, mask, **kwargs)
+        layer.write(key, value, valid)
+        return out, None
+    if t == 1 and all(v is None for v in valid):           # a decode step: write, then read the cache
+        write_step(store, key, value)
+        if kernel_decodes(layer, query, softcap):
+            from ..kernels import decode_attention
+
+            p = store.plan
+            o = decode_attention(query[:, :, 0], store.kernel_view(), k_rotation=p.k_rotation,
+                                 v_rotation=p.v_rotation, unrotate=p.v_rotation is not None, sm_scale=scale,
+                                 check_lengths=False, out_dtype=query.dtype, backend=p.backend)
+            return o.unsqueeze(1), None
+        out = attend_cached(store, query, None, None, None, store.n.unsqueeze(1) - 1, store.n, scale, softcap)
+        return out.to(query.dtype), None
+    counts = torch.tensor([t if v is None else len(v) for v in valid], device=query.device)
+    if allowed is None:
+        allowed = _causal(t, layer.sliding_window, query.device).expand(bsz, t, t)
+        qidx = store.n.unsqueeze(1) + torch.arange(t, device=query.device)
+    else:
+        real = allowed.diagonal(dim1=-2, dim2=-1).long()
+        qidx = store.n.unsqueeze(1) + real.cumsum(1) - 1
+    out = attend_cached(store, query, key, value, allowed, qidx, store.n + counts, scale, softcap)
+    layer.write(key, value, valid)
+    return out.to(query.dtype), None
+
+
+class OscarAttention(AttentionRoute):
+    """Route every attention layer of ``model`` through ``oscar_int2`` for ``cache`` (an
+    :class:`~oscar_calib.runtime.cache.OscarCache`); restores the model's implementation on exit,
+    also on error. Use it through :meth:`OscarCache.attach`.
+
+    >>> with cache.attach(model):
+    ...     out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    """
+
+    name = ATTENTION_NAME
+    active = _ACTIVE
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+
+    def __enter__(self) -> "OscarAttention":
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, _registered_attention)
+        self._route("sdpa")
+        for layer in self.cache.layers:
+            layer.attached += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self.cache.layers:
+            layer.attached -= 1
+        super().__exit__(*exc)

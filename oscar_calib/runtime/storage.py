@@ -1,0 +1,241 @@
+"""Storage of one decoder layer of the real cache (:class:`~oscar_calib.runtime.cache.OscarCache`).
+
+Everything is kept in the kernels' layout (:mod:`oscar_calib.kernels.cache`, head-major,
+contiguous), with K and V side by side in one buffer so a decode step writes both with one
+launch per tensor; ``buf[:, 0]`` is K and ``buf[:, 1]`` is V, views the decode kernel reads
+directly (:meth:`LayerStore.kernel_view`).
+
+==================  =============================================  ===================================
+part                shape                                          content
+==================  =============================================  ===================================
+window ``kv``       ``[B, 2, H, S + R + 1, d]`` bf16/fp16           sink slots ``[0, S)`` and a ring of
+                                                                   ``R`` recent slots, rotated
+                                                                   (``x @ R``); the last slot is scratch
+history ``codes``   ``[B, 2, H, cap + 1, d/4]`` uint8               packed INT2 codes of ``clip(x @ R)``
+history ``scale``,  ``[B, 2, H, cap + 1, d/G]`` fp16                per-group scale and offset
+``offset``
+counts ``n``        ``[B]`` int64 (device) and a host list          valid tokens stored per sequence
+==================  =============================================  ===================================
+
+Token ``t`` of a sequence (``t`` counts its *valid* tokens, so left padding takes no room) goes to
+window slot ``t`` when ``t < S``, else to ring slot ``S + (t - S) % R``; every token ``t >= S`` is
+also quantised **once, when it arrives**, into history slot ``t - S`` (full-attention layers:
+the history grows with the context) or ``(t - S) % W`` (sliding layers: a ring of the window
+size ``W``). A token leaving the recent ring therefore needs no work: the kernel reads history
+slots ``[0, n - S - R)`` and window slots ``[0, min(n, S + R))``, both prefixes, in any order
+(attention does not depend on the order of keys). Quantising from the token as the model
+computed it (rounded to the window dtype) gives the same codes as the simulation, which
+quantises the token when it leaves the window.
+
+Growth: the history is preallocated (:meth:`LayerStore.reserve`, or the prompt length plus
+:data:`GROW_MIN` at the first write) and grows by ``max(GROW_MIN, cap / 4)`` tokens when full:
+one copy of the history every so often, never per step. Nothing else grows with the context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import Int2KVCache, dequantize_packed
+from ..kernels.pack import PARAM_DTYPE
+
+GROW_MIN = 1024          # tokens added to the history at least when it grows
+WRITE_CHUNK = 16384      # tokens quantised per call in a long write (bounds the temporaries)
+
+
+def _round_up(n: int, m: int = 256) -> int:
+    return -(-n // m) * m
+
+
+class Window:
+    """The 16-bit window of one layer: ``S`` sink slots, a ring of ``R`` recent slots, one scratch
+    slot, all rotated (see the module docstring)."""
+
+    def __init__(self, batch: int, heads: int, d: int, sink: int, recent: int, dtype, device):
+        self.sink, self.recent = sink, recent
+        self.kv = torch.zeros(batch, 2, heads, sink + recent + 1, d, dtype=dtype, device=device)
+
+    @property
+    def scratch(self) -> int:
+        return self.sink + self.recent
+
+    def slots(self, t: torch.Tensor) -> torch.Tensor:
+        """Window slot of token index ``t`` (any shape; int64)."""
+        s, r = self.sink, self.recent
+        ring = s + torch.remainder(t - s, r) if r else torch.full_like(t, self.scratch)
+        return torch.where(t < s, t, ring)
+
+    def slot_tokens(self, n: torch.Tensor) -> torch.Tensor:
+        """``[B, S + R]``: the token index each slot holds for sequences of ``n`` tokens (-1: none)."""
+        s, r = self.sink, self.recent
+        slot = torch.arange(s + r, device=n.device).unsqueeze(0)
+        last = n.unsqueeze(1) - 1 - slot                         # sink: t = slot if slot < n
+        if r:
+            ring = n.unsqueeze(1) - 1 - slot                      # ring slot S + j holds S + j + R*k
+            ring = torch.where(ring >= 0, slot + r * torch.div(ring, r, rounding_mode="floor"), -1)
+        else:
+            ring = torch.full_like(last, -1)
+        return torch.where(slot < s, torch.where(last >= 0, slot, -1), ring)
+
+
+class Int2Store:
+    """Packed INT2 history of one layer (K and V), ``cap`` slots plus one scratch slot; with
+    ``ring=True`` token ``j`` (counted from the first history token) lives in slot ``j % cap``."""
+
+    def __init__(self, batch: int, heads: int, d: int, group_size: int, cap: int, ring: bool, device):
+        self.group_size, self.ring = group_size, ring
+        ng = d // group_size
+        self.codes = torch.zeros(batch, 2, heads, cap + 1, d // 4, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(batch, 2, heads, cap + 1, ng, dtype=PARAM_DTYPE, device=device)
+        self.offset = torch.zeros_like(self.scale)
+
+    @property
+    def cap(self) -> int:
+        return self.codes.shape[3] - 1
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.offset
+
+    def grow(self, need: int) -> bool:
+        """Make room for ``need`` history tokens per sequence; True when the buffers moved."""
+        old_cap = self.cap
+        if self.ring or need <= old_cap:
+            return False
+        new = _round_up(max(need, old_cap + max(GROW_MIN, old_cap // 4)))
+        old = self.tensors()
+        self.codes, self.scale, self.offset = (
+            torch.zeros(*t.shape[:3], new + 1, t.shape[4], dtype=t.dtype, device=t.device) for t in old)
+        for dst, src in zip(self.tensors(), old):
+            dst[:, :, :, :old_cap] = src[:, :, :, :old_cap]
+        return True
+
+    def slots(self, j: torch.Tensor) -> torch.Tensor:
+        """History slot of history index ``j = t - S`` (negative: the scratch slot)."""
+        slot = torch.remainder(j, self.cap) if self.ring else j
+        return torch.where(j >= 0, slot, self.cap)
+
+    def slot_tokens(self, n: torch.Tensor, sink: int, start: int, length: int) -> torch.Tensor:
+        """``[B, length]``: token index held by slots ``start ..`` for sequences of ``n`` tokens."""
+        h = torch.arange(start, start + length, device=n.device).unsqueeze(0)
+        last = n.unsqueeze(1) - 1 - sink - h
+        if self.ring:
+            t = sink + h + self.cap * torch.div(last, self.cap, rounding_mode="floor")
+        else:
+            t = (sink + h).expand_as(last)
+        return torch.where(last >= 0, t, -1)
+
+    def dequantize(self, start: int, length: int) -> torch.Tensor:
+        """Slots ``[start, start + length)`` as float32 ``[B, 2, H, length, d]`` (rotated basis)."""
+        sl = slice(start, start + length)
+        return dequantize_packed(self.codes[:, :, :, sl], self.scale[:, :, :, sl], self.offset[:, :, :, sl],
+                                 self.group_size)
+
+
+class LayerStore:
+    """Window + INT2 history + token counts of one layer, and the decode kernel's view of them.
+    ``plan`` is the layer's :class:`~oscar_calib.runtime.plan.LayerPlan` (already on the device);
+    :func:`write_step` and :func:`write_tokens` fill it."""
+
+    def __init__(self, plan, batch: int, heads: int, d: int, device, reserve: int = 0):
+        self.plan, self.batch, self.heads, self.d = plan, batch, heads, d
+        s, r = plan.sink, plan.recent
+        self.window = Window(batch, heads, d, s, r, plan.window_dtype, device)
+        ring = plan.sliding_window is not None
+        cap = plan.sliding_window if ring else _round_up(max(reserve - s, 1))
+        self.hist = Int2Store(batch, heads, d, plan.group_size, cap, ring, device)
+        self.n = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.counts = [0] * batch
+        self.bf16_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.hist_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self._view = None
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens per sequence in the history (grows it if needed)."""
+        if self.hist.grow(tokens - self.plan.sink):
+            self._view = None
+
+    def set_counts(self, counts: list[int]) -> None:
+        self.counts = list(counts)
+        self.n.copy_(torch.tensor(self.counts, dtype=torch.int64))
+        self.sync_lens()
+
+    def sync_lens(self) -> None:
+        """The kernel's lengths from the counts (device ops only)."""
+        p = self.plan
+        self.bf16_lens.copy_(self.n.clamp(max=p.sink + p.recent))
+        self.hist_lens.copy_((self.n - p.sink - p.recent).clamp(min=0))
+
+    def kernel_view(self) -> Int2KVCache:
+        """The layer as the decode kernel's contiguous :class:`Int2KVCache` (views, no copies)."""
+        if self._view is None:
+            c, s, o = self.hist.tensors()
+            self._view = Int2KVCache(c[:, 0], s[:, 0], o[:, 0], c[:, 1], s[:, 1], o[:, 1], self.hist_lens,
+                                     self.window.kv[:, 0], self.window.kv[:, 1], self.bf16_lens, self.plan.group_size)
+        return self._view
+
+    def history_span(self) -> int:
+        """History slots that may hold a token (host bound over the batch)."""
+        return max(0, min(self.hist.cap, max(self.counts) - self.plan.sink))
+
+    def exact_after_removing(self) -> bool:
+        """Whether the last tokens can be dropped exactly: no stored token has left the window yet."""
+        return max(self.counts) <= self.plan.sink + self.plan.recent
+
+    def map_batch(self, fn, index: list[int]) -> None:
+        """Apply ``fn`` to every per-sequence tensor (beam reorder, repeat, select); ``index``
+        says which old sequence each new one comes from."""
+        self.window.kv = fn(self.window.kv)
+        self.hist.codes, self.hist.scale, self.hist.offset = (fn(t) for t in self.hist.tensors())
+        self.n, self.bf16_lens, self.hist_lens = fn(self.n), fn(self.bf16_lens), fn(self.hist_lens)
+        self.counts = [self.counts[i] for i in index]
+        self.batch = len(index)
+        self._view = None
+
+    def nbytes(self) -> int:
+        ts = (self.window.kv,) + self.hist.tensors()
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One new token per sequence, all real: ``k``/``v`` ``[B, H, 1, d]``. Graph-safe (device
+    ops only, slots computed from the device counts) while the history has room (:meth:`reserve`)."""
+    p = st.plan
+    if max(st.counts) + 1 - p.sink > st.hist.cap:
+        st.reserve(max(st.counts) + 1)
+    rows = torch.stack([k[:, :, 0], v[:, :, 0]], 1).to(p.window_dtype)                 # [B, 2, H, d]
+    b = torch.arange(st.batch, device=rows.device)
+    st.window.kv[b, :, :, st.window.slots(st.n)] = p.rotate(rows).to(p.window_dtype)
+    q = p.quantize(rows.view(st.batch, 2 * st.heads, st.d))
+    hs = st.hist.slots(st.n - p.sink)
+    for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
+        dst[b, :, :, hs] = src.view(st.batch, 2, st.heads, -1)
+    st.n += 1
+    st.counts = [c + 1 for c in st.counts]
+    st.sync_lens()
+
+
+def write_tokens(st: LayerStore, k: torch.Tensor, v: torch.Tensor, valid: list[torch.Tensor | None]) -> None:
+    """New tokens ``k``/``v`` ``[B, H, T, d]``; ``valid[b]`` indexes the real ones of row ``b``
+    (None: all ``T``). Only the tokens that end in the window are rotated into it; every token
+    from the sink on is quantised into its history slot, :data:`WRITE_CHUNK` at a time."""
+    p, s = st.plan, st.plan.sink
+    longest = max(c + (k.shape[2] if sel is None else len(sel)) for c, sel in zip(st.counts, valid))
+    if longest - s > st.hist.cap:                      # no reservation covers it: room for GROW_MIN more
+        st.reserve(longest + GROW_MIN)
+    counts = list(st.counts)
+    for b, sel in enumerate(valid):
+        rows = torch.stack([k[b], v[b]])                                               # [2, H, T, d]
+        rows = (rows if sel is None else rows.index_select(2, sel)).to(p.window_dtype)
+        n0, m = counts[b], rows.shape[2]
+        t = torch.arange(n0, n0 + m, device=rows.device)
+        pos = ((t < s) | (t >= n0 + m - p.recent)).nonzero().squeeze(1)
+        rot = p.rotate(rows[:, :, pos].permute(2, 0, 1, 3)).permute(1, 2, 0, 3)        # [2, H, m', d]
+        st.window.kv[b].index_copy_(2, st.window.slots(t[pos]), rot.to(p.window_dtype))
+        for a in range(max(0, s - n0, m - st.hist.cap if st.hist.ring else 0), m, WRITE_CHUNK):
+            part = rows[:, :, a:a + WRITE_CHUNK]
+            q = p.quantize(part.permute(2, 0, 1, 3).reshape(part.shape[2], 2 * st.heads, st.d))
+            hs = st.hist.slots(t[a:a + WRITE_CHUNK] - s)
+            for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
+                dst[b].index_copy_(2, hs, src.view(part.shape[2], 2, st.heads, -1).permute(1, 2, 0, 3))
+        counts[b] = n0 + m
+    st.set_counts(counts)

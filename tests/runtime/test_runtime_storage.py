@@ -1,0 +1,141 @@
+"""Storage of the real cache: what each slot holds, growth without per-step copies, sliding rings,
+and the chunked torch attention against the kernels' decode reference (and the Triton kernel)."""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_calib.kernels import (
+    decode_attention,
+    decode_attention_reference,
+    quantize_kv,
+)
+from oscar_calib.kernels.testing import random_rotation
+from oscar_calib.runtime import attend
+from oscar_calib.runtime.attend import attend_cached
+from oscar_calib.runtime.plan import LayerPlan
+from oscar_calib.runtime.storage import GROW_MIN, LayerStore, write_step, write_tokens
+
+H, G, D = 2, 2, 64
+
+
+def make_store(batch=2, sink=2, recent=3, window=None, reserve=0, seed=0, group_size=32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    rk, rv = random_rotation(H, D, generator=g), random_rotation(H, D, generator=g)
+    plan = LayerPlan.build((rk, torch.full((H,), 0.95), rv, torch.full((H,), 0.9)), heads=H, d=D,
+                           group_size=group_size, sink=sink, recent=recent, sliding_window=window,
+                           window_dtype=torch.bfloat16, device=device, backend="torch")
+    return LayerStore(plan, batch, H, D, device, reserve=reserve), g
+
+
+def test_slots_hold_rotated_window_and_prewritten_int2():
+    st, g = make_store(batch=1, sink=2, recent=3)
+    k, v = torch.randn(1, H, 9, D, generator=g), torch.randn(1, H, 9, D, generator=g)
+    write_tokens(st, k[:, :, :6], v[:, :, :6], [None])
+    for t in range(6, 9):
+        write_step(st, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert st.counts == [9] and st.bf16_lens.tolist() == [5] and st.hist_lens.tolist() == [4]
+    kb = k.to(torch.bfloat16)
+    rk = st.plan.k_rotation
+    want_win = {0: 0, 1: 1, 2: 8, 3: 6, 4: 7}          # slot -> token: sink 0, 1; ring slot 2 + (t - 2) % 3
+    for slot, tok in want_win.items():
+        rot = torch.einsum("hd,hde->he", kb[0, :, tok].float(), rk).to(torch.bfloat16)
+        assert torch.equal(st.window.kv[0, 0, :, slot], rot), slot
+    q = quantize_kv(kb[0].transpose(0, 1), rk, st.plan.clip2[:H], 32)                 # [T, H, d/4]
+    for tok in range(2, 9):                             # every token >= sink has its INT2 row at tok - sink
+        assert torch.equal(st.hist.codes[0, 0, :, tok - 2], q.codes[tok]), tok
+        assert torch.equal(st.hist.scale[0, 0, :, tok - 2], q.scale[tok])
+    assert torch.equal(st.window.slot_tokens(st.n)[0], torch.tensor([0, 1, 8, 6, 7]))
+
+
+def test_history_grows_in_chunks_and_reserve_avoids_copies():
+    st, g = make_store(batch=1, sink=2, recent=3)
+    write_tokens(st, torch.randn(1, H, 20, D, generator=g), torch.randn(1, H, 20, D, generator=g), [None])
+    cap0, ptr0 = st.hist.cap, st.hist.codes.data_ptr()
+    assert cap0 >= 20 - 2                               # the prompt (plus the rounding to 256 slots)
+    first_row = st.hist.codes[0, :, :, 0].clone()
+    moved = 0
+    for _ in range(cap0 - 18):
+        write_step(st, torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g))
+        moved += st.hist.codes.data_ptr() != ptr0
+        ptr0 = st.hist.codes.data_ptr()
+    assert moved == 0 and st.hist.cap == cap0           # no copy while there is room
+    write_step(st, torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g))
+    assert st.hist.cap >= cap0 + GROW_MIN                # one growth step, by a chunk
+    assert torch.equal(st.hist.codes[0, :, :, 0], first_row)
+    big, _ = make_store(batch=1, reserve=5000)
+    assert big.hist.cap >= 5000 - 2
+
+
+def test_nothing_but_window_and_history_is_stored():
+    st, g = make_store(batch=3, sink=4, recent=8)
+    write_tokens(st, torch.randn(3, H, 300, D, generator=g), torch.randn(3, H, 300, D, generator=g), [None] * 3)
+    window = 3 * 2 * H * (4 + 8 + 1) * D * 2
+    hist_slot = 2 * H * (D // 4 + 2 * 2 * D // 32)
+    assert st.nbytes() == window + 3 * (st.hist.cap + 1) * hist_slot
+
+
+def test_sliding_layer_keeps_a_ring_of_the_window():
+    st, g = make_store(batch=1, sink=2, recent=3, window=8)
+    k, v = torch.randn(1, H, 30, D, generator=g), torch.randn(1, H, 30, D, generator=g)
+    write_tokens(st, k[:, :, :20], v[:, :, :20], [None])
+    for t in range(20, 30):
+        write_step(st, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert st.hist.cap == 8                             # never grows
+    toks = st.hist.slot_tokens(st.n, 2, 0, 8)[0]
+    assert sorted(toks.tolist()) == list(range(22, 30))  # the last W tokens, each in slot (t - S) % W
+    assert all(int(t) - 2 == s + 8 * ((int(t) - 2) // 8) for s, t in enumerate(toks))
+
+
+def test_left_padding_stores_only_real_tokens():
+    st, g = make_store(batch=2, sink=2, recent=3)
+    k, v = torch.randn(2, H, 7, D, generator=g), torch.randn(2, H, 7, D, generator=g)
+    write_tokens(st, k, v, [None, torch.arange(3, 7)])
+    assert st.counts == [7, 4]
+    assert torch.equal(st.window.kv[1, 0, :, 0],
+                       torch.einsum("hd,hde->he", k[1, :, 3].to(torch.bfloat16).float(),
+                                    st.plan.k_rotation).to(torch.bfloat16))
+
+
+def _decode_inputs(batch=2, steps=12, sink=2, recent=3, seed=0, device="cpu"):
+    st, g = make_store(batch=batch, sink=sink, recent=recent, seed=seed, device=device)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    write_tokens(st, rnd(batch, H, 10, D), rnd(batch, H, 10, D), [None, torch.arange(4, 10, device=device)][:batch])
+    for _ in range(steps):
+        write_step(st, rnd(batch, H, 1, D), rnd(batch, H, 1, D))
+    return st, rnd(batch, H * G, D)
+
+
+def test_chunked_torch_path_equals_decode_reference(monkeypatch):
+    st, q = _decode_inputs()
+    p = st.plan
+    ref = decode_attention_reference(q, st.kernel_view(), k_rotation=p.k_rotation, v_rotation=p.v_rotation,
+                                     unrotate=True)
+    calls = []
+    real = st.hist.dequantize
+
+    def spy(start, length):
+        calls.append(length)
+        return real(start, length)
+
+    monkeypatch.setattr(st.hist, "dequantize", spy)
+    monkeypatch.setattr(attend, "CHUNK_ELEMENTS", 2 * H * G * 4)        # 4 history tokens per block
+    monkeypatch.setattr(attend, "MIN_CHUNK", 1)
+    got = attend_cached(st, q.unsqueeze(2), None, None, None, st.n.unsqueeze(1) - 1, st.n, D ** -0.5, None)[:, 0]
+    assert (got - ref).abs().max() < 1e-5
+    assert len(calls) > 2 and max(calls) <= 4 and sum(calls) == st.history_span()   # chunks, never all at once
+
+
+def test_triton_decode_kernel_reads_the_store():
+    """The decode kernel (CPU interpreter here, the real compiler on a GPU) on the store's views."""
+    st, q = _decode_inputs(steps=4, device="cuda" if torch.cuda.is_available() else "cpu")
+    p = st.plan
+    ref = decode_attention_reference(q, st.kernel_view(), k_rotation=p.k_rotation, v_rotation=p.v_rotation,
+                                     unrotate=True)
+    got = decode_attention(q, st.kernel_view(), k_rotation=p.k_rotation, v_rotation=p.v_rotation, unrotate=True,
+                           backend="triton")
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 2e-3                                   # the kernel's stated accuracy (tests/kernels)
