@@ -220,7 +220,8 @@ def _fmt(x, digits: int = 4) -> str:
 def eval_text(ev: dict | None) -> str:
     if not ev:
         return "–"
-    ppl = [(label, ev[f"{m}_ppl"]) for m, label in (("bf16", "BF16"), ("hadamard", "Hadamard"), ("oscar", "OSCAR"))
+    ppl = [(label, ev[f"{m}_ppl"]) for m, label in (("bf16", "BF16"), ("hadamard", "Hadamard"), ("oscar", "OSCAR"),
+                                                    ("fork", "fork"))
            if isinstance(ev.get(f"{m}_ppl"), (int, float))]
     if ppl:                                          # the headline numbers of ``oscar eval --record``
         out = "ppl " + " / ".join(f"{label} {v:.2f}" for label, v in ppl)
