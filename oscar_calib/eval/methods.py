@@ -27,8 +27,8 @@ the fork's rotations, clips, group size and windows stored with oscar's fp16 sca
 
 from __future__ import annotations
 
-from ..errors import ArtifactError, InputError
-from ..runtime.scheme import KVScheme
+from ..errors import InputError
+from ..runtime.scheme import KVScheme, fork_unavailable
 from ..spec.defaults import (
     BASELINE_CLIPS,
     DEFAULT_RECENT,
@@ -54,17 +54,6 @@ def parse_methods(text: str | list[str]) -> list[str]:
     if bad:
         raise InputError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
     return list(dict.fromkeys(items))
-
-
-def fork_unavailable(artifact) -> str | None:
-    """Why the artifact cannot give the ``fork`` method (no shared per-layer rotations or no global clip
-    pair: made before oscar 0.2), or None."""
-    if artifact.shared_clips() is None:
-        return f"{artifact.path}: no global K/V clip pair for the fork (made before oscar 0.2?); re-run `oscar calibrate`"
-    if any(artifact.shared_rotation(i, "k") is None for i in range(artifact.num_layers)):
-        return f"{artifact.path}: no shared per-layer rotations for the fork (made before oscar 0.2?); re-run " \
-               "`oscar calibrate`"
-    return None
 
 
 def resolve_methods(methods, artifact) -> tuple[tuple[str, ...], list[str]]:
@@ -113,9 +102,6 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
         elif m == "oscar":
             out[m] = KVScheme.from_artifact(artifact, group_size=g, sink=sink, recent=recent)
         elif m in FORK_METHODS:
-            why = fork_unavailable(artifact)
-            if why:
-                raise ArtifactError(why)
             out[m] = KVScheme.shared_from_artifact(artifact, name=m, quantizer="oscar" if real_cache else m)
     return out
 

@@ -152,17 +152,14 @@ class KVScheme:
         from ..spec.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
+        why = fork_unavailable(art, clips_given=clips is not None)
+        if why:
+            raise ArtifactError(why)
         clips = clips or art.shared_clips()
-        if clips is None:
-            raise ArtifactError(f"{art.path}: no global clip ratios recorded; re-run `oscar calibrate` or pass clips")
         h = art.num_kv_heads
         rot = {}
         for which in ("k", "v"):
-            shared = [art.shared_rotation(i, which) for i in range(art.num_layers)]
-            if any(s is None for s in shared):
-                raise ArtifactError(f"{art.path}: no shared per-layer rotations (made before oscar 0.2); re-run "
-                                    "`oscar calibrate`")
-            rs = [s[0].float() for s in shared]
+            rs = [art.shared_rotation(i, which)[0].float() for i in range(art.num_layers)]
             if bf16_rotations:
                 rs = [r.to(torch.bfloat16).float() for r in rs]
             rot[which] = [r.expand(h, -1, -1).contiguous() for r in rs]
@@ -177,3 +174,14 @@ class KVScheme:
                    sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
                    recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
                    window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [], quantizer=quantizer)
+
+
+def fork_unavailable(artifact, *, clips_given: bool = False) -> str | None:
+    """Why the artifact cannot give the fork's scheme (no global clip pair, unless ``clips_given``, or
+    no shared per-layer rotations: made before oscar 0.2), or None."""
+    if not clips_given and artifact.shared_clips() is None:
+        return f"{artifact.path}: no global K/V clip pair for the fork (made before oscar 0.2?); re-run `oscar calibrate`"
+    if any(artifact.shared_rotation(i, "k") is None for i in range(artifact.num_layers)):
+        return f"{artifact.path}: no shared per-layer rotations for the fork (made before oscar 0.2?); re-run " \
+               "`oscar calibrate`"
+    return None
