@@ -481,3 +481,21 @@ def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_pat
     assert resolve_methods(("oscar", "fork"), art) == (("oscar", "fork"), [])
     with pytest.raises(ArtifactError, match="no global K/V clip pair"):
         build_schemes(["fork"], lm.geometry, artifact=art)
+
+
+def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
+    """NIAH: the fork's rotations, clips and windows in oscar's real INT2 cache (fp16 scales: 2 + 32/G bits)."""
+    from oscar_calib.spec.artifact import load_artifact
+
+    import dataclasses
+
+    lm, path = tiny_fork
+    lm = dataclasses.replace(lm, tokenizer=DecodingCharTokenizer())
+    opts = EvalOptions(task="niah", methods=("bf16", "fork"), lengths=(500,), depths=(0.5,), max_new_tokens=2,
+                       prefill_chunk=64)
+    res = evaluate_niah(lm, opts, artifact=load_artifact(path))
+    fork = next(r for r in res.rows if r["method"] == "fork")
+    assert fork["bits_per_element"] == 2 + 32 / 16 and fork["score"] in (0, 1)
+    assert res.settings["fork"]["quantizer"].startswith("oscar (the real INT2 cache")
+    with pytest.raises(InputError, match="--task ppl"):
+        evaluate_niah(lm, opts.replace(methods=("fork-lloyd",)), artifact=load_artifact(path))
