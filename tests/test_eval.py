@@ -485,9 +485,9 @@ def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_pat
 
 def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
     """NIAH: the fork's rotations, clips and windows in oscar's real INT2 cache (fp16 scales: 2 + 32/G bits)."""
-    from oscar_calib.spec.artifact import load_artifact
-
     import dataclasses
+
+    from oscar_calib.spec.artifact import load_artifact
 
     lm, path = tiny_fork
     lm = dataclasses.replace(lm, tokenizer=DecodingCharTokenizer())
