@@ -64,12 +64,12 @@ class FP8Checkpoint:
     """A compressed-tensors FP8 checkpoint directory and its weights' scale strategy."""
 
     path: Path
-    strategy: str                       # "channel" or "tensor" (of its config groups)
+    strategy: str                       # "channel", "tensor" or "mixed" (of its config groups)
     config: dict
 
 
 def fp8_strategy(config: dict) -> str | None:
-    """``"channel"``/``"tensor"`` for a compressed-tensors FP8 ``config.json``, None when it is not
+    """``"channel"``/``"tensor"``/``"mixed"`` for a compressed-tensors FP8 ``config.json``, None when it is not
     quantised this way (another quantisation is the float path's to refuse), or one clear
     :class:`UnsupportedModelError` for FP8 layouts that cannot be folded."""
     qc = config.get("quantization_config")
@@ -164,9 +164,10 @@ def _names(spec, i: int, proj: str) -> tuple[str, str, str]:
     return f"{base}.weight", f"{base}.weight_scale", f"{base}.bias"
 
 
-def refold_fp8(tensors: dict[str, torch.Tensor], artifact, geo, spec, strategy: str) -> dict[str, torch.Tensor]:
+def refold_fp8(tensors: dict[str, torch.Tensor], artifact, geo, spec) -> dict[str, torch.Tensor]:
     """The folded replacements of every layer's V and O tensors (``tensors``: the checkpoint's, by
-    name), see the module docstring."""
+    name), see the module docstring. Each weight keeps its own scale layout: a ``weight_scale`` of one
+    number is per tensor, else per output channel."""
     from .weights import FoldTarget, fold_layer
 
     out = {}
@@ -338,7 +339,7 @@ def fold_fp8_checkpoint(ckpt: FP8Checkpoint, artifact, artifact_sha: str, out: P
         files = weight_files(ckpt.path)
         proj = [spec.fused_qkv or spec.v_proj, spec.o_proj]
         wanted = [n for i in range(geo.num_layers) for p in proj for n in _names(spec, i, p)]
-        changed = refold_fp8(_read(ckpt.path, wanted, files), artifact, geo, spec, ckpt.strategy)
+        changed = refold_fp8(_read(ckpt.path, wanted, files), artifact, geo, spec)
         config = dict(ckpt.config, **{CONFIG_KEY: {FOLDED_KEY: True, "artifact_fingerprint": artifact_sha,
                                                    "model_fingerprint": artifact.metadata.get("model_fingerprint"),
                                                    "artifact": f"{ARTIFACT_SUBDIR}/oscar.safetensors",
