@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .. import FORMAT_VERSION, __version__
+from ..errors import OutputExistsError
 from ..fsutil import check_can_replace, check_writable
 from ..model.load import LoadedModel
 from ..spec.artifact import Artifact, has_artifact, write_artifact_files
@@ -14,10 +15,18 @@ from ..spec.config import CalibrationConfig
 
 
 def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
-    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable. A
-    directory holding only a checkpoint (``resume``) or other files is fine."""
+    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable, and
+    one holding the checkpoint of an interrupted run unless ``resume`` (continue it) or
+    ``overwrite`` (start over). Other files are fine."""
+    from .checkpoint import checkpoints_in
+
     check_can_replace(out, overwrite=overwrite, occupied=has_artifact, what="already holds an artifact")
     check_writable(out)
+    found = checkpoints_in(out)
+    if found and not (resume or overwrite):
+        raise OutputExistsError(f"{out} holds the checkpoint of an interrupted run ({found[0]}"
+                                f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}): pass --resume to "
+                                "continue it, or --overwrite to start over")
 
 
 def summary(rows: list[dict]) -> dict:

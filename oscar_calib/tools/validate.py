@@ -32,9 +32,7 @@ collected, never raised, so one run reports everything wrong with every artifact
 from __future__ import annotations
 
 import json
-import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,12 +54,10 @@ from ..spec.artifact import (
     tensor_name,
 )
 from ..spec.defaults import ORTHOGONALITY_TOL
+from ..spec.stfile import read_header
 
 EIGENVALUE_TOL = 1e-6        # relative to the head's largest |eigenvalue|
 IMPORTED = "imported"        # objective/composition of an artifact made by ``oscar import``
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 @dataclass
@@ -167,44 +163,6 @@ def is_zoo_index(path: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- reading
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
-    Returns ``(header, data_start)``; raises :class:`OscarError` with one clear sentence."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise OscarError(f"truncated file ({size} bytes): not even a safetensors header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n == 0 or n > size - 8 or n > 100_000_000:
-            raise OscarError(f"truncated or corrupt safetensors file: header claims {n} bytes, file holds {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise OscarError("corrupt safetensors header (not valid JSON)") from None
-    if not isinstance(header, dict):
-        raise OscarError("corrupt safetensors header (not a JSON object)")
-    data_len = size - 8 - n
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            if info is not None and not isinstance(info, dict):
-                raise OscarError("corrupt safetensors header ('__metadata__' is not an object)")
-            continue
-        try:
-            start, stop = (int(x) for x in info["data_offsets"])
-            shape = [int(s) for s in info["shape"]]
-            width = _DTYPE_BYTES[info["dtype"]]
-        except (KeyError, TypeError, ValueError):
-            raise OscarError(f"corrupt safetensors header entry for {name!r}") from None
-        if stop - start != math.prod(shape) * width or start < 0 or stop < start:
-            raise OscarError(f"corrupt safetensors header: {name} has offsets {start}..{stop} for shape {shape}")
-        end = max(end, stop)
-    if end > data_len:
-        raise OscarError(f"truncated file: tensor data needs {end} bytes after the header, the file holds {data_len}")
-    return header, 8 + n
-
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError

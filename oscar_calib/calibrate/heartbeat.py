@@ -1,0 +1,175 @@
+"""Liveness of the ranks of a data-parallel job, so that survivors of a dead rank stop in bounded time.
+
+A rank killed on another machine (SIGKILL, OOM killer, a lost node) is noticed by its own node's
+launcher, but not by the other nodes: their ranks would go on computing their share of the
+batches, possibly for hours, and only fail at the next collective. So every rank runs a daemon
+thread that keeps a heartbeat in the job's own key-value store (the ``TCPStore`` at
+``MASTER_ADDR:MASTER_PORT`` that torchrun, accelerate and ``oscar calibrate --nproc`` already run
+for the rendezvous; nothing home-made), watches its neighbours and a shared ``stop`` key:
+
+==========================  ======================================================================
+key (under a per-job prefix)  meaning
+==========================  ======================================================================
+``beat/{r}``                a counter rank ``r`` bumps every ``interval`` seconds; ``+DONE`` once
+                            it has finished
+``stop``                    the first reason to stop the job, e.g. ``rank 3 stopped responding``
+                            or ``rank 1 failed (DataError: ...)``; set once, read by every rank
+==========================  ======================================================================
+
+Rank ``r`` watches ranks ``r+1`` and ``r+2`` (mod world): a neighbour whose counter has not moved
+for ``timeout`` seconds (``OSCAR_DIST_HEARTBEAT``, default 60; ``0`` turns the watch off) is
+declared dead under ``stop``. Every rank checks ``stop`` at every beat; when it is set (or the
+store itself is gone for ``timeout``), the watcher interrupts the main thread with the reason
+(a :class:`~oscar_calib.errors.DistributedError` raised by the rank's SIGTERM handler), and if the
+main thread is stuck in native code it ends the process after another ``timeout`` seconds. A rank
+that fails on its own publishes why, so the others stop at once instead of at their next collective.
+Each rank does four store operations per interval, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+
+from ..errors import InputError
+
+DEFAULT_TIMEOUT_S = 60.0
+DONE = 1 << 40
+WATCHED = 2          # neighbours each rank watches
+
+
+def heartbeat_timeout() -> float:
+    """``OSCAR_DIST_HEARTBEAT`` seconds (default 60; 0: no heartbeat)."""
+    raw = os.environ.get("OSCAR_DIST_HEARTBEAT", str(DEFAULT_TIMEOUT_S))
+    try:
+        v = float(raw)
+    except ValueError:
+        raise InputError(f"OSCAR_DIST_HEARTBEAT={raw!r} is not a number of seconds") from None
+    if v < 0:
+        raise InputError("OSCAR_DIST_HEARTBEAT must be 0 (off) or a positive number of seconds")
+    return v
+
+
+def job_store(timeout_s: float):
+    """A client of the job's TCPStore (``MASTER_ADDR:MASTER_PORT``) under a per-attempt prefix, or
+    None when the job has no such store (a process group initialised another way)."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not (port or "").isdigit():
+        return None
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"oscar-heartbeat/{run}/", store)
+
+
+class Heartbeat:
+    """This rank's heartbeat thread (see the module docstring). ``start``, then ``finish`` (clean
+    exit) or ``fail`` (this rank's own error) when the rank leaves its job."""
+
+    def __init__(self, store, rank: int, world: int, timeout: float):
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.interval = max(min(timeout / 6, 5.0), 0.05)
+        self.reason: str | None = None
+        self._tripped = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()        # closing and interrupting the main thread exclude each other
+        self._main_waiting = False
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, name=f"oscar-heartbeat-{rank}", daemon=True)
+        self._watched = sorted({(rank + i) % world for i in range(1, WATCHED + 1)} - {rank})
+
+    def start(self) -> "Heartbeat":
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    # ------------------------------------------------------------------ leaving the job
+
+    def finish(self) -> None:
+        """This rank is done: its neighbours stop watching it."""
+        self.close()
+        try:
+            self.store.add(f"beat/{self.rank}", DONE)
+        except Exception:  # noqa: BLE001 - the store may be gone with the launcher: nothing to tell
+            pass
+
+    def fail(self, why: str) -> None:
+        """This rank failed on its own: every other rank stops now, with ``why``."""
+        self.close()
+        try:
+            self.store.compare_set("stop", "", f"rank {self.rank} failed ({why})")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        """Stop the thread; after this it never interrupts the main thread."""
+        with self._lock:
+            self._closed.set()
+
+    def await_reason(self) -> str | None:
+        """Called by the main thread when a collective failed: wait (at most ``2 * timeout``) until the
+        watch can name why (a dead neighbour, another rank's failure); None if it cannot."""
+        self._main_waiting = True
+        self._tripped.wait(2 * self.timeout + 2 * self.interval)
+        return self.reason
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        seen = {p: (-1, time.monotonic()) for p in self._watched}
+        lost_since = None
+        while not self._closed.wait(self.interval):
+            try:
+                reason = self._check(seen)
+                lost_since = None
+            except Exception:  # noqa: BLE001 - the store went away (its host stopped)
+                if self._closed.is_set():
+                    return
+                lost_since = lost_since or time.monotonic()
+                reason = None
+                if time.monotonic() - lost_since > self.timeout:
+                    host = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                    reason = f"lost contact with the job's store at {host} (the launcher or rank 0 stopped)"
+            if reason:
+                return self._trip(reason)
+
+    def _check(self, seen: dict) -> str | None:
+        store = self.store
+        store.add(f"beat/{self.rank}", 1)
+        if store.check(["stop"]):
+            reason = store.get("stop").decode()
+            if reason:
+                return reason
+        now = time.monotonic()
+        for p, (count, since) in seen.items():
+            v = store.add(f"beat/{p}", 0)
+            if v >= DONE:
+                continue
+            if v != count:
+                seen[p] = (v, now)
+            elif now - since > self.timeout:
+                reason = (f"rank {p} stopped responding (no heartbeat for {self.timeout:g} s): it died or its "
+                          "machine is unreachable")
+                store.compare_set("stop", "", reason)
+                return store.get("stop").decode() or reason
+        return None
+
+    def _trip(self, reason: str) -> None:
+        self.reason = reason
+        self._tripped.set()
+        with self._lock:
+            if self._closed.is_set():
+                return
+            if not self._main_waiting:
+                signal.pthread_kill(self._main, signal.SIGTERM)   # the rank's handler raises with the reason
+        if not self._closed.wait(self.timeout + 5):               # stuck in native code: end the process
+            sys.stderr.write(f"error: rank {self.rank}: {reason}; the rank did not stop within "
+                             f"{self.timeout + 5:g} s and was ended; checkpoints are kept, rerun with --resume\n")
+            sys.stderr.flush()
+            os._exit(3)
