@@ -36,6 +36,7 @@ import threading
 import time
 
 from ..errors import InputError
+from .ranks import STOPPED_EXIT
 
 DEFAULT_TIMEOUT_S = 60.0
 DONE = 1 << 40
@@ -172,4 +173,4 @@ class Heartbeat:
             sys.stderr.write(f"error: rank {self.rank}: {reason}; the rank did not stop within "
                              f"{self.timeout + 5:g} s and was ended; checkpoints are kept, rerun with --resume\n")
             sys.stderr.flush()
-            os._exit(3)
+            os._exit(STOPPED_EXIT)

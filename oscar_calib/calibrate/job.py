@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import DistributedError, InputError, first_line
 from ..model.placement import Placement, cpu_bytes
 from .heartbeat import Heartbeat, heartbeat_timeout, job_store
-from .ranks import env_world_size
+from .ranks import env_world_size, stopped
 
 DEFAULT_TIMEOUT_S = 1800
 
@@ -66,10 +66,10 @@ class DistContext:
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several types
             reason = self.heartbeat.await_reason() if self.heartbeat is not None else None
             if reason:
-                raise DistributedError(f"rank {self.rank}: stopped during {what}: {reason}; checkpoints are kept, "
+                raise stopped(f"rank {self.rank}: stopped during {what}: {reason}; checkpoints are kept, "
                                        "rerun with --resume") from None
             first = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))[:200]
-            raise DistributedError(f"rank {self.rank}: lost contact with another rank during {what} ({first}); "
+            raise stopped(f"rank {self.rank}: lost contact with another rank during {what} ({first}); "
                                    "another rank probably failed, see its message; checkpoints are kept, rerun "
                                    "with --resume") from None
 
@@ -181,7 +181,7 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
         def _terminated(signum, frame):   # the launcher stops survivors with SIGTERM; so does the heartbeat
             why = f"stopped: {hb.reason}" if hb is not None and hb.reason else \
                 "stopped by the launcher (another rank failed, see its message)"
-            raise DistributedError(f"rank {rank}: {why}; checkpoints are kept, rerun with --resume")
+            raise stopped(f"rank {rank}: {why}; checkpoints are kept, rerun with --resume")
 
         try:
             old_term = signal.signal(signal.SIGTERM, _terminated)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import FORMAT_VERSION, __version__
 from ..errors import OutputExistsError
-from ..fsutil import check_can_replace, check_writable
+from ..fsutil import check_can_replace, check_writable, remove_stale_temps
 from ..model.load import LoadedModel
 from ..spec.artifact import Artifact, has_artifact, write_artifact_files
 from ..spec.config import CalibrationConfig
@@ -56,7 +56,10 @@ def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, st
 
 
 def write_outputs(out: Path, artifact: Artifact, report: dict) -> None:
-    """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``."""
+    """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``
+    (temporaries a killed earlier run left there are removed first: this run owns ``out``)."""
+    from ..spec.artifact import CARD_NAME, REPORT_NAME, WEIGHTS_NAME
     from ..spec.card import model_card
 
+    remove_stale_temps(out, [WEIGHTS_NAME, CARD_NAME, REPORT_NAME])
     write_artifact_files(out, artifact, model_card(report), report)

@@ -216,7 +216,10 @@ def _weights_path(path: Path) -> Path:
 
 
 def load_artifact(path: Path, *, check: bool = True) -> Artifact:
-    """Load an artifact directory (or its ``oscar.safetensors``)."""
+    """Load an artifact directory (or its ``oscar.safetensors``). With ``check`` (the default) it is
+    refused (:class:`ArtifactError`, the first problem) unless it has the contract's structure and
+    sound values (finite, orthogonal rotations, clips in (0, 1], ...: :mod:`.values`), so no reader
+    ever uses a NaN or a non-orthogonal rotation."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -227,7 +230,10 @@ def load_artifact(path: Path, *, check: bool = True) -> Artifact:
     except (SafetensorError, OSError, ValueError) as e:
         raise ArtifactError(f"{wpath}: cannot read tensors ({e})") from None
     if check:
+        from .values import value_problems
+
         problems = check_structure(tensors, metadata)
+        problems = problems or value_problems(tensors, metadata)
         if problems:
             raise ArtifactError(f"{wpath}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
     n = int(metadata["num_layers"])
