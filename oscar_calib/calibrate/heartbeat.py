@@ -14,6 +14,9 @@ key (under a per-job prefix)  meaning
                             it has finished
 ``stop``                    the first reason to stop the job, e.g. ``rank 3 stopped responding``
                             or ``rank 1 failed (DataError: ...)``; set once, read by every rank
+``door/{r}``                ``HOST:PORT`` of a socket rank ``r`` listens on and never reads: while
+                            its process lives the kernel accepts a connection, once it is dead the
+                            connection is refused
 ==========================  ======================================================================
 
 Rank ``r`` watches ranks ``r+1`` and ``r+2`` (mod world): a neighbour whose counter has not moved
@@ -24,6 +27,11 @@ store itself is gone for ``timeout``), the watcher interrupts the main thread wi
 main thread is stuck in native code it ends the process after another ``timeout`` seconds. A rank
 that fails on its own publishes why, so the others stop at once instead of at their next collective.
 Each rank does four store operations per interval, whatever the world size.
+
+The heartbeat needs a few intervals to be sure; a launcher may be faster (torchrun stops the
+survivors of a machine whose agent lost the store, i.e. when the dead rank's machine hosted it).
+Whenever a rank is stopped or a collective fails before the heartbeat knows why, the rank knocks on
+its neighbours' doors (:meth:`Heartbeat.gone`): a refused connection names the dead rank at once.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -69,6 +78,17 @@ def job_store(timeout_s: float):
     return dist.PrefixStore(f"oscar-heartbeat/{run}/", store)
 
 
+def _reachable_ip() -> str:
+    """This machine's address on the route to the job's store (what the other machines reach)."""
+    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(os.environ.get("MASTER_PORT") or 1)))      # UDP: no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 class Heartbeat:
     """This rank's heartbeat thread (see the module docstring). ``start``, then ``finish`` (clean
     exit) or ``fail`` (this rank's own error) when the rank leaves its job."""
@@ -84,11 +104,31 @@ class Heartbeat:
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name=f"oscar-heartbeat-{rank}", daemon=True)
         self._watched = sorted({(rank + i) % world for i in range(1, WATCHED + 1)} - {rank})
+        self._doors: dict[int, tuple[str, int]] = {}     # watched rank -> its door, until it finishes
+        self._door = socket.socket()
+        self._door.bind(("", 0))
+        self._door.listen(64)
 
     def start(self) -> "Heartbeat":
+        self.store.set(f"door/{self.rank}", f"{_reachable_ip()}:{self._door.getsockname()[1]}")
         self.store.add(f"beat/{self.rank}", 1)
         self._thread.start()
         return self
+
+    def gone(self) -> str | None:
+        """Knock on the watched neighbours' doors now: the line naming those whose process is gone
+        (connection refused or no answer in 2 s), or None when all answer (or none can be asked)."""
+        dead = []
+        doors = dict(self._doors)                       # a copy: the thread may add to it
+        for p, (host, port) in sorted(doors.items()):
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+            except OSError:
+                dead.append(p)
+        if not dead:
+            return None
+        who = ", ".join(f"rank {p} ({doors[p][0]}:{doors[p][1]})" for p in dead)
+        return f"{who} is gone: its process no longer answers; it died or its machine is unreachable"
 
     # ------------------------------------------------------------------ leaving the job
 
@@ -112,11 +152,14 @@ class Heartbeat:
         """Stop the thread; after this it never interrupts the main thread."""
         with self._lock:
             self._closed.set()
+        self._door.close()
 
     def await_reason(self) -> str | None:
-        """Called by the main thread when a collective failed: wait (at most ``2 * timeout``) until the
-        watch can name why (a dead neighbour, another rank's failure); None if it cannot."""
+        """Called by the main thread when a collective failed: a neighbour whose process is gone,
+        else wait (at most ``2 * timeout``) until the watch can name why; None if it cannot."""
         self._main_waiting = True
+        if self.reason is None and (now := self.gone()):
+            return now
         self._tripped.wait(2 * self.timeout + 2 * self.interval)
         return self.reason
 
@@ -136,7 +179,7 @@ class Heartbeat:
                 reason = None
                 if time.monotonic() - lost_since > self.timeout:
                     host = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-                    reason = f"lost contact with the job's store at {host} (the launcher or rank 0 stopped)"
+                    reason = self.gone() or f"lost contact with the job's store at {host} (its launcher stopped)"
             if reason:
                 return self._trip(reason)
 
@@ -147,10 +190,15 @@ class Heartbeat:
             reason = store.get("stop").decode()
             if reason:
                 return reason
+        for p in self._watched:
+            if p not in self._doors and seen[p][0] < DONE and store.check([f"door/{p}"]):
+                host, _, port = store.get(f"door/{p}").decode().rpartition(":")
+                self._doors[p] = (host, int(port))
         now = time.monotonic()
         for p, (count, since) in seen.items():
             v = store.add(f"beat/{p}", 0)
             if v >= DONE:
+                self._doors.pop(p, None)            # a finished rank's door closes: not a death
                 continue
             if v != count:
                 seen[p] = (v, now)

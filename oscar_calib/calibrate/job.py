@@ -179,8 +179,8 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
         ctx = DistContext(rank, world, local_rank, local_world, dev, backend, ctrl, timeout, hb)
 
         def _terminated(signum, frame):   # the launcher stops survivors with SIGTERM; so does the heartbeat
-            why = f"stopped: {hb.reason}" if hb is not None and hb.reason else \
-                "stopped by the launcher (another rank failed, see its message)"
+            known = hb.reason or hb.gone() if hb is not None else None
+            why = f"stopped: {known}" if known else "stopped by the launcher (another rank failed, see its message)"
             raise stopped(f"rank {rank}: {why}; checkpoints are kept, rerun with --resume")
 
         try:
