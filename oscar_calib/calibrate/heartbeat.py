@@ -36,6 +36,7 @@ its neighbours' doors (:meth:`Heartbeat.gone`): a refused connection names the d
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -89,37 +90,37 @@ def _reachable_ip() -> str:
         return socket.gethostname()
 
 
-class Heartbeat:
-    """This rank's heartbeat thread (see the module docstring). ``start``, then ``finish`` (clean
-    exit) or ``fail`` (this rank's own error) when the rank leaves its job."""
+class Doors:
+    """A socket this rank listens on and never reads, published as ``door/{rank}``, and the doors
+    of the neighbours it watches: knocking tells a dead process (refused) from a live one at once."""
 
-    def __init__(self, store, rank: int, world: int, timeout: float):
-        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
-        self.interval = max(min(timeout / 6, 5.0), 0.05)
-        self.reason: str | None = None
-        self._tripped = threading.Event()
-        self._closed = threading.Event()
-        self._lock = threading.Lock()        # closing and interrupting the main thread exclude each other
-        self._main_waiting = False
-        self._main = threading.main_thread().ident
-        self._thread = threading.Thread(target=self._run, name=f"oscar-heartbeat-{rank}", daemon=True)
-        self._watched = sorted({(rank + i) % world for i in range(1, WATCHED + 1)} - {rank})
-        self._doors: dict[int, tuple[str, int]] = {}     # watched rank -> its door, until it finishes
-        self._door = socket.socket()
-        self._door.bind(("", 0))
-        self._door.listen(64)
+    def __init__(self, store, rank: int, watched: list[int]):
+        self.store, self.rank, self.watched = store, rank, watched
+        self.known: dict[int, tuple[str, int]] = {}     # watched rank -> (host, port), until it finishes
+        self.finished: set[int] = set()
+        self._sock = socket.socket()
+        self._sock.bind(("", 0))
+        self._sock.listen(64)
 
-    def start(self) -> "Heartbeat":
-        self.store.set(f"door/{self.rank}", f"{_reachable_ip()}:{self._door.getsockname()[1]}")
-        self.store.add(f"beat/{self.rank}", 1)
-        self._thread.start()
-        return self
+    def publish(self) -> None:
+        self.store.set(f"door/{self.rank}", f"{_reachable_ip()}:{self._sock.getsockname()[1]}")
 
-    def gone(self) -> str | None:
-        """Knock on the watched neighbours' doors now: the line naming those whose process is gone
-        (connection refused or no answer in 2 s), or None when all answer (or none can be asked)."""
+    def learn(self) -> None:
+        """Read the doors of neighbours that have published theirs since the last call."""
+        for p in self.watched:
+            if p not in self.known and p not in self.finished and self.store.check([f"door/{p}"]):
+                host, _, port = self.store.get(f"door/{p}").decode().rpartition(":")
+                self.known[p] = (host, int(port))
+
+    def knock(self) -> str | None:
+        """The line naming the watched ranks whose process is gone (connection refused, or no answer
+        in 2 s), or None when all answer (or none can be asked)."""
+        try:
+            self.learn()
+        except Exception:  # noqa: BLE001 - the store is gone: knock on the doors already known
+            pass
+        doors = {p: d for p, d in dict(self.known).items() if p not in self.finished}   # a copy: the thread adds
         dead = []
-        doors = dict(self._doors)                       # a copy: the thread may add to it
         for p, (host, port) in sorted(doors.items()):
             try:
                 socket.create_connection((host, port), timeout=2).close()
@@ -130,29 +131,54 @@ class Heartbeat:
         who = ", ".join(f"rank {p} ({doors[p][0]}:{doors[p][1]})" for p in dead)
         return f"{who} is gone: its process no longer answers; it died or its machine is unreachable"
 
-    # ------------------------------------------------------------------ leaving the job
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Heartbeat:
+    """This rank's heartbeat thread (see the module docstring). ``start``, then ``finish`` (clean
+    exit) or ``fail`` (this rank's own error) when the rank leaves its job; ``gone`` names dead
+    neighbours on demand."""
+
+    def __init__(self, store, rank: int, world: int, timeout: float):
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.interval = max(min(timeout / 6, 5.0), 0.05)
+        self.reason: str | None = None
+        self._tripped, self._closed = threading.Event(), threading.Event()
+        self._lock = threading.Lock()        # closing and interrupting the main thread exclude each other
+        self._main_waiting = False
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=_watch, args=(self,), name=f"oscar-heartbeat-{rank}", daemon=True)
+        self._watched = sorted({(rank + i) % world for i in range(1, WATCHED + 1)} - {rank})
+        self.doors = Doors(store, rank, self._watched)
+
+    def start(self) -> "Heartbeat":
+        self.doors.publish()
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def gone(self) -> str | None:
+        """Knock on the watched neighbours' doors now (:meth:`Doors.knock`)."""
+        return self.doors.knock()
 
     def finish(self) -> None:
         """This rank is done: its neighbours stop watching it."""
         self.close()
-        try:
+        with contextlib.suppress(Exception):      # the store may be gone with the launcher: nothing to tell
             self.store.add(f"beat/{self.rank}", DONE)
-        except Exception:  # noqa: BLE001 - the store may be gone with the launcher: nothing to tell
-            pass
 
     def fail(self, why: str) -> None:
         """This rank failed on its own: every other rank stops now, with ``why``."""
         self.close()
-        try:
+        with contextlib.suppress(Exception):
             self.store.compare_set("stop", "", f"rank {self.rank} failed ({why})")
-        except Exception:  # noqa: BLE001
-            pass
 
     def close(self) -> None:
         """Stop the thread; after this it never interrupts the main thread."""
         with self._lock:
             self._closed.set()
-        self._door.close()
+        self.doors.close()
 
     def await_reason(self) -> str | None:
         """Called by the main thread when a collective failed: a neighbour whose process is gone,
@@ -162,52 +188,6 @@ class Heartbeat:
             return now
         self._tripped.wait(2 * self.timeout + 2 * self.interval)
         return self.reason
-
-    # ------------------------------------------------------------------ the thread
-
-    def _run(self) -> None:
-        seen = {p: (-1, time.monotonic()) for p in self._watched}
-        lost_since = None
-        while not self._closed.wait(self.interval):
-            try:
-                reason = self._check(seen)
-                lost_since = None
-            except Exception:  # noqa: BLE001 - the store went away (its host stopped)
-                if self._closed.is_set():
-                    return
-                lost_since = lost_since or time.monotonic()
-                reason = None
-                if time.monotonic() - lost_since > self.timeout:
-                    host = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-                    reason = self.gone() or f"lost contact with the job's store at {host} (its launcher stopped)"
-            if reason:
-                return self._trip(reason)
-
-    def _check(self, seen: dict) -> str | None:
-        store = self.store
-        store.add(f"beat/{self.rank}", 1)
-        if store.check(["stop"]):
-            reason = store.get("stop").decode()
-            if reason:
-                return reason
-        for p in self._watched:
-            if p not in self._doors and seen[p][0] < DONE and store.check([f"door/{p}"]):
-                host, _, port = store.get(f"door/{p}").decode().rpartition(":")
-                self._doors[p] = (host, int(port))
-        now = time.monotonic()
-        for p, (count, since) in seen.items():
-            v = store.add(f"beat/{p}", 0)
-            if v >= DONE:
-                self._doors.pop(p, None)            # a finished rank's door closes: not a death
-                continue
-            if v != count:
-                seen[p] = (v, now)
-            elif now - since > self.timeout:
-                reason = (f"rank {p} stopped responding (no heartbeat for {self.timeout:g} s): it died or its "
-                          "machine is unreachable")
-                store.compare_set("stop", "", reason)
-                return store.get("stop").decode() or reason
-        return None
 
     def _trip(self, reason: str) -> None:
         self.reason = reason
@@ -222,3 +202,46 @@ class Heartbeat:
                              f"{self.timeout + 5:g} s and was ended; checkpoints are kept, rerun with --resume\n")
             sys.stderr.flush()
             os._exit(STOPPED_EXIT)
+
+
+def _watch(hb: Heartbeat) -> None:
+    """The heartbeat thread: beat, read ``stop``, watch the neighbours, until closed or tripped."""
+    seen = {p: (-1, time.monotonic()) for p in hb._watched}
+    lost_since = None
+    while not hb._closed.wait(hb.interval):
+        try:
+            reason = _check(hb, seen)
+            lost_since = None
+        except Exception:  # noqa: BLE001 - the store went away (its host stopped)
+            if hb._closed.is_set():
+                return
+            lost_since = lost_since or time.monotonic()
+            reason = None
+            if time.monotonic() - lost_since > hb.timeout:
+                host = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                reason = hb.gone() or f"lost contact with the job's store at {host} (its launcher stopped)"
+        if reason:
+            return hb._trip(reason)
+
+
+def _check(hb: Heartbeat, seen: dict) -> str | None:
+    """One beat; the reason to stop, if there is one."""
+    store = hb.store
+    store.add(f"beat/{hb.rank}", 1)
+    if store.check(["stop"]) and (reason := store.get("stop").decode()):
+        return reason
+    hb.doors.learn()
+    now = time.monotonic()
+    for p, (count, since) in seen.items():
+        v = store.add(f"beat/{p}", 0)
+        if v >= DONE:
+            hb.doors.finished.add(p)          # a finished rank's door closes: not a death
+            continue
+        if v != count:
+            seen[p] = (v, now)
+        elif now - since > hb.timeout:
+            reason = (f"rank {p} stopped responding (no heartbeat for {hb.timeout:g} s): it died or its "
+                      "machine is unreachable")
+            store.compare_set("stop", "", reason)
+            return store.get("stop").decode() or reason
+    return None
