@@ -17,7 +17,13 @@ from safetensors import safe_open
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.errors import DataError, InputError, Interrupted, NumericalError, OutputExistsError
+from oscar_calib.errors import (
+    DataError,
+    InputError,
+    Interrupted,
+    NumericalError,
+    OutputExistsError,
+)
 from oscar_calib.spec.artifact import (
     REQUIRED_METADATA,
     SHARED_KINDS,
