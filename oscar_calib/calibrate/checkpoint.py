@@ -4,16 +4,20 @@ from one when the settings, model fingerprint and token ids match (the key).
 
 A directory holding a checkpoint is an interrupted run: without ``--resume`` (continue it) or
 ``--overwrite`` (start over, the checkpoints are removed) ``oscar calibrate`` refuses it rather
-than silently discard the work. ``--resume`` where there is no checkpoint warns and starts over."""
+than silently discard the work. ``--resume`` where there is no checkpoint warns and starts over.
+Ctrl-C, a failure of another rank and a full disk keep the checkpoint and say so in one line
+(:func:`interruptible`, :func:`cleanup_failed_run`); any other failure removes it."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..errors import InputError, OscarWarning
+from ..errors import DistributedError, InputError, Interrupted, OscarWarning, WriteError
 from ..fsutil import atomic_write_bytes, remove_stale_temps
 
 CHECKPOINT_NAME = ".oscar-checkpoint.pt"
@@ -81,3 +85,44 @@ def remove_checkpoints(out: Path) -> None:
     for n in names:
         (Path(out) / n).unlink(missing_ok=True)
     remove_stale_temps(out, names)
+
+
+@contextlib.contextmanager
+def interruptible(run, total: int, checkpoint: Path | None):
+    """Ctrl-C during the capture becomes :class:`Interrupted`, saying what was kept."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if checkpoint is not None and run.checkpointed:
+            raise Interrupted(f"interrupted after batch {run.batches_done} of {total}; the checkpoint at batch "
+                              f"{run.checkpointed} is kept in {checkpoint.parent}: rerun the same command with "
+                              "--resume to continue") from None
+        raise Interrupted(f"interrupted after batch {run.batches_done} of {total}, before the first checkpoint; "
+                          "nothing to resume") from None
+
+
+# what leaves the checkpoint in place for --resume: an interruption, a failure of another rank, a full disk
+_RESUMABLE = (KeyboardInterrupt, SystemExit, Interrupted, DistributedError, WriteError)
+
+
+def cleanup_failed_run(out: Path, ckpt: Path, created: bool, error: BaseException) -> None:
+    """After a failed run: drop the checkpoint unless the run can be resumed, and an output
+    directory this run created if nothing is left in it."""
+    if not isinstance(error, _RESUMABLE):
+        ckpt.unlink(missing_ok=True)
+    if created and out.is_dir() and not any(out.iterdir()):
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def raise_with_resume_hint(error: BaseException, ckpt: Path) -> None:
+    """A full disk with a checkpoint kept: the same line, plus how to go on."""
+    if isinstance(error, WriteError) and ckpt.exists():
+        raise WriteError(f"{error}; the checkpoint {ckpt} is kept: rerun with --resume once the disk has room") from None
+
+
+def interrupted(ckpt: Path) -> Interrupted:
+    """Ctrl-C outside the capture (loading, rotations, writing)."""
+    if ckpt.exists():
+        return Interrupted(f"interrupted; the checkpoint in {ckpt.parent} is kept: rerun the same command with --resume "
+                           "to continue")
+    return Interrupted("interrupted; nothing was written")

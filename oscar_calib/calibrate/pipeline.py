@@ -14,10 +14,8 @@ Starting ranks is :mod:`oscar_calib.calibrate.launch`; big models, :mod:`oscar_c
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,12 +26,9 @@ import torch
 
 from .. import FORMAT_VERSION, __version__
 from ..errors import (
-    DistributedError,
     InputError,
-    Interrupted,
     OscarWarning,
     UnsupportedModelError,
-    WriteError,
 )
 from ..model.capture import Capture
 from ..model.geometry import Geometry, context_length
@@ -59,8 +54,12 @@ from ..spec.config import CalibrationConfig, stable_hash
 from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
 from .checkpoint import (
     CHECKPOINT_NAME,
+    cleanup_failed_run,
+    interrupted,
+    interruptible,
     load_checkpoint,
     other_world_checkpoints,
+    raise_with_resume_hint,
     remove_checkpoints,
     save_checkpoint,
 )
@@ -161,7 +160,7 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     if progress:
         progress(done_tokens, total)
     t0 = time.perf_counter()
-    with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap, _interruptible(run, len(batches), checkpoint):
+    with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap, interruptible(run, len(batches), checkpoint):
         ranks.after_batch(run.stats, run.batches_done)
         for i in range(run.batches_done, len(batches)):
             _forward(model, batches[i])
@@ -194,20 +193,6 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     timing = {"statistics_s": t_stats, "gather_s": t1 - t_stats - t0, "heldout_s": time.perf_counter() - t1,
               "resumed": resumed, "batches": len(all_batches), **ranks.timing(batches)}
     return run, timing
-
-
-@contextlib.contextmanager
-def _interruptible(run: StatsRun, total: int, checkpoint: Path | None):
-    """Ctrl-C during the capture becomes :class:`Interrupted`, saying what was kept."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        if checkpoint is not None and run.checkpointed:
-            raise Interrupted(f"interrupted after batch {run.batches_done} of {total}; the checkpoint at batch "
-                              f"{run.checkpointed} is kept in {checkpoint.parent}: rerun the same command with "
-                              "--resume to continue") from None
-        raise Interrupted(f"interrupted after batch {run.batches_done} of {total}, before the first checkpoint; "
-                          "nothing to resume") from None
 
 
 def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
@@ -326,10 +311,10 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
                                       layers, rows)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
     except KeyboardInterrupt:
-        raise _interrupted(ckpt) from None
+        raise interrupted(ckpt) from None
     except BaseException as e:
-        _cleanup(out, ckpt, created, e)
-        _raise_with_resume_hint(e, ckpt)
+        cleanup_failed_run(out, ckpt, created, e)
+        raise_with_resume_hint(e, ckpt)
         raise
     if not ranks.is_main:
         ranks.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
@@ -343,39 +328,14 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
     try:
         write_outputs(out, artifact, report)
     except KeyboardInterrupt:
-        raise _interrupted(ckpt) from None
+        raise interrupted(ckpt) from None
     except BaseException as e:
-        _cleanup(out, ckpt, created, e)
-        _raise_with_resume_hint(e, ckpt)
+        cleanup_failed_run(out, ckpt, created, e)
+        raise_with_resume_hint(e, ckpt)
         raise
     ckpt.unlink(missing_ok=True)
     ranks.barrier("rank 0 writing the artifact")
     return CalibrationResult(out, artifact, report, lm, stats=run, rank=ranks.rank)
-
-
-# what leaves the checkpoint in place for --resume: an interruption, a failure of another rank, a full disk
-_RESUMABLE = (KeyboardInterrupt, SystemExit, Interrupted, DistributedError, WriteError)
-
-
-def _cleanup(out: Path, ckpt: Path, created: bool, error: BaseException) -> None:
-    """After a failed run: drop the checkpoint unless the run can be resumed, and an output
-    directory this run created if nothing is left in it."""
-    if not isinstance(error, _RESUMABLE):
-        ckpt.unlink(missing_ok=True)
-    if created and out.is_dir() and not any(out.iterdir()):
-        shutil.rmtree(out, ignore_errors=True)
-
-
-def _raise_with_resume_hint(error: BaseException, ckpt: Path) -> None:
-    if isinstance(error, WriteError) and ckpt.exists():
-        raise WriteError(f"{error}; the checkpoint {ckpt} is kept: rerun with --resume once the disk has room") from None
-
-
-def _interrupted(ckpt: Path) -> Interrupted:
-    if ckpt.exists():
-        return Interrupted(f"interrupted; the checkpoint in {ckpt.parent} is kept: rerun the same command with --resume "
-                           "to continue")
-    return Interrupted("interrupted; nothing was written")
 
 
 def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overwrite: bool, resume: bool,
