@@ -157,17 +157,10 @@ def _rank_named_errors() -> Iterator[None]:
         raise
 
 
-def _verify(result) -> dict | None:
-    """``oscar verify`` on the new artifact (skipped, with a note, when the model spans devices:
-    verify runs its kernels on one)."""
+def _verify(result) -> dict:
+    """``oscar verify`` on the new artifact, with the model already loaded (spread or not)."""
     from ..tools.verify import verify_artifact
 
-    spread = set(getattr(result.loaded.model, "hf_device_map", {"": 0}).values()) if result.loaded else set()
-    if len(spread) > 1:
-        console.print(f"[yellow]note:[/yellow] the model is spread over {', '.join(map(str, sorted(spread, key=str)))}; "
-                      f"the automatic verify is skipped: run `oscar verify {result.out}` on a machine where the "
-                      "model fits one device")
-        return None
     with console.status("verifying the artifact with the INT2 kernels …"):
         return verify_artifact(result.out, loaded=result.loaded).summary()
 
