@@ -109,21 +109,25 @@ def _timeout_s() -> float:
     return v
 
 
-def gpus_per_rank(gpus: int) -> int:
-    """GPUs of one rank when a device map spreads each rank's model: ``gpus // ranks per node``."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
+def gpus_per_rank(gpus: int, local_world: int | None = None) -> int:
+    """GPUs of one rank when a device map spreads each rank's model: ``gpus // ranks of this
+    machine`` (``local_world``, default ``LOCAL_WORLD_SIZE``)."""
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
     return max(gpus // max(local_world, 1), 1)
 
 
-def _rank_device(device: str, local_rank: int, placement: "Placement | None") -> tuple[str, str]:
-    """(backend, this rank's device) for a configured ``device`` ("auto", "cpu", "cuda", ...)."""
+def _rank_device(device: str, local_rank: int, placement: "Placement | None",
+                 local_world: int | None = None) -> tuple[str, str]:
+    """(backend, this rank's device) for a configured ``device`` ("auto", "cpu", "cuda", ...): local
+    rank ``r`` of this machine takes ``cuda:r``, or with a device map the first of its GPUs."""
     from ..model.load import resolve_device
 
     dev = resolve_device(device)
     if not dev.startswith("cuda"):
         return "gloo", "cpu"
     n = torch.cuda.device_count()
-    per = gpus_per_rank(n) if placement is not None and placement.device_map is not None else 1
+    per = gpus_per_rank(n, local_world) if placement is not None and placement.device_map is not None else 1
     first = local_rank * per
     if first >= n:
         raise DistributedError(f"rank with LOCAL_RANK={local_rank} has no GPU: only {n} CUDA device(s) visible "
@@ -153,7 +157,7 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
         rank, world = int(os.environ["RANK"]), env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend, dev = _rank_device(device, local_rank, placement)
+    backend, dev = _rank_device(device, local_rank, placement, local_world)
     if existing:
         backend = dist.get_backend()
         if backend != "nccl" and dev.startswith("cuda"):
@@ -225,7 +229,7 @@ def placement_for_rank(placement: Placement | None, ctx: DistContext) -> Placeme
     if placement is None or not ctx.enabled or placement.device_map is None or not torch.cuda.is_available():
         return placement
     n = torch.cuda.device_count()
-    per = gpus_per_rank(n)
+    per = gpus_per_rank(n, ctx.local_world_size)
     gpus = range(ctx.local_rank * per, ctx.local_rank * per + per)
     user = dict(placement.max_memory or {})
     mm = {g: user.get(g, int(torch.cuda.mem_get_info(g)[0] * 0.9)) for g in gpus if g < n}
