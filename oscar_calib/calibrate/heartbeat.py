@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import signal
 import socket
@@ -51,6 +52,7 @@ from .ranks import STOPPED_EXIT
 DEFAULT_TIMEOUT_S = 60.0
 DONE = 1 << 40
 WATCHED = 2          # neighbours each rank watches
+_SESSIONS = itertools.count()     # calibrations in this process: a job may run several, one after the other
 
 
 def heartbeat_timeout() -> float:
@@ -76,7 +78,7 @@ def job_store(timeout_s: float):
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return dist.PrefixStore(f"oscar-heartbeat/{run}/", store)
+    return dist.PrefixStore(f"oscar-heartbeat/{run}/{next(_SESSIONS)}/", store)   # every rank counts alike
 
 
 def _reachable_ip() -> str:
