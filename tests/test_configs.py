@@ -142,3 +142,24 @@ def test_command_line_options_override_the_config_file_only_where_given(tmp_path
     assert config_from_options(None, dict(model="m", dtype="auto")) == from_mapping({"model": "m"})
     with pytest.raises(InputError, match="options: unknown key"):
         config_from_options(None, dict(tokenz=5))
+
+
+def test_rotationzoo_sections():
+    """The upstream RotationZoo recipe: the four seed models, the fork scripts' clips (0.96/0.92; V 0.96 for
+    Qwen3-32B), typed and validated like every section."""
+    from oscar_calib.model.configs import load_all, rotationzoo_from_mapping
+
+    zoo = {c.name: c.rotationzoo for c in load_all(CONFIGS) if c.rotationzoo is not None}
+    assert sorted(zoo) == ["glm-4.7-fp8", "qwen3-32b", "qwen3-4b-thinking-2507", "qwen3-8b"]
+    assert {n: (z.k_clip, z.v_clip) for n, z in zoo.items()} == {
+        "glm-4.7-fp8": (0.96, 0.92), "qwen3-32b": (0.96, 0.96), "qwen3-4b-thinking-2507": (0.96, 0.92),
+        "qwen3-8b": (0.96, 0.92)}
+    assert all((z.repo, z.group_size, z.sink, z.recent) == ("Zhongzhu/OSCAR-RotationZoo", 128, 64, 256)
+               for z in zoo.values())
+    assert zoo["qwen3-32b"].tag == "seq16000_prompt69_group128"
+    for bad, message in [({"tags": "x"}, "unknown key"), ({"k_clip": 1.5}, "outside"),
+                         ({"sink": 60}, "multiple of 8"), ({"recent": 0}, "at least 8"),
+                         ({"group_size": 256}, "not divisible"), ({"names": "Qwen3-8B"}, "must be a list"),
+                         ({"repo": "no-slash"}, "ORG/NAME")]:
+        with pytest.raises(InputError, match=message):
+            rotationzoo_from_mapping(bad, head_dim=128)

@@ -374,3 +374,128 @@ def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     assert report["eval"]["oscar_ppl"] == 8.4 and report["eval"]["niah"]["oscar"] == 1.0
     assert eval_text(report["eval"]) == "ppl BF16 8.20 / OSCAR 8.40; NIAH OSCAR 100%"
     assert "| **this artifact** | 8.400 | 100% |" in (art / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------- the fork's scheme as a method
+
+@pytest.fixture(scope="module")
+def tiny_fork(tmp_path_factory):
+    """A tiny Llama (2 KV heads, head_dim 16) and an artifact calibrated on it with windows 4 + 8."""
+    from helpers import FAST
+
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.spec.config import CalibrationConfig
+
+    lm = loaded_tiny("llama")
+    out = tmp_path_factory.mktemp("fork") / "a"
+    calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64, "sink_tokens": 4,
+                                   "recent_tokens": 8}), out, loaded=lm)
+    return lm, out
+
+
+def test_fork_schemes_follow_the_artifact(tiny_fork):
+    from oscar_calib.spec.artifact import load_artifact
+
+    lm, path = tiny_fork
+    art = load_artifact(path)
+    schemes = build_schemes(["oscar", "fork", "fork-lloyd"], lm.geometry, artifact=art, group_size=8, sink=16,
+                            recent=32)
+    fork, oscar = schemes["fork"], schemes["oscar"]
+    assert (oscar.group_size, oscar.sink, oscar.recent, oscar.quantizer) == (8, 16, 32, "oscar")
+    assert (fork.group_size, fork.sink, fork.recent, fork.quantizer) == (16, 4, 8, "fork")   # the artifact's
+    assert schemes["fork-lloyd"].quantizer == "fork-lloyd"
+    k_clip, v_clip = art.shared_clips()
+    for i in range(art.num_layers):
+        shared = art.layers[i].k_layer_rotation.to(torch.bfloat16).float()
+        assert torch.equal(fork.k_rotation[i][0], shared) and torch.equal(fork.k_rotation[i][1], shared)
+        want_k = None if k_clip >= 1 else torch.full((2,), k_clip)
+        assert (fork.k_clip[i] is None) == (want_k is None)
+        if want_k is not None:
+            assert torch.equal(fork.k_clip[i], want_k)
+    assert fork.bits_per_element == 2 + 64 / 16 and oscar.bits_per_element == 2 + 32 / 8
+    # NIAH goes through oscar's real cache: the fork's rotations, clips and windows with oscar's storage
+    real = build_schemes(["fork"], lm.geometry, artifact=art, real_cache=True)["fork"]
+    assert real.quantizer == "oscar" and torch.equal(real.k_rotation[0], fork.k_rotation[0])
+    with pytest.raises(InputError, match="fork-lloyd.*--task ppl"):
+        build_schemes(["fork-lloyd"], lm.geometry, artifact=art, real_cache=True)
+    with pytest.raises(InputError, match="'fork' needs an ARTIFACT"):
+        build_schemes(["fork"], lm.geometry)
+
+
+def test_evaluate_ppl_reports_the_fork_beside_oscar(tiny_fork):
+    from oscar_calib.eval.report import eval_headline, eval_text
+    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.spec.card import _eval_section
+    from oscar_calib.tools.zoo import eval_text as zoo_eval_text
+
+    lm, path = tiny_fork
+    opts = EvalOptions(methods="bf16,hadamard,oscar,fork,fork-lloyd", sink=4, recent=8, sequences=1, seq_len=64)
+    res = evaluate_ppl(lm, opts, artifact=load_artifact(path))
+    by = {r["method"]: r for r in res.rows}
+    assert list(by) == ["bf16", "hadamard", "oscar", "fork", "fork-lloyd"]
+    assert all(math.isfinite(r["ppl"]) for r in res.rows)
+    assert by["fork"]["bits_per_element"] == by["fork-lloyd"]["bits_per_element"] == 6.0
+    assert by["oscar"]["bits_per_element"] == 4.0 and by["fork"]["group_size"] == 16
+    assert by["fork"]["ppl"] != by["oscar"]["ppl"] and by["fork"]["ppl"] != by["fork-lloyd"]["ppl"]
+    assert "sink" not in by["fork"]                        # same windows as the eval's: nothing to say
+    fork = res.settings["fork"]
+    assert (fork["sink"], fork["recent"], fork["group_size"]) == (4, 8, 16)
+    assert (fork["k_clip"], fork["v_clip"]) == load_artifact(path).shared_clips()
+    results = {"ppl": res.to_json()}
+    text = eval_text(results)
+    assert "\nfork             6.000     16" in text and "\nfork-lloyd       6.000     16" in text
+    assert f"fork: the OSCAR SGLang fork's scheme for this artifact: one rotation per layer, held in bf16, clips " \
+           f"k={fork['k_clip']:g} v={fork['v_clip']:g}" in text
+    head = eval_headline(results)
+    assert head["fork_ppl"] == round(by["fork"]["ppl"], 3) and head["fork_bits_per_element"] == 6.0
+    assert head["fork-lloyd_ppl"] == round(by["fork-lloyd"]["ppl"], 3)
+    card = "\n".join(_eval_section({"eval": head, "eval_results": {"text": text}}))
+    assert f"| this artifact as the OSCAR SGLang fork serves it (one rotation per layer, global clips) | " \
+           f"{head['fork_ppl']:.3f} | – |" in card
+    assert "(6 in the fork, which keeps float32 scales)" in card
+    assert zoo_eval_text(head).endswith(f"/ fork {head['fork_ppl']:.2f}")
+    # other windows for the eval: the fork rows keep the artifact's and say so
+    wide = evaluate_ppl(lm, opts.replace(methods=("oscar", "fork"), sink=2, recent=4), artifact=load_artifact(path))
+    assert (wide.rows[1]["sink"], wide.rows[1]["recent"]) == (4, 8) and "sink" not in wide.rows[0]
+
+
+def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_path):
+    """An artifact without the fork's global clips (made before 0.2): the default method set runs without
+    `fork` and says why; asking for it by name is one clear error."""
+    from oscar_calib.eval.methods import DEFAULT_METHODS, resolve_methods
+    from oscar_calib.spec.artifact import load_artifact
+
+    lm, path = tiny_fork
+    art = load_artifact(path)
+    assert EvalOptions().methods == DEFAULT_METHODS and "fork" in DEFAULT_METHODS and "fork-lloyd" not in DEFAULT_METHODS
+    assert resolve_methods(DEFAULT_METHODS, art) == (DEFAULT_METHODS, [])
+    assert resolve_methods(DEFAULT_METHODS, None) == (("bf16", "naive", "hadamard", "quanto"), [])
+    with pytest.raises(InputError, match="need an ARTIFACT"):
+        resolve_methods(("oscar", "fork"), None)
+    for key in ("fork_k_clip", "fork_v_clip"):
+        del art.metadata[key]
+    methods, notes = resolve_methods(DEFAULT_METHODS, art)
+    assert methods == tuple(m for m in DEFAULT_METHODS if m != "fork")
+    assert notes == [f"method 'fork' left out: {path}: no global K/V clip pair for the fork (made before oscar "
+                     "0.2?); re-run `oscar calibrate`"]
+    assert resolve_methods(("oscar", "fork"), art) == (("oscar", "fork"), [])
+    with pytest.raises(ArtifactError, match="no global K/V clip pair"):
+        build_schemes(["fork"], lm.geometry, artifact=art)
+
+
+def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
+    """NIAH: the fork's rotations, clips and windows in oscar's real INT2 cache (fp16 scales: 2 + 32/G bits)."""
+    import dataclasses
+
+    from oscar_calib.spec.artifact import load_artifact
+
+    lm, path = tiny_fork
+    lm = dataclasses.replace(lm, tokenizer=DecodingCharTokenizer())
+    opts = EvalOptions(task="niah", methods=("bf16", "fork"), lengths=(500,), depths=(0.5,), max_new_tokens=2,
+                       prefill_chunk=64)
+    res = evaluate_niah(lm, opts, artifact=load_artifact(path))
+    fork = next(r for r in res.rows if r["method"] == "fork")
+    assert fork["bits_per_element"] == 2 + 32 / 16 and fork["score"] in (0, 1)
+    assert res.settings["fork"]["quantizer"].startswith("oscar (the real INT2 cache")
+    with pytest.raises(InputError, match="--task ppl"):
+        evaluate_niah(lm, opts.replace(methods=("fork-lloyd",)), artifact=load_artifact(path))

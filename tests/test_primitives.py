@@ -107,3 +107,53 @@ def test_group_size_checks():
     with pytest.raises(InputError, match="not divisible"):
         check_group_size(80, 32)
     assert math.isclose(2 + 32 / 128, 2.25)
+
+
+# ----------------------------------------------------------------------------- the fork's quantiser
+
+def test_fork_quantiser_against_a_hand_computation():
+    """One group of 4 worked by hand with the fork's rule: s = max(max − min, 1e-8)/3, z = −min/s,
+    q = floor(x/s + z + 0.5), x̂ = (q − z)·s, in float32."""
+    from oscar_calib.numerics.quant import fake_quant_fork, quantize_int2_fork
+
+    x = torch.tensor([[-1.0, 0.2, 0.45, 2.0]])
+    q, s, z = quantize_int2_fork(x, 4)
+    # range 3 -> s = 1, z = 1; x/s + z + 0.5 = 0.5, 1.7, 1.95, 3.5 -> 0, 1, 1, 3
+    assert s.tolist() == [[1.0]] and z.tolist() == [[1.0]]
+    assert q.tolist() == [[0, 1, 1, 3]]
+    assert fake_quant_fork(x, 4).tolist() == [[-1.0, 0.0, 0.0, 2.0]]
+    # two groups of 2: each with its own scale and zero
+    y = torch.tensor([[0.0, 3.0, -6.0, 0.0]])
+    q2, s2, z2 = quantize_int2_fork(y, 2)
+    assert s2.tolist() == [[1.0, 2.0]] and z2.tolist() == [[0.0, 3.0]] and q2.tolist() == [[0, 3, 0, 3]]
+    # the floor sits on the range: a constant group gets s = 1e-8/3 (ours floors s itself at 1e-8)
+    c = torch.full((1, 4), 0.5)
+    _, sc, zc = quantize_int2_fork(c, 4)
+    _, so, _ = quantize_int2(c, 4)
+    assert sc.item() == pytest.approx(1e-8 / 3, rel=1e-6) and so.item() == pytest.approx(1e-8, rel=1e-6)
+    assert torch.equal(fake_quant_fork(c, 4), c)
+    # elsewhere it agrees with ours to float32 rounding, on random data
+    r = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(fake_quant_fork(r, 8), fake_quant_int2(r, 8), atol=1e-6)
+
+
+def test_fork_lloyd_max_levels():
+    """Lloyd-Max buckets: thresholds at zr = ±0.98107 and 0 of the standardised row; levels
+    mu + sigma·{−1.7511, −0.5837, 0.5837, 1.7511}."""
+    from oscar_calib.numerics.quant import fake_quant_fork, quantize_lloyd_fork
+
+    g = torch.Generator().manual_seed(1)
+    x = 3 + 2 * torch.randn(16, 128, generator=g)
+    x[0, :4] = torch.tensor([-10.0, 10.0, 2.9, 3.1])
+    q, s, z = quantize_lloyd_fork(x)
+    mu, sigma = x.mean(-1, keepdim=True), torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-8)
+    zr = (x - mu) / sigma
+    want = (zr >= -0.98107).int() + (zr >= 0).int() + (zr >= 0.98107).int()
+    assert torch.equal(q.int(), want)
+    assert q[0, :2].tolist() == [0, 3]
+    deq = fake_quant_fork(x, 128, lloyd=True)
+    levels = mu + sigma * torch.tensor([-1.7511, -0.5837, 0.5837, 1.7511])
+    assert torch.allclose(deq, levels.gather(-1, q.long()), atol=2e-4 * float(sigma.max()))
+    assert len({round(v, 4) for v in deq[3].tolist()}) == 4            # four distinct levels per row
+    with pytest.raises(InputError, match="group size = head_dim"):
+        fake_quant_fork(x, 64, lloyd=True)

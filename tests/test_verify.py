@@ -102,3 +102,51 @@ def test_verify_refuses_an_invalid_artifact_up_front(tiny_artifact, tmp_path, ki
         verify_artifact(bad, model="no-such-org/no-such-model", backend="torch", **QUICK)
     assert str(exc.value).startswith(f"{bad}: {line}")
     assert not (bad / "verify.json").exists()
+
+
+def test_verify_reports_the_fork_scheme(tmp_path):
+    """The fork's attention error per layer (pure-torch simulation): one call per query position with
+    the cache [0, p] equals that position's row of a whole-sequence simulation; shown by the CLI."""
+    from oscar_calib.cli.verify import render
+    from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.runtime.simulate import SimulatedKV
+    from oscar_calib.tools.verify import _fork_layer_errors
+
+    lm = loaded_tiny("llama")
+    out = tmp_path / "a"
+    calibrate(CalibrationConfig(**{**FAST, "tokens": 256, "seq_len": 64, "heldout_tokens": 32, "sink_tokens": 4,
+                                   "recent_tokens": 8}), out, loaded=lm)
+    res = verify_artifact(out, loaded=lm, backend="torch", depths=(40, 56), sequences=1, positions=2)
+    s = res.summary()
+    assert all(r["fork"]["attn"] > 0 for r in res.layers)
+    assert s["mean_attn_error_fork"] == pytest.approx(sum(r["fork"]["attn"] for r in res.layers) / len(res.layers))
+    art = load_artifact(out)
+    assert res.settings["fork"]["k_clip"] == art.shared_clips()[0] and res.settings["fork"]["sink_tokens"] == 4
+    assert json.loads((out / "verify.json").read_text())["summary"]["mean_attn_error_fork"] == s["mean_attn_error_fork"]
+
+    g = torch.Generator().manual_seed(0)
+    caps = {"q": torch.randn(1, 30, 4, 16, generator=g), "k": 3 * torch.randn(1, 30, 2, 16, generator=g),
+            "v": torch.randn(1, 30, 2, 16, generator=g)}
+    fork = KVScheme.shared_from_artifact(art, quantizer="fork")
+    full = SimulatedKV(None, fork).attend(0, caps["q"].transpose(1, 2), caps["k"].transpose(1, 2),
+                                          caps["v"].transpose(1, 2), None, 0.25, None, None)      # [1, 30, 4, 16]
+    caps["o"] = full.clone()
+    assert _fork_layer_errors(caps, [(0, 30), (0, 22), (0, 15)], fork, 0, 0.25, None)["attn"] < 1e-6
+    caps["o"][0, 21] *= 1.1                                 # a 10% error at one sampled position shows
+    err = _fork_layer_errors(caps, [(0, 22)], fork, 0, 0.25, None)["attn"]
+    assert err == pytest.approx(0.1 / 1.1, rel=1e-4)
+
+    import io
+
+    from rich.console import Console
+
+    import oscar_calib.cli.verify as cv
+    buf = io.StringIO()
+    old = cv.stdout
+    cv.stdout = Console(file=buf, width=200)
+    try:
+        render(res, json_out=False)
+    finally:
+        cv.stdout = old
+    text = buf.getvalue()
+    assert "fork attn" in text and f"mean attention error {s['mean_attn_error_fork']:.4f} (informational)" in text

@@ -34,11 +34,13 @@ def test_empty_zoo(tmp_path, empty_cache):
     assert "the zoo is empty" in runner.invoke(app, ["zoo", "list", "--zoo", str(root)]).stderr
     assert runner.invoke(app, ["zoo", "index", "--zoo", str(root), "--check"]).exit_code == 1   # no index yet
     assert runner.invoke(app, ["zoo", "index", "--zoo", str(root)]).exit_code == 0
-    assert json.loads((root / "index.json").read_text()) == {"entries": [], "format": "oscar-zoo-index",
-                                                              "format_version": 1}
+    index = json.loads((root / "index.json").read_text())
+    assert index == {"entries": [], "format": "oscar-zoo-index", "format_version": 1, "upstream": index["upstream"]}
+    assert len(index["upstream"]) == 4             # the upstream seed models (configs/), with their pull recipe
     assert runner.invoke(app, ["zoo", "index", "--zoo", str(root), "--check"]).exit_code == 0
     table = runner.invoke(app, ["zoo", "table", "--zoo", str(root)])
-    assert table.exit_code == 0 and table.stdout == "_The zoo is empty: no artifacts are committed yet._\n"
+    assert table.exit_code == 0 and table.stdout.startswith("_The zoo is empty: no artifacts are committed yet._\n")
+    assert "`oscar pull rotationzoo:qwen3-8b`" in table.stdout
 
 
 @pytest.fixture

@@ -27,8 +27,9 @@ def eval_command(
     artifact: Annotated[Optional[Path], typer.Argument(help="Artifact directory for the 'oscar' method "
                                                        "(without it, 'oscar' is left out).")] = None,
     task: Annotated[str, typer.Option(help="ppl (held-out perplexity) or niah (needle in a haystack).")] = "ppl",
-    methods: Annotated[str, typer.Option(help="Comma-separated: bf16, naive, hadamard, oscar, quanto.")]
-    = "bf16,naive,hadamard,oscar,quanto",
+    methods: Annotated[str, typer.Option(help="Comma-separated: bf16, naive, hadamard, oscar, fork (the OSCAR SGLang "
+                                         "fork's scheme for ARTIFACT), fork-lloyd (ppl only), quanto.")]
+    = "bf16,naive,hadamard,oscar,fork,quanto",
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: the artifact's, else "
                                                      "min(128, head_dim)).")] = None,
     sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens.")] = DEFAULT_SINK,
@@ -59,8 +60,13 @@ def eval_command(
     Every INT2 method keeps the first --sink and the last --recent tokens in BF16. ppl is
     teacher-forced and faithful to decoding (each query position reads its own window in BF16,
     everything older as INT2); niah prefills in full precision and answers with model.generate()
-    through the method's cache (OscarCache for naive/hadamard/oscar, transformers'
+    through the method's cache (OscarCache for naive/hadamard/oscar/fork, transformers'
     QuantizedCache for quanto).
+
+    fork simulates what the OSCAR SGLang fork's main serves for ARTIFACT (`oscar export`'s
+    settings): one rotation per layer held in BF16, one K and one V clip ratio for the whole
+    model, the artifact's group size and windows, float32 scales (2 + 64/G bits); fork-lloyd adds
+    its Lloyd-Max buckets. In niah, fork runs through OscarCache (fp16 scales).
 
     Examples:
 
@@ -105,6 +111,7 @@ def render(result, json_out: bool) -> None:
                                                                   "Hadamard→BF16 gap closed"], rows,
                            caption=f"{s['sequences']}×{s['seq_len']} held-out tokens; BF16 sink {s['sink']} + recent "
                                    f"{s['recent']} per query position; quanto: QuantizedCache defaults"))
+        _fork_line(s)
     else:
         summ = result.summary()
         lengths = list(summ[0]["by_length"]) if summ else []
@@ -113,7 +120,17 @@ def render(result, json_out: bool) -> None:
         stdout.print(table(f"oscar eval niah: {result.model_id}", ["method", "bits/elem"] + lengths + ["all"], rows,
                            caption=f"exact match over depths {s['depths']} × {s['samples']} sample(s); haystack "
                                    f"{s['haystack']}"))
+        _fork_line(s)
+    for note in s.get("notes") or []:
+        stdout.print(f"note: {note}")
     if s.get("plot"):
         stdout.print(f"plot written to {s['plot']}")
     if s.get("recorded"):
         stdout.print(f"results recorded in {s['recorded']}/calibration.json and its README.md")
+
+
+def _fork_line(settings: dict) -> None:
+    if settings.get("fork"):
+        from ..eval.report import fork_note
+
+        stdout.print(fork_note(settings["fork"]), highlight=False)

@@ -15,6 +15,7 @@ EXAMPLES = """
     * `oscar fold-weights smollm2-135m runs/smollm2-135m --out folded/smollm2-135m`
     * `oscar fold-weights ./my-llama runs/my-llama --out ./my-llama-oscar --dtype bfloat16 --shard-size 5GB`
     * `oscar fold-weights Qwen/Qwen3-8B zoo/qwen3-8b --out qwen3-8b-oscar --device cuda --json`
+    * `oscar fold-weights ./GLM-4.7-FP8 runs/glm-4.7 --out ./GLM-4.7-FP8-oscar` (FP8 stays FP8)
     """
 
 
@@ -44,6 +45,12 @@ def fold_weights_command(
     `oscar`), and the artifact is copied to --out/oscar/ marked v_folded=true, so no engine
     rotates V twice. Keys are not changed: k_rotation stays online. The artifact is validated
     first (oscar validate's rules) and must match MODEL.
+
+    A compressed-tensors FP8 checkpoint (per-channel or per-tensor weight scales, e.g.
+    GLM-4.7-FP8) is folded on its safetensors files the way the OSCAR SGLang fork absorbs R_v:
+    de-quantise, rotate, fresh scales amax/448, re-quantise to FP8; written with its own
+    sharding and scales format (--dtype and --shard-size do not apply); its logits and values are
+    checked after re-quantisation.
     """
     from rich.progress import (
         BarColumn,
@@ -83,6 +90,9 @@ def fold_weights_command(
         ["values vs original·R, worst layer", f"{c['value_rel_err']:.2e}", f"{c['tolerance']:g}", "ok"],
         [f"logits after reload ({rl['dtype']} weights)", f"{rl['logits_rel_diff']:.2e}", f"{rl['tolerance']:g}", "ok"],
     ]
+    if "value_rel_err" in rl:             # an FP8 checkpoint: its values after re-quantisation too
+        rows.append([f"values after reload ({rl['dtype']} weights)", f"{rl['value_rel_err']:.2e}",
+                     f"{rl['value_tolerance']:g}", "ok"])
     stdout.print(table(f"V rotation folded into {r['model_id']}", ["check", "max rel diff", "tolerance", "ok"], rows,
                        caption=f"{c['tokens'][0]}×{c['tokens'][1]} {c['input']} tokens; max|a−b| / max|a|"))
     stdout.print(f"checkpoint written to [bold]{result.out}[/bold] ({r['num_layers']} layers, {r['dtype']}, "

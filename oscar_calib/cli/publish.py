@@ -22,6 +22,8 @@ PULL_EXAMPLES = """
 
     * `oscar pull hf:my-org/qwen3-8b-oscar` (into $OSCAR_CACHE/zoo/hf/my-org/qwen3-8b-oscar)
     * `oscar pull modelscope:my-org/qwen3-8b-oscar --revision v1 --out rotations/qwen3-8b`
+    * `oscar pull rotationzoo:qwen3-8b` (OSCAR's own rotations from hf:Zhongzhu/OSCAR-RotationZoo)
+    * `oscar pull rotationzoo:qwen3-4b-thinking-2507 --tag seq20000_prompt85_group128 --model Qwen/Qwen3-4B-Thinking-2507`
     """
 
 
@@ -80,19 +82,39 @@ def push_command(
 
 
 def pull_command(
-    source: Annotated[str, typer.Argument(help="hf:ORG/NAME or modelscope:ORG/NAME.")],
+    source: Annotated[str, typer.Argument(help="hf:ORG/NAME, modelscope:ORG/NAME, or rotationzoo:MODEL (OSCAR's own "
+                                        "rotations; MODEL a configs/ name or model id).")],
     revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit (default: the default "
                                                     "branch).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory to place the artifact in "
                                                 "(default: the zoo cache).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace the contents of a non-empty --out.")] = False,
+    tag: Annotated[Optional[str], typer.Option(help="rotationzoo: the calibration tag (seq<T>_prompt<N>_group<G>) "
+                                               "or directory to take (default: the config's, else the only one).")]
+    = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="rotationzoo: the model the artifact is for "
+                                                 "(its config.json gives the fingerprint; default: configs/ "
+                                                 "geometry).")] = None,
+    clip: Annotated[Optional[str], typer.Option(help="rotationzoo: clip ratios k=..,v=.. (default: the config's, the "
+                                                "fork's scripts).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Download an artifact into the local zoo cache (`$OSCAR_CACHE/zoo/HUB/ORG/NAME`) or --out,
     validate it, and move it into place only when it is valid.
+
+    `rotationzoo:MODEL` fetches OSCAR's own K/V rotation files for MODEL from the Hugging Face repo
+    Zhongzhu/OSCAR-RotationZoo (found by listing it: a directory named after the model holding
+    k_rotation_*.pt and v_rotation_*.pt) and imports them as a validated artifact into
+    `$OSCAR_CACHE/zoo/rotationzoo/MODEL` or --out, with the clips, group size and windows of
+    MODEL's configs/ file, recording the repository, files and calibration tag in the card.
     """
+    if source.startswith("rotationzoo:"):
+        return _pull_rotationzoo(source, revision, out, overwrite, tag, model, clip, json_out)
+    from ..errors import InputError
     from ..tools.publish import pull
 
+    if tag or model or clip:
+        raise InputError("--tag, --model and --clip apply to rotationzoo:MODEL sources only")
     result = pull(source, revision=revision, out=out, overwrite=overwrite)
     if json_out:
         emit_json(result.to_dict())
@@ -104,3 +126,18 @@ def pull_command(
 
 push_command.__doc__ += PUSH_EXAMPLES
 pull_command.__doc__ += PULL_EXAMPLES
+
+
+def _pull_rotationzoo(source, revision, out, overwrite, tag, model, clip, json_out) -> None:
+    from ..spec.config import parse_clip
+    from ..tools.rotationzoo import pull_rotationzoo
+
+    with console.status(f"pulling {source} …"):
+        pulled = pull_rotationzoo(source, out=out, tag=tag, model=model, revision=revision, clip=parse_clip(clip),
+                                  overwrite=overwrite)
+    if json_out:
+        emit_json(pulled.to_dict())
+        return
+    s = pulled.source
+    stdout.print(f"pulled {source}: {s['repository']} {s['directory']} (tag {s['calibration_tag']}), clips "
+                 f"{s['clips']}; imported into {pulled.out}; valid", highlight=False)

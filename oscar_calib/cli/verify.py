@@ -84,16 +84,23 @@ def render(result, json_out: bool) -> None:
     if json_out:
         emit_json(result.to_json())
         return
+    fork = "mean_attn_error_fork" in s
     rows = [[r["layer"], r["attention"].replace("_attention", ""), fmt(r["artifact"]["attn"]),
-             fmt(r["hadamard"]["attn"]), fmt(r["artifact"]["logit"]), fmt(r["hadamard"]["logit"])]
-            for r in result.layers]
-    stdout.print(table("oscar verify", ["layer", "attention", "attn err", "Hadamard attn", "logit err",
-                                        "Hadamard logit"], rows,
+             fmt(r["hadamard"]["attn"])] + ([fmt(r["fork"]["attn"])] if fork else [])
+            + [fmt(r["artifact"]["logit"]), fmt(r["hadamard"]["logit"])] for r in result.layers]
+    stdout.print(table("oscar verify", ["layer", "attention", "attn err", "Hadamard attn"] + (["fork attn"] if fork else [])
+                       + ["logit err", "Hadamard logit"], rows,
                        caption=f"relative errors vs full precision; depths {result.settings['depths']}, "
-                               f"backend {result.settings['backend']}"))
+                               f"backend {result.settings['backend']}"
+                               + ("; fork: the OSCAR SGLang fork's scheme for this artifact (one rotation per layer, "
+                                  "global clips, float32 scales; pure-torch simulation)" if fork else "")))
     verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
     stdout.print(f"{verdict}: mean attention error {s['mean_attn_error']:.4f} vs Hadamard "
                  f"{s['mean_attn_error_hadamard']:.4f}; worst layer {s['worst_layer']} "
                  f"({s['max_layer_attn_error']:.4f}, threshold {result.settings['max_layer_error']})")
+    if fork:
+        f = result.settings["fork"]
+        stdout.print(f"served by the OSCAR SGLang fork (clips k={f['k_clip']:g} v={f['v_clip']:g}, group "
+                     f"{f['group_size']}): mean attention error {s['mean_attn_error_fork']:.4f} (informational)")
     for r in result.reasons:
         stdout.print(f"  - {r}")

@@ -36,28 +36,37 @@ def list_command(zoo: ZooOpt = None,
 
     Examples: `oscar zoo list`, `oscar zoo list --json`, `oscar zoo list --zoo my-zoo --no-cache`
     """
+    from ..tools.rotationzoo import upstream_entries
     from ..tools.zoo import eval_text, list_entries, pull_cache_dir
 
     root = _root(zoo)
     entries = list_entries(root, include_cache=cache)
+    upstream = upstream_entries()
     if json_out:
         emit_json({"zoo": str(root), "cache": str(pull_cache_dir()) if cache else None,
-                   "entries": [e.to_dict() for e in entries]})
+                   "entries": [e.to_dict() for e in entries], "upstream": upstream})
         return
     if not entries:
         console.print(f"the zoo is empty ({root}{' and ' + str(pull_cache_dir()) if cache else ''})")
-        return
-    rows = []
-    for e in entries:
-        q = e.quality
-        err = (f"{q['mean_attn_error_oscar']:.4f} / {q['mean_attn_error_hadamard']:.4f}"
-               if "mean_attn_error_oscar" in q and "mean_attn_error_hadamard" in q else "–")
-        verified = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "–"}[e.verified]
-        rows.append([e.name, e.source, e.model_id or f"[red]{e.error}[/red]",
-                     f"{e.num_layers}×{e.num_kv_heads}×{e.head_dim}", e.granularity or "–", err, verified,
-                     eval_text(e.eval)])
-    stdout.print(table("OSCAR rotation zoo", ["key", "source", "model", "layers×KV×d", "granularity",
-                                              "attn err OSCAR / Hadamard", "verified", "eval"], rows))
+    else:
+        stdout.print(table("OSCAR rotation zoo", ["key", "source", "model", "layers×KV×d", "granularity",
+                                                  "attn err OSCAR / Hadamard", "verified", "eval"],
+                           [_entry_row(e, eval_text) for e in entries]))
+    if upstream:
+        ups = [[u["model_id"], "×".join(str(x) for x in u["geometry"]), u["tag"] or "–",
+                f"{u['k_clip']:g} / {u['v_clip']:g}",
+                "pulled" if (pull_cache_dir() / "rotationzoo" / u["name"]).is_dir() else u["pull"]] for u in upstream]
+        stdout.print(table("upstream: OSCAR's RotationZoo (hf:Zhongzhu/OSCAR-RotationZoo)",
+                           ["model", "layers×KV×d", "tag", "clips K / V", "get it"], ups))
+
+
+def _entry_row(e, eval_text) -> list:
+    q = e.quality
+    err = (f"{q['mean_attn_error_oscar']:.4f} / {q['mean_attn_error_hadamard']:.4f}"
+           if "mean_attn_error_oscar" in q and "mean_attn_error_hadamard" in q else "–")
+    verified = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "–"}[e.verified]
+    return [e.name, e.source, e.model_id or f"[red]{e.error}[/red]", f"{e.num_layers}×{e.num_kv_heads}×{e.head_dim}",
+            e.granularity or "–", err, verified, eval_text(e.eval)]
 
 
 @zoo_app.command("index")
@@ -89,7 +98,11 @@ def index_command(zoo: ZooOpt = None,
 
 @zoo_app.command("table")
 def table_command(zoo: ZooOpt = None) -> None:
-    """Print the README's zoo table (markdown) generated from zoo/index.json."""
-    from ..tools.zoo import load_index, markdown_table
+    """Print the README's zoo tables (markdown) generated from zoo/index.json: the committed
+    artifacts, then the upstream seed models with their pull recipe."""
+    from ..tools.zoo import load_index, markdown_table, upstream_table
 
-    typer.echo(markdown_table(load_index(_root(zoo))), nl=False)
+    index = load_index(_root(zoo))
+    ups = upstream_table(index)
+    typer.echo(markdown_table(index) + (f"\nUpstream seed models (OSCAR's own rotations; `oscar pull` imports them):\n\n"
+                                        f"{ups}" if ups else ""), nl=False)

@@ -1,17 +1,22 @@
 """``oscar eval``: held-out perplexity and needle-in-a-haystack retrieval with a 2-bit KV cache.
 
-Methods (every INT2 method uses the same group size, sink and recent window):
+Methods (every INT2 method but ``fork``, ``fork-lloyd`` and ``quanto`` uses the same group size, sink and recent
+window; the fork methods take the artifact's, as ``oscar export`` serves them):
 
-============  ===========================================================================
-method        what the KV cache holds
-============  ===========================================================================
-``bf16``      every K/V row in BF16 (the reference)
-``naive``     INT2 history, no rotation, no clip
-``hadamard``  INT2 history, Walsh–Hadamard rotation (QuaRot-style), clips 0.96/0.92
-``oscar``     INT2 history with the artifact's rotations and clips
-``quanto``    transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
-              residual length 128, group 64, no sink
-============  ===========================================================================
+==============  =========================================================================
+method          what the KV cache holds
+==============  =========================================================================
+``bf16``        every K/V row in BF16 (the reference)
+``naive``       INT2 history, no rotation, no clip
+``hadamard``    INT2 history, Walsh–Hadamard rotation (QuaRot-style), clips 0.96/0.92
+``oscar``       INT2 history with the artifact's rotations and clips
+``fork``        what the OSCAR SGLang fork's main serves for the artifact: shared per-layer
+                rotation in BF16, one global K and V clip, float32 scale/zero, the artifact's
+                group size and windows (details and limits: :mod:`.methods`)
+``fork-lloyd``  ``fork`` with its Lloyd-Max buckets (ppl only; not in the default set)
+``quanto``      transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
+                residual length 128, group 64, no sink
+==============  =========================================================================
 
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
@@ -41,14 +46,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import EvalError, InputError
+from ..errors import EvalError
 from .methods import (
+    DEFAULT_METHODS,
     METHODS,
     QUANTO_DEFAULTS,
     bits_of,
     build_schemes,
     parse_methods,
     quanto_cache,
+    resolve_methods,
 )
 from .niah import evaluate_niah, make_niah, score_niah
 from .options import TASKS, EvalOptions, as_options
@@ -62,33 +69,33 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     """Validate the artifact (``oscar validate``'s rules), load the model (or take ``loaded``, a
     :class:`~oscar_calib.model.load.LoadedModel`; ``placement`` spreads a big one over GPUs, CPU
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
-    an artifact the ``oscar`` method is left out. Used by ``oscar eval``. ``legacy``: the pre-0.2
+    an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). Used by ``oscar eval``. ``legacy``: the pre-0.2
     keyword settings (``task=``, ``methods=``, ``sink=``, ...; deprecated)."""
     from ..model.load import load_model
     from ..spec.artifact import load_artifact, require_compatible
     from ..tools.validate import require_valid
 
     opts = as_options(options, legacy.pop("task", getattr(options, "task", "ppl")), legacy)
-    if artifact_path is None and "oscar" in opts.methods:
-        if opts.methods == ("oscar",):
-            raise InputError("method 'oscar' needs an ARTIFACT")
-        opts = opts.replace(methods=tuple(m for m in opts.methods if m != "oscar"))
     art = None
     if artifact_path is not None:
         require_valid(Path(artifact_path))       # a NaN or non-orthogonal rotation: the validator's line
         art = load_artifact(Path(artifact_path))
+    methods, notes = resolve_methods(opts.methods, art)
+    opts = opts.replace(methods=methods)
     lm = loaded or load_model(model, device=device, dtype=dtype, placement=placement)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah
     result = fn(lm, opts, artifact=art, progress=progress)
+    if notes:
+        result.settings["notes"] = notes
     if plot is not None:
         write_plot(Path(plot), result)
         result.settings["plot"] = str(plot)
     return result
 
 
-__all__ = ["EvalError", "EvalOptions", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes",
+__all__ = ["DEFAULT_METHODS", "EvalError", "EvalOptions", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes",
            "eval_headline", "eval_text", "evaluate_niah", "evaluate_ppl", "heldout_sequences", "make_niah",
            "parse_methods", "quanto_cache", "quanto_sequence_nll", "record_eval", "run_eval", "score_niah",
            "sequence_nll", "write_plot"]

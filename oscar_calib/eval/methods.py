@@ -1,21 +1,34 @@
 """The evaluation methods: which KV scheme each one reads through, and its stored bits.
 
-============  ===========================================================================
-method        what the KV cache holds
-============  ===========================================================================
-``bf16``      every K/V row in BF16 (the reference)
-``naive``     INT2 history, no rotation, no clip
-``hadamard``  INT2 history, Walsh–Hadamard rotation (QuaRot-style), clips 0.96/0.92
-``oscar``     INT2 history with the artifact's rotations and clips
-``quanto``    transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
-              residual length 128, group 64, no sink
-============  ===========================================================================
+==============  =========================================================================
+method          what the KV cache holds
+==============  =========================================================================
+``bf16``        every K/V row in BF16 (the reference)
+``naive``       INT2 history, no rotation, no clip
+``hadamard``    INT2 history, Walsh–Hadamard rotation (QuaRot-style), clips 0.96/0.92
+``oscar``       INT2 history with the artifact's rotations and clips
+``fork``        what the OSCAR SGLang fork's main serves for the artifact (``oscar export``'s
+                settings): the layer's shared rotation held in BF16, ONE K and ONE V clip ratio
+                for the whole model (``fork_k_clip``/``fork_v_clip``), the artifact's group
+                size, sink and recent window, float32 scale and zero (``2 + 64/G`` bits)
+``fork-lloyd``  ``fork`` with the fork's Lloyd-Max buckets (``SGLANG_LLOYD_MAX=1``; needs group
+                size = head_dim); not in the default set
+``quanto``      transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
+                residual length 128, group 64, no sink
+==============  =========================================================================
+
+``fork`` is the fork's arithmetic only in the perplexity simulation
+(:func:`~oscar_calib.runtime.simulate.fork_rows`, which says what it leaves out: the decode-time
+recent window sliding between R and R+7 tokens, the decode flush's bisection clip, full-precision
+attention inside a prefill chunk). NIAH runs through oscar's real INT2 cache, so there ``fork`` is
+the fork's rotations, clips, group size and windows stored with oscar's fp16 scale/offset
+(``2 + 32/G`` bits), and ``fork-lloyd`` is refused.
 """
 
 from __future__ import annotations
 
 from ..errors import InputError
-from ..runtime.scheme import KVScheme
+from ..runtime.scheme import KVScheme, fork_unavailable
 from ..spec.defaults import (
     BASELINE_CLIPS,
     DEFAULT_RECENT,
@@ -24,7 +37,10 @@ from ..spec.defaults import (
     default_group_size,
 )
 
-METHODS = ("bf16", "naive", "hadamard", "oscar", "quanto")
+METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "fork-lloyd", "quanto")
+DEFAULT_METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "quanto")
+ARTIFACT_METHODS = ("oscar", "fork", "fork-lloyd")      # need an ARTIFACT
+FORK_METHODS = ("fork", "fork-lloyd")
 
 
 QUANTO_DEFAULTS = {"nbits": 2, "residual_length": 128, "q_group_size": 64}
@@ -40,13 +56,39 @@ def parse_methods(text: str | list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | None = None, sink: int = DEFAULT_SINK,
-                  recent: int = DEFAULT_RECENT, hadamard_clips=BASELINE_CLIPS) -> dict[str, KVScheme]:
-    """The :class:`KVScheme` of every simulated method (``quanto`` has none). The group size is
-    ``group_size``, else the artifact's, else ``min(128, head_dim)``."""
+def resolve_methods(methods, artifact) -> tuple[tuple[str, ...], list[str]]:
+    """The methods that run for ``artifact`` (None: no ARTIFACT), and a note per method left out:
+    without an artifact the methods that need one (an error when nothing else remains); with the
+    default set, ``fork`` when the artifact cannot give it (made before oscar 0.2). A ``fork`` asked
+    for by name on such an artifact stays and fails in :func:`build_schemes` with the reason."""
+    methods, notes = tuple(methods), []
+    if artifact is None and set(methods) & set(ARTIFACT_METHODS):
+        if set(methods) <= set(ARTIFACT_METHODS):
+            raise InputError(f"method(s) {', '.join(methods)} need an ARTIFACT")
+        methods = tuple(m for m in methods if m not in ARTIFACT_METHODS)
+    elif artifact is not None and methods == DEFAULT_METHODS:
+        why = fork_unavailable(artifact)
+        if why:
+            methods = tuple(m for m in methods if m != "fork")
+            notes.append(f"method 'fork' left out: {why}")
+    return methods, notes
 
-    if "oscar" in methods and artifact is None:
-        raise InputError("method 'oscar' needs an ARTIFACT (or leave it out of --methods)")
+
+def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | None = None, sink: int = DEFAULT_SINK,
+                  recent: int = DEFAULT_RECENT, hadamard_clips=BASELINE_CLIPS,
+                  real_cache: bool = False) -> dict[str, KVScheme]:
+    """The :class:`KVScheme` of every simulated method (``quanto`` has none). The group size is
+    ``group_size``, else the artifact's, else ``min(128, head_dim)``; ``fork`` methods take the
+    artifact's group size, sink and window (what ``oscar export`` serves). ``real_cache``: the
+    schemes go into oscar's real cache, so ``fork`` keeps oscar's quantiser and ``fork-lloyd`` is
+    refused (module docstring)."""
+
+    for m in methods:
+        if m in ARTIFACT_METHODS and artifact is None:
+            raise InputError(f"method {m!r} needs an ARTIFACT (or leave it out of --methods)")
+    if real_cache and "fork-lloyd" in methods:
+        raise InputError("method 'fork-lloyd' runs only in the perplexity simulation (--task ppl): oscar's real INT2 "
+                         "cache has no Lloyd-Max buckets")
     g = group_size or (artifact.group_size if artifact is not None else default_group_size(geo.head_dim))
     check_group_size(geo.head_dim, g)
     out = {}
@@ -59,7 +101,21 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
                                       clips=clips, sink=sink, recent=recent)
         elif m == "oscar":
             out[m] = KVScheme.from_artifact(artifact, group_size=g, sink=sink, recent=recent)
+        elif m in FORK_METHODS:
+            out[m] = KVScheme.shared_from_artifact(artifact, name=m, quantizer="oscar" if real_cache else m)
     return out
+
+
+def fork_settings(schemes: dict[str, KVScheme], artifact) -> dict | None:
+    """What the fork methods ran with (for the result's settings), or None when none ran."""
+    forks = [m for m in schemes if m in FORK_METHODS]
+    if not forks:
+        return None
+    sch = schemes[forks[0]]
+    k, v = artifact.shared_clips()
+    return {"methods": forks, "k_clip": k, "v_clip": v, "group_size": sch.group_size, "sink": sch.sink,
+            "recent": sch.recent, "quantizer": {m: schemes[m].quantizer for m in forks},
+            "rotations": "one rotation per layer, held in bf16"}
 
 
 def bits_of(method: str, scheme: KVScheme | None) -> float:

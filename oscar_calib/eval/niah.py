@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..model.placement import input_device
 from ..runtime.cache import OscarCache, attached
 from ..runtime.scheme import KVScheme
-from .methods import bits_of, build_schemes, quanto_cache
+from .methods import bits_of, build_schemes, fork_settings, quanto_cache
 from .options import EvalOptions, as_options
 from .report import EvalResult
 
@@ -168,7 +168,8 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
     lengths, depths, samples, haystack = o.lengths, o.depths, o.samples, o.haystack
     max_new_tokens, prefill_chunk = o.max_new_tokens, o.prefill_chunk
     model, tok = lm.model, lm.tokenizer
-    schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent)
+    schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent,
+                            real_cache=True)
     max_ctx = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
     if max_ctx and max(lengths) > max_ctx:
         raise InputError(f"NIAH length {max(lengths)} exceeds the model's context ({max_ctx})")
@@ -201,4 +202,7 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
                 "samples": samples, "seed": seed, "haystack": haystack, "max_new_tokens": max_new_tokens,
                 "group_size": next((s.group_size for s in schemes.values() if s.quantized), group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None}
+    fork = fork_settings(schemes, artifact)
+    if fork:
+        settings["fork"] = fork | {"quantizer": "oscar (the real INT2 cache: fp16 scale/offset)"}
     return EvalResult("niah", lm.source.model_id, settings, rows, {"total_s": time.perf_counter() - t0})

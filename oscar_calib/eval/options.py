@@ -4,7 +4,7 @@
 field              task    meaning (default)
 =================  ======  ======================================================================
 ``task``           both    ``ppl`` (held-out perplexity) or ``niah`` (needle in a haystack)
-``methods``        both    methods to compare, a tuple or comma-separated text (all five)
+``methods``        both    methods to compare, a tuple or comma-separated text (all but ``fork-lloyd``)
 ``group_size``     both    INT2 group size (None: the artifact's, else ``min(128, head_dim)``)
 ``sink``           both    first tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_SINK`)
 ``recent``         both    last tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_RECENT`)
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
-from .methods import METHODS, parse_methods
+from .methods import DEFAULT_METHODS, parse_methods
 
 TASKS = ("ppl", "niah")
 
@@ -56,7 +56,7 @@ class EvalOptions:
     """The settings of one evaluation (see the module docstring); immutable and validated."""
 
     task: str = "ppl"
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     group_size: int | None = None
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT

@@ -13,7 +13,13 @@ import torch
 from ..model.placement import input_device
 from ..runtime.scheme import KVScheme
 from ..runtime.simulate import SimulatedKV
-from .methods import QUANTO_DEFAULTS, bits_of, build_schemes, quanto_cache
+from .methods import (
+    QUANTO_DEFAULTS,
+    bits_of,
+    build_schemes,
+    fork_settings,
+    quanto_cache,
+)
 from .options import EvalOptions, as_options
 from .report import EvalResult
 
@@ -108,9 +114,11 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
                 a, b = sequence_nll(lm.model, s.unsqueeze(0), schemes[m])
             nll, n = nll + a, n + b
         sch = schemes.get(m)
-        rows.append({"method": m, "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n,
-                     "bits_per_element": bits_of(m, sch),
-                     "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)})
+        row = {"method": m, "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "bits_per_element": bits_of(m, sch),
+               "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)}
+        if sch is not None and (sch.sink, sch.recent) != (sink, recent):
+            row.update(sink=sch.sink, recent=sch.recent)     # the fork methods: the artifact's windows
+        rows.append(row)
         timings[m] = time.perf_counter() - t1
     by = {r["method"]: r["ppl"] for r in rows}
     for r in rows:   # share of the Hadamard → BF16 gap this method closes
@@ -121,5 +129,8 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
                                                                group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None,
                 "quanto": dict(QUANTO_DEFAULTS) if "quanto" in methods else None}
+    fork = fork_settings(schemes, artifact)
+    if fork:
+        settings["fork"] = fork
     timings["total_s"] = time.perf_counter() - t0
     return EvalResult("ppl", lm.source.model_id, settings, rows, timings)

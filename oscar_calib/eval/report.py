@@ -45,13 +45,15 @@ def eval_text(results: dict) -> str:
         s = ppl["settings"]
         lines.append(f"held-out perplexity: {s['sequences']} x {s['seq_len']} tokens of {s['data']}, "
                      f"BF16 sink {s['sink']} + recent {s['recent']} per query position, INT2 history")
-        lines.append(f"{'method':<10}{'bits/elem':>10}{'group':>7}{'perplexity':>12}{'gap closed':>12}")
+        lines.append(f"{'method':<12}{'bits/elem':>10}{'group':>7}{'perplexity':>12}{'gap closed':>12}")
         for r in ppl["rows"]:
             gap = f"{r['gap_closed_vs_hadamard']:+.0%}" if "gap_closed_vs_hadamard" in r else "-"
-            lines.append(f"{r['method']:<10}{r['bits_per_element']:>10.3f}{str(r['group_size'] or '-'):>7}"
+            lines.append(f"{r['method']:<12}{r['bits_per_element']:>10.3f}{str(r['group_size'] or '-'):>7}"
                          f"{r['ppl']:>12.3f}{gap:>12}")
         lines.append("gap closed: share of the Hadamard -> BF16 perplexity gap closed; quanto: transformers "
                      "QuantizedCache (2 bits, residual 128, group 64)")
+        if s.get("fork"):
+            lines.append(fork_note(s["fork"]))
     niah = results.get("niah")
     if niah:
         s = niah["settings"]
@@ -60,11 +62,22 @@ def eval_text(results: dict) -> str:
         lengths = list(niah["summary"][0]["by_length"]) if niah["summary"] else []
         lines.append(f"needle in a haystack (exact match): depths {s['depths']}, {s['samples']} sample(s) each, "
                      f"haystack {s['haystack']}, generate() through the cache")
-        lines.append(f"{'method':<10}{'bits/elem':>10}" + "".join(f"{k:>8}" for k in lengths) + f"{'all':>8}")
+        lines.append(f"{'method':<12}{'bits/elem':>10}" + "".join(f"{k:>8}" for k in lengths) + f"{'all':>8}")
         for r in niah["summary"]:
-            lines.append(f"{r['method']:<10}{r['bits_per_element']:>10.3f}"
+            lines.append(f"{r['method']:<12}{r['bits_per_element']:>10.3f}"
                          + "".join(f"{r['by_length'][k]:>8.2f}" for k in lengths) + f"{r['accuracy']:>8.2f}")
+        if s.get("fork"):
+            lines.append(fork_note(s["fork"]))
     return "\n".join(lines)
+
+
+def fork_note(fork: dict) -> str:
+    """One line saying what the ``fork`` rows ran with (a result's ``settings["fork"]``)."""
+    q = fork.get("quantizer")
+    storage = q if isinstance(q, str) else "float32 scale/zero"
+    return (f"fork: the OSCAR SGLang fork's scheme for this artifact: {fork.get('rotations', 'one rotation per layer')}, "
+            f"clips k={fork['k_clip']:g} v={fork['v_clip']:g} for the whole model, group {fork['group_size']}, "
+            f"BF16 sink {fork['sink']} + recent {fork['recent']}, {storage}")
 
 
 def eval_headline(results: dict) -> dict:
@@ -75,8 +88,8 @@ def eval_headline(results: dict) -> dict:
     if ppl:
         for r in ppl["rows"]:
             out[f"{r['method']}_ppl"] = round(r["ppl"], 3)
-            if r["method"] == "oscar":
-                out["oscar_bits_per_element"] = r["bits_per_element"]
+            if r["method"] in ("oscar", "fork"):
+                out[f"{r['method']}_bits_per_element"] = r["bits_per_element"]
     niah = results.get("niah")
     if niah:
         out["niah"] = {r["method"]: round(r["accuracy"], 3) for r in niah["summary"]}
@@ -109,6 +122,9 @@ def record_eval(artifact_dir: Path, result: EvalResult) -> None:
     atomic_write_text(directory / CARD_NAME, model_card(report))
 
 
+PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7"}
+
+
 def write_plot(path: Path, result: EvalResult) -> None:
     import io
 
@@ -124,14 +140,17 @@ def write_plot(path: Path, result: EvalResult) -> None:
         rows = result.rows
         names = [f"{r['method']}\n{r['bits_per_element']:.2f} b" for r in rows]
         vals = [r["ppl"] for r in rows]
-        bars = ax.bar(names, vals, color=["#888" if r["method"] == "bf16" else "#c55" if r["method"] == "oscar"
-                                          else "#58a" for r in rows])
+        bars = ax.bar(names, vals, color=[PLOT_COLORS.get(r["method"], "#58a") for r in rows])
         for bar, v in zip(bars, vals):
             ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("held-out perplexity (log)")
+        fork = result.settings.get("fork")
         ax.set_title(f"{result.model_id}: sink {result.settings['sink']} + recent {result.settings['recent']} BF16, "
-                     f"group {result.settings['group_size']}", fontsize=9)
+                     f"group {result.settings['group_size']}"
+                     + (f"\nfork: one rotation per layer, clips {fork['k_clip']:g}/{fork['v_clip']:g}, group "
+                        f"{fork['group_size']}, sink {fork['sink']} + recent {fork['recent']}, fp32 scales"
+                        if fork else ""), fontsize=9)
     else:
         fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
         for s in result.summary():

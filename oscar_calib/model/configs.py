@@ -1,6 +1,6 @@
 """Per-model YAML configs (``configs/*.yaml``): attention geometry plus recommended calibration.
 
-A file has two sections, both typed and both rejecting unknown keys::
+A file has two sections and an optional third, all typed and rejecting unknown keys::
 
     geometry:      # GeometrySpec: the published model's attention geometry
       model_id: Qwen/Qwen3-8B
@@ -17,6 +17,10 @@ A file has two sections, both typed and both rejecting unknown keys::
       model: Qwen/Qwen3-8B
       tokens: 32768
       ...
+    rotationzoo:   # optional, RotationZooSpec: OSCAR's published rotations for it (`oscar pull rotationzoo:NAME`)
+      tag: seq20000_prompt83_group128
+      k_clip: 0.96
+      v_clip: 0.92
 
 :meth:`GeometrySpec.to_hf_config` builds a transformers config from the geometry, full size or
 tiny (2 layers, narrow hidden size, the real query heads, KV heads and head_dim), so tests and
@@ -32,7 +36,9 @@ from pathlib import Path
 from ..errors import InputError
 from ..spec.config import CalibrationConfig, from_mapping, load_yaml_mapping
 
-SECTIONS = ("geometry", "calibration")
+SECTIONS = ("geometry", "calibration", "rotationzoo")
+ROTATIONZOO_REPO = "Zhongzhu/OSCAR-RotationZoo"      # OSCAR's published rotations on the Hugging Face hub
+FORK_WINDOW_MULTIPLE = 8                             # the fork's page size: sink and recent are multiples of it
 QK_NORMS = (None, "head", "layer")    # RMSNorm over each head's q/k, over the whole projection, or none
 
 # the random-init test model: narrow, short, small vocabulary; heads and head_dim stay real
@@ -143,6 +149,45 @@ class GeometrySpec:
         return model
 
 
+@dataclass(frozen=True)
+class RotationZooSpec:
+    """Where OSCAR's own rotations for this model live on the hub and how its scripts serve them
+    (``oscar pull rotationzoo:NAME``). ``names``: the model's directory names in the repository
+    (matched ignoring case, ``-``, ``_`` and ``.``; default the model id's name); ``tag``: the
+    calibration (``seq<T>_prompt<N>_group<G>``) to take when the repository holds several (the one
+    its README reports GPQA for); clips, group size and windows: the fork's per-model scripts."""
+
+    repo: str = ROTATIONZOO_REPO
+    names: tuple[str, ...] = ()
+    tag: str | None = None
+    k_clip: float = 0.96
+    v_clip: float = 0.92
+    group_size: int = 128
+    sink: int = 64
+    recent: int = 256
+
+    def validate(self, where: str, head_dim: int) -> "RotationZooSpec":
+        from ..spec.defaults import check_clip, check_group_size
+
+        if not isinstance(self.repo, str) or self.repo.count("/") != 1:
+            raise InputError(f"{where}: repo must be ORG/NAME, got {self.repo!r}")
+        if not all(isinstance(n, str) and n for n in self.names):
+            raise InputError(f"{where}: names must be non-empty strings")
+        try:
+            check_clip("k", self.k_clip)
+            check_clip("v", self.v_clip)
+            check_group_size(head_dim, self.group_size)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+        for name, n in (("sink", self.sink), ("recent", self.recent)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0 or n % FORK_WINDOW_MULTIPLE:
+                raise InputError(f"{where}: {name} must be a multiple of {FORK_WINDOW_MULTIPLE} tokens (the fork's "
+                                 f"page size), got {n!r}")
+        if self.recent < FORK_WINDOW_MULTIPLE:
+            raise InputError(f"{where}: recent must be at least {FORK_WINDOW_MULTIPLE} tokens")
+        return self
+
+
 @dataclass
 class ModelConfig:
     """One ``configs/*.yaml`` file."""
@@ -151,6 +196,7 @@ class ModelConfig:
     path: Path | None
     geometry: GeometrySpec
     calibration: CalibrationConfig
+    rotationzoo: RotationZooSpec | None = None
 
 
 def geometry_from_mapping(data: dict, *, where: str = "geometry") -> GeometrySpec:
@@ -188,12 +234,30 @@ def load_model_config(path: Path) -> ModelConfig:
     cal = doc.get("calibration") or {}
     if not isinstance(cal, dict):
         raise InputError(f"{path}: 'calibration' must be a mapping")
-    return ModelConfig(path.stem, path, geometry, from_mapping(cal, where=f"{path}: calibration"))
+    zoo = None
+    if doc.get("rotationzoo") is not None:
+        zoo = rotationzoo_from_mapping(doc["rotationzoo"], where=f"{path}: rotationzoo", head_dim=geometry.head_dim)
+    return ModelConfig(path.stem, path, geometry, from_mapping(cal, where=f"{path}: calibration"), zoo)
+
+
+def rotationzoo_from_mapping(data: dict, *, where: str = "rotationzoo", head_dim: int) -> RotationZooSpec:
+    if not isinstance(data, dict):
+        raise InputError(f"{where}: expected a mapping")
+    names = {f.name for f in dataclasses.fields(RotationZooSpec)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    values = dict(data)
+    if "names" in values:
+        if not isinstance(values["names"], (list, tuple)):
+            raise InputError(f"{where}: names must be a list")
+        values["names"] = tuple(values["names"])
+    return RotationZooSpec(**values).validate(where, head_dim)
 
 
 def configs_dir() -> Path:
     """The ``configs/`` directory of the source checkout (or ``./configs``)."""
-    checkout = Path(__file__).resolve().parents[1] / "configs"
+    checkout = Path(__file__).resolve().parents[2] / "configs"
     return checkout if checkout.is_dir() else Path("configs")
 
 

@@ -89,3 +89,15 @@ def model_fingerprint(model) -> str:
             shapes.append((f"{spec.layers}.{i}.{spec.attention}.{name}", list(p.shape)))
     blob = json.dumps({"config": cfg, "attention_weights": shapes}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def config_fingerprint(config) -> str:
+    """:func:`model_fingerprint` of the model ``config`` describes, built on the meta device (no weights
+    are created or read): what an artifact records when only a ``config.json`` (or ``configs/``
+    geometry) is at hand."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model_fingerprint(model)

@@ -14,6 +14,27 @@ INT2 (group x)     ``s = max((max-min)/3, 1e-8)``, ``z = -min/s``,
 
 Shapes: ``x`` is ``[..., d]`` where the last axis is head_dim; groups are consecutive runs of
 ``group_size`` channels along it (per token, per KV head, per group).
+
+The OSCAR SGLang fork's quantiser (its ``sglang/QuantKernel/oscar_rotation_clip_int2_kv.py`` at
+commit 473ff3f9d, read for these functions; nothing copied) differs in two places, both kept here
+as their own functions so the ``fork`` evaluation method reproduces it:
+
+==================  =========================================================================
+fork quantiser      definition (float32 throughout; scale and zero stored in float32)
+==================  =========================================================================
+uniform (default)   ``s = max(max-min, 1e-8)/3`` (the floor on the *range*, ours on ``s``),
+                    ``z = -min/s``, ``q = floor(x/s + z + 0.5)`` (always in 0..3),
+                    ``x_hat = (q - z) * s``: :func:`quantize_int2_fork`
+Lloyd-Max           ``SGLANG_LLOYD_MAX=1``, one group per row (G = head_dim) after the clip:
+                    ``mu = mean``, ``sigma = sqrt(var + 1e-8)`` (population variance),
+                    ``zr = (x - mu)/sigma``, ``q = [zr >= -0.98107] + [zr >= 0] + [zr >= 0.98107]``,
+                    stored as ``s = (3.0191171/3)*1.16*sigma``, ``z = 1.5 - mu/s``: levels
+                    ``mu + sigma*{-1.7511, -0.5837, 0.5837, 1.7511}``: :func:`quantize_lloyd_fork`
+==================  =========================================================================
+
+Its clip is ours (:func:`clip_rows`: the same index into the sorted ``|row|``, per row over head_dim)
+for every token its prefill writes; tokens it demotes from the recent window during decode are
+clipped with a bisection threshold instead (about one element more per row), not modelled here.
 """
 
 from __future__ import annotations
@@ -22,6 +43,7 @@ import math
 
 import torch
 
+from ..errors import InputError
 from ..spec.defaults import check_group_size
 
 SCALE_FLOOR = 1e-8
@@ -56,6 +78,56 @@ def quantize_int2(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     zero = -lo / scale
     q = torch.clamp(torch.floor(g / scale.unsqueeze(-1) + zero.unsqueeze(-1) + 0.5), 0, LEVELS - 1)
     return q.to(torch.uint8).reshape(x.shape), scale, zero
+
+
+def quantize_int2_fork(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fork's per-group INT2 (module docstring): codes ``uint8 [..., d]``, float32 scale and zero
+    ``[..., d // group_size]``. Differs from :func:`quantize_int2` only where a group's range is below
+    ``3e-8`` (the floor sits on the range, before the division by 3)."""
+    d = x.shape[-1]
+    check_group_size(d, group_size)
+    g = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
+    lo = g.amin(-1)
+    scale = torch.clamp(g.amax(-1) - lo, min=SCALE_FLOOR) / (LEVELS - 1)
+    zero = -lo / scale
+    q = torch.floor(g / scale.unsqueeze(-1) + zero.unsqueeze(-1) + 0.5).clamp(0, LEVELS - 1)   # clamp: a no-op
+    return q.to(torch.uint8).reshape(x.shape), scale, zero
+
+
+# the fork's Lloyd-Max mode: thresholds on the standardised row, and the stretch of its stored scale
+LLOYD_THRESHOLD = 0.98107
+LLOYD_SCALE = 3.0191171 / 3 * 1.16
+LLOYD_VAR_EPS = 1e-8
+
+
+def quantize_lloyd_fork(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fork's Lloyd-Max bucket mode (module docstring), one group per row ``[..., d]``: codes
+    ``uint8 [..., d]`` and the float32 scale and zero ``[..., 1]`` it stores (so
+    :func:`dequantize_int2` with ``group_size = d`` gives its levels)."""
+    xf = x.float()
+    mu = xf.mean(-1, keepdim=True)
+    sigma = torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + LLOYD_VAR_EPS)
+    zr = (xf - mu) / sigma
+    q = (zr >= -LLOYD_THRESHOLD).to(torch.uint8) + (zr >= 0).to(torch.uint8) + (zr >= LLOYD_THRESHOLD).to(torch.uint8)
+    scale = LLOYD_SCALE * sigma
+    zero = 1.5 - mu / scale
+    return q, scale, zero
+
+
+FORK_QUANTIZERS = ("fork", "fork-lloyd")
+FORK_PARAM_BITS = 64      # the fork stores a float32 scale and a float32 zero per group
+
+
+def fake_quant_fork(x: torch.Tensor, group_size: int, *, lloyd: bool = False) -> torch.Tensor:
+    """Quantise and dequantise ``x`` ``[..., d]`` as the fork does (float32 result): uniform per group,
+    or Lloyd-Max (``lloyd``; needs ``group_size == d``, the only case the fork applies it to)."""
+    d = x.shape[-1]
+    if lloyd:
+        if group_size != d:
+            raise InputError(f"the fork's Lloyd-Max mode needs group size = head_dim ({d}), got {group_size}: it "
+                             "ignores SGLANG_LLOYD_MAX for grouped scales")
+        return dequantize_int2(*quantize_lloyd_fork(x), d)
+    return dequantize_int2(*quantize_int2_fork(x, group_size), group_size)
 
 
 def dequantize_int2(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:

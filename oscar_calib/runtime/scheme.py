@@ -15,6 +15,8 @@ import torch
 from ..errors import InputError
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
 
+# whose INT2 arithmetic stores the history: oscar's kernels, or the OSCAR SGLang fork's (uniform / Lloyd-Max)
+QUANTIZERS = ("oscar", "fork", "fork-lloyd")
 
 @dataclass
 class KVScheme:
@@ -24,6 +26,13 @@ class KVScheme:
     ``k_clip[i]``/``v_clip[i]`` ``[kv_heads]`` (``None`` = no clip). ``group_size=None`` means no
     INT2 at all (the history stays in ``window_dtype``). ``window_dtype=None`` keeps the model's
     own dtype for the sink and window (no rounding).
+
+    ``quantizer`` says whose INT2 arithmetic stores the history (see :data:`QUANTIZERS`):
+    ``oscar`` (our kernels: fp16 scale and offset, ``2 + 32/G`` bits), ``fork`` or ``fork-lloyd``
+    (the OSCAR SGLang fork: float32 scale and zero, ``2 + 64/G`` bits, uniform or Lloyd-Max buckets;
+    K/V/Q are rotated and held in ``window_dtype`` in the rotated basis as the fork's KV pool does).
+    Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork quantisers; the real
+    caches store with ``oscar``'s.
     """
 
     name: str
@@ -40,6 +49,7 @@ class KVScheme:
     # V is stored as the model computes it (an engine that absorbed R_v into the V projection at load
     # time, like the OSCAR SGLang fork with SGLANG_OSCAR_ABSORB_V_ROTATION=1)
     v_output: list = field(default_factory=list)
+    quantizer: str = "oscar"
 
     def __post_init__(self):
         for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output"):
@@ -49,6 +59,8 @@ class KVScheme:
             elif len(lst) != self.num_layers:
                 raise InputError(f"{self.name}: {name} has {len(lst)} layers, expected {self.num_layers}")
         check_window(self.sink, self.recent)
+        if self.quantizer not in QUANTIZERS:
+            raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from {', '.join(QUANTIZERS)}")
         if self.group_size is not None:
             check_group_size(None, self.group_size)
 
@@ -58,10 +70,15 @@ class KVScheme:
 
     @property
     def bits_per_element(self) -> float:
-        """Stored bits per history element: ``2 + 32/G`` (fp16 scale and offset per group), or the
-        window dtype's width when nothing is quantised."""
+        """Stored bits per history element: ``2 + 32/G`` (fp16 scale and offset per group; the fork's
+        quantisers ``2 + 64/G``, float32 scale and zero), or the window dtype's width when nothing is
+        quantised."""
         if self.group_size is None:
             return float(torch.finfo(self.window_dtype).bits) if self.window_dtype else 32.0
+        if self.quantizer != "oscar":
+            from ..numerics.quant import FORK_PARAM_BITS
+
+            return 2.0 + FORK_PARAM_BITS / self.group_size
         from ..kernels.pack import bits_per_element
 
         return bits_per_element(self.group_size)
@@ -121,37 +138,50 @@ class KVScheme:
     def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,
                              group_size: int | None = None, sink: int | None = None, recent: int | None = None,
                              absorb_v: bool = False, bf16_rotations: bool = True,
-                             window_dtype=torch.bfloat16) -> "KVScheme":
+                             window_dtype=torch.bfloat16, quantizer: str = "oscar") -> "KVScheme":
         """What the OSCAR SGLang fork's main serves for this artifact: the layer's shared rotation for
         every KV head, ONE K and ONE V clip ratio for the whole model (``clips``, default the
         artifact's fitted global pair), its group size and windows. ``bf16_rotations`` rounds the
         rotations to bf16 as the fork's KV pool holds them (the query still meets ``Rᵀ`` exactly as the
         fork computes ``(qR)·k̂``). ``absorb_v`` stores V as the model computes it and maps the
         output back (the caller has folded ``R_v`` into the V projection, as the fork does at load).
-        Scales are simulated with oscar's fp16 scale/offset storage (the fork keeps float32)."""
+        ``quantizer``: ``oscar`` stores the history with oscar's fp16 scale/offset (what the real
+        caches can hold), ``fork``/``fork-lloyd`` with the fork's float32 arithmetic (see the class
+        docstring; ``fork-lloyd`` needs group size = head_dim)."""
         from ..errors import ArtifactError
         from ..spec.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
+        why = fork_unavailable(art, clips_given=clips is not None)
+        if why:
+            raise ArtifactError(why)
         clips = clips or art.shared_clips()
-        if clips is None:
-            raise ArtifactError(f"{art.path}: no global clip ratios recorded; re-run `oscar calibrate` or pass clips")
         h = art.num_kv_heads
         rot = {}
         for which in ("k", "v"):
-            shared = [art.shared_rotation(i, which) for i in range(art.num_layers)]
-            if any(s is None for s in shared):
-                raise ArtifactError(f"{art.path}: no shared per-layer rotations (made before oscar 0.2); re-run "
-                                    "`oscar calibrate`")
-            rs = [s[0].float() for s in shared]
+            rs = [art.shared_rotation(i, which)[0].float() for i in range(art.num_layers)]
             if bf16_rotations:
                 rs = [r.to(torch.bfloat16).float() for r in rs]
             rot[which] = [r.expand(h, -1, -1).contiguous() for r in rs]
         md = art.metadata
         ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in clips)
-        n = art.num_layers
-        return cls(name, n, int(group_size or art.group_size), rot["k"], [None] * n if absorb_v else rot["v"],
+        n, g = art.num_layers, int(group_size or art.group_size)
+        if quantizer == "fork-lloyd" and g != art.head_dim:
+            raise InputError(f"{name}: the fork's Lloyd-Max mode needs group size = head_dim ({art.head_dim}), this "
+                             f"scheme has {g}; the fork ignores SGLANG_LLOYD_MAX for grouped scales")
+        return cls(name, n, g, rot["k"], [None] * n if absorb_v else rot["v"],
                    [ck] * n, [cv] * n,
                    sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
                    recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
-                   window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [])
+                   window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [], quantizer=quantizer)
+
+
+def fork_unavailable(artifact, *, clips_given: bool = False) -> str | None:
+    """Why the artifact cannot give the fork's scheme (no global clip pair, unless ``clips_given``, or
+    no shared per-layer rotations: made before oscar 0.2), or None."""
+    if not clips_given and artifact.shared_clips() is None:
+        return f"{artifact.path}: no global K/V clip pair for the fork (made before oscar 0.2?); re-run `oscar calibrate`"
+    if any(artifact.shared_rotation(i, "k") is None for i in range(artifact.num_layers)):
+        return f"{artifact.path}: no shared per-layer rotations for the fork (made before oscar 0.2?); re-run " \
+               "`oscar calibrate`"
+    return None

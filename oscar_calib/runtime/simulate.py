@@ -8,6 +8,16 @@ an attention function registered with transformers' ``AttentionInterface``; the 
 sliding-window masks and GQA are honoured, math is float32. With nothing quantised it equals
 plain attention (tested). It de-quantises every key for every layer: memory and time grow with
 the context like a full-precision cache, so it measures accuracy only.
+
+A scheme whose ``quantizer`` is ``fork`` or ``fork-lloyd`` is read the way the OSCAR SGLang fork's
+main stores it (:func:`fork_rows`): query, keys and values rotated in BF16 as its KV pool holds
+them, the history clipped and quantised with its float32 scale and zero (or its Lloyd-Max buckets),
+the output mapped back with ``o @ R_vᵀ`` in BF16. What it does not model, by design: every query
+position reads its own window exactly as a decode step does (the fork's prefill reads the prompt's
+own chunk in full precision), the recent window is exactly ``recent`` tokens (the fork's slides
+between R and R+7 during decode, demoting 8 tokens at a time), and every INT2 token is clipped
+with the sorted-threshold rule of the fork's prefill kernel (the tokens its decode flush demotes
+get a bisection threshold that clips about one element more per row, and never Lloyd-Max).
 """
 
 from __future__ import annotations
@@ -77,28 +87,20 @@ class SimulatedKV(AttentionRoute):
         """q [B, Hq, T, d], k/v [B, Hkv, S, d] -> attention output [B, T, Hq, d] (float32).
 
         Exact per-(i, j) selection with one attention call: the keys are the INT2 version
-        rotated back (``K̂Rᵀ``, so ``q·(K̂Rᵀ)ᵀ = (qR)·K̂ᵀ``) followed by the BF16 version, values
-        likewise, and the mask lets row ``i`` read column ``j`` of the BF16 half when
-        ``j < sink`` or ``i − j < recent`` and of the INT2 half otherwise (both within the
-        model's own mask). The softmax over the ``2S`` columns is then the softmax over the
-        ``S`` keys each read in the right precision, and ``P·V`` sums each part."""
-        from ..kernels import quantize_kv
-
+        followed by the BF16 version (oscar's quantiser: the INT2 keys rotated back, ``K̂Rᵀ``, so
+        ``q·(K̂Rᵀ)ᵀ = (qR)·K̂ᵀ``; the fork's: everything in the rotated basis, see
+        :func:`fork_rows`), values likewise, and the mask lets row ``i`` read column ``j`` of the
+        BF16 half when ``j < sink`` or ``i − j < recent`` and of the INT2 half otherwise (both
+        within the model's own mask). The softmax over the ``2S`` columns is then the softmax over
+        the ``S`` keys each read in the right precision, and ``P·V`` sums each part."""
         sch = self.scheme
         b, hq, t, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
         grp = hq // hkv
         allowed = self._allowed(mask, b, t, s, window, q.device)                          # [B|1, 1, T, S]
-        wd = sch.window_dtype
-        k_in = k.to(wd) if wd is not None else k
-        v_in = v.to(wd) if wd is not None else v
-        keys, values = k_in.float(), v_in.float()
-        if sch.quantized:
-            rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
-            kq = quantize_kv(k_in.transpose(1, 2), rk, ck, sch.group_size).dequantize()     # [B, S, Hkv, d] rotated
-            vq = quantize_kv(v_in.transpose(1, 2), rv, cv, sch.group_size).dequantize()
-            k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
-            v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
+        rows = oscar_rows if sch.quantizer == "oscar" else fork_rows
+        qf, keys, values, k_lo, v_lo, back = rows(sch, layer, q, k, v)
+        if k_lo is not None:
             qpos = torch.arange(t, device=q.device).unsqueeze(1) + (s - t)
             kpos = torch.arange(s, device=q.device).unsqueeze(0)
             hi = (kpos < sch.sink) | (qpos - kpos < sch.recent)                             # [T, S]
@@ -106,15 +108,89 @@ class SimulatedKV(AttentionRoute):
             values = torch.cat([v_lo, values], dim=2)
             allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)                     # [B|1, 1, T, 2S]
         keys, values = keys.repeat_interleave(grp, 1), values.repeat_interleave(grp, 1)
-        qf = q.float()
         if not softcap:
             o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=allowed, scale=scaling)
         else:
             sc = (qf @ keys.transpose(-1, -2)) * scaling
             sc = torch.tanh(sc / softcap) * softcap
             o = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1) @ values
-        out_rot = sch.v_output[layer]
-        if out_rot is not None:                     # absorbed R_v: map the output back, o @ Rᵀ per KV head
-            r = out_rot.to(o.device, torch.float32).repeat_interleave(grp, 0)            # [Hq, d, d]
-            o = torch.einsum("bhtd,hed->bhte", o, r)
+        if back is not None:
+            o = back(o)
         return o.transpose(1, 2)
+
+
+def _unrotate(r: torch.Tensor, grp: int, dtype=None):
+    """``o -> o @ Rᵀ`` per query head (``r`` [Hkv, d, d], query head j reads KV head j // grp), with
+    operands and result rounded to ``dtype`` when given (a 16-bit GEMM with fp32 accumulation)."""
+    rq = _round(r.repeat_interleave(grp, 0), dtype)
+
+    def back(o):
+        return _round(torch.einsum("bhtd,hed->bhte", _round(o, dtype), rq), dtype)
+
+    return back
+
+
+def _round(x: torch.Tensor, dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` and back to float32 (None: unchanged, as float32)."""
+    return x.float() if dtype is None else x.to(dtype).float()
+
+
+def oscar_rows(sch: KVScheme, layer: int, q, k, v):
+    """oscar's storage: ``(query, bf16 keys, bf16 values, INT2 keys, INT2 values, output map)``, all in
+    the model's basis (the INT2 rows rotated, clipped, quantised with fp16 scale/offset exactly as
+    :mod:`oscar_calib.kernels` stores them, then rotated back); the query as it comes."""
+    from ..kernels import quantize_kv
+
+    wd = sch.window_dtype
+    k_in = k.to(wd) if wd is not None else k
+    v_in = v.to(wd) if wd is not None else v
+    k_lo = v_lo = None
+    if sch.quantized:
+        rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+        kq = quantize_kv(k_in.transpose(1, 2), rk, ck, sch.group_size).dequantize()     # [B, S, Hkv, d] rotated
+        vq = quantize_kv(v_in.transpose(1, 2), rv, cv, sch.group_size).dequantize()
+        k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
+        v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
+    out_rot = sch.v_output[layer]        # absorbed R_v: map the output back, o @ Rᵀ per KV head
+    back = _unrotate(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) if out_rot is not None else None
+    return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
+
+
+def fork_rows(sch: KVScheme, layer: int, q, k, v):
+    """The OSCAR SGLang fork's storage, in the rotated basis as its KV pool holds it (``hp`` =
+    ``window_dtype``, its ``SGLANG_MIXED_KV_HP_DTYPE``; None: no rounding):
+
+    * query, keys, values: ``hp(hp(x) @ hp(R))`` (a 16-bit GEMM with fp32 accumulation; the query
+      takes its KV head's ``R_k``), which the BF16 sink and window hold as they are;
+    * INT2 history: those rows clipped (:func:`~oscar_calib.numerics.quant.clip_rows`, one ratio per
+      cache) and fake-quantised with the fork's float32 scale and zero
+      (:func:`~oscar_calib.numerics.quant.fake_quant_fork`, uniform or Lloyd-Max), dequantised in
+      float32;
+    * output: ``hp(hp(o_rot) @ hp(R_v)ᵀ)``.
+
+    With ``v_rotation`` None and ``v_output`` set (R_v absorbed into the V projection), V is stored
+    as the model computes it and the output mapped back with ``v_output``."""
+    from ..numerics.quant import clip_rows, fake_quant_fork
+
+    hp = sch.window_dtype
+    grp = q.shape[1] // k.shape[1]
+    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+
+    def rotate(x, r):                      # x [B, H, S, d], r [H, d, d] or None
+        xb = _round(x, hp)
+        return xb if r is None else _round(torch.einsum("bhsd,hde->bhse", xb, _round(r, hp)), hp)
+
+    qr = rotate(q, None if rk is None else rk.repeat_interleave(grp, 0))
+    kr, vr = rotate(k, rk), rotate(v, rv)
+    k_lo = v_lo = None
+    if sch.quantized:
+        lloyd = sch.quantizer == "fork-lloyd"
+
+        def int2(x, c):
+            y = x if c is None else clip_rows(x, c.to(torch.float64).view(-1, 1))
+            return fake_quant_fork(y, sch.group_size, lloyd=lloyd)
+
+        k_lo, v_lo = int2(kr, ck), int2(vr, cv)
+    out = rv if rv is not None else sch.v_output[layer]
+    back = _unrotate(out.to(q.device, torch.float32), grp, hp) if out is not None else None
+    return qr, kr, vr, k_lo, v_lo, back

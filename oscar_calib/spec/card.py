@@ -58,7 +58,10 @@ def model_card(report: dict) -> str:
 
 
 _EVAL_LABELS = (("bf16", "BF16 KV cache"), ("naive", "naive INT2"), ("hadamard", "Hadamard (QuaRot-INT2), clips 0.96/0.92"),
-                ("oscar", "**this artifact**"), ("quanto", "transformers QuantizedCache (quanto, 2 bits)"))
+                ("oscar", "**this artifact**"),
+                ("fork", "this artifact as the OSCAR SGLang fork serves it (one rotation per layer, global clips)"),
+                ("fork-lloyd", "the same with the fork's Lloyd-Max buckets"),
+                ("quanto", "transformers QuantizedCache (quanto, 2 bits)"))
 
 
 def _eval_section(report: dict) -> list[str]:
@@ -79,7 +82,9 @@ def _eval_section(report: dict) -> list[str]:
                       for label, p, a in rows]
             extra = []
             if "oscar_bits_per_element" in ev:
-                extra.append(f"This artifact stores {ev['oscar_bits_per_element']:g} bits per element of the INT2 history.")
+                extra.append(f"This artifact stores {ev['oscar_bits_per_element']:g} bits per element of the INT2 history"
+                             + (f" ({ev['fork_bits_per_element']:g} in the fork, which keeps float32 scales)."
+                                if "fork_bits_per_element" in ev else "."))
             if niah.get("lengths"):
                 extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}.")
             lines += ["", *([" ".join(extra), ""] if extra else [])]

@@ -17,6 +17,12 @@ Procedure
    pooled over depths, sequences and heads.
 4. The same for a Hadamard (QuaRot-style) baseline with the same sink, window and group size and
    clips 0.96/0.92.
+5. ``fork`` (informational, when the artifact has shared rotations and a global clip pair): the
+   ``attn`` error of what the OSCAR SGLang fork's main serves for the artifact (one rotation per
+   layer held in BF16, one K and one V clip ratio, float32 scale/zero; ``oscar eval``'s ``fork``
+   method), computed by the pure-torch simulation
+   (:class:`~oscar_calib.runtime.simulate.SimulatedKV`), not the kernels: our kernels store fp16
+   scales.
 
 Pass when the artifact's mean ``attn`` error is below the baseline's and no layer's ``attn``
 error exceeds ``--max-layer-error`` (default 0.5). Measured on SmolLM2-135M at depths
@@ -67,7 +73,7 @@ class VerifyResult:
             "mean_logit_error": mean("logit", "artifact"), "mean_logit_error_hadamard": mean("logit", "hadamard"),
             "max_layer_attn_error": max(r["artifact"]["attn"] for r in self.layers),
             "worst_layer": max(self.layers, key=lambda r: r["artifact"]["attn"])["layer"],
-        }
+        } | ({"mean_attn_error_fork": mean("attn", "fork")} if all("fork" in r for r in self.layers) else {})
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "summary": self.summary(), "settings": self.settings, "layers": self.layers,
@@ -179,6 +185,33 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
             "samples": len(rows)}
 
 
+def _fork_layer_errors(caps: dict, samples, scheme, layer: int, scaling: float, window: int | None) -> dict:
+    """Relative attention-output error of the fork's scheme for one layer, pooled like ``attn``: each
+    sample's query reads its cache through :class:`~oscar_calib.runtime.simulate.SimulatedKV` (BF16
+    sink and window by absolute position, the rest INT2 the fork's way)."""
+    from ..runtime.simulate import SimulatedKV
+
+    sim = SimulatedKV(None, scheme)
+    num = den = 0.0
+    for e in sorted({e for _, e in samples}):
+        q = caps["q"][:, e - 1:e].transpose(1, 2)                       # [B, Hq, 1, d]
+        k, v = caps["k"][:, :e].transpose(1, 2), caps["v"][:, :e].transpose(1, 2)
+        o = sim.attend(layer, q, k, v, None, scaling, window, None)[:, 0]   # [B, Hq, d]
+        ref = caps["o"][:, e - 1].float()
+        num += float((o - ref).pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return {"attn": math.sqrt(num / max(den, 1e-300))}
+
+
+def _fork_scheme(art):
+    """The fork's scheme for the artifact, or None when it has no shared rotations / global clips."""
+    from ..runtime.scheme import KVScheme, fork_unavailable
+
+    if fork_unavailable(art):
+        return None
+    return KVScheme.shared_from_artifact(art, quantizer="fork")
+
+
 def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel | None = None, device: str = "auto",
                     dtype: str = "auto", backend: str = "auto", depths=DEFAULT_DEPTHS, sequences: int = 2,
                     positions: int = 8, data: str = "embedded", max_layer_error: float = DEFAULT_MAX_LAYER_ERROR,
@@ -239,6 +272,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     h = hadamard(geo.head_dim, warn=False).float().to(dev).expand(geo.num_kv_heads, -1, -1).contiguous()
     base_k = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[0], device=dev)
     base_v = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[1], device=dev)
+    fork = _fork_scheme(art)
     rows = []
     for i, layer in enumerate(art.layers):
         kw = dict(group_size=group_size, sink=sink, recent=recent, backend=backend, scaling=info[i]["scaling"])
@@ -249,6 +283,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
+        if fork is not None:
+            rows[-1]["fork"] = _fork_layer_errors(cap, samples, fork, i, info[i]["scaling"], info[i]["window"])
         if progress:
             progress(i + 1, len(art.layers))
     reasons = []
@@ -264,6 +300,10 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                 "sequences": sequences, "positions_per_depth": positions, "position_stride": POSITION_STRIDE, "data": plan.source, "sink_tokens": sink, "recent_tokens": recent,
                 "group_size": group_size, "max_layer_error": max_layer_error, "baseline_clips": list(BASELINE_CLIPS),
                 "token_sha256": plan.sha256()}
+    if fork is not None:
+        settings["fork"] = {"k_clip": art.shared_clips()[0], "v_clip": art.shared_clips()[1], "group_size": fork.group_size,
+                            "sink_tokens": fork.sink, "recent_tokens": fork.recent,
+                            "simulation": "pure torch: shared rotation in bf16, float32 scale/zero"}
     result = VerifyResult(rows, settings, not reasons, reasons,
                           {"capture_s": t_capture, "total_s": time.perf_counter() - t0})
     if write:
@@ -286,6 +326,8 @@ def write_plot(path: Path, result: VerifyResult) -> None:
     for ax, key, title in ((axes[0], "attn", "attention-output error"), (axes[1], "logit", "logit error")):
         ax.plot(layers, [r["artifact"][key] for r in result.layers], "o-", label="artifact")
         ax.plot(layers, [r["hadamard"][key] for r in result.layers], "s--", label="Hadamard 0.96/0.92")
+        if key == "attn" and all("fork" in r for r in result.layers):
+            ax.plot(layers, [r["fork"]["attn"] for r in result.layers], "^:", label="fork's scheme (simulated)")
         if key == "attn":
             ax.axhline(result.settings["max_layer_error"], color="red", lw=0.8, label="threshold")
         ax.set_xlabel("layer")

@@ -6,6 +6,10 @@
 deterministic (sorted entries, relative paths, no timestamps): regenerating an unchanged zoo
 gives a byte-identical file, and ``oscar zoo index --check`` fails when it is stale.
 
+The index also lists the ``upstream`` seed models: OSCAR's own rotations in the Hugging Face repo
+``Zhongzhu/OSCAR-RotationZoo``, one per ``configs/*.yaml`` with a ``rotationzoo:`` section, with
+their pull recipe (``oscar pull rotationzoo:NAME``, :mod:`oscar_calib.tools.rotationzoo`).
+
 Each entry's figures come from the artifact's own files: the header of ``oscar.safetensors``
 (model, geometry, method), ``calibration.json``'s ``summary`` (held-out attention error of OSCAR
 and of the Hadamard baseline), ``verify.json`` (``passed`` and its summary numbers) and an
@@ -39,7 +43,7 @@ def repo_zoo_dir() -> Path:
     env = os.environ.get("OSCAR_ZOO")
     if env:
         return Path(env).expanduser()
-    checkout = Path(__file__).resolve().parents[1] / "zoo"
+    checkout = Path(__file__).resolve().parents[2] / "zoo"
     return checkout if checkout.is_dir() else Path("zoo")
 
 
@@ -177,10 +181,12 @@ def list_entries(zoo_dir: Path | None = None, *, include_cache: bool = True) -> 
 # ----------------------------------------------------------------------------- index
 
 def build_index(zoo_dir: Path) -> dict:
+    from .rotationzoo import upstream_entries
+
     zoo_dir = Path(zoo_dir)
     entries = scan(zoo_dir, source="zoo", with_hash=True)
     return {"format": INDEX_FORMAT, "format_version": INDEX_VERSION,
-            "entries": [e.to_dict(relative_to=zoo_dir) for e in entries]}
+            "entries": [e.to_dict(relative_to=zoo_dir) for e in entries], "upstream": upstream_entries()}
 
 
 def render_index(index: dict) -> str:
@@ -220,7 +226,8 @@ def _fmt(x, digits: int = 4) -> str:
 def eval_text(ev: dict | None) -> str:
     if not ev:
         return "–"
-    ppl = [(label, ev[f"{m}_ppl"]) for m, label in (("bf16", "BF16"), ("hadamard", "Hadamard"), ("oscar", "OSCAR"))
+    ppl = [(label, ev[f"{m}_ppl"]) for m, label in (("bf16", "BF16"), ("hadamard", "Hadamard"), ("oscar", "OSCAR"),
+                                                    ("fork", "fork"))
            if isinstance(ev.get(f"{m}_ppl"), (int, float))]
     if ppl:                                          # the headline numbers of ``oscar eval --record``
         out = "ppl " + " / ".join(f"{label} {v:.2f}" for label, v in ppl)
@@ -248,4 +255,18 @@ def markdown_table(index: dict) -> str:
         method = f"{e.get('composition')}, {e.get('granularity')}"
         lines.append(f"| [`{e['name']}`](zoo/{e['path']}) | `{e.get('model_id')}` | {geometry} | {method} | {err} "
                      f"| {verified} | {eval_text(e.get('eval'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def upstream_table(index: dict) -> str:
+    """The README's table of upstream seed models (OSCAR's RotationZoo) and their pull recipe."""
+    ups = index.get("upstream") or []
+    if not ups:
+        return ""
+    lines = ["| base model | layers × KV heads × head_dim | RotationZoo tag | clips K / V | group, BF16 sink + recent "
+             "| pull |", "|---|---|---|---|---|---|"]
+    for u in ups:
+        geometry = " × ".join(str(x) for x in u["geometry"])
+        lines.append(f"| `{u['model_id']}` | {geometry} | `{u['tag'] or '–'}` | {u['k_clip']:g} / {u['v_clip']:g} | "
+                     f"{u['group_size']}, {u['sink']} + {u['recent']} | `{u['pull']}` |")
     return "\n".join(lines) + "\n"

@@ -9,6 +9,9 @@ module             what it holds
                    values equal the original values times ``R``, or nothing is written
 ``checkpoint``     :func:`fold_checkpoint`: the sharded Hugging Face checkpoint, the artifact
                    copy (``oscar/``, ``v_folded = "true"``) and the reload check
+``fp8``            compressed-tensors FP8 checkpoints (per-channel / per-tensor scales), folded on
+                   their safetensors files the way the OSCAR SGLang fork absorbs ``R_v``:
+                   de-quantise, rotate, fresh scales ``amax/448``, re-quantise, proven on logits
 =================  ==========================================================================
 
 The attention weights ``softmax(q kᵀ)`` do not involve V, so the folded model computes the same
@@ -28,6 +31,17 @@ from .checkpoint import (
     fold_checkpoint,
     reload_check,
     write_artifact_copy,
+)
+from .fp8 import (
+    FP8_TOLERANCE,
+    FP8Checkpoint,
+    dequantize_fp8,
+    dequantized_copy,
+    fold_fp8_checkpoint,
+    fp8_checkpoint,
+    fp8_strategy,
+    quantize_fp8,
+    refold_fp8,
 )
 from .proof import (
     CHECK_TOLERANCE,
@@ -52,7 +66,9 @@ from .weights import (
     require_valid_values,
 )
 
-__all__ = ["ARTIFACT_SUBDIR", "CHECK_TOLERANCE", "CONFIG_KEY", "FOLDED_KEY", "OUT_DTYPES", "RELOAD_TOLERANCE",
+__all__ = ["ARTIFACT_SUBDIR", "CHECK_TOLERANCE", "CONFIG_KEY", "FOLDED_KEY", "FP8_TOLERANCE", "FP8Checkpoint",
+           "OUT_DTYPES", "RELOAD_TOLERANCE", "dequantize_fp8", "dequantized_copy", "fold_fp8_checkpoint",
+           "fp8_checkpoint", "fp8_strategy", "quantize_fp8", "refold_fp8",
            "SAMPLE_SHAPE", "FoldCheck", "FoldResult", "FoldTarget", "check_artifact_matches", "check_fold_output",
            "file_sha256", "fold_and_check", "fold_checkpoint", "fold_layer", "fold_targets", "fold_v_rotation",
            "is_folded", "logits_of", "rel_diff", "reload_check", "require_valid_values", "run_and_capture",

@@ -251,6 +251,18 @@ def fold_checkpoint(model_spec: str, artifact_path: Path, out: Path, *, dtype: s
     require_valid(artifact_path)
     artifact = load_artifact(artifact_path)
     refuse_folded_artifact(artifact)
+    if loaded is None:
+        from .fp8 import fold_fp8_checkpoint, fp8_checkpoint
+
+        ckpt = fp8_checkpoint(model_spec)           # compressed-tensors FP8: worked on its files
+        if ckpt is not None:
+            if out_dtype is not None:
+                raise InputError("--dtype: an FP8 checkpoint is written back as FP8 (its own scales format); leave "
+                                 "--dtype auto")
+            report = fold_fp8_checkpoint(ckpt, artifact, file_sha256(Path(artifact.path) / WEIGHTS_NAME), out,
+                                         device=device, overwrite=overwrite, progress=progress,
+                                         sample_shape=sample_shape)
+            return FoldResult(out, {"model": model_spec, **report})
     lm = _load(model_spec, artifact, out, overwrite, loaded, device, trust_remote_code)
     artifact_sha = file_sha256(Path(artifact.path) / WEIGHTS_NAME)
     t_load = time.perf_counter() - t0
