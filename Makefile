@@ -6,7 +6,7 @@ STAMP := .make
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-low bench-calibrate bench-calibrate-gpu bench-kernels bench-generate clean
+.PHONY: setup demo test test-low bench-calibrate bench-calibrate-gpu bench-scale bench-kernels bench-generate clean
 
 $(STAMP)/setup: pyproject.toml
 	@mkdir -p $(STAMP)
@@ -45,6 +45,9 @@ bench-calibrate: setup
 
 bench-calibrate-gpu: setup
 	$(PYTHON) scripts/bench_calibrate.py --gpu
+
+bench-scale: setup
+	$(PYTHON) scripts/bench_scale.py
 
 bench-kernels: setup
 	$(PYTHON) scripts/bench_kernels.py

@@ -1,10 +1,14 @@
-"""Typed errors. The library raises these; the CLI turns each into one line and exit code 2."""
+"""Typed errors and warnings. The library raises these; the CLI turns each error into one line and
+its ``exit_code`` (2; 130 for :class:`Interrupted`), and each :class:`OscarWarning` into one line
+``warning: ...``."""
 
 from __future__ import annotations
 
 
 class OscarError(Exception):
     """Base class of every error the toolkit reports to a user."""
+
+    exit_code = 2
 
 
 class InputError(OscarError):
@@ -41,6 +45,22 @@ class EvalError(OscarError):
 
 class DistributedError(OscarError):
     """Ranks disagree, a rank failed, or a collective could not complete."""
+
+
+class WriteError(OscarError):
+    """An output could not be written (disk full, quota, read-only or vanished directory); what was
+    there before is intact and nothing half-written is left."""
+
+
+class Interrupted(OscarError):
+    """The user interrupted a run (Ctrl-C); the message says what was kept and how to go on."""
+
+    exit_code = 130
+
+
+class OscarWarning(UserWarning):
+    """Something the run can go on with but the user should know (the CLI prints one line
+    ``warning: ...``)."""
 
 
 class PublishError(OscarError):

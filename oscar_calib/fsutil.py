@@ -8,6 +8,9 @@ helper               what it guarantees
 ===================  ==============================================================================
 atomic_write_bytes   the file at ``path`` is the old one or the new one, never a mix (temporary
                      name in the same directory, ``fsync``, ``os.replace``)
+atomic_write_files   several files into one directory: all are written under temporary names
+                     first, then renamed into place in order (``last`` last), so a kill or a full
+                     disk while writing leaves the old files (or none), never some new ones
 staged_dir           a directory built under a temporary name beside ``out`` and moved into place
                      only when the ``with`` block succeeds; on any error it is deleted.
                      ``merge=False``: ``out`` is replaced as a whole (what it held is kept until the
@@ -17,11 +20,17 @@ staged_dir           a directory built under a temporary name beside ``out`` and
 replace_dir          move a finished directory onto ``dest``, restoring ``dest`` if the move fails
 check_can_replace    refuse a file where a directory goes, or an occupied directory unless overwrite
 check_writable       refuse an output directory that cannot be created or written (a real probe)
+remove_stale_temps   delete the temporaries a killed writer (SIGKILL, power loss) left behind
 ===================  ==============================================================================
+
+A write that fails (disk full, quota, read-only file system) raises :class:`WriteError` with one
+line naming the file; the temporary is removed and the old file is left as it was. ``staged_dir``
+turns a full disk inside its block into the same error.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -29,7 +38,10 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import InputError, OutputExistsError
+from .errors import InputError, OutputExistsError, WriteError
+
+# errors that mean "the storage refused the bytes", whatever the code was doing
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
 def _umask() -> int:
@@ -38,21 +50,78 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory."""
-    path = Path(path)
+def write_error(e: OSError, path: Path, kept: str | None = None) -> WriteError:
+    """The one-line :class:`WriteError` for an ``OSError`` while writing ``path``; ``kept`` says
+    what is intact (default: ``path`` is unchanged)."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why += " (free some space and run again)"
+    err = WriteError(f"cannot write {path}: {why}; {kept or f'{path} is unchanged'}")
+    err.oserror = e
+    return err
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_temp(path: Path, data: bytes) -> str:
+    """``data`` in a fsync'ed temporary file beside ``path``; returns its name (removed on error)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write_all(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(tmp)
         raise
+    return tmp
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory."""
+    atomic_write_files(Path(path).parent, {Path(path).name: data})
+
+
+def atomic_write_files(directory: Path, files: dict[str, bytes], *, last: str | None = None) -> None:
+    """Write ``files`` (name -> bytes) into ``directory``: every file goes to a temporary name first
+    (written and fsync'ed), and only then are they renamed into place, in order, ``last`` last.
+    On any error the temporaries are removed and the old files stay (:class:`WriteError`)."""
+    directory = Path(directory)
+    names = sorted(files, key=lambda n: n == last)          # stable: ``last`` moves to the end
+    temps: dict[str, str] = {}
+    try:
+        for name in names:
+            temps[name] = _write_temp(directory / name, files[name])
+        for name in names:
+            os.replace(temps.pop(name), directory / name)
+    except OSError as e:
+        if len(files) == 1:
+            target = directory / name
+            raise write_error(e, target, None if target.exists() else "nothing was written") from None
+        raise write_error(e, directory, f"the files in {directory} are unchanged") from None
+    finally:
+        for tmp in temps.values():
+            with suppress(OSError):
+                os.unlink(tmp)
+
+
+def remove_stale_temps(directory: Path, names) -> list[Path]:
+    """Delete the temporaries of ``names`` (``.NAME.*.tmp``) in ``directory``: what a writer killed
+    before its rename left. Only for files this process owns (nobody else writes them now)."""
+    gone = []
+    for name in names:
+        for p in Path(directory).glob(f".{name}.*.tmp"):
+            with suppress(OSError):
+                p.unlink()
+                gone.append(p)
+    return gone
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -135,7 +204,13 @@ def staged_dir(out: Path, *, overwrite: bool = False, merge: bool = False, last:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=f".{tag}", dir=out.parent))
     try:
         apply_umask_mode(tmp)
-        yield tmp
+        try:
+            yield tmp
+        except (OSError, WriteError) as e:
+            cause = getattr(e, "oserror", e)
+            if isinstance(e, OSError) and e.errno not in STORAGE_ERRNOS:
+                raise
+            raise write_error(cause, out, "nothing was written" + (f"; {out} is unchanged" if out.exists() else "")) from None
         if if_absent:
             with suppress(OSError):        # a non-empty ``out`` appeared meanwhile: keep it
                 os.replace(tmp, out)

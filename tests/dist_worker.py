@@ -5,7 +5,7 @@ Argument: a JSON job file ``{"cfg": {...}, "out": str, "work": str, "resume": bo
 "model": {tiny_model kwargs}, "model_rank": {rank: kwargs}, "die": {rank: batch}}``. Every rank
 builds the same seeded tiny model (``model_rank`` changes one rank's), calls ``calibrate`` and
 writes into ``work``: ``batches.rank{r}`` (the local batch counts it saw), ``error.rank{r}`` (a
-typed error, then exit 2), and on rank 0 ``stats.pt`` (the all-reduced accumulators).
+typed error, then its exit code), and on rank 0 ``stats.pt`` (the all-reduced accumulators).
 """
 
 import json
@@ -47,7 +47,7 @@ def main() -> None:
                         resume=job.get("resume", False), on_batch=on_batch)
     except OscarError as e:
         (work / f"error.rank{rank}").write_text(f"{type(e).__name__}: {e}")
-        sys.exit(2)
+        sys.exit(e.exit_code)
     if rank == 0:
         torch.save({"stats": [s.state_dict() for s in res.stats.stats], "timings": res.report["timings"]},
                    work / "stats.pt")

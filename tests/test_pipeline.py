@@ -17,7 +17,13 @@ from safetensors import safe_open
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.errors import DataError, InputError, NumericalError, OutputExistsError
+from oscar_calib.errors import (
+    DataError,
+    InputError,
+    Interrupted,
+    NumericalError,
+    OutputExistsError,
+)
 from oscar_calib.spec.artifact import (
     REQUIRED_METADATA,
     SHARED_KINDS,
@@ -104,9 +110,11 @@ def test_resume_after_ctrl_c_is_byte_identical(tmp_path):
 
     lm = loaded_tiny()
     cfg = CalibrationConfig(**TINY_FAST)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match=r"after batch 3 of 4; the checkpoint at batch 3 is kept .*--resume"):
         calibrate(cfg, out, loaded=lm, on_batch=interrupt)
     assert (out / CHECKPOINT_NAME).exists() and not (out / "oscar.safetensors").exists()
+    with pytest.raises(OutputExistsError, match="checkpoint of an interrupted run .*--resume .*--overwrite"):
+        calibrate(cfg, out, loaded=lm)                    # never silently discards the checkpoint
     seen = []
     res = calibrate(cfg, out, loaded=lm, resume=True, progress=lambda d, t: seen.append(d))
     assert res.report["timings"]["resumed"] is True
@@ -146,7 +154,7 @@ def test_resume_refuses_checkpoint_of_other_settings(tmp_path):
         if n == 2:
             raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted):
         calibrate(CalibrationConfig(**TINY_FAST), out, loaded=lm, on_batch=interrupt)
     with pytest.raises(InputError, match="other settings"):
         calibrate(CalibrationConfig(**{**TINY_FAST, "seed": 7}), out, loaded=lm, resume=True)

@@ -245,3 +245,51 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
 
     with pytest.raises(ArtifactError):
         load_artifact(art)
+
+
+# ----------------------------------------------------------------------------- every reader validates
+
+def _nan_k(t):
+    t["layers.1.k_rotation"][0, 2, 3] = float("nan")
+
+
+@pytest.mark.parametrize("defect, line", [(_nan_k, "layers.1.k_rotation has 1 non-finite value(s)"),
+                                          (_scale_rotation, "layers.1.k_rotation is not orthogonal")])
+def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defect, line):
+    """Issue 17, item 4: eval, verify, fold-weights, export, the runtime caches and KVScheme (from a
+    path) refuse a NaN or a non-orthogonal rotation with the validator's line, before any model is
+    loaded (the model named here does not exist) and before anything is written."""
+    from oscar_calib.errors import ArtifactError
+    from oscar_calib.eval import EvalOptions, run_eval
+    from oscar_calib.runtime import OscarCache, SimulatedCache
+    from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.tools.fold import fold_checkpoint
+    from oscar_calib.tools.sglang.export import export_sglang
+    from oscar_calib.tools.verify import verify_artifact
+
+    bad = make_artifact(tmp_path / "bad", mutate=defect)
+    assert validate_artifact(bad).problems[0].startswith(line)
+    nowhere = "no-such-org/no-such-model"
+    model = type("M", (), {"config": None})()            # never reached
+    readers = {
+        "load_artifact": lambda: load_artifact(bad),
+        "verify": lambda: verify_artifact(bad, model=nowhere, backend="torch"),
+        "eval": lambda: run_eval(nowhere, bad, EvalOptions(methods="bf16,oscar")),
+        "fold-weights": lambda: fold_checkpoint(nowhere, bad, tmp_path / "folded"),
+        "export": lambda: export_sglang(bad, tmp_path / "exported", clip=(0.9, 0.9)),
+        "OscarCache": lambda: OscarCache.from_artifact(bad, model),
+        "SimulatedCache": lambda: SimulatedCache.from_artifact(bad, model),
+        "KVScheme": lambda: KVScheme.from_artifact(bad),
+        "KVScheme.shared": lambda: KVScheme.shared_from_artifact(bad, clips=(0.9, 0.9)),
+    }
+    for name, read in readers.items():
+        with pytest.raises(ArtifactError) as exc:
+            read()
+        assert line in str(exc.value), (name, str(exc.value))
+    for args in (["eval", nowhere, str(bad)], ["verify", str(bad), "--model", nowhere],
+                 ["fold-weights", nowhere, str(bad), "--out", str(tmp_path / "folded")],
+                 ["export", str(bad), "--out", str(tmp_path / "exported")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code != 0 and line in str(result.exception), (args, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]              # nothing written
+    assert not (bad / "verify.json").exists()

@@ -13,16 +13,37 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import DataError, InputError, first_line
+from ..errors import DataError, InputError, OscarWarning, first_line
 
 EMBEDDED = "embedded"
 SPLITS = ("calibration", "heldout")
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
+MAX_NON_TEXT = 0.01       # share of undecodable bytes and control characters above which a file is not text
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f]")
+
+
+def _checked_text(path: Path) -> str:
+    """A text file's content, refusing one that is not text (binary, another encoding): more than
+    1% of its characters undecodable as UTF-8 or control characters. A few bad bytes are replaced
+    with a warning."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    ctrl = len(_CONTROL.findall(text))
+    if text and (bad + ctrl) / len(text) > MAX_NON_TEXT:
+        raise DataError(f"{path}: does not look like text: {(bad + ctrl) / len(text):.0%} of its {len(text)} characters "
+                        "are not valid UTF-8 or are control characters (a binary file, or another encoding?)")
+    if bad:
+        warnings.warn(f"{path}: {bad} byte sequence(s) are not valid UTF-8 and were replaced", OscarWarning,
+                      stacklevel=3)
+    return text
 
 
 def embedded_texts() -> list[str]:
@@ -35,10 +56,10 @@ def _read_file(path: Path, text_field: str) -> list[str]:
     suffix = path.suffix.lower()
     try:
         if suffix in (".txt", ".md"):
-            return [path.read_text(encoding="utf-8", errors="replace")]
+            return [_checked_text(path)]
         if suffix in (".jsonl", ".json"):
             out = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(_checked_text(path).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -52,7 +73,10 @@ def _read_file(path: Path, text_field: str) -> list[str]:
         if suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            table = pq.read_table(path)
+            try:
+                table = pq.read_table(path)
+            except (OSError, ValueError) as e:          # pyarrow's ArrowInvalid is a ValueError
+                raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
             if text_field not in table.column_names:
                 raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
             return [str(x) for x in table.column(text_field).to_pylist()]
@@ -165,6 +189,9 @@ def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_f
             f"{heldout_seqs} held-out sequence(s) need {(need_cal + heldout_seqs) * seq_len} "
             "(lower --tokens or --seq-len, or give more data)"
         )
+    if heldout_tokens > seq_len:
+        warnings.warn(f"--heldout-tokens {heldout_tokens} is more than one sequence: the held-out prefix is capped at "
+                      f"--seq-len {seq_len} tokens (raise --seq-len for more)", OscarWarning, stacklevel=2)
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(windows), generator=g).tolist()
     held = [windows[i][:heldout_tokens] for i in order[:heldout_seqs]]

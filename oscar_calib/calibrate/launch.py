@@ -1,6 +1,10 @@
 """Starting a data-parallel calibration: ``oscar calibrate --nproc N`` re-executes its own command
 line as N local ranks through torch's elastic launcher (what ``torchrun --standalone`` runs), and
-names the rank that failed. What each rank does is :mod:`oscar_calib.calibrate.parallel`."""
+names the rank that failed. What each rank does is :mod:`oscar_calib.calibrate.parallel`.
+
+Several machines use torchrun itself (``torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d
+--rdzv-endpoint HOST:PORT -m oscar_calib calibrate ...`` on every machine, or under SLURM; README,
+"Scaling"): inside such a job ``--nproc`` may be left out, or must equal the ranks of this machine."""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from ..errors import DistributedError, InputError
+from ..errors import DistributedError, InputError, Interrupted
 from ..spec.config import CalibrationConfig
-from .ranks import env_world_size, launched
+from .ranks import STOPPED_EXIT, env_world_size, launched
 from .report import check_output_dir
 
 
@@ -28,18 +32,23 @@ def calibrate_parallel(cfg: CalibrationConfig, out: Path, nproc: int, argv: list
     check_nproc(nproc, cfg.device)
     check_output_dir(Path(out), overwrite, resume)
     hint = f"any per-rank checkpoints in {out} are kept: rerun the same command with --resume to continue"
-    return launch(nproc, [sys.executable, "-m", "oscar_calib", *argv], hint=hint)
+    try:
+        return launch(nproc, [sys.executable, "-m", "oscar_calib", *argv], hint=hint)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {hint}") from None
 
 
 def wants_launch(nproc: int | None) -> bool:
-    """Whether ``--nproc`` asks this process to start ranks (False inside a rank, whose job must
-    then have ``nproc`` ranks, and for ``--nproc 1`` or none)."""
+    """Whether ``--nproc`` asks this process to start ranks (False inside a rank, whose machine must
+    then run ``nproc`` ranks of the job, and for ``--nproc 1`` or none)."""
     if nproc is None:
         return False
     _check_positive(nproc)
     if launched():
-        if nproc != env_world_size():
-            raise InputError(f"--nproc {nproc} but this job has WORLD_SIZE={env_world_size()}")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
+        if nproc != local:
+            raise InputError(f"--nproc {nproc} but this machine runs {local} rank(s) of the job (LOCAL_WORLD_SIZE="
+                             f"{local}, WORLD_SIZE={env_world_size()}); leave --nproc out under torchrun")
         return False
     return nproc > 1
 
@@ -124,8 +133,10 @@ def launch(nproc: int, cmd: list[str], *, hint: str = "", env: dict[str, str] | 
 def _report_failure(failures: dict, hint: str) -> int:
     if set(failures) == {0} and failures[0].exitcode == 1:
         return 1
-    # the root cause: the earliest failure that is not the launcher's own SIGTERM to survivors
-    items = sorted(failures.items(), key=lambda kv: (kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
+    # the root cause: the earliest failure that is not a survivor stopping (the launcher's SIGTERM, or
+    # a rank that exits with STOPPED_EXIT because another rank failed); a rank killed by a signal first
+    items = sorted(failures.items(), key=lambda kv: (kv[1].exitcode in (-signal.SIGTERM, STOPPED_EXIT),
+                                                     kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
     rank, f = items[0]
     if f.exitcode < 0:
         try:

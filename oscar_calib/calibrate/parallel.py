@@ -45,9 +45,16 @@ Decisions:
 * **Failures**: ``init_process_group`` gets a timeout (``OSCAR_DIST_TIMEOUT`` seconds, default
   1800) for every collective. At start-up every rank's model fingerprint, token-plan sha256,
   settings and start-up error (if any) are all-gathered; any mismatch or error stops every rank with
-  the same :class:`DistributedError` before anything is written. A collective that fails (a dead
-  peer closes its sockets) and a SIGTERM from the launcher both become a one-line
-  :class:`DistributedError`; checkpoints stay. With ``--nproc`` the parent names the rank that died.
+  the same :class:`DistributedError` before anything is written. While the ranks compute, a
+  heartbeat in the job's store (:mod:`.heartbeat`, ``OSCAR_DIST_HEARTBEAT`` seconds, default 60)
+  names a rank that died on any machine and stops the others within that time; a rank that fails
+  on its own tells the others why at once. A collective that fails (a dead peer closes its
+  sockets), a SIGTERM from the launcher and a stop from the heartbeat all become one line
+  (:class:`DistributedError`) naming the rank when it is known; checkpoints stay. With ``--nproc``
+  the parent names the rank that died as well.
+* **Several machines**: nothing changes but the launcher (``torchrun --nnodes N --rdzv-backend c10d
+  --rdzv-endpoint HOST:PORT``, or SLURM through torchrun: README, "Scaling"). Devices are chosen
+  from ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (the ranks of this machine), never the global rank.
 * **Big models** (:mod:`oscar_calib.model.placement`): with a device map as well, each rank gets an
   equal, contiguous slice of the node's GPUs (:func:`placement_for_rank`).
 """
@@ -55,182 +62,15 @@ Decisions:
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import re
-import signal
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..errors import DistributedError, InputError, first_line
-from ..model.placement import Placement, cpu_bytes
+from ..errors import DistributedError
+from ..model.placement import Placement
+from .job import DistContext, _rank_device, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
 from .ranks import Ranks, env_world_size, launched
 from .stats import ACCUMULATORS
-
-DEFAULT_TIMEOUT_S = 1800
-
-
-# ----------------------------------------------------------------------------- the job
-
-@dataclass
-class DistContext:
-    """This process's place in a torch.distributed job, and the collectives calibration uses:
-    every failure of one becomes a one-line :class:`DistributedError`. A plain single process is
-    ``DistContext()``."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    device: str | None = None       # this rank's compute device ("cuda:1", "cpu"); None: as configured
-    backend: str | None = None
-    ctrl: object = None             # gloo group for control messages (None: the default group)
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def comm_device(self) -> torch.device:
-        return torch.device(self.device if self.backend == "nccl" else "cpu")
-
-    def _call(self, what: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several types
-            first = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))[:200]
-            raise DistributedError(f"rank {self.rank}: lost contact with another rank during {what} ({first}); "
-                                   "another rank probably failed, see its message; checkpoints are kept, rerun "
-                                   "with --resume") from None
-
-    def gather_objects(self, obj, what: str) -> list:
-        out = [None] * self.world_size
-        self._call(what, dist.all_gather_object, out, obj, group=self.ctrl)
-        return out
-
-    def barrier(self, what: str) -> None:
-        self._call(what, dist.monitored_barrier, group=self.ctrl,
-                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True)
-
-    def all_reduce_(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Sum ``t`` over ranks in place (on the communication device) and return it."""
-        return self._collective(t, what, dist.all_reduce, op=dist.ReduceOp.SUM)
-
-    def broadcast_(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
-        return self._collective(t, what, dist.broadcast, src=src)
-
-    def _collective(self, t: torch.Tensor, what: str, fn, **kwargs) -> torch.Tensor:
-        self.barrier(what)          # a dead peer fails here, on gloo, instead of hanging in NCCL
-        buf = t.to(self.comm_device)
-        self._call(what, fn, buf, **kwargs)
-        if buf is not t:
-            t.copy_(buf)
-        return t
-
-
-def _timeout_s() -> float:
-    raw = os.environ.get("OSCAR_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-    try:
-        v = float(raw)
-    except ValueError:
-        raise InputError(f"OSCAR_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
-    if v <= 0:
-        raise InputError("OSCAR_DIST_TIMEOUT must be positive")
-    return v
-
-
-def gpus_per_rank(gpus: int) -> int:
-    """GPUs of one rank when a device map spreads each rank's model: ``gpus // ranks per node``."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world_size()))
-    return max(gpus // max(local_world, 1), 1)
-
-
-def _rank_device(device: str, local_rank: int, placement: "Placement | None") -> tuple[str, str]:
-    """(backend, this rank's device) for a configured ``device`` ("auto", "cpu", "cuda", ...)."""
-    from ..model.load import resolve_device
-
-    dev = resolve_device(device)
-    if not dev.startswith("cuda"):
-        return "gloo", "cpu"
-    n = torch.cuda.device_count()
-    per = gpus_per_rank(n) if placement is not None and placement.device_map is not None else 1
-    first = local_rank * per
-    if first >= n:
-        raise DistributedError(f"rank with LOCAL_RANK={local_rank} has no GPU: only {n} CUDA device(s) visible "
-                               "(one rank per GPU; start fewer ranks)")
-    return "nccl", f"cuda:{first}"
-
-
-@contextlib.contextmanager
-def session(device: str = "auto", placement: "Placement | None" = None) -> Iterator[DistContext]:
-    """The job this process belongs to. Initialises ``torch.distributed`` from the environment
-    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when WORLD_SIZE > 1 and no process
-    group exists yet, and destroys only a group it created. Single process: ``DistContext()``."""
-    existing = dist.is_available() and dist.is_initialized()
-    if not existing and env_world_size() <= 1:
-        yield DistContext()
-        return
-    if not dist.is_available():
-        raise DistributedError("this torch build has no torch.distributed")
-    timeout = _timeout_s()
-    if existing:
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise DistributedError(f"WORLD_SIZE={env_world_size()} but {', '.join(missing)} not set; start the ranks "
-                                   "with torchrun, accelerate launch or oscar calibrate --nproc")
-        rank, world = int(os.environ["RANK"]), env_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend, dev = _rank_device(device, local_rank, placement)
-    if existing:
-        backend = dist.get_backend()
-        if backend != "nccl" and dev.startswith("cuda"):
-            raise DistributedError(f"the process group uses {backend}; CUDA calibration needs nccl")
-    created, ctrl = False, None
-    old_term = None
-    try:
-        if not existing:
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-            kwargs = {}
-            if backend == "nccl":
-                torch.cuda.set_device(torch.device(dev))
-                kwargs["device_id"] = torch.device(dev)
-            try:
-                dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
-            except Exception as e:  # noqa: BLE001
-                raise DistributedError(f"rank {rank}: cannot join the process group ({os.environ.get('MASTER_ADDR')}:"
-                                       f"{os.environ.get('MASTER_PORT')}): {first_line(e)}") from None
-            created = True
-        if backend != "gloo":
-            ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        ctx = DistContext(rank, world, local_rank, local_world, dev, backend, ctrl, timeout)
-
-        def _terminated(signum, frame):   # the launcher stops survivors with SIGTERM
-            raise DistributedError(f"rank {rank}: stopped by the launcher (another rank failed, see its message); "
-                                   "checkpoints are kept, rerun with --resume")
-
-        try:
-            old_term = signal.signal(signal.SIGTERM, _terminated)
-        except ValueError:      # not the main thread
-            old_term = None
-        yield ctx
-    finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-        if created:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
 
 # ----------------------------------------------------------------------------- start-up
 
@@ -258,22 +98,6 @@ def check_agreement(ctx: DistContext, info: dict, error: BaseException | None) -
             shown = ", ".join(f"rank {r}: {str(v)[:12]}" for r, v in enumerate(vals))
             raise DistributedError(f"ranks disagree on {what}: {shown}; every rank must load the same model, data "
                                    "and settings; nothing was written")
-
-
-def placement_for_rank(placement: Placement | None, ctx: DistContext) -> Placement | None:
-    """This rank's share of a big-model placement: under data parallelism with a device map, an
-    equal, contiguous slice of the node's GPUs (rank ``r`` of ``n`` per node: GPUs ``r·k … r·k+k−1``,
-    ``k = gpus // n``), each at 90% of its free memory unless ``--max-memory`` says otherwise."""
-    if placement is None or not ctx.enabled or placement.device_map is None or not torch.cuda.is_available():
-        return placement
-    n = torch.cuda.device_count()
-    per = gpus_per_rank(n)
-    gpus = range(ctx.local_rank * per, ctx.local_rank * per + per)
-    user = dict(placement.max_memory or {})
-    mm = {g: user.get(g, int(torch.cuda.mem_get_info(g)[0] * 0.9)) for g in gpus if g < n}
-    mm.update({k: v for k, v in user.items() if not isinstance(k, int)})
-    mm.setdefault("cpu", cpu_bytes())
-    return Placement(placement.device_map, mm, placement.offload_dir)
 
 
 # ----------------------------------------------------------------------------- accumulators

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,9 +25,13 @@ from typing import Callable
 import torch
 
 from .. import FORMAT_VERSION, __version__
-from ..errors import DistributedError, InputError, UnsupportedModelError
+from ..errors import (
+    InputError,
+    OscarWarning,
+    UnsupportedModelError,
+)
 from ..model.capture import Capture
-from ..model.geometry import Geometry
+from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model
 from ..model.placement import Placement, input_device
 from ..numerics.clip import HeldoutLayer, fit_k_clip, fit_v_clip, heldout_errors
@@ -50,8 +54,13 @@ from ..spec.config import CalibrationConfig, stable_hash
 from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
 from .checkpoint import (
     CHECKPOINT_NAME,
+    cleanup_failed_run,
+    interrupted,
+    interruptible,
     load_checkpoint,
     other_world_checkpoints,
+    raise_with_resume_hint,
+    remove_checkpoints,
     save_checkpoint,
 )
 from .corpus import TokenPlan, plan_tokens
@@ -78,6 +87,7 @@ class StatsRun:
     stats: list[LayerStats]
     reservoir: list[Reservoir]
     batches_done: int = 0
+    checkpointed: int = 0        # batches in the newest checkpoint (0: none)
     layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
 
     def observer(self, collect: str):
@@ -143,13 +153,14 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256(),
              **({} if approx else {"s_approx": False}), **ranks.key_parts()}
     key = stable_hash(parts)
-    resumed = bool(resume and checkpoint and checkpoint.exists() and load_checkpoint(checkpoint, run, key))
+    resumed = bool(resume and checkpoint is not None and load_checkpoint(checkpoint, run, key))
+    run.checkpointed = run.batches_done
     total = sum(b.numel() for b in batches)
     done_tokens = sum(b.numel() for b in batches[:run.batches_done])
     if progress:
         progress(done_tokens, total)
     t0 = time.perf_counter()
-    with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap:
+    with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap, interruptible(run, len(batches), checkpoint):
         ranks.after_batch(run.stats, run.batches_done)
         for i in range(run.batches_done, len(batches)):
             _forward(model, batches[i])
@@ -165,6 +176,7 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
                 check_finite(run.stats)
                 if checkpoint is not None:
                     save_checkpoint(checkpoint, run, key)
+                    run.checkpointed = run.batches_done
             if on_batch:
                 on_batch(run.batches_done)
             ranks.after_batch(run.stats, run.batches_done)
@@ -298,12 +310,11 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
             shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
                                       layers, rows)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
-    except (KeyboardInterrupt, SystemExit, DistributedError):
-        raise            # the checkpoint stays for --resume
-    except BaseException:
-        ckpt.unlink(missing_ok=True)
-        if created and not any(out.iterdir()):
-            shutil.rmtree(out, ignore_errors=True)
+    except KeyboardInterrupt:
+        raise interrupted(ckpt) from None
+    except BaseException as e:
+        cleanup_failed_run(out, ckpt, created, e)
+        raise_with_resume_hint(e, ckpt)
         raise
     if not ranks.is_main:
         ranks.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
@@ -314,7 +325,14 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
     report = build_report(cfg, lm, metadata, group_size, rows, timing, shared_clips)
-    write_outputs(out, artifact, report)
+    try:
+        write_outputs(out, artifact, report)
+    except KeyboardInterrupt:
+        raise interrupted(ckpt) from None
+    except BaseException as e:
+        cleanup_failed_run(out, ckpt, created, e)
+        raise_with_resume_hint(e, ckpt)
+        raise
     ckpt.unlink(missing_ok=True)
     ranks.barrier("rank 0 writing the artifact")
     return CalibrationResult(out, artifact, report, lm, stats=run, rank=ranks.rank)
@@ -329,6 +347,8 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         if ranks.is_main:
             check_output_dir(out, overwrite, resume)
             created = not out.exists()
+            if overwrite and not resume:
+                remove_checkpoints(out)                  # start over: the old run's checkpoints go
         if resume:
             others = other_world_checkpoints(out, ckpt.name)
             if others:
@@ -337,6 +357,7 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement))
         group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
         check_group_size(lm.geometry.head_dim, group_size)
+        _warn_beyond_context(lm, cfg.seq_len)
         plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
                            tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
                            heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
@@ -346,6 +367,14 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         error = e
     ranks.agree(info, error)
     return created, lm, plan, group_size
+
+
+def _warn_beyond_context(lm: LoadedModel, seq_len: int) -> None:
+    n = context_length(lm.model)
+    if n is not None and seq_len > n:
+        warnings.warn(f"--seq-len {seq_len} is beyond {lm.source.model_id}'s context of {n} positions: the statistics "
+                      f"include positions the model was not trained for (use --seq-len {n} or less)",
+                      OscarWarning, stacklevel=3)
 
 
 __all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics", "build_rotations",

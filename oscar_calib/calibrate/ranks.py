@@ -28,6 +28,15 @@ from typing import Sequence
 
 from ..errors import DistributedError
 
+STOPPED_EXIT = 143          # 128 + SIGTERM: this rank stopped because of another rank (not a root cause)
+
+
+def stopped(message: str) -> DistributedError:
+    """The error of a rank stopped because of another rank (its exit code tells a launcher so)."""
+    err = DistributedError(message)
+    err.exit_code = STOPPED_EXIT
+    return err
+
 
 def env_world_size() -> int:
     """``WORLD_SIZE`` as set by torchrun / accelerate launch / ``--nproc`` (1 when unset)."""

@@ -7,17 +7,26 @@ import json
 from pathlib import Path
 
 from .. import FORMAT_VERSION, __version__
-from ..fsutil import check_can_replace, check_writable
+from ..errors import OutputExistsError
+from ..fsutil import check_can_replace, check_writable, remove_stale_temps
 from ..model.load import LoadedModel
 from ..spec.artifact import Artifact, has_artifact, write_artifact_files
 from ..spec.config import CalibrationConfig
 
 
 def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
-    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable. A
-    directory holding only a checkpoint (``resume``) or other files is fine."""
+    """Refuse an output that holds an artifact (unless overwrite), is a file, or is unwritable, and
+    one holding the checkpoint of an interrupted run unless ``resume`` (continue it) or
+    ``overwrite`` (start over). Other files are fine."""
+    from .checkpoint import checkpoints_in
+
     check_can_replace(out, overwrite=overwrite, occupied=has_artifact, what="already holds an artifact")
     check_writable(out)
+    found = checkpoints_in(out)
+    if found and not (resume or overwrite):
+        raise OutputExistsError(f"{out} holds the checkpoint of an interrupted run ({found[0]}"
+                                f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}): pass --resume to "
+                                "continue it, or --overwrite to start over")
 
 
 def summary(rows: list[dict]) -> dict:
@@ -47,7 +56,10 @@ def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, st
 
 
 def write_outputs(out: Path, artifact: Artifact, report: dict) -> None:
-    """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``."""
+    """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``
+    (temporaries a killed earlier run left there are removed first: this run owns ``out``)."""
+    from ..spec.artifact import CARD_NAME, REPORT_NAME, WEIGHTS_NAME
     from ..spec.card import model_card
 
+    remove_stale_temps(out, [WEIGHTS_NAME, CARD_NAME, REPORT_NAME])
     write_artifact_files(out, artifact, model_card(report), report)

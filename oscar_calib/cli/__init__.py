@@ -1,16 +1,19 @@
 """The ``oscar`` command line. Commands live one group per module; each parses options, builds a
 config, calls one library function and renders the result. Library errors (``OscarError``)
-become one line on stderr and exit code 2; ``OSCAR_DEBUG=1`` shows the traceback instead."""
+become one line on stderr and their exit code (2; 130 after Ctrl-C), an ``OSError`` from the
+environment (a full disk, a vanished directory) one line and exit code 2, and library warnings
+(``OscarWarning``) one line ``warning: ...``; ``OSCAR_DEBUG=1`` shows the traceback instead."""
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import typer
 
 from .. import __version__
-from ..errors import OscarError
+from ..errors import OscarError, OscarWarning
 
 app = typer.Typer(
     name="oscar",
@@ -59,7 +62,17 @@ from .eval import eval_command  # noqa: E402
 app.command("eval")(eval_command)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """``OscarWarning``: one line on stderr (in a job of several ranks, rank 0's, or the rank it names)."""
+    if not issubclass(category, OscarWarning) or os.environ.get("OSCAR_DEBUG"):
+        return _default(message, category, filename, lineno, file, line)
+    text = str(message).replace("\n", " ")
+    if os.environ.get("RANK", "0") == "0" or text.startswith("rank "):
+        print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
+    warnings.showwarning = _show_warning
     try:
         app()
     except OscarError as e:
@@ -67,7 +80,13 @@ def main() -> None:
             raise
         msg = str(e).replace("\n", " ")
         print(f"error: {msg}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except OSError as e:            # the environment refused a file operation the library did not expect to fail
+        if os.environ.get("OSCAR_DEBUG"):
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where} (OSCAR_DEBUG=1 shows where)", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +20,12 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model: alias (smol
 DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: auto (as stored; GGUF -> float32), float32, bfloat16, float16.")]
 DeviceOpt = Annotated[str, typer.Option(help="Device: auto (cuda if available), cpu, cuda, cuda:N.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code to run.")]
+DeviceMapOpt = Annotated[Optional[str], typer.Option(help="Spread a model too big for one device with accelerate: "
+                                                     "auto, balanced, sequential, cpu, cuda:N or a JSON map.")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(help="Memory per device for --device-map, e.g. "
+                                                     "0=70GiB,1=70GiB,cpu=200GiB (the rest is offloaded to disk).")]
+OffloadDirOpt = Annotated[Optional[Path], typer.Option(help="Folder for weights offloaded to disk with --device-map "
+                                                       "(safetensors checkpoints are read in place without it).")]
 
 
 def emit_json(obj) -> None:

@@ -10,9 +10,12 @@ from typing import Annotated, Callable, Iterator, Optional
 import typer
 
 from ._common import (
+    DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    MaxMemoryOpt,
+    OffloadDirOpt,
     TrustOpt,
     console,
     emit_json,
@@ -64,12 +67,9 @@ def calibrate_command(
     nproc: Annotated[Optional[int], typer.Option(help="Data-parallel ranks on this machine (one per GPU, or per CPU "
                                                  "core): the batches are split over them and the statistics "
                                                  "all-reduced. Not needed under torchrun / accelerate launch.")] = None,
-    device_map: Annotated[Optional[str], typer.Option(help="Spread a model too big for one device with accelerate: "
-                                                      "auto, balanced, sequential, cpu, cuda:N or a JSON map.")] = None,
-    max_memory: Annotated[Optional[str], typer.Option(help="Memory per device for --device-map, e.g. "
-                                                      "0=70GiB,1=70GiB,cpu=200GiB (the rest is offloaded to disk).")] = None,
-    offload_dir: Annotated[Optional[Path], typer.Option(help="Folder for weights offloaded to disk with --device-map "
-                                                        "(safetensors checkpoints are read in place without it).")] = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an artifact already in --out.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its checkpoint in --out.")] = False,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
@@ -157,17 +157,10 @@ def _rank_named_errors() -> Iterator[None]:
         raise
 
 
-def _verify(result) -> dict | None:
-    """``oscar verify`` on the new artifact (skipped, with a note, when the model spans devices:
-    verify runs its kernels on one)."""
+def _verify(result) -> dict:
+    """``oscar verify`` on the new artifact, with the model already loaded (spread or not)."""
     from ..tools.verify import verify_artifact
 
-    spread = set(getattr(result.loaded.model, "hf_device_map", {"": 0}).values()) if result.loaded else set()
-    if len(spread) > 1:
-        console.print(f"[yellow]note:[/yellow] the model is spread over {', '.join(map(str, sorted(spread, key=str)))}; "
-                      f"the automatic verify is skipped: run `oscar verify {result.out}` on a machine where the "
-                      "model fits one device")
-        return None
     with console.status("verifying the artifact with the INT2 kernels …"):
         return verify_artifact(result.out, loaded=result.loaded).summary()
 

@@ -8,7 +8,18 @@ from typing import Annotated, Optional
 import typer
 
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
-from ._common import DeviceOpt, DtypeOpt, JsonOpt, console, emit_json, stdout, table
+from ._common import (
+    DeviceMapOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    MaxMemoryOpt,
+    OffloadDirOpt,
+    console,
+    emit_json,
+    stdout,
+    table,
+)
 
 
 def eval_command(
@@ -39,6 +50,9 @@ def eval_command(
     = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluate a 2-bit KV cache: held-out perplexity or needle retrieval, per method.
@@ -59,10 +73,12 @@ def eval_command(
     * `oscar eval smollm2-135m zoo/smollm2-135m`
     * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,hadamard,oscar --json`
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --lengths 2048,8192 --methods bf16,hadamard,oscar`
+    * `oscar eval Qwen/Qwen3-32B runs/qwen3-32b --device-map auto --methods bf16,oscar` (spread over the GPUs)
     """
     from ..errors import InputError
     from ..eval import EvalOptions, run_eval
     from ..eval.report import record_eval
+    from ..model.placement import placement_from_options
 
     if record and (artifact is None or not artifact.is_dir()):
         raise InputError("--record needs an ARTIFACT directory")
@@ -72,8 +88,10 @@ def eval_command(
     if plot is None:
         plot = (artifact if artifact is not None and artifact.is_dir() else Path(".")) / (
             f"eval-{task}.png" if artifact is not None else f"eval-{Path(model).name}-{task}.png")
+    placement = placement_from_options(device_map, max_memory, offload_dir)
     with console.status("evaluating …") as status:
-        result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=status.update)
+        result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=status.update,
+                          placement=placement)
     if record:
         record_eval(artifact, result)
         result.settings["recorded"] = str(artifact)

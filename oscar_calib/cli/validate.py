@@ -47,6 +47,10 @@ def validate_command(
     """Check artifacts against the format-v1 contract: metadata, every shape, finite values,
     orthogonal rotations, clip ratios in (0, 1], descending eigenvalues, and with --model the
     fingerprint. Prints one line per problem; exit code 1 when there is any.
+
+    The model fingerprint covers the model's config and the names and shapes of its attention
+    weights, not the weights' values: another fine-tune of the same architecture matches. Whether
+    the rotations still fit such a model is measured by `oscar verify` / `oscar eval` on it.
     """
     from ..errors import InputError
     from ..tools.validate import model_reference

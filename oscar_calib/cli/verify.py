@@ -8,9 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from ._common import (
+    DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    MaxMemoryOpt,
+    OffloadDirOpt,
     console,
     emit_json,
     fmt,
@@ -34,6 +37,9 @@ def verify_command(
     seed: Annotated[int, typer.Option(help="Seed for choosing held-out sequences.")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check an artifact with the INT2 kernels on held-out activations.
@@ -49,8 +55,11 @@ def verify_command(
 
     * `oscar verify runs/demo`
     * `oscar verify zoo/smollm2-135m --model smollm2-135m --depths 1024,4096 --json`
+    * `oscar verify runs/qwen3-32b --device-map auto --max-memory 0=70GiB,1=70GiB,cpu=200GiB` (a model spread
+      over GPUs, CPU and disk: each layer is checked in turn on the first GPU)
     """
     from ..errors import InputError
+    from ..model.placement import placement_from_options
     from ..tools.verify import verify_artifact
 
     try:
@@ -58,13 +67,14 @@ def verify_command(
     except ValueError:
         raise InputError(f"--depths expects comma-separated integers, got {depths!r}") from None
     directory = artifact.parent if artifact.is_file() else artifact
+    placement = placement_from_options(device_map, max_memory, offload_dir)
     with console.status("verifying …") as status:
         def progress(done, total):
             status.update(f"verifying layer {done}/{total}")
 
         result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
-                                 max_layer_error=max_layer_error, seed=seed, progress=progress)
+                                 max_layer_error=max_layer_error, seed=seed, progress=progress, placement=placement)
     render(result, json_out)
     raise typer.Exit(0 if result.passed else 1)
 

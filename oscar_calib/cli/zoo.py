@@ -16,6 +16,18 @@ ZooOpt = Annotated[Optional[Path], typer.Option("--zoo", help="Zoo directory (de
                                                 "checkout's zoo/).")]
 
 
+def _root(zoo: Path | None) -> Path:
+    """The zoo directory: ``--zoo`` (which must exist) or the default."""
+    from ..errors import InputError
+    from ..tools.zoo import repo_zoo_dir
+
+    if zoo is None:
+        return repo_zoo_dir()
+    if not zoo.is_dir():
+        raise InputError(f"--zoo {zoo}: {'not a directory' if zoo.exists() else 'no such directory'}")
+    return zoo
+
+
 @zoo_app.command("list")
 def list_command(zoo: ZooOpt = None,
                  cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Include pulled artifacts.")] = True,
@@ -25,9 +37,9 @@ def list_command(zoo: ZooOpt = None,
     Examples: `oscar zoo list`, `oscar zoo list --json`, `oscar zoo list --zoo my-zoo --no-cache`
     """
     from ..tools.rotationzoo import upstream_entries
-    from ..tools.zoo import eval_text, list_entries, pull_cache_dir, repo_zoo_dir
+    from ..tools.zoo import eval_text, list_entries, pull_cache_dir
 
-    root = zoo or repo_zoo_dir()
+    root = _root(zoo)
     entries = list_entries(root, include_cache=cache)
     upstream = upstream_entries()
     if json_out:
@@ -63,9 +75,9 @@ def index_command(zoo: ZooOpt = None,
                                                       "if not.")] = False,
                   json_out: JsonOpt = False) -> None:
     """Regenerate zoo/index.json from the committed artifacts (deterministic; --check for CI)."""
-    from ..tools.zoo import INDEX_NAME, index_is_current, repo_zoo_dir, write_index
+    from ..tools.zoo import INDEX_NAME, index_is_current, write_index
 
-    root = zoo or repo_zoo_dir()
+    root = _root(zoo)
     if check:
         current = index_is_current(root)
         if json_out:
@@ -88,9 +100,9 @@ def index_command(zoo: ZooOpt = None,
 def table_command(zoo: ZooOpt = None) -> None:
     """Print the README's zoo tables (markdown) generated from zoo/index.json: the committed
     artifacts, then the upstream seed models with their pull recipe."""
-    from ..tools.zoo import load_index, markdown_table, repo_zoo_dir, upstream_table
+    from ..tools.zoo import load_index, markdown_table, upstream_table
 
-    index = load_index(zoo or repo_zoo_dir())
+    index = load_index(_root(zoo))
     ups = upstream_table(index)
     typer.echo(markdown_table(index) + (f"\nUpstream seed models (OSCAR's own rotations; `oscar pull` imports them):\n\n"
                                         f"{ups}" if ups else ""), nl=False)

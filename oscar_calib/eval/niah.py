@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from ..model.placement import input_device
 from ..runtime.cache import OscarCache, attached
 from ..runtime.scheme import KVScheme
 from .methods import bits_of, build_schemes, fork_settings, quanto_cache
@@ -172,7 +173,7 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
     max_ctx = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
     if max_ctx and max(lengths) > max_ctx:
         raise InputError(f"NIAH length {max(lengths)} exceeds the model's context ({max_ctx})")
-    dev = next(model.parameters()).device
+    dev = input_device(model)     # a spread model: where its inputs go
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rows = []
     jobs = [(L, d, s) for L in lengths for d in depths for s in range(samples)]

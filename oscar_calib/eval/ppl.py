@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..model.placement import input_device
 from ..runtime.scheme import KVScheme
 from ..runtime.simulate import SimulatedKV
 from .methods import (
@@ -53,7 +54,7 @@ def _nll_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: 
         if cap:
             logits = torch.tanh(logits / cap) * cap
         lp = torch.log_softmax(logits, dim=-1)
-        total -= float(lp.gather(-1, targets[:, a:a + chunk].unsqueeze(-1)).sum())
+        total -= float(lp.gather(-1, targets[:, a:a + chunk].to(lp.device).unsqueeze(-1)).sum())
     return total
 
 
@@ -61,7 +62,7 @@ def _nll_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: 
 def sequence_nll(model, ids: torch.Tensor, scheme: KVScheme | None = None) -> tuple[float, int]:
     """Sum of teacher-forced NLL over ``ids`` [1, T] (T − 1 predictions) with K/V read as
     ``scheme`` stores them (None: the model's own attention)."""
-    dev = next(model.parameters()).device
+    dev = input_device(model)     # a spread model: where its inputs go
     ids = ids.to(dev)
     dec, _, _ = _decoder_and_head(model)
     if scheme is None:
@@ -76,7 +77,7 @@ def sequence_nll(model, ids: torch.Tensor, scheme: KVScheme | None = None) -> tu
 def quanto_sequence_nll(model, ids: torch.Tensor, progress=None, make_cache=None) -> tuple[float, int]:
     """Teacher-forced NLL decoding ``ids`` token by token through a quanto ``QuantizedCache``
     (or the cache ``make_cache(config)`` returns: a lossless one checks the loop itself)."""
-    dev = next(model.parameters()).device
+    dev = input_device(model)     # a spread model: where its inputs go
     ids = ids.to(dev)
     cache = (make_cache or quanto_cache)(model.config)
     dec, _, _ = _decoder_and_head(model)

@@ -53,6 +53,20 @@ def geometry_of(model_or_config) -> Geometry:
                     getattr(config, "sliding_window", None))
 
 
+def context_length(model_or_config) -> int | None:
+    """The positions a model is configured for: ``max_position_embeddings``, times the RoPE scaling
+    factor where a scaling (YaRN, linear, dynamic, LongRoPE) extends it; None when not recorded."""
+    config = text_config(getattr(model_or_config, "config", model_or_config))
+    n = getattr(config, "max_position_embeddings", None)
+    if not isinstance(n, int) or n <= 0:
+        return None
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in ("yarn", "linear", "dynamic", "longrope") and isinstance(rope.get("factor"), (int, float)):
+        n = max(n, int(rope.get("original_max_position_embeddings", n) * rope["factor"]))
+    return n
+
+
 def attention_modules(model) -> list:
     spec: ArchSpec = arch_for(text_config(model.config).model_type)
     layers = get_attr_path(model, spec.layers)

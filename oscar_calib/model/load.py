@@ -196,6 +196,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         kwargs["local_files_only"] = True
     if "gguf_file" not in kwargs:
         _precheck_config(spec, source, load_path, kwargs)
+    if source.kind == "local":
+        check_weight_files(spec, Path(load_path))
     try:
         with _quiet():
             tok = AutoTokenizer.from_pretrained(load_path, **kwargs)
@@ -205,7 +207,7 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
             )
             if "gguf_file" in kwargs and gguf_cache_dir(source) is not None:
                 _save_gguf_cache(model, tok, gguf_cache_dir(source))
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers, safetensors, gguf and torch raise many types; all mean "cannot load"
         first = first_line(e)
         if source.kind == "hub":
             raise ModelLoadError(
@@ -221,6 +223,22 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return LoadedModel.wrap(model, tok, source)
+
+
+def check_weight_files(spec: str, directory: Path) -> None:
+    """Refuse a checkpoint whose safetensors files do not hold every byte their headers promise
+    (a half-finished download or copy), naming the file, before transformers reads any weights."""
+    from ..errors import OscarError
+    from ..spec.stfile import read_header
+
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            read_header(f)
+        except OscarError as e:
+            raise ModelLoadError(f"cannot load model {spec!r}: {f.name} is damaged ({e}); an incomplete download or "
+                                 "copy? fetch it again") from None
+        except OSError as e:
+            raise ModelLoadError(f"cannot read {f}: {e.strerror or e}") from None
 
 
 def _precheck_config(spec: str, source: ModelSource, load_path: str, kwargs: dict) -> None:

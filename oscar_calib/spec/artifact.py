@@ -24,7 +24,7 @@ import torch
 
 from .. import FORMAT_VERSION
 from ..errors import ArtifactError
-from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..fsutil import atomic_write_files
 
 WEIGHTS_NAME = "oscar.safetensors"
 CARD_NAME = "README.md"
@@ -175,12 +175,16 @@ def has_artifact(directory: Path) -> bool:
 
 
 def write_artifact_files(directory: Path, artifact: Artifact, card: str, report: dict) -> Path:
-    """Write the three files of an artifact into an existing ``directory``; the safetensors
-    file goes last so a directory holding it always holds a complete artifact."""
+    """Write the three files of an artifact into an existing ``directory``. All three are written
+    under temporary names first and then renamed into place, the safetensors file last, so a kill
+    or a full disk while writing leaves the old artifact (or none), never a new card beside old
+    tensors or a partial ``oscar.safetensors``."""
     directory = Path(directory)
-    atomic_write_text(directory / REPORT_NAME, json.dumps(report, indent=2, sort_keys=True) + "\n")
-    atomic_write_text(directory / CARD_NAME, card)
-    atomic_write_bytes(directory / WEIGHTS_NAME, serialize_safetensors(artifact.tensors(), artifact.metadata))
+    atomic_write_files(directory, {
+        REPORT_NAME: (json.dumps(report, indent=2, sort_keys=True) + "\n").encode(),
+        CARD_NAME: card.encode(),
+        WEIGHTS_NAME: serialize_safetensors(artifact.tensors(), artifact.metadata),
+    }, last=WEIGHTS_NAME)
     artifact.path = directory
     return directory / WEIGHTS_NAME
 
@@ -212,7 +216,10 @@ def _weights_path(path: Path) -> Path:
 
 
 def load_artifact(path: Path, *, check: bool = True) -> Artifact:
-    """Load an artifact directory (or its ``oscar.safetensors``)."""
+    """Load an artifact directory (or its ``oscar.safetensors``). With ``check`` (the default) it is
+    refused (:class:`ArtifactError`, the first problem) unless it has the contract's structure and
+    sound values (finite, orthogonal rotations, clips in (0, 1], ...: :mod:`.values`), so no reader
+    ever uses a NaN or a non-orthogonal rotation."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -223,7 +230,10 @@ def load_artifact(path: Path, *, check: bool = True) -> Artifact:
     except (SafetensorError, OSError, ValueError) as e:
         raise ArtifactError(f"{wpath}: cannot read tensors ({e})") from None
     if check:
+        from .values import value_problems
+
         problems = check_structure(tensors, metadata)
+        problems = problems or value_problems(tensors, metadata)
         if problems:
             raise ArtifactError(f"{wpath}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
     n = int(metadata["num_layers"])

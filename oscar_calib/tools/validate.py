@@ -32,9 +32,7 @@ collected, never raised, so one run reports everything wrong with every artifact
 from __future__ import annotations
 
 import json
-import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,20 +46,14 @@ from ..spec.artifact import (
     INT_METADATA,
     REQUIRED_METADATA,
     SHARED_CLIP_METADATA,
-    SHARED_KINDS,
-    TENSOR_KINDS,
     WEIGHTS_NAME,
     check_structure,
     compatibility_problems,
-    tensor_name,
 )
-from ..spec.defaults import ORTHOGONALITY_TOL
+from ..spec.stfile import read_header
+from ..spec.values import EIGENVALUE_TOL, check_values  # noqa: F401 (re-exported: the value checks' home is spec)
 
-EIGENVALUE_TOL = 1e-6        # relative to the head's largest |eigenvalue|
 IMPORTED = "imported"        # objective/composition of an artifact made by ``oscar import``
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 @dataclass
@@ -168,44 +160,6 @@ def is_zoo_index(path: Path) -> bool:
 
 # ----------------------------------------------------------------------------- reading
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
-    Returns ``(header, data_start)``; raises :class:`OscarError` with one clear sentence."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise OscarError(f"truncated file ({size} bytes): not even a safetensors header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n == 0 or n > size - 8 or n > 100_000_000:
-            raise OscarError(f"truncated or corrupt safetensors file: header claims {n} bytes, file holds {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise OscarError("corrupt safetensors header (not valid JSON)") from None
-    if not isinstance(header, dict):
-        raise OscarError("corrupt safetensors header (not a JSON object)")
-    data_len = size - 8 - n
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            if info is not None and not isinstance(info, dict):
-                raise OscarError("corrupt safetensors header ('__metadata__' is not an object)")
-            continue
-        try:
-            start, stop = (int(x) for x in info["data_offsets"])
-            shape = [int(s) for s in info["shape"]]
-            width = _DTYPE_BYTES[info["dtype"]]
-        except (KeyError, TypeError, ValueError):
-            raise OscarError(f"corrupt safetensors header entry for {name!r}") from None
-        if stop - start != math.prod(shape) * width or start < 0 or stop < start:
-            raise OscarError(f"corrupt safetensors header: {name} has offsets {start}..{stop} for shape {shape}")
-        end = max(end, stop)
-    if end > data_len:
-        raise OscarError(f"truncated file: tensor data needs {end} bytes after the header, the file holds {data_len}")
-    return header, 8 + n
-
-
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -275,51 +229,6 @@ def check_metadata_values(md: dict[str, str]) -> list[str]:
     if md.get("v_folded", "false") not in ("true", "false"):
         problems.append(f"metadata 'v_folded' is {md.get('v_folded')!r}, expected 'true' or 'false'")
     return problems
-
-
-def check_values(tensors: dict[str, torch.Tensor], md: dict[str, str]) -> dict[str, list[str]]:
-    """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity.
-    Assumes :func:`check_structure` passed. Returns problems per check name."""
-    out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}
-    n = int(md["num_layers"])
-    per_layer = md.get("granularity") == "layer"
-    for i in range(n):
-        t = {k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS + SHARED_KINDS if tensor_name(i, k) in tensors}
-        for k, x in t.items():
-            bad = int((~torch.isfinite(x)).sum())
-            if bad:
-                out["finite"].append(f"{tensor_name(i, k)} has {bad} non-finite value(s)")
-        for k in ("k_rotation", "v_rotation", "k_layer_rotation", "v_layer_rotation"):
-            r = t.get(k)
-            if r is None or not torch.isfinite(r).all():
-                continue
-            r64 = r.to(torch.float64)
-            eye = torch.eye(r.shape[-1], dtype=torch.float64)
-            err = (r64 @ r64.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2)).reshape(-1)
-            worst = int(err.argmax())
-            if float(err[worst]) >= ORTHOGONALITY_TOL:
-                where = f" on KV head {worst}" if r.dim() == 3 else ""
-                out["orthogonal"].append(f"{tensor_name(i, k)} is not orthogonal: ‖RRᵀ − I‖∞ = "
-                                         f"{float(err[worst]):.2e}{where} (limit {ORTHOGONALITY_TOL:g})")
-            if per_layer and r.dim() == 3 and r.shape[0] > 1 and not torch.allclose(r, r[:1].expand_as(r), atol=1e-6, rtol=0):
-                out["granularity"].append(f"{tensor_name(i, k)} differs between KV heads but granularity is 'layer'")
-        for k in ("k_clip", "v_clip"):
-            c = t[k]
-            bad = (~((c > 0) & (c <= 1))) & torch.isfinite(c)
-            if bad.any():
-                out["clips"].append(f"{tensor_name(i, k)} has ratio(s) outside (0, 1]: "
-                                    f"{', '.join(f'{float(v):g}' for v in c[bad][:4])}")
-        for k in ("k_eigenvalues", "v_eigenvalues", "k_layer_eigenvalues", "v_layer_eigenvalues"):
-            if k not in t:
-                continue
-            e = t[k].to(torch.float64)
-            if not torch.isfinite(e).all() or e.shape[-1] < 2:
-                continue
-            scale = e.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-            rise = ((e[..., 1:] - e[..., :-1]) / scale).amax()
-            if float(rise) > EIGENVALUE_TOL:
-                out["eigenvalues"].append(f"{tensor_name(i, k)} is not in descending order")
-    return out
 
 
 def check_against_model(md: dict[str, str], ref: ModelReference) -> list[str]:

@@ -45,6 +45,7 @@ import torch
 from ..errors import InputError
 from ..fsutil import atomic_write_bytes, atomic_write_text
 from ..model.load import LoadedModel
+from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
 from ..spec.artifact import load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
@@ -215,10 +216,13 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                     dtype: str = "auto", backend: str = "auto", depths=DEFAULT_DEPTHS, sequences: int = 2,
                     positions: int = 8, data: str = "embedded", max_layer_error: float = DEFAULT_MAX_LAYER_ERROR,
                     seed: int = 0, write: bool = True, plot: bool = True, quiet: bool = False,
-                    progress=None) -> VerifyResult:
+                    progress=None, placement=None) -> VerifyResult:
     """Verify an artifact; see the module docstring. ``loaded`` (a :class:`LoadedModel`) uses a
-    model already in memory instead of loading ``model``. The artifact is validated first
-    (``oscar validate``'s rules: a NaN or a non-orthogonal rotation is refused with its line)."""
+    model already in memory instead of loading ``model``; ``placement``
+    (:class:`~oscar_calib.model.placement.Placement`) spreads a big one over GPUs, CPU and disk.
+    A spread model's captures are kept on the CPU and checked one layer at a time on the device
+    its inputs go to. The artifact is validated first (``oscar validate``'s rules: a NaN or a
+    non-orthogonal rotation is refused with its line)."""
     from ..calibrate.corpus import plan_tokens
     from ..model.capture import Capture
     from ..model.load import load_model
@@ -239,11 +243,12 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         from ..model.load import spec_for_model_id
 
         model = model or spec_for_model_id(art.metadata.get("model_id", ""))
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = load_model(model, device=device, dtype=dtype, placement=placement)
     lm = loaded
     require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     geo = lm.geometry
-    dev = next(lm.model.parameters()).device
+    dev = input_device(lm.model)
+    spread = len(set(getattr(lm.model, "hf_device_map", {"": 0}).values())) > 1
     backend = _backend(backend, dev)
     sink, recent, group_size = int(art.metadata["sink_tokens"]), int(art.metadata["recent_tokens"]), art.group_size
     max_depth = depths[-1]
@@ -254,8 +259,9 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     info: dict[int, dict] = {}
 
     def observe(layer, module, q, k, v, o, kwargs):
-        caps[layer] = {"q": q.transpose(1, 2).float(), "k": k.transpose(1, 2).float(),
-                       "v": v.transpose(1, 2).float(), "o": o.float()}
+        keep = (lambda t: t.float().cpu()) if spread else (lambda t: t.float())  # noqa: E731
+        caps[layer] = {"q": keep(q.transpose(1, 2)), "k": keep(k.transpose(1, 2)),
+                       "v": keep(v.transpose(1, 2)), "o": keep(o)}
         sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         info[layer] = {"scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                        "window": int(sw) if sw else None}
@@ -271,13 +277,14 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     for i, layer in enumerate(art.layers):
         kw = dict(group_size=group_size, sink=sink, recent=recent, backend=backend, scaling=info[i]["scaling"])
         samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
-        ours = _layer_errors(caps[i], samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
+        cap = {k: t.to(dev) for k, t in caps.pop(i).items()}          # one layer at a time on ``dev``
+        ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
                              layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw)
-        base = _layer_errors(caps[i], samples, h, base_k, h, base_v, **kw)
+        base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
         if fork is not None:
-            rows[-1]["fork"] = _fork_layer_errors(caps[i], samples, fork, i, info[i]["scaling"], info[i]["window"])
+            rows[-1]["fork"] = _fork_layer_errors(cap, samples, fork, i, info[i]["scaling"], info[i]["window"])
         if progress:
             progress(i + 1, len(art.layers))
     reasons = []
@@ -288,7 +295,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     bad = [r["layer"] for r in rows if r["artifact"]["attn"] > max_layer_error]
     if bad:
         reasons.append(f"layers {bad[:8]}{'…' if len(bad) > 8 else ''} exceed --max-layer-error {max_layer_error}")
-    settings = {"model_id": art.metadata.get("model_id"), "backend": backend, "device": str(dev), "depths": depths,
+    settings = {"model_id": art.metadata.get("model_id"), "backend": backend, "device": str(dev), "spread": spread,
+                "depths": depths,
                 "sequences": sequences, "positions_per_depth": positions, "position_stride": POSITION_STRIDE, "data": plan.source, "sink_tokens": sink, "recent_tokens": recent,
                 "group_size": group_size, "max_layer_error": max_layer_error, "baseline_clips": list(BASELINE_CLIPS),
                 "token_sha256": plan.sha256()}

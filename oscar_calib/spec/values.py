@@ -1,0 +1,66 @@
+"""The value checks of an artifact's tensors: finite, orthogonal rotations, clips in (0, 1],
+descending eigenvalues, one rotation per layer for granularity ``layer``.
+
+They live in the contract layer so that every reader refuses a bad artifact, not only ``oscar
+validate``: :func:`oscar_calib.spec.artifact.load_artifact` runs them, and ``oscar validate``
+(:mod:`oscar_calib.tools.validate`) reports them with its other checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .artifact import SHARED_KINDS, TENSOR_KINDS, tensor_name
+from .defaults import ORTHOGONALITY_TOL
+
+EIGENVALUE_TOL = 1e-6        # relative to the head's largest |eigenvalue|
+
+
+def check_values(tensors: dict[str, torch.Tensor], md: dict[str, str]) -> dict[str, list[str]]:
+    """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity.
+    Assumes :func:`check_structure` passed. Returns problems per check name."""
+    out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}
+    n = int(md["num_layers"])
+    per_layer = md.get("granularity") == "layer"
+    for i in range(n):
+        t = {k: tensors[tensor_name(i, k)] for k in TENSOR_KINDS + SHARED_KINDS if tensor_name(i, k) in tensors}
+        for k, x in t.items():
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                out["finite"].append(f"{tensor_name(i, k)} has {bad} non-finite value(s)")
+        for k in ("k_rotation", "v_rotation", "k_layer_rotation", "v_layer_rotation"):
+            r = t.get(k)
+            if r is None or not torch.isfinite(r).all():
+                continue
+            r64 = r.to(torch.float64)
+            eye = torch.eye(r.shape[-1], dtype=torch.float64)
+            err = (r64 @ r64.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2)).reshape(-1)
+            worst = int(err.argmax())
+            if float(err[worst]) >= ORTHOGONALITY_TOL:
+                where = f" on KV head {worst}" if r.dim() == 3 else ""
+                out["orthogonal"].append(f"{tensor_name(i, k)} is not orthogonal: ‖RRᵀ − I‖∞ = "
+                                         f"{float(err[worst]):.2e}{where} (limit {ORTHOGONALITY_TOL:g})")
+            if per_layer and r.dim() == 3 and r.shape[0] > 1 and not torch.allclose(r, r[:1].expand_as(r), atol=1e-6, rtol=0):
+                out["granularity"].append(f"{tensor_name(i, k)} differs between KV heads but granularity is 'layer'")
+        for k in ("k_clip", "v_clip"):
+            c = t[k]
+            bad = (~((c > 0) & (c <= 1))) & torch.isfinite(c)
+            if bad.any():
+                out["clips"].append(f"{tensor_name(i, k)} has ratio(s) outside (0, 1]: "
+                                    f"{', '.join(f'{float(v):g}' for v in c[bad][:4])}")
+        for k in ("k_eigenvalues", "v_eigenvalues", "k_layer_eigenvalues", "v_layer_eigenvalues"):
+            if k not in t:
+                continue
+            e = t[k].to(torch.float64)
+            if not torch.isfinite(e).all() or e.shape[-1] < 2:
+                continue
+            scale = e.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+            rise = ((e[..., 1:] - e[..., :-1]) / scale).amax()
+            if float(rise) > EIGENVALUE_TOL:
+                out["eigenvalues"].append(f"{tensor_name(i, k)} is not in descending order")
+    return out
+
+
+def value_problems(tensors: dict[str, torch.Tensor], md: dict[str, str]) -> list[str]:
+    """Every problem :func:`check_values` finds, in its order (finite first)."""
+    return [p for found in check_values(tensors, md).values() for p in found]

@@ -1,0 +1,43 @@
+"""The ``oscar`` CLI with faults injected, for tests that start it as a process (under torchrun, or
+alone): ``python tests/fault_worker.py calibrate ...``. Before each forward pass after the first
+``OSCAR_TEST_SLOW_FROM`` (default 0) it sleeps ``OSCAR_TEST_SLOW`` seconds; the rank
+``OSCAR_TEST_DIE_RANK`` (``RANK``, 0 when unset) writes the time to ``OSCAR_TEST_MARK`` and kills
+itself with SIGKILL right after its ``OSCAR_TEST_DIE_AT``-th forward pass. ``OSCAR_TEST_SLOW_RANKS``
+(comma-separated) limits the sleeps to those ranks."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from oscar_calib.calibrate import pipeline
+
+_real_forward = pipeline._forward
+_calls = {"n": 0}
+
+
+def _env(name: str, default: str = "") -> str:
+    return os.environ.get(f"OSCAR_TEST_{name}", default)
+
+
+def _forward(model, ids):
+    rank = os.environ.get("RANK", "0")
+    _real_forward(model, ids)
+    _calls["n"] += 1
+    if _env("DIE_RANK") == rank and _calls["n"] == int(_env("DIE_AT", "0")):
+        if _env("MARK"):
+            Path(_env("MARK")).write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    slow_ranks = _env("SLOW_RANKS")
+    if _env("SLOW") and _calls["n"] >= int(_env("SLOW_FROM", "0")) and (not slow_ranks or rank in slow_ranks.split(",")):
+        time.sleep(float(_env("SLOW")))
+
+
+pipeline._forward = _forward
+
+if __name__ == "__main__":
+    from oscar_calib.cli import main
+
+    sys.argv = ["oscar", *sys.argv[1:]]
+    main()

@@ -1,0 +1,230 @@
+"""Several machines through the standard launcher: two torchrun "nodes" on this host (CPU, gloo,
+a c10d rendezvous on localhost, one rank each), as on a cluster whose machines share the output
+directory; a rank killed mid-capture on one of them; and the heartbeat that stops the survivors.
+
+Every rank runs the real CLI (tests/fault_worker.py wraps it to inject slow batches and a SIGKILL).
+The single-process reference runs in this process with one thread, as the ranks do
+(OMP_NUM_THREADS=1), so activations are bit-identical and only the order of the float64 additions
+differs (each rank sums its own batches, then one all-reduce): those sums agree to ~1e-16
+relative, and on this model that difference disappears in the float32 artifact, which is compared
+byte for byte.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import tiny_model
+from test_distributed import byte_tokenizer
+
+from oscar_calib.calibrate.heartbeat import DONE, Heartbeat
+from oscar_calib.calibrate.pipeline import calibrate
+from oscar_calib.spec.config import CalibrationConfig
+
+TESTS = Path(__file__).parent
+WORKER = TESTS / "fault_worker.py"
+# 16 sequences of 64 tokens, one per batch: 8 batches per rank, a checkpoint after every batch
+SETTINGS = dict(tokens=1024, seq_len=64, batch_size=1, heldout_tokens=48, checkpoint_every=1, device="cpu")
+ARGS = ["--tokens", "1024", "--seq-len", "64", "--batch-size", "1", "--heldout-tokens", "48",
+        "--checkpoint-every", "1", "--device", "cpu", "--no-verify"]
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Llama checkpoint with a byte tokenizer (what every node loads)."""
+    tok = byte_tokenizer()
+    d = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    tiny_model("llama", vocab_size=len(tok), layers=3).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ckpt_dir) -> bytes:
+    """oscar.safetensors of a single-process run over the same tokens, one thread."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate(CalibrationConfig(model=str(ckpt_dir), **SETTINGS), out)
+    finally:
+        torch.set_num_threads(threads)
+    return (out / "oscar.safetensors").read_bytes()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(ckpt_dir: Path, out: Path, logs: Path, *extra: str, env: dict | None = None) -> list:
+    """Two torchrun processes, --nnodes 2 --node-rank 0/1, meeting at a c10d rendezvous on localhost."""
+    port = free_port()
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1",
+                OSCAR_DIST_HEARTBEAT="2", **(env or {}))
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", f"oscar-test-{port}", "--monitor-interval", "0.1", str(WORKER),
+               "calibrate", str(ckpt_dir), "--out", str(out), *ARGS, *extra]
+        log = open(logs / f"node{node}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full), log))
+    return procs
+
+
+def wait_all(procs, timeout: float = 300) -> list[tuple[int, float]]:
+    """(exit code, time it exited) per node."""
+    ends = [None, None]
+    t0 = time.time()
+    while None in ends:
+        for i, (p, _) in enumerate(procs):
+            if ends[i] is None and p.poll() is not None:
+                ends[i] = (p.returncode, time.time())
+        if time.time() - t0 > timeout:
+            for p, _ in procs:
+                p.kill()
+            pytest.fail("the nodes did not finish in time")
+        time.sleep(0.05)
+    for _, log in procs:
+        log.close()
+    return ends
+
+
+def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, ckpt_dir, reference):
+    import json
+
+    out = tmp_path / "out"
+    ends = wait_all(start_nodes(ckpt_dir, out, tmp_path))
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert [c for c, _ in ends] == [0, 0], logs
+    assert (out / "oscar.safetensors").read_bytes() == reference
+    timings = json.loads((out / "calibration.json").read_text())["timings"]
+    assert timings["world_size"] == 2 and timings["rank_batches"] == 8
+    assert not list(out.glob(".oscar-checkpoint*")) and not list(out.glob(".*.tmp"))
+
+
+def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path, ckpt_dir, reference):
+    """Rank 1 is SIGKILLed after its 3rd batch; rank 0 (the other node) is then slowed to 6 s a
+    batch, so it would need ~30 s more to reach its next collective: it is stopped within a bound
+    (the heartbeat, 2 s here, or torchrun when rank 1's machine hosted the store), with one line
+    naming rank 1. The checkpoints stay; --resume finishes to the same artifact."""
+    out, mark = tmp_path / "out", tmp_path / "died"
+    faults = {"OSCAR_TEST_DIE_RANK": "1", "OSCAR_TEST_DIE_AT": "3", "OSCAR_TEST_MARK": str(mark),
+              "OSCAR_TEST_SLOW": "6", "OSCAR_TEST_SLOW_FROM": "3", "OSCAR_TEST_SLOW_RANKS": "0"}
+    ends = wait_all(start_nodes(ckpt_dir, out, tmp_path, env=faults))
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    survivor = next(i for i in (0, 1) if "rank 0:" in logs[i])
+    assert ends[0][0] != 0 and ends[1][0] != 0, logs
+    died = float(mark.read_text())
+    assert ends[survivor][1] - died < 20, (ends, died)          # not the ~30 s its remaining batches take
+    errors = [line for line in logs[survivor].splitlines() if line.startswith("error:")]
+    # named by the heartbeat, or (when rank 1's machine hosted the store and torchrun stopped rank 0
+    # first) by knocking on rank 1's door
+    assert len(errors) == 1 and re.match(r"error: rank 0: stopped: rank 1 (stopped responding|\(.*\) is gone)",
+                                         errors[0]), logs
+    # torchrun prints its own report (with its traceback) of the failed worker; ours is the one line
+    assert "--resume" in errors[0] and not re.search(r'File ".*oscar_calib', logs[survivor])
+    for r in (0, 1):                                             # the last checkpoint of each rank is intact
+        state = torch.load(out / f".oscar-checkpoint.rank{r}-of-2.pt", weights_only=True)
+        assert state["batches_done"] >= 2                       # saved after batch 2, before the kill
+    assert not (out / "oscar.safetensors").exists()
+    ends = wait_all(start_nodes(ckpt_dir, out, tmp_path, "--resume"))
+    assert [c for c, _ in ends] == [0, 0], [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert (out / "oscar.safetensors").read_bytes() == reference
+
+
+# ----------------------------------------------------------------------------- the heartbeat alone
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield dist.PrefixStore(f"t{time.monotonic_ns()}/", server)
+
+
+@pytest.fixture
+def sigterm():
+    """SIGTERMs the heartbeat sends to this (main) thread, recorded instead of acted on."""
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    yield got
+    signal.signal(signal.SIGTERM, old)
+
+
+def wait_for(cond, limit: float = 10.0) -> bool:
+    t0 = time.time()
+    while not cond() and time.time() - t0 < limit:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_heartbeat_names_a_silent_rank_and_stops_this_one(store, sigterm):
+    hb = Heartbeat(store, rank=0, world=3, timeout=0.5).start()
+    stop = threading.Event()
+
+    def rank2():                       # alive: bumps its counter; rank 1 never does
+        while not stop.wait(0.05):
+            store.add("beat/2", 1)
+
+    threading.Thread(target=rank2, daemon=True).start()
+    try:
+        assert wait_for(lambda: hb.reason is not None)
+        assert hb.reason.startswith("rank 1 stopped responding (no heartbeat for 0.5 s)")
+        assert wait_for(lambda: sigterm == [signal.SIGTERM])       # the main thread is interrupted
+        assert store.get("stop").decode() == hb.reason             # and every other rank will read it
+    finally:
+        stop.set()
+        hb.close()
+
+
+def test_heartbeat_passes_on_a_failure_and_ignores_finished_ranks(store, sigterm):
+    r0, r1 = Heartbeat(store, 0, 2, 0.5).start(), Heartbeat(store, 1, 2, 0.5).start()
+    try:
+        time.sleep(1.5)                                # both alive: nothing happens
+        assert r0.reason is None and r1.reason is None and not sigterm
+        r1.finish()
+        assert store.add("beat/1", 0) >= DONE
+        time.sleep(1.5)                                # a finished rank is not a dead one
+        assert r0.reason is None and not sigterm
+    finally:
+        r0.close()
+    fresh = dist.PrefixStore("again/", store)
+    a, b = Heartbeat(fresh, 0, 2, 5.0).start(), Heartbeat(fresh, 1, 2, 5.0).start()
+    try:
+        b.fail("DataError: no text in the data")
+        assert wait_for(lambda: a.reason is not None, 15)
+        assert a.reason == "rank 1 failed (DataError: no text in the data)"
+    finally:
+        a.close()
+        b.close()
+
+
+# ----------------------------------------------------------------------------- devices on the second machine
+
+def test_devices_come_from_the_local_rank_on_every_machine(monkeypatch):
+    """Rank 3 of 2 machines × 2 ranks is local rank 1 of machine 1: it takes that machine's second
+    GPU, or with a device map its GPUs 4..7 of 8, never anything derived from the global rank."""
+    from oscar_calib.calibrate.job import DistContext, _rank_device, placement_for_rank
+    from oscar_calib.model.placement import Placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda g: (70 * 2**30, 80 * 2**30))
+    for k, v in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1").items():
+        monkeypatch.setenv(k, v)
+    assert _rank_device("cuda", 1, None, 2) == ("nccl", "cuda:1")
+    assert _rank_device("cuda", 1, Placement("auto"), 2) == ("nccl", "cuda:4")
+    ctx = DistContext(rank=3, world_size=4, local_rank=1, local_world_size=2, device="cuda:4", backend="nccl")
+    got = placement_for_rank(Placement("auto", {"cpu": "100GiB"}), ctx)
+    assert sorted(k for k in got.max_memory if isinstance(k, int)) == [4, 5, 6, 7]
+    assert got.max_memory["cpu"] == "100GiB" and got.max_memory[4] == int(70 * 2**30 * 0.9)
