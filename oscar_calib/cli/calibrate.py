@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Annotated, Callable, Iterator, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -20,6 +20,7 @@ from ._common import (
     stdout,
     table,
 )
+from ._progress import progress_display
 
 EXAMPLES = """
     Examples:
@@ -98,11 +99,11 @@ def calibrate_command(
     placement = placement_from_options(device_map, max_memory, offload_dir)
     if wants_launch(nproc):
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
-    with _progress_bar() as progress, _rank_named_errors():
+    with progress_display(enabled=os.environ.get("RANK", "0") == "0") as progress, _rank_named_errors():
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
+        verdict = _verify(result, progress) if verify and result.rank == 0 else None
     if result.rank != 0:
         return                           # rank 0 reports and verifies
-    verdict = _verify(result) if verify else None
     if json_out:
         report = result.report
         emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
@@ -111,35 +112,6 @@ def calibrate_command(
     else:
         _render(result, verdict)
     raise typer.Exit(0 if verdict is None or verdict["passed"] else 1)
-
-
-@contextlib.contextmanager
-def _progress_bar() -> Iterator[Callable[[int, int], None]]:
-    """A capture progress bar on stderr, started at the first report (after loading)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bar = Progress(TextColumn("[bold]capture"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    task = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:                 # start the bar only once capture starts
-            bar.start()
-            task = bar.add_task("capture", total=total)
-        bar.update(task, completed=done, total=total)
-
-    try:
-        yield progress
-    finally:
-        bar.stop()
 
 
 @contextlib.contextmanager
@@ -157,7 +129,7 @@ def _rank_named_errors() -> Iterator[None]:
         raise
 
 
-def _verify(result) -> dict | None:
+def _verify(result, progress) -> dict | None:
     """``oscar verify`` on the new artifact (skipped, with a note, when the model spans devices:
     verify runs its kernels on one)."""
     from ..tools.verify import verify_artifact
@@ -168,8 +140,7 @@ def _verify(result) -> dict | None:
                       f"the automatic verify is skipped: run `oscar verify {result.out}` on a machine where the "
                       "model fits one device")
         return None
-    with console.status("verifying the artifact with the INT2 kernels …"):
-        return verify_artifact(result.out, loaded=result.loaded).summary()
+    return verify_artifact(result.out, loaded=result.loaded, progress=progress).summary()
 
 
 def _render(result, verdict: dict | None) -> None:

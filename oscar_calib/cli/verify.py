@@ -11,12 +11,12 @@ from ._common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
-    console,
     emit_json,
     fmt,
     stdout,
     table,
 )
+from ._progress import progress_display
 
 
 def verify_command(
@@ -58,10 +58,7 @@ def verify_command(
     except ValueError:
         raise InputError(f"--depths expects comma-separated integers, got {depths!r}") from None
     directory = artifact.parent if artifact.is_file() else artifact
-    with console.status("verifying …") as status:
-        def progress(done, total):
-            status.update(f"verifying layer {done}/{total}")
-
+    with progress_display() as progress:
         result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
                                  max_layer_error=max_layer_error, seed=seed, progress=progress)

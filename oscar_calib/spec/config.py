@@ -8,18 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..numerics.rotation import (
+from .defaults import (
     COMPOSITIONS,
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
     GRANULARITIES,
     K_OBJECTIVES,
     V_OBJECTIVES,
-    choose,
-)
-from .defaults import (
-    DEFAULT_RECENT,
-    DEFAULT_SINK,
     check_clip,
     check_window,
+    choose,
     is_power_of_two,
 )
 

@@ -40,6 +40,7 @@ from ..errors import InputError
 from ..fsutil import atomic_write_bytes, atomic_write_text
 from ..model.load import LoadedModel
 from ..numerics.hadamard import hadamard
+from ..progress import ProgressFn, counter, step
 from ..spec.artifact import load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
 
@@ -112,7 +113,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
         split_lengths,
     )
 
-    q_all, k_all, v_all, o_all = caps["q"], caps["k"], caps["v"], caps["o"]   # [B, T, H, d]
+    k_all, v_all = caps["k"], caps["v"]                                       # [B, T, H, d]
+    q_all, o_all, at = caps["q"], caps["o"], caps["at"]     # [B, P, H, d] at the query positions; at[pos] -> P
     n_seq, _, h, d = k_all.shape
     dev = k_all.device
     qk = quantize_kv(k_all, rot_k, clip_k, group_size, backend=backend)       # the write kernel
@@ -155,8 +157,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
                         pools["v_offset"], torch.tensor([nh for _, nh, _ in parts], dtype=torch.int32, device=dev),
                         k16, v16, torch.tensor([ns + nr for ns, _, nr in parts], dtype=torch.int32, device=dev),
                         group_size, table.to(dev))
-    q = torch.stack([q_all[b, e - 1] for b, _, e in rows])                 # [N, Hq, d]
-    ref = torch.stack([o_all[b, e - 1] for b, _, e in rows]).float()
+    q = torch.stack([q_all[b, at[e - 1]] for b, _, e in rows])             # [N, Hq, d]
+    ref = torch.stack([o_all[b, at[e - 1]] for b, _, e in rows]).float()
     o = decode_attention(q, cache, k_rotation=rot_k, v_rotation=rot_v, unrotate=True, sm_scale=scaling,
                          out_dtype=torch.float32, backend=backend)               # the decode kernel
     num_o = float((o.float() - ref).pow(2).sum())
@@ -182,12 +184,12 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                     dtype: str = "auto", backend: str = "auto", depths=DEFAULT_DEPTHS, sequences: int = 2,
                     positions: int = 8, data: str = "embedded", max_layer_error: float = DEFAULT_MAX_LAYER_ERROR,
                     seed: int = 0, write: bool = True, plot: bool = True, quiet: bool = False,
-                    progress=None) -> VerifyResult:
+                    progress: ProgressFn | None = None) -> VerifyResult:
     """Verify an artifact; see the module docstring. ``loaded`` (a :class:`LoadedModel`) uses a
     model already in memory instead of loading ``model``. The artifact is validated first
     (``oscar validate``'s rules: a NaN or a non-orthogonal rotation is refused with its line)."""
     from ..calibrate.corpus import plan_tokens
-    from ..model.capture import Capture
+    from ..model.capture import Capture, capture_forward
     from ..model.load import load_model
     from .validate import require_valid
 
@@ -206,7 +208,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         from ..model.load import spec_for_model_id
 
         model = model or spec_for_model_id(art.metadata.get("model_id", ""))
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = load_model(model, device=device, dtype=dtype, progress=progress)
     lm = loaded
     require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     geo = lm.geometry
@@ -219,21 +221,26 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     ids = torch.stack(plan.heldout)                                    # [B, max_depth]
     caps: dict[int, dict] = {}
     info: dict[int, dict] = {}
+    # queries and outputs are needed only where a sample's query sits (K/V: every position)
+    query_at = sorted({e - 1 for _, e in _samples(depths, positions, POSITION_STRIDE, None)})
+    at = {p: j for j, p in enumerate(query_at)}
+    sel = torch.tensor(query_at, device=dev)
 
     def observe(layer, module, q, k, v, o, kwargs):
-        caps[layer] = {"q": q.transpose(1, 2).float(), "k": k.transpose(1, 2).float(),
-                       "v": v.transpose(1, 2).float(), "o": o.float()}
+        caps[layer] = {"q": q.index_select(2, sel).transpose(1, 2).float(), "k": k.transpose(1, 2).float(),
+                       "v": v.transpose(1, 2).float(), "o": o.index_select(1, sel).float(), "at": at}
         sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         info[layer] = {"scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                        "window": int(sw) if sw else None}
 
-    with torch.no_grad(), Capture(lm.model, [observe]):
-        lm.model(input_ids=ids.to(dev), use_cache=False)
+    with step(progress, "verify: held-out pass"), torch.no_grad(), Capture(lm.model, [observe]):
+        capture_forward(lm.model, ids.to(dev))
     t_capture = time.perf_counter() - t0
     h = hadamard(geo.head_dim, warn=False).float().to(dev).expand(geo.num_kv_heads, -1, -1).contiguous()
     base_k = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[0], device=dev)
     base_v = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[1], device=dev)
     rows = []
+    tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
     for i, layer in enumerate(art.layers):
         kw = dict(group_size=group_size, sink=sink, recent=recent, backend=backend, scaling=info[i]["scaling"])
         samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
@@ -242,8 +249,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         base = _layer_errors(caps[i], samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
-        if progress:
-            progress(i + 1, len(art.layers))
+        tick(i + 1)
     reasons = []
     mean_o = sum(r["artifact"]["attn"] for r in rows) / len(rows)
     mean_h = sum(r["hadamard"]["attn"] for r in rows) / len(rows)
