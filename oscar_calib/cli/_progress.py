@@ -1,14 +1,16 @@
 """Draw the library's progress reports (:mod:`oscar_calib.progress`) on stderr.
 
 On a terminal: a live rich display, one line per stage (bar or spinner, count, elapsed time and
-time left); a finished stage stays on screen with its time. Elsewhere (CI logs, pipes): plain lines,
-one when a stage starts, at most one every ``interval`` seconds while it runs, and one when it ends
-with its time. ``OSCAR_PROGRESS`` overrides the choice: ``rich``, ``plain`` or ``off``.
+time left); a finished stage stays on screen with its time. Elsewhere (CI logs, pipes): plain lines
+for every stage that runs two seconds or more, one once it has run that long, at most one every
+ten seconds while it runs, and one when it ends, with its time. ``OSCAR_PROGRESS`` overrides the
+choice: ``rich``, ``plain`` or ``off``.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -16,7 +18,8 @@ from typing import Iterator
 from ..progress import ProgressFn
 from ._common import console
 
-PLAIN_INTERVAL_S = 10.0
+PLAIN_INTERVAL_S = 10.0      # plain lines: at most one per stage this often
+ANNOUNCE_AFTER_S = 2.0       # plain lines: only for stages running at least this long
 
 
 class _RichDisplay:
@@ -63,26 +66,49 @@ class _RichDisplay:
 
 
 class _PlainDisplay:
-    """Plain lines on stderr: stage started, progress at most every ``interval`` s, stage done."""
+    """Plain lines on stderr for stages that run ``announce_after`` seconds or more: started, progress
+    at most every ``interval`` s, done. A background ticker prints them while a stage gives no
+    reports (loading a model); quicker stages print nothing, so a bad input still ends in one line."""
 
-    def __init__(self, interval: float = PLAIN_INTERVAL_S):
-        self.interval = interval
+    def __init__(self, interval: float | None = None, announce_after: float | None = None, ticker: bool = True):
+        self.interval = PLAIN_INTERVAL_S if interval is None else interval
+        self.announce_after = ANNOUNCE_AFTER_S if announce_after is None else announce_after
         self.current: str | None = None
         self.started = self.last = 0.0
-        self.done, self.total, self.unit = 0, None, ""
+        self.done, self.total, self.unit, self.announced = 0, None, "", False
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True) if ticker else None
+        if self.thread:
+            self.thread.start()
 
     def __call__(self, stage: str, done: int, total: int | None = None, unit: str = "") -> None:
-        now = time.monotonic()
-        if stage != self.current:
-            self._finish(now)
-            self.current, self.started, self.last = stage, now, now
-            self._line(f"{stage} …" if total is None or not unit else f"{stage}: {total} {unit} …")
-        self.done, self.total, self.unit = done, total, unit
-        if total is not None and done >= total:
-            self._finish(now)
+        with self.lock:
+            now = time.monotonic()
+            if stage != self.current:
+                self._finish(now)
+                self.current, self.started, self.announced = stage, now, False
+            self.done, self.total, self.unit = done, total, unit
+            if total is not None and done >= total:
+                self._finish(now)
+            else:
+                self._tick(now)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.5):
+            with self.lock:
+                self._tick(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        if self.current is None or now - self.started < self.announce_after:
+            return
+        if not self.announced:
+            self.announced, self.last = True, now
+            self._line(f"{self.current} …" if self.total is None or not self.unit
+                       else f"{self.current}: {self.total} {self.unit} …")
         elif now - self.last >= self.interval:
             self.last = now
-            self._line(f"{stage}: {self._count()}, {now - self.started:.0f} s{self._eta(now)}")
+            self._line(f"{self.current}: {self._count()}, {now - self.started:.0f} s{self._eta(now)}")
 
     def _count(self) -> str:
         if self.total is None:
@@ -97,18 +123,21 @@ class _PlainDisplay:
         return f", about {left:.0f} s left"
 
     def _finish(self, now: float) -> None:
-        if self.current is None:
-            return
-        count = f" ({self.total} {self.unit})" if self.total is not None and self.unit else ""
-        self._line(f"{self.current}: done in {now - self.started:.1f} s{count}")
+        if self.current is not None and (self.announced or now - self.started >= self.announce_after):
+            count = f" ({self.total} {self.unit})" if self.total is not None and self.unit else ""
+            self._line(f"{self.current}: done in {now - self.started:.1f} s{count}")
         self.current = None
 
     def _line(self, text: str) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def close(self, ok: bool) -> None:
+        self.stop.set()
+        if self.thread:
+            self.thread.join()
         if ok:
-            self._finish(time.monotonic())
+            with self.lock:
+                self._finish(time.monotonic())
 
 
 def display_kind() -> str:

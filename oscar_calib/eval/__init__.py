@@ -42,6 +42,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EvalError, InputError
+from ..progress import ProgressFn
 from .methods import (
     METHODS,
     QUANTO_DEFAULTS,
@@ -57,8 +58,8 @@ from .report import EvalResult, eval_headline, eval_text, record_eval, write_plo
 
 
 def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None = None, *, loaded=None,
-             device: str = "auto", dtype: str = "auto", plot: Path | None = None, progress=None,
-             **legacy) -> EvalResult:
+             device: str = "auto", dtype: str = "auto", plot: Path | None = None,
+             progress: ProgressFn | None = None, **legacy) -> EvalResult:
     """Validate the artifact (``oscar validate``'s rules), load the model (or take ``loaded``, a
     :class:`~oscar_calib.model.load.LoadedModel`), run ``options.task`` and write the plot. Without
     an artifact the ``oscar`` method is left out. Used by ``oscar eval``. ``legacy``: the pre-0.2
@@ -76,7 +77,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     if artifact_path is not None:
         require_valid(Path(artifact_path))       # a NaN or non-orthogonal rotation: the validator's line
         art = load_artifact(Path(artifact_path))
-    lm = loaded or load_model(model, device=device, dtype=dtype)
+    lm = loaded or load_model(model, device=device, dtype=dtype, progress=progress)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah

@@ -307,13 +307,13 @@ def check_metadata_values(md: dict[str, str]) -> list[str]:
 
 def check_values(tensors: dict, md: dict[str, str]) -> dict[str, list[str]]:
     """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity.
-    Assumes :func:`check_structure` passed; ``tensors`` are numpy arrays (or anything
-    ``np.asarray`` takes). Returns problems per check name."""
+    Assumes :func:`check_structure` passed; ``tensors`` are numpy arrays or torch tensors (an
+    in-memory artifact's, on any device). Returns problems per check name."""
     out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}
     n = int(md["num_layers"])
     per_layer = md.get("granularity") == "layer"
     for i in range(n):
-        t = {k: np.asarray(tensors[tensor_name(i, k)]) for k in TENSOR_KINDS + SHARED_KINDS
+        t = {k: _numpy(tensors[tensor_name(i, k)]) for k in TENSOR_KINDS + SHARED_KINDS
              if tensor_name(i, k) in tensors}
         for k, x in t.items():
             bad = int(np.count_nonzero(~np.isfinite(x)))
@@ -349,6 +349,13 @@ def check_values(tensors: dict, md: dict[str, str]) -> dict[str, list[str]]:
             if float(rise) > EIGENVALUE_TOL:
                 out["eigenvalues"].append(f"{tensor_name(i, k)} is not in descending order")
     return out
+
+
+def _numpy(x) -> np.ndarray:
+    """A numpy view of an array or of a torch tensor (detached, on the CPU), without importing torch."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
 
 
 def check_against_model(md: dict[str, str], ref: ModelReference) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from oscar_calib.cli import _progress, main
 from oscar_calib.progress import counter, report, step
@@ -20,30 +21,38 @@ class Clock:
         return self.t
 
 
-def test_plain_lines_start_throttle_and_finish(monkeypatch, capsys):
+def test_plain_lines_only_for_slow_stages_throttled(monkeypatch, capsys):
     clock = Clock()
     monkeypatch.setattr(_progress.time, "monotonic", clock)
-    d = _progress._PlainDisplay(interval=10)
+    d = _progress._PlainDisplay(interval=10, announce_after=2, ticker=False)
     tick = counter(d, "capture", 100, "tokens")
     for done, t in ((10, 1), (20, 5), (30, 12), (40, 15), (50, 23)):
         clock.t = 100 + t
         tick(done)
     clock.t = 130
     tick(100)
-    with step(d, "rotations + clips"):
+    with step(d, "rotations + clips"):                  # 1.5 s: below 2 s, no line at all
         clock.t = 131.5
-    report(d, "verify", 0, None)
+    report(d, "loading model", 0, None)                 # no reports while it runs: the ticker speaks
+    clock.t = 134
+    d._tick(clock.t)
     d.close(ok=False)                                   # an error: no "done" line for the open stage
-    lines = capsys.readouterr().err.splitlines()
-    assert lines == [
-        "capture: 100 tokens …",
-        "capture: 30/100 tokens (30%), 12 s, about 28 s left",   # first line after 10 s, then every 10 s
-        "capture: 50/100 tokens (50%), 23 s, about 23 s left",
+    assert capsys.readouterr().err.splitlines() == [
+        "capture: 100 tokens …",                           # announced at 5 s (it has run 2 s by then)
+        "capture: 40/100 tokens (40%), 15 s, about 22 s left",   # then at most one line every 10 s
         "capture: done in 30.0 s (100 tokens)",
-        "rotations + clips …",
-        "rotations + clips: done in 1.5 s",
-        "verify …",
+        "loading model …",
     ]
+
+
+def test_plain_ticker_runs_in_the_background(capsys):
+    d = _progress._PlainDisplay(interval=10, announce_after=0.2)
+    report(d, "loading model", 0, None)
+    time.sleep(1.2)                                      # the ticker wakes every 0.5 s
+    report(d, "loading model", 1, 1)
+    d.close(ok=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "loading model …" and lines[1].startswith("loading model: done in ") and len(lines) == 2
 
 
 def test_off_and_rich_are_chosen_by_environment(monkeypatch):
@@ -64,6 +73,7 @@ def test_off_and_rich_are_chosen_by_environment(monkeypatch):
 
 def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, capsys, tmp_path, tiny_llama_dir):
     monkeypatch.setenv("OSCAR_PROGRESS", "plain")
+    monkeypatch.setattr(_progress, "ANNOUNCE_AFTER_S", 0.0)   # the tiny model's stages take milliseconds
     monkeypatch.setattr(sys, "argv", ["oscar", "calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "a"),
                                       *FAST_ARGS, "--json"])
     try:
