@@ -45,7 +45,11 @@ def list_command(zoo: ZooOpt = None,
                      f"{e.num_layers}×{e.num_kv_heads}×{e.head_dim}", e.granularity or "–", err, verified,
                      eval_text(e.eval)])
     stdout.print(table("OSCAR rotation zoo", ["key", "source", "model", "layers×KV×d", "granularity",
-                                              "attn err OSCAR / Hadamard", "verified", "eval"], rows))
+                                              "attn err OSCAR / Hadamard", "verified", "eval"], rows,
+                       caption="attn err: the calibration's held-out attention-output error with every token INT2 "
+                               "(relative RMS, lower is better), against the data-free Hadamard rotation; verified: "
+                               "`oscar verify` passed; eval: perplexity (lower is better) and needle retrieval "
+                               "(higher is better) from `oscar eval --record`."))
 
 
 @zoo_app.command("index")

@@ -45,6 +45,8 @@ from ..spec.artifact import load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
+# what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024
+QUICK_VERIFY = {"depths": (512, 1024), "sequences": 1}
 DEFAULT_MAX_LAYER_ERROR = 0.5
 POSITION_STRIDE = 7
 VERIFY_NAME = "verify.json"
@@ -221,20 +223,28 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     ids = torch.stack(plan.heldout)                                    # [B, max_depth]
     caps: dict[int, dict] = {}
     info: dict[int, dict] = {}
-    # queries and outputs are needed only where a sample's query sits (K/V: every position)
+    # queries and outputs are needed only where a sample's query sits (K/V: every position); one
+    # sequence per forward pass, so the pass's own activations are those of one sequence
     query_at = sorted({e - 1 for _, e in _samples(depths, positions, POSITION_STRIDE, None)})
     at = {p: j for j, p in enumerate(query_at)}
     sel = torch.tensor(query_at, device=dev)
+    seq = [0]
 
     def observe(layer, module, q, k, v, o, kwargs):
-        caps[layer] = {"q": q.index_select(2, sel).transpose(1, 2).float(), "k": k.transpose(1, 2).float(),
-                       "v": v.transpose(1, 2).float(), "o": o.index_select(1, sel).float(), "at": at}
+        got = {"q": q.index_select(2, sel).transpose(1, 2), "k": k.transpose(1, 2), "v": v.transpose(1, 2),
+               "o": o.index_select(1, sel)}
+        if layer not in caps:
+            caps[layer] = {n: torch.empty((len(ids), *t.shape[1:]), dtype=torch.float32, device=dev)
+                           for n, t in got.items()} | {"at": at}
+        for n, t in got.items():
+            caps[layer][n][seq[0]] = t[0]
         sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         info[layer] = {"scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                        "window": int(sw) if sw else None}
 
     with step(progress, "verify: held-out pass"), torch.no_grad(), Capture(lm.model, [observe]):
-        capture_forward(lm.model, ids.to(dev))
+        for seq[0] in range(len(ids)):
+            capture_forward(lm.model, ids[seq[0]:seq[0] + 1].to(dev))
     t_capture = time.perf_counter() - t0
     h = hadamard(geo.head_dim, warn=False).float().to(dev).expand(geo.num_kv_heads, -1, -1).contiguous()
     base_k = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[0], device=dev)
