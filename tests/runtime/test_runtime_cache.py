@@ -77,7 +77,7 @@ def test_int2_decode_equals_simulation(kind):
     sim = step_logits(m, SimulatedCache(m.config, exact), ids, 10)
     real_cache = OscarCache(m.config, exact)
     real = step_logits(m, real_cache, ids, 10)
-    assert (real - sim).abs().max() < 1e-5
+    assert (real - sim).abs().max() < 1e-4    # float32 summation order: 4.2e-5 on torch 2.11 (GPU machine), ~1e-6 here
     assert (sim - plain).abs().max() > 1e-2                                  # INT2 really changed something
     assert real_cache.layers[-1].store.history_span() > 0
     bf16 = scheme(m)

@@ -87,7 +87,7 @@ def test_decode_equals_perplexity_simulation():
         cache = SimulatedCache(m.config, scheme)
         dec = torch.cat([m(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(30)], 1)
         plain = m(ids).logits
-        assert (dec - sim).abs().max() < 1e-5
+        assert (dec - sim).abs().max() < 1e-4    # float32 summation order (torch 2.11 on the GPU machine exceeds 1e-5)
         assert (sim - plain).abs().max() > 1e-3          # INT2 really changed something
 
 
