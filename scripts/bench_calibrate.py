@@ -61,7 +61,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
-    from oscar_calib.calibrate.pipeline import _forward
+    from oscar_calib.model.capture import capture_forward as _forward
 
     def plain():          # the same forward the pipeline runs (no KV cache, last-position logits only)
         with torch.no_grad():
@@ -244,7 +244,8 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
     """Plain forwards vs collect_statistics over the same 30K tokens, alternating; medians."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import _forward, collect_statistics
+    from oscar_calib.calibrate.pipeline import collect_statistics
+    from oscar_calib.model.capture import capture_forward as _forward
 
     plan, cfg = gpu_plan(GPU_TOKENS, seq_len), gpu_cfg(GPU_TOKENS, seq_len, batch_size)
     batches = [b.to(DEV) for b in plan.batches(batch_size)]
@@ -283,7 +284,8 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
 def peak_memory(lm, weights: int, seq_len: int, batch_size: int) -> list[dict]:
     import torch
 
-    from oscar_calib.calibrate.pipeline import _forward, collect_statistics
+    from oscar_calib.calibrate.pipeline import collect_statistics
+    from oscar_calib.model.capture import capture_forward as _forward
 
     rows = []
     for tokens in MEM_BUDGETS:
@@ -362,8 +364,9 @@ def dp_worker(job: dict) -> None:
     import torch
 
     from oscar_calib.calibrate.parallel import data_parallel
-    from oscar_calib.calibrate.pipeline import _forward, collect_statistics
+    from oscar_calib.calibrate.pipeline import collect_statistics
     from oscar_calib.calibrate.stats import ACCUMULATORS
+    from oscar_calib.model.capture import capture_forward as _forward
 
     global DEV, SMALL
     DEV, SMALL = job["device"], job["small"]

@@ -288,7 +288,8 @@ def test_cli_eval(monkeypatch, tmp_path):
     def fake(model, artifact, options, **kw):
         seen.update(kw, model=model, artifact=artifact, options=options)
         return EvalResult("ppl", "m", {"sink": 64, "recent": 256, "sequences": 2, "seq_len": 2048,
-                                       "group_size": 64, "plot": str(kw["plot"])},
+                                       "group_size": 64, "plot": str(kw["plot"]),
+                                       "methods": list(options.methods)},
                           [{"method": "bf16", "ppl": 8.2, "bits_per_element": 16.0, "group_size": None},
                            {"method": "hadamard", "ppl": 9.2, "bits_per_element": 2.5, "group_size": 64}])
 
@@ -297,8 +298,16 @@ def test_cli_eval(monkeypatch, tmp_path):
                                  "--group-size", "64", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["rows"][1]["ppl"] == 9.2
-    assert seen["model"] == "smollm2-135m" and seen["plot"] == tmp_path / "eval-ppl.png"
+    # the plot goes to the working directory, never into the artifact (a later push would upload it)
+    assert seen["model"] == "smollm2-135m" and seen["plot"] == Path("eval-smollm2-135m-ppl.png")
     assert seen["options"] == EvalOptions(methods=("bf16", "hadamard"), group_size=64)
+    r = CliRunner().invoke(app, ["eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
+                                 "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 0 and seen["plot"] == tmp_path / "p.png"
+    footer = " ".join(r.stdout.split())
+    assert "quanto" not in footer and "lower is better" in footer   # only the methods that ran
+    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--methods", "bf16,quanto"])
+    assert "quanto: QuantizedCache defaults" in " ".join(r.stdout.split())
     # the CLI's defaults are EvalOptions' defaults (one set, checked here), task included
     r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--json"])
     assert r.exit_code == 0, r.output

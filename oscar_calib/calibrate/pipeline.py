@@ -14,7 +14,6 @@ Starting ranks is :mod:`oscar_calib.calibrate.launch`; big models, :mod:`oscar_c
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import warnings
@@ -25,12 +24,8 @@ from typing import Callable
 import torch
 
 from .. import FORMAT_VERSION, __version__
-from ..errors import (
-    InputError,
-    OscarWarning,
-    UnsupportedModelError,
-)
-from ..model.capture import Capture
+from ..errors import InputError, OscarWarning, UnsupportedModelError
+from ..model.capture import Capture, capture_forward
 from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model
 from ..model.placement import Placement, input_device
@@ -42,6 +37,7 @@ from ..numerics.rotation import (
     orthogonality_error,
     rotations_from_covariance,
 )
+from ..progress import ProgressFn, counter, report, step
 from ..spec.artifact import (
     FORMAT_NAME,
     REPORT_NAME,
@@ -69,15 +65,13 @@ from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared
 from .stats import LayerStats, Reservoir, check_finite, require_finite
 
-ProgressFn = Callable[[int, int], None]
 
-
-def prepare_model(cfg: CalibrationConfig, *, device: str | None = None,
-                  placement: Placement | None = None) -> LoadedModel:
+def prepare_model(cfg: CalibrationConfig, *, device: str | None = None, placement: Placement | None = None,
+                  progress: ProgressFn | None = None) -> LoadedModel:
     """Load ``cfg.model`` as ``cfg`` says (dtype, device unless ``device``, remote code), or spread
     it with ``placement``."""
     return load_model(cfg.model, dtype=cfg.dtype, device=device or cfg.device,
-                      trust_remote_code=cfg.trust_remote_code, placement=placement)
+                      trust_remote_code=cfg.trust_remote_code, placement=placement, progress=progress)
 
 
 @dataclass
@@ -111,23 +105,6 @@ class StatsRun:
         return observe
 
 
-def _forward(model, ids: torch.Tensor) -> None:
-    """A forward pass for its captures only: no KV cache and, where the model allows, logits for
-    the last position only (the full [tokens, vocab] logits are the largest activation)."""
-    kw = {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
-    model(input_ids=ids, use_cache=False, **kw)
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_logits_to_keep(cls) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig, *,
                        checkpoint: Path | None = None, resume: bool = False,
                        progress: ProgressFn | None = None,
@@ -157,20 +134,18 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     run.checkpointed = run.batches_done
     total = sum(b.numel() for b in batches)
     done_tokens = sum(b.numel() for b in batches[:run.batches_done])
-    if progress:
-        progress(done_tokens, total)
+    report(progress, "capture", done_tokens, total, "tokens")
     t0 = time.perf_counter()
     with torch.no_grad(), Capture(model, [run.observer("stats")]) as cap, interruptible(run, len(batches), checkpoint):
         ranks.after_batch(run.stats, run.batches_done)
         for i in range(run.batches_done, len(batches)):
-            _forward(model, batches[i])
+            capture_forward(model, batches[i])
             if cap.calls == 0:
                 raise UnsupportedModelError("the model's attention does not go through transformers' attention "
                                             "interface; its Q/K/V cannot be captured")
             run.batches_done = i + 1
             done_tokens += batches[i].numel()
-            if progress:
-                progress(done_tokens, total)
+            report(progress, "capture", done_tokens, total, "tokens")
             # finiteness is checked (one device sync) where a checkpoint is due and at the end
             if (run.batches_done % cfg.checkpoint_every == 0) and run.batches_done < len(batches):
                 check_finite(run.stats)
@@ -187,9 +162,9 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
         s.to("cpu")
     t1 = time.perf_counter()
     if ranks.is_main:
-        with torch.no_grad(), Capture(model, [run.observer("heldout")]):
+        with step(progress, "held-out rows"), torch.no_grad(), Capture(model, [run.observer("heldout")]):
             for seq in plan.heldout:
-                _forward(model, seq.unsqueeze(0).to(dev))
+                capture_forward(model, seq.unsqueeze(0).to(dev))
     timing = {"statistics_s": t_stats, "gather_s": t1 - t_stats - t0, "heldout_s": time.perf_counter() - t1,
               "resumed": resumed, "batches": len(all_batches), **ranks.timing(batches)}
     return run, timing
@@ -206,9 +181,11 @@ def spread(eig: torch.Tensor) -> float:
     return float((e[..., 0] / e.mean(-1).clamp(min=1e-300)).mean())
 
 
-def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int) -> tuple[list, list]:
+def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int, *,
+                    progress: ProgressFn | None = None) -> tuple[list, list]:
     """Rotations, clips and per-layer report rows."""
     layers, rows = [], []
+    tick = counter(progress, "rotations + clips", len(run.stats), "layers")
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     for i, s in enumerate(run.stats):
         cq = s.covariance("q")
@@ -240,6 +217,7 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             "clip_tables": {"k": None if k_table is None else k_table.tolist(),
                             "v": None if v_table is None else v_table.tolist()},
         })
+        tick(i + 1)
     return layers, rows
 
 
@@ -298,7 +276,8 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
     t0 = time.perf_counter()
     ckpt = out / ranks.checkpoint_name(CHECKPOINT_NAME)
     created, lm, plan, group_size = _start(cfg, out, ranks, ckpt, overwrite=overwrite, resume=resume,
-                                           loaded=loaded, placement=placement)
+                                           loaded=loaded, placement=placement,
+                                           progress=progress if ranks.is_main else None)
     t_load = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -306,9 +285,9 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
                                          progress=progress if ranks.is_main else None, on_batch=on_batch, ranks=ranks)
         if ranks.is_main:
             t2 = time.perf_counter()
-            layers, rows = build_rotations(run, cfg, lm.geometry, group_size)
+            layers, rows = build_rotations(run, cfg, lm.geometry, group_size, progress=progress)
             shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
-                                      layers, rows)
+                                      layers, rows, progress=progress)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
     except KeyboardInterrupt:
         raise interrupted(ckpt) from None
@@ -339,7 +318,8 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
 
 
 def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overwrite: bool, resume: bool,
-           loaded: LoadedModel | None, placement: Placement | None) -> tuple[bool, LoadedModel, TokenPlan, int]:
+           loaded: LoadedModel | None, placement: Placement | None,
+           progress: ProgressFn | None) -> tuple[bool, LoadedModel, TokenPlan, int]:
     """Check the output, load the model and plan the tokens: (whether ``out`` is new, model, plan,
     group size). Under data parallelism every rank learns about any rank's start-up error."""
     created, lm, plan, group_size, error, info = False, None, None, None, None, {}
@@ -354,13 +334,15 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
             if others:
                 raise InputError(f"{out} holds checkpoints of another number of ranks ({', '.join(others)}); resume "
                                  f"with the same --nproc, or remove them")
-        lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement))
+        lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement),
+                                     progress=progress)
         group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
         check_group_size(lm.geometry.head_dim, group_size)
         _warn_beyond_context(lm, cfg.seq_len)
-        plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
-                           tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
-                           heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
+        with step(progress, "tokenising data"):
+            plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
+                               tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
+                               heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
         info = {"fingerprint": lm.fingerprint, "tokens": plan.sha256(),
                 "settings": stable_hash({k: v for k, v in cfg.fingerprint_fields().items() if k != "model"})}
     except Exception as e:  # noqa: BLE001 - re-raised by ranks.agree on this rank

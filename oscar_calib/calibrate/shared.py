@@ -22,9 +22,11 @@ import torch
 
 from ..numerics.clip import choose_global_clips, fit_k_clip, fit_v_clip, heldout_errors
 from ..numerics.rotation import K_OBJECTIVES, V_OBJECTIVES, rotations_from_covariance
+from ..progress import ProgressFn, counter
 
 
-def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list, rows: list) -> tuple[float, float]:
+def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list, rows: list, *,
+               progress: ProgressFn | None = None) -> tuple[float, float]:
     """Add shared rotations to ``layers`` (when heads differ), fork-scheme held-out errors to
     ``rows``, and return the global ``(k_clip, v_clip)``. ``held_layers(i)`` gives layer i's
     :class:`~oscar_calib.numerics.clip.HeldoutLayer`."""
@@ -33,6 +35,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     k_tables, v_tables = [], []
     rots = []
+    tick = counter(progress, "shared rotations", 2 * len(stats), "steps")
     for i, s in enumerate(stats):
         if shared_needed:
             k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, "layer", warn=False)
@@ -59,6 +62,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
                 held = held or held_layers(i)
                 _, vt = fit_v_clip(held, v_rot, group_size)
             v_tables.append(vt)
+        tick(i + 1)
     k_fit, v_fit = choose_global_clips(k_tables, v_tables)
     k_clip = cfg.k_clip if cfg.k_clip is not None else k_fit
     v_clip = cfg.v_clip if cfg.v_clip is not None else v_fit
@@ -66,4 +70,5 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
         full = lambda c: torch.full((h,), float(c), dtype=torch.float64)  # noqa: E731
         rows[i]["heldout"]["fork"] = heldout_errors(held_layers(i), k_rot, full(k_clip), v_rot, full(v_clip),
                                                     group_size)
+        tick(len(stats) + i + 1)
     return float(k_clip), float(v_clip)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Annotated, Callable, Iterator, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -17,17 +17,18 @@ from ._common import (
     MaxMemoryOpt,
     OffloadDirOpt,
     TrustOpt,
-    console,
     emit_json,
     fmt,
     stdout,
     table,
 )
+from ._progress import progress_display
 
 EXAMPLES = """
     Examples:
 
     * `oscar calibrate` (SmolLM2-135M on the embedded corpus, into runs/smollm2-135m)
+    * `oscar calibrate --quick --out runs/first-try` (a first try: under a minute on two CPU cores)
     * `oscar calibrate gemma3-270m --tokens 16384 --out zoo/gemma3-270m`
     * `oscar calibrate ./my-llama --data corpus.jsonl --seq-len 2048 --device cuda`
     * `oscar calibrate Qwen/Qwen3-8B --config configs/qwen3-8b.yaml --clip k=0.96,v=0.92`
@@ -75,6 +76,10 @@ def calibrate_command(
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
                                                             "(default: 4).")] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run `oscar verify` on the new artifact.")] = True,
+    quick: Annotated[bool, typer.Option("--quick", help="A first try in well under a minute on a CPU: 2048 tokens "
+                                        "in 512-token sequences, 256 held-out rows for the clips, and a verify "
+                                        "on one sequence at depths 512 and 1024. Costs some accuracy (README, "
+                                        "'A first run'); options given explicitly still win.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact.
@@ -93,16 +98,17 @@ def calibrate_command(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        checkpoint_every=checkpoint_every, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip)
+        checkpoint_every=checkpoint_every, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
+        quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     if wants_launch(nproc):
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
-    with _progress_bar() as progress, _rank_named_errors():
+    with progress_display(enabled=os.environ.get("RANK", "0") == "0") as progress, _rank_named_errors():
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
+        verdict = _verify(result, progress, quick) if verify and result.rank == 0 else None
     if result.rank != 0:
         return                           # rank 0 reports and verifies
-    verdict = _verify(result) if verify else None
     if json_out:
         report = result.report
         emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
@@ -111,35 +117,6 @@ def calibrate_command(
     else:
         _render(result, verdict)
     raise typer.Exit(0 if verdict is None or verdict["passed"] else 1)
-
-
-@contextlib.contextmanager
-def _progress_bar() -> Iterator[Callable[[int, int], None]]:
-    """A capture progress bar on stderr, started at the first report (after loading)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bar = Progress(TextColumn("[bold]capture"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    task = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:                 # start the bar only once capture starts
-            bar.start()
-            task = bar.add_task("capture", total=total)
-        bar.update(task, completed=done, total=total)
-
-    try:
-        yield progress
-    finally:
-        bar.stop()
 
 
 @contextlib.contextmanager
@@ -157,12 +134,12 @@ def _rank_named_errors() -> Iterator[None]:
         raise
 
 
-def _verify(result) -> dict:
+def _verify(result, progress, quick: bool) -> dict:
     """``oscar verify`` on the new artifact, with the model already loaded (spread or not)."""
-    from ..tools.verify import verify_artifact
+    from ..tools.verify import QUICK_VERIFY, verify_artifact
 
-    with console.status("verifying the artifact with the INT2 kernels …"):
-        return verify_artifact(result.out, loaded=result.loaded).summary()
+    return verify_artifact(result.out, loaded=result.loaded, progress=progress,
+                           **(QUICK_VERIFY if quick else {})).summary()
 
 
 def _render(result, verdict: dict | None) -> None:
@@ -180,17 +157,22 @@ def _render(result, verdict: dict | None) -> None:
         f"OSCAR calibration of {report['model_id']}",
         ["layer", "attention", "K spread", "V spread", "K clip", "V clip", "K logit err", "attn err", "Hadamard err",
          "better"], rows,
-        caption=f"clips per KV head (min–max); held-out relative RMS errors, every token INT2 (group {report['group_size']}); "
-                f"spread = λmax/mean λ. Mean attn err {s['mean_attn_error_oscar']:.4f} vs Hadamard "
-                f"{s['mean_attn_error_hadamard']:.4f}; better on {s['layers_better_than_hadamard']}/{s['num_layers']} layers"))
+        caption=f"clips per KV head (min–max); spread = λmax/mean λ. Mean attn err {s['mean_attn_error_oscar']:.4f} "
+                f"vs Hadamard {s['mean_attn_error_hadamard']:.4f}; better on {s['layers_better_than_hadamard']}/"
+                f"{s['num_layers']} layers. Errors are relative RMS errors (0 = exact, lower is better) on "
+                f"{report['calibration']['heldout_tokens']} held-out tokens with every token INT2 (group "
+                f"{report['group_size']}, no BF16 sink or window: the harshest case, the one the clips are fitted "
+                "on); Hadamard = the data-free rotation with clips 0.96/0.92."))
     t = report["timings"]
     stdout.print(f"artifact written to [bold]{result.out}[/bold]  ({report['calibration']['tokens']} tokens, "
                  f"{t['total_s']:.1f} s total, {t['statistics_s']:.1f} s capture)")
     if verdict is not None:
         state = "[green]PASS[/green]" if verdict["passed"] else "[red]FAIL[/red]"
         stdout.print(f"verify {state}: mean attention error {verdict['mean_attn_error']:.4f} vs Hadamard "
-                     f"{verdict['mean_attn_error_hadamard']:.4f} (INT2 history, BF16 sink+window; "
-                     f"{result.out}/verify.json)")
+                     f"{verdict['mean_attn_error_hadamard']:.4f} ({result.out}/verify.json). A different measure "
+                     "from the table's: the serving layout (BF16 sink and recent window, INT2 history between) "
+                     "through the INT2 kernels on the corpus' other held-out half, usually lower; lower is "
+                     "better.")
         for r in verdict["reasons"]:
             stdout.print(f"  - {r}")
 

@@ -15,11 +15,11 @@ from ._common import (
     JsonOpt,
     MaxMemoryOpt,
     OffloadDirOpt,
-    console,
     emit_json,
     stdout,
     table,
 )
+from ._progress import progress_display
 
 
 def eval_command(
@@ -44,8 +44,9 @@ def eval_command(
     haystack: Annotated[str, typer.Option(help="niah filler: corpus (held-out sentences) or noise (RULER's "
                                           "repeated sentences).")] = "corpus",
     seed: Annotated[int, typer.Option(help="Seed for held-out sequences / needles.")] = 0,
-    plot: Annotated[Optional[Path], typer.Option(help="PNG to write (default: ARTIFACT/eval-TASK.png, or "
-                                                 "eval-MODEL-TASK.png here without an artifact).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG to write (default: eval-MODEL-TASK.png in the working "
+                                                 "directory, never inside the artifact, which `push` uploads).")]
+    = None,
     record: Annotated[bool, typer.Option(help="Store the results in ARTIFACT/calibration.json and its model card.")]
     = False,
     dtype: DtypeOpt = "auto",
@@ -85,12 +86,10 @@ def eval_command(
     options = EvalOptions(task=task, methods=methods, group_size=group_size, sink=sink, recent=recent, seed=seed,
                           sequences=sequences, seq_len=seq_len, data=data, lengths=lengths, depths=depths,
                           samples=samples, haystack=haystack)
-    if plot is None:
-        plot = (artifact if artifact is not None and artifact.is_dir() else Path(".")) / (
-            f"eval-{task}.png" if artifact is not None else f"eval-{Path(model).name}-{task}.png")
+    plot = plot or Path(f"eval-{Path(model).name.removesuffix('.gguf')}-{task}.png")
     placement = placement_from_options(device_map, max_memory, offload_dir)
-    with console.status("evaluating …") as status:
-        result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=status.update,
+    with progress_display() as progress:
+        result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=progress,
                           placement=placement)
     if record:
         record_eval(artifact, result)
@@ -107,10 +106,13 @@ def render(result, json_out: bool) -> None:
         rows = [[r["method"], f"{r['bits_per_element']:.3f}", r["group_size"] or "–", f"{r['ppl']:.3f}",
                  f"{r['gap_closed_vs_hadamard']:+.0%}" if "gap_closed_vs_hadamard" in r else "–"]
                 for r in result.rows]
+        quanto = "; quanto: QuantizedCache defaults (no sink, residual 128)" if "quanto" in s.get("methods", ()) else ""
         stdout.print(table(f"oscar eval ppl: {result.model_id}", ["method", "bits/elem", "group", "perplexity",
                                                                   "Hadamard→BF16 gap closed"], rows,
                            caption=f"{s['sequences']}×{s['seq_len']} held-out tokens; BF16 sink {s['sink']} + recent "
-                                   f"{s['recent']} per query position; quanto: QuantizedCache defaults"))
+                                   f"{s['recent']} per query position{quanto}. Perplexity of the held-out text: "
+                                   "lower is better, BF16 is the floor; gap closed: the share of Hadamard's "
+                                   "distance to BF16 a method removes (100% = as good as BF16)"))
         _fork_line(s)
     else:
         summ = result.summary()
@@ -119,7 +121,8 @@ def render(result, json_out: bool) -> None:
                 + [f"{r['accuracy']:.2f}"] for r in summ]
         stdout.print(table(f"oscar eval niah: {result.model_id}", ["method", "bits/elem"] + lengths + ["all"], rows,
                            caption=f"exact match over depths {s['depths']} × {s['samples']} sample(s); haystack "
-                                   f"{s['haystack']}"))
+                                   f"{s['haystack']}. Share of needles retrieved: higher is better, 1.00 = every "
+                                   "one; BF16 is what the model manages without quantisation"))
         _fork_line(s)
     for note in s.get("notes") or []:
         stdout.print(f"note: {note}")

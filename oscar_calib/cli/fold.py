@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ._common import DeviceOpt, JsonOpt, TrustOpt, console, emit_json, stdout, table
+from ._common import DeviceOpt, JsonOpt, TrustOpt, emit_json, stdout, table
+from ._progress import progress_display
 
 EXAMPLES = """
     Examples:
@@ -52,34 +53,13 @@ def fold_weights_command(
     sharding and scales format (--dtype and --shard-size do not apply); its logits and values are
     checked after re-quantisation.
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     from ..model.load import resolve_device
     from ..tools.fold import fold_checkpoint
 
-    bar = Progress(TextColumn("[bold]{task.description:<9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, disable=json_out)
-    tasks: dict[str, int] = {}
-
-    def progress(stage: str, done: int, total: int) -> None:
-        if not tasks:
-            bar.start()
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, total=total)
-
-    try:
+    with progress_display() as progress:
         result = fold_checkpoint(model, artifact, out, dtype=dtype, device=resolve_device(device),
                                  trust_remote_code=trust_remote_code, shard_size=shard_size, overwrite=overwrite,
                                  progress=progress)
-    finally:
-        bar.stop()
     r = result.report
     if json_out:
         emit_json(r)

@@ -57,8 +57,8 @@ def export_command(
     launch.sh with its server flags, and clips.json. The files are checked against the fork's
     loader rules before anything is written.
     """
-    from ..numerics.rotation import choose
     from ..spec.config import parse_clip
+    from ..spec.defaults import choose
     from ..tools.sglang import export_sglang
 
     choose("--format", fmt_name, FORMATS)

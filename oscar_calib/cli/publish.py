@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..progress import step
 from ._common import JsonOpt, console, emit_json, stdout, table
+from ._progress import progress_display
 
 PUSH_EXAMPLES = """
     Examples:
@@ -74,7 +76,8 @@ def push_command(
                      f"verified: {'yes' if plan.verified else 'no (--force)'}\n"
                      "dry run: nothing was uploaded", highlight=False)
         return
-    url = push(plan)
+    with progress_display() as progress, step(progress, f"uploading to {plan.target}"):
+        url = push(plan)
     if json_out:
         emit_json(plan.to_dict() | {"dry_run": False, "url": url})
         return
@@ -115,7 +118,8 @@ def pull_command(
 
     if tag or model or clip:
         raise InputError("--tag, --model and --clip apply to rotationzoo:MODEL sources only")
-    result = pull(source, revision=revision, out=out, overwrite=overwrite)
+    with progress_display() as progress, step(progress, f"downloading {source}"):
+        result = pull(source, revision=revision, out=out, overwrite=overwrite)
     if json_out:
         emit_json(result.to_dict())
         return

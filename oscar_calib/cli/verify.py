@@ -14,12 +14,12 @@ from ._common import (
     JsonOpt,
     MaxMemoryOpt,
     OffloadDirOpt,
-    console,
     emit_json,
     fmt,
     stdout,
     table,
 )
+from ._progress import progress_display
 
 
 def verify_command(
@@ -68,10 +68,7 @@ def verify_command(
         raise InputError(f"--depths expects comma-separated integers, got {depths!r}") from None
     directory = artifact.parent if artifact.is_file() else artifact
     placement = placement_from_options(device_map, max_memory, offload_dir)
-    with console.status("verifying …") as status:
-        def progress(done, total):
-            status.update(f"verifying layer {done}/{total}")
-
+    with progress_display() as progress:
         result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
                                  max_layer_error=max_layer_error, seed=seed, progress=progress, placement=placement)
@@ -90,10 +87,14 @@ def render(result, json_out: bool) -> None:
             + [fmt(r["artifact"]["logit"]), fmt(r["hadamard"]["logit"])] for r in result.layers]
     stdout.print(table("oscar verify", ["layer", "attention", "attn err", "Hadamard attn"] + (["fork attn"] if fork else [])
                        + ["logit err", "Hadamard logit"], rows,
-                       caption=f"relative errors vs full precision; depths {result.settings['depths']}, "
-                               f"backend {result.settings['backend']}"
-                               + ("; fork: the OSCAR SGLang fork's scheme for this artifact (one rotation per layer, "
-                                  "global clips, float32 scales; pure-torch simulation)" if fork else "")))
+                       caption=f"depths {result.settings['depths']}, backend {result.settings['backend']}. Relative "
+                               "errors against full precision (0 = exact, lower is better) with the serving layout: "
+                               "BF16 sink and recent window, INT2 history between; attn = the attention output at "
+                               "the decoded position, logit = its scores q·kᵀ. Passes when the mean attn error is "
+                               "below Hadamard's (the data-free rotation, clips 0.96/0.92) and no layer exceeds "
+                               f"{result.settings['max_layer_error']}."
+                               + (" fork attn: the OSCAR SGLang fork's scheme for this artifact (one rotation per "
+                                  "layer, global clips, float32 scales; pure-torch simulation)." if fork else "")))
     verdict = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
     stdout.print(f"{verdict}: mean attention error {s['mean_attn_error']:.4f} vs Hadamard "
                  f"{s['mean_attn_error_hadamard']:.4f}; worst layer {s['worst_layer']} "

@@ -51,7 +51,11 @@ def list_command(zoo: ZooOpt = None,
     else:
         stdout.print(table("OSCAR rotation zoo", ["key", "source", "model", "layers×KV×d", "granularity",
                                                   "attn err OSCAR / Hadamard", "verified", "eval"],
-                           [_entry_row(e, eval_text) for e in entries]))
+                           [_entry_row(e, eval_text) for e in entries],
+                           caption="attn err: the calibration's held-out attention-output error with every token "
+                                   "INT2 (relative RMS, lower is better), against the data-free Hadamard rotation; "
+                                   "verified: `oscar verify` passed; eval: perplexity (lower is better) and needle "
+                                   "retrieval (higher is better) from `oscar eval --record`."))
     if upstream:
         ups = [[u["model_id"], "×".join(str(x) for x in u["geometry"]), u["tag"] or "–",
                 f"{u['k_clip']:g} / {u['v_clip']:g}",

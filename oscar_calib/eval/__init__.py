@@ -47,6 +47,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import EvalError
+from ..progress import ProgressFn
 from .methods import (
     DEFAULT_METHODS,
     METHODS,
@@ -64,8 +65,8 @@ from .report import EvalResult, eval_headline, eval_text, record_eval, write_plo
 
 
 def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None = None, *, loaded=None,
-             device: str = "auto", dtype: str = "auto", plot: Path | None = None, progress=None, placement=None,
-             **legacy) -> EvalResult:
+             device: str = "auto", dtype: str = "auto", plot: Path | None = None,
+             progress: ProgressFn | None = None, placement=None, **legacy) -> EvalResult:
     """Validate the artifact (``oscar validate``'s rules), load the model (or take ``loaded``, a
     :class:`~oscar_calib.model.load.LoadedModel`; ``placement`` spreads a big one over GPUs, CPU
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
@@ -82,7 +83,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
         art = load_artifact(Path(artifact_path))
     methods, notes = resolve_methods(opts.methods, art)
     opts = opts.replace(methods=methods)
-    lm = loaded or load_model(model, device=device, dtype=dtype, placement=placement)
+    lm = loaded or load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import InputError
 from ..model.placement import input_device
+from ..progress import ProgressFn, counter
 from ..runtime.cache import OscarCache, attached
 from ..runtime.scheme import KVScheme
 from .methods import bits_of, build_schemes, fork_settings, quanto_cache
@@ -159,9 +160,11 @@ def cache_for(method: str, model, prefill, scheme: KVScheme | None):
 
 
 @torch.no_grad()
-def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, progress=None, **legacy) -> EvalResult:
-    """NIAH accuracy of every method of ``options`` (see the module docstring).
-    ``legacy``: the pre-0.2 keyword settings (deprecated)."""
+def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, progress: ProgressFn | None = None,
+                  **legacy) -> EvalResult:
+    """NIAH accuracy of every method of ``options`` (see the module docstring); ``progress`` hears
+    one stage counting answers (prompts × methods). ``legacy``: the pre-0.2 keyword settings
+    (deprecated)."""
     t0 = time.perf_counter()
     o = as_options(options, "niah", legacy)
     methods, group_size, sink, recent, seed = list(o.methods), o.group_size, o.sink, o.recent, o.seed
@@ -177,15 +180,12 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rows = []
     jobs = [(L, d, s) for L in lengths for d in depths for s in range(samples)]
-    for n, (length, depth, s) in enumerate(jobs):
+    tick = counter(progress, "needle in a haystack", len(jobs) * len(methods), "answers")
+    for length, depth, s in jobs:
         sample = make_niah(tok, length, depth, seed + s, haystack=haystack)
         ids = torch.tensor([sample.ids], device=dev)
-        if progress:
-            progress(f"NIAH {n + 1}/{len(jobs)}: length {length}, depth {depth:.2f}: prefill")
         pre = _prefill(model, ids[:, :-1], prefill_chunk)
         for m in methods:
-            if progress:
-                progress(f"NIAH {n + 1}/{len(jobs)}: length {length}, depth {depth:.2f}: {m}")
             cache = cache_for(m, model, pre, schemes.get(m))
             with attached(cache, model):
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
@@ -197,6 +197,7 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
             if isinstance(cache, OscarCache):
                 row["cache_bytes_per_token"] = cache.memory()["bytes_per_token"]
             rows.append(row)
+            tick(len(rows))
         del pre
     settings = {"methods": methods, "sink": sink, "recent": recent, "lengths": list(lengths), "depths": list(depths),
                 "samples": samples, "seed": seed, "haystack": haystack, "max_new_tokens": max_new_tokens,

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..model.placement import input_device
+from ..progress import ProgressFn, counter
 from ..runtime.scheme import KVScheme
 from ..runtime.simulate import SimulatedKV
 from .methods import (
@@ -90,9 +91,10 @@ def quanto_sequence_nll(model, ids: torch.Tensor, progress=None, make_cache=None
     return total, n
 
 
-def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progress=None, **legacy) -> EvalResult:
-    """Held-out perplexity of every method of ``options`` (see the module docstring).
-    ``legacy``: the pre-0.2 keyword settings (deprecated)."""
+def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progress: ProgressFn | None = None,
+                 **legacy) -> EvalResult:
+    """Held-out perplexity of every method of ``options`` (see the module docstring); ``progress``
+    hears one stage per method. ``legacy``: the pre-0.2 keyword settings (deprecated)."""
     t0 = time.perf_counter()
     o = as_options(options, "ppl", legacy)
     methods, group_size, sink, recent = list(o.methods), o.group_size, o.sink, o.recent
@@ -103,16 +105,17 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
     for m in methods:
         t1 = time.perf_counter()
         nll = n = 0
+        if m == "quanto":        # token by token: count tokens
+            tick = counter(progress, "perplexity: quanto", sum(len(s) - 1 for s in seqs), "tokens")
+        else:
+            tick = counter(progress, f"perplexity: {m}", len(seqs), "sequences")
         for i, s in enumerate(seqs):
-            if progress:
-                progress(f"{m}: sequence {i + 1}/{len(seqs)}")
             if m == "quanto":
-                a, b = quanto_sequence_nll(lm.model, s.unsqueeze(0),
-                                           progress=(lambda d, tot: progress(f"quanto: sequence {i + 1}/{len(seqs)}, "
-                                                                            f"token {d}/{tot}")) if progress else None)
+                a, b = quanto_sequence_nll(lm.model, s.unsqueeze(0), progress=lambda d, tot, before=n: tick(before + d))
             else:
                 a, b = sequence_nll(lm.model, s.unsqueeze(0), schemes[m])
             nll, n = nll + a, n + b
+            tick(n if m == "quanto" else i + 1)
         sch = schemes.get(m)
         row = {"method": m, "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "bits_per_element": bits_of(m, sch),
                "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)}

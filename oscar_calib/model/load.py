@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import InputError, ModelLoadError, UnsupportedModelError, first_line
 from ..fsutil import staged_dir
+from ..progress import ProgressFn, step
 from .geometry import Geometry, geometry_of, model_fingerprint
 from .placement import Placement
 
@@ -170,17 +171,26 @@ class LoadedModel:
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
-               trust_remote_code: bool = False, placement: Placement | None = None) -> LoadedModel:
+               trust_remote_code: bool = False, placement: Placement | None = None,
+               progress: ProgressFn | None = None) -> LoadedModel:
     """Load a model, its tokenizer, geometry and fingerprint. The model is in eval mode; GGUF
     weights are de-quantised by transformers (float32 unless ``dtype`` says otherwise).
     ``placement`` spreads it with accelerate (``device_map``, ``max_memory``, ``offload_dir``);
-    without one it goes to ``device``. The one way every tool loads a model."""
+    without one it goes to ``device``. ``progress`` hears one stage, ``loading model`` (its
+    label says so when a GGUF model is de-quantised: the first load only). The one way every tool
+    loads a model."""
+    source = resolve_model(spec)
+    cached = gguf_cache_dir(source) if source.gguf_file else None
+    fresh_gguf = bool(source.gguf_file) and not (cached is not None and (cached / "config.json").exists())
+    with step(progress, "loading model (de-quantising GGUF, first time only)" if fresh_gguf else "loading model"):
+        return _load_model(spec, source, dtype, device, trust_remote_code, placement or Placement())
+
+
+def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_remote_code: bool,
+                placement: Placement) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = placement or Placement()
-    device_map, max_memory, offload_folder = p.device_map, p.max_memory, p.offload_dir
-
-    source = resolve_model(spec)
+    device_map, max_memory, offload_folder = placement.device_map, placement.max_memory, placement.offload_dir
     torch_dtype = _torch_dtype(dtype)
     load_path = source.path
     kwargs = dict(trust_remote_code=trust_remote_code)

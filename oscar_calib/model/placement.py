@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -101,10 +103,12 @@ def placement_from_options(device_map: str | None, max_memory: str | None,
     return Placement(dmap, mmem, str(offload_dir) if offload_dir is not None else None) if dmap is not None else None
 
 
-def input_device(model) -> torch.device:
+def input_device(model) -> "torch.device":
     """Where input ids go: the first parameter that is not offloaded (meta); accelerate's hooks move
     inputs on from there."""
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
+    import torch
+
     return torch.device("cpu")

@@ -73,6 +73,14 @@ class HeldoutLayer:
                 self._probs.append(torch.softmax(s, -1))
         return self._probs
 
+    def references(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence, the full-precision logits [Hq, T, T] and attention output [T, Hq, d]
+        every :func:`heldout_errors` call compares against (computed once per layer object)."""
+        if getattr(self, "_refs", None) is None:
+            self._refs = [(self.logits(q, k), self.attend(p, v)) for q, k, v, p in zip(self.q, self.k, self.v,
+                                                                                      self.probs())]
+        return self._refs
+
     def prob_grams(self) -> list[torch.Tensor]:
         """Per sequence, ``Σ_{j∈G(h)} P_jᵀ P_j`` for every KV head h: [Hkv, T, T]."""
         if getattr(self, "_grams", None) is None:
@@ -94,9 +102,13 @@ class HeldoutLayer:
 
 
 def _quant_grid(x: torch.Tensor, grid: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [N, d] -> [len(grid), N, d] fake-quantised after clipping at every grid ratio."""
-    xs = x.unsqueeze(0).expand(len(grid), *x.shape)
-    clipped = clip_rows(xs, grid.view(-1, 1))
+    """x [N, d] -> [len(grid), N, d] fake-quantised after clipping at every grid ratio: the
+    thresholds of :func:`~oscar_calib.numerics.quant.clip_threshold`, from one sort of ``|x|``
+    shared by every ratio (bit-identical to clipping at each ratio on its own)."""
+    d = x.shape[-1]
+    idx = torch.clamp(torch.floor(grid.to(torch.float64) * d).long(), max=d - 1)
+    t = x.abs().sort(dim=-1).values[:, idx].T.unsqueeze(-1)            # [G, N, 1]
+    clipped = torch.maximum(torch.minimum(x.unsqueeze(0), t), -t)
     return fake_quant_int2(clipped, group_size).double()
 
 
@@ -143,15 +155,13 @@ def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size:
     """Relative RMS errors on the held-out rows for one layer (see module docstring)."""
     num = {"k": 0.0, "v": 0.0, "attn": 0.0}
     den = {"k": 0.0, "v": 0.0, "attn": 0.0}
-    for q, k, v, p in zip(held.q, held.k, held.v, held.probs()):
+    for q, k, v, p, (s_ref, o_ref) in zip(held.q, held.k, held.v, held.probs(), held.references()):
         m = held.mask(q.shape[0])
         kq = _dequant_heads(k, k_rot, k_clip, group_size)
         vq = _dequant_heads(v, v_rot, v_clip, group_size)
-        s_ref = held.logits(q, k)
         s_q = held.logits(q, kq)
         num["k"] += float(((s_q - s_ref) * m).pow(2).sum())
         den["k"] += float((s_ref * m).pow(2).sum())
-        o_ref = held.attend(p, v)
         num["v"] += float((held.attend(p, vq) - o_ref).pow(2).sum())
         p_q = torch.softmax(s_q.masked_fill(~m, -math.inf), -1)
         num["attn"] += float((held.attend(p_q, vq) - o_ref).pow(2).sum())

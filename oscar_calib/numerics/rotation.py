@@ -23,18 +23,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, NumericalError
+from ..spec.defaults import (  # noqa: F401
+    COMPOSITIONS,
+    GRANULARITIES,
+    K_OBJECTIVES,
+    V_OBJECTIVES,
+    choose,
+)
 from .hadamard import bit_reversal_permutation, hadamard
-
-K_OBJECTIVES = {"qqt": "q", "ktk": "k"}
-V_OBJECTIVES = {"sst": "s", "sst-approx": "s_approx", "vtv": "v"}
-COMPOSITIONS = ("u_h_pbr", "u", "h", "identity")
-GRANULARITIES = ("head", "layer")
-
-
-def choose(name: str, value: str, valid) -> str:
-    if value not in valid:
-        raise InputError(f"unknown {name} {value!r}; choose from {', '.join(valid)}")
-    return value
 
 
 def eig_desc(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

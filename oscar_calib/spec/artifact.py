@@ -11,6 +11,9 @@ Layout of an artifact directory::
 Writes are atomic (temporary name in the same directory, then ``os.replace``) and
 deterministic: the safetensors header is serialised with sorted keys, so the same tensors and
 metadata give byte-identical files (the stock serialiser orders metadata by hash).
+
+Importing this module does not import torch (``oscar zoo list`` and ``oscar validate`` read
+headers and check structure without it); the functions that build or load tensors import it.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .. import FORMAT_VERSION
 from ..errors import ArtifactError
 from ..fsutil import atomic_write_files
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS_NAME = "oscar.safetensors"
 CARD_NAME = "README.md"
@@ -134,6 +139,8 @@ class Artifact:
         return float(md["fork_k_clip"]), float(md["fork_v_clip"])
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        import torch
+
         out = {}
         for i, layer in enumerate(self.layers):
             for kind in TENSOR_KINDS + SHARED_KINDS:
@@ -145,21 +152,28 @@ class Artifact:
 
 # ----------------------------------------------------------------------------- bytes
 
-_DTYPE_TAG = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
+_DTYPE_TAG = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+              "int32": "I32", "uint8": "U8", "int8": "I8"}
+
+
+def dtype_name(t) -> str:
+    """``float32`` for a torch or numpy float32 tensor (and so on): the dtype without its library."""
+    return str(t.dtype).removeprefix("torch.")
 
 
 def serialize_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """Canonical safetensors bytes: tensors in name order, header JSON with sorted keys,
     padded with spaces to 8 bytes. Readable by every safetensors reader."""
+    import torch
+
     header: dict = {"__metadata__": {k: str(v) for k, v in sorted(metadata.items())}}
     chunks, offset = [], 0
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
-        if t.dtype not in _DTYPE_TAG:
+        if dtype_name(t) not in _DTYPE_TAG:
             raise ArtifactError(f"cannot store dtype {t.dtype} for {name}")
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _DTYPE_TAG[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": _DTYPE_TAG[dtype_name(t)], "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)
         offset += len(raw)
@@ -249,8 +263,9 @@ def load_artifact(path: Path, *, check: bool = True) -> Artifact:
     return Artifact(layers=layers, metadata=metadata, path=wpath.parent, report=report)
 
 
-def check_structure(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[str]:
+def check_structure(tensors: dict, metadata: dict[str, str]) -> list[str]:
     """Format-v1 structure checks: metadata keys and types, every tensor present with its shape.
+    ``tensors`` may hold torch tensors or numpy arrays (anything with ``shape`` and ``dtype``).
     Returns one message per problem (empty when fine)."""
     problems = []
     if metadata.get("format") != FORMAT_NAME:
@@ -275,8 +290,8 @@ def check_structure(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
             problems.append(f"missing tensor {name}")
         elif tuple(tensors[name].shape) != shape:
             problems.append(f"{name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
-        elif tensors[name].dtype != torch.float32:
-            problems.append(f"{name} has dtype {tensors[name].dtype}, expected float32")
+        elif dtype_name(tensors[name]) != "float32":
+            problems.append(f"{name} has dtype {dtype_name(tensors[name])}, expected float32")
     extra = sorted(set(tensors) - set(expected))
     if extra:
         problems.append(f"unexpected tensors: {', '.join(extra[:5])}")

@@ -8,18 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..numerics.rotation import (
+from .defaults import (
     COMPOSITIONS,
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
     GRANULARITIES,
     K_OBJECTIVES,
     V_OBJECTIVES,
-    choose,
-)
-from .defaults import (
-    DEFAULT_RECENT,
-    DEFAULT_SINK,
     check_clip,
     check_window,
+    choose,
     is_power_of_two,
 )
 
@@ -117,12 +115,22 @@ def from_mapping(data: dict, *, where: str = "config") -> CalibrationConfig:
 # command-line values that mean "not given" (the YAML file's value, else the default, stays)
 UNSET_OPTIONS = {"dtype": "auto", "device": "auto", "trust_remote_code": False}
 
+# ``oscar calibrate --quick``: a first try in well under a minute on two CPU cores. A quarter of the
+# default token budget in half-length sequences, and half the held-out rows the clips are fitted on
+# (clip fitting costs the square of their length). What it costs in accuracy is measured in the
+# README ("A first run"). The verify that follows uses ``tools.verify.QUICK_VERIFY``.
+QUICK = {"tokens": 2048, "seq_len": 512, "heldout_tokens": 256}
 
-def config_from_options(config: Path | None, options: dict, *, clip: str | None = None) -> CalibrationConfig:
+
+def config_from_options(config: Path | None, options: dict, *, clip: str | None = None,
+                        quick: bool = False) -> CalibrationConfig:
     """The settings of one ``oscar calibrate``: the ``calibration:`` section of the YAML file
-    ``config`` (if any), overridden by the command-line ``options`` that were given (not ``None``
-    and not the option's own default in :data:`UNSET_OPTIONS`), and ``clip`` (``--clip`` text)."""
+    ``config`` (if any), then :data:`QUICK` when ``quick``, overridden by the command-line
+    ``options`` that were given (not ``None`` and not the option's own default in
+    :data:`UNSET_OPTIONS`), and ``clip`` (``--clip`` text)."""
     values = load_yaml_section(config) if config else {}
+    if quick:
+        values.update(QUICK)
     values.update({k: v for k, v in options.items() if v is not None and (k not in UNSET_OPTIONS
                                                                           or v != UNSET_OPTIONS[k])})
     if clip is not None:

@@ -9,6 +9,8 @@ name                        meaning
 ``BASELINE_CLIPS``          the reference repo's global (K, V) clip ratios: (0.96, 0.92)
 ``ORTHOGONALITY_TOL``       ``‖R Rᵀ − I‖∞`` below this (float32 rotations, float64 math)
 ``BITS``                    bits per quantised element code: 2
+``K_OBJECTIVES`` …          the method names a calibration accepts (objectives,
+                            compositions, granularities) and :func:`choose`
 ==========================  ==========================================================
 
 This module imports nothing heavy (no torch), so every layer of the package can use it.
@@ -24,6 +26,19 @@ MAX_GROUP_SIZE = 128
 BASELINE_CLIPS = (0.96, 0.92)
 ORTHOGONALITY_TOL = 1e-5
 BITS = 2
+
+# method names -> the accumulator (``calibrate.stats``) each objective reads
+K_OBJECTIVES = {"qqt": "q", "ktk": "k"}
+V_OBJECTIVES = {"sst": "s", "sst-approx": "s_approx", "vtv": "v"}
+COMPOSITIONS = ("u_h_pbr", "u", "h", "identity")
+GRANULARITIES = ("head", "layer")
+
+
+def choose(name: str, value: str, valid) -> str:
+    """``value`` if it is one of ``valid``, else :class:`InputError` listing them."""
+    if value not in valid:
+        raise InputError(f"unknown {name} {value!r}; choose from {', '.join(valid)}")
+    return value
 
 
 def is_power_of_two(n: int) -> bool:

@@ -27,20 +27,24 @@ A PATH may be an artifact directory, an ``oscar.safetensors`` (or any ``.safeten
 directory holding artifact directories at any depth (``oscar validate zoo``). The zoo's own
 ``index.json`` is skipped, so ``oscar validate zoo/*`` works; any other file is a problem. Problems are
 collected, never raised, so one run reports everything wrong with every artifact.
+
+Tensors are read with numpy straight from the byte ranges the checked header names, and every
+check runs in numpy (float64 where it computes): validating imports neither torch nor
+transformers, so ``oscar validate`` without ``--model`` starts in well under a second.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from .. import FORMAT_VERSION
 from ..errors import OscarError
-from ..numerics.rotation import COMPOSITIONS, GRANULARITIES, K_OBJECTIVES, V_OBJECTIVES
 from ..spec.artifact import (
     FORMAT_NAME,
     INT_METADATA,
@@ -50,10 +54,16 @@ from ..spec.artifact import (
     check_structure,
     compatibility_problems,
 )
+from ..spec.defaults import COMPOSITIONS, GRANULARITIES, K_OBJECTIVES, V_OBJECTIVES
 from ..spec.stfile import read_header
 from ..spec.values import EIGENVALUE_TOL, check_values  # noqa: F401 (re-exported: the value checks' home is spec)
 
 IMPORTED = "imported"        # objective/composition of an artifact made by ``oscar import``
+
+# safetensors dtype tags numpy reads; the others (BF16, FP8) are described by name and shape only
+_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+                 "U8": "u1", "BOOL": "?", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
+_DTYPE_NAMES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 @dataclass
@@ -160,15 +170,30 @@ def is_zoo_index(path: Path) -> bool:
 
 # ----------------------------------------------------------------------------- reading
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+@dataclass
+class _Unread:
+    """A tensor numpy cannot hold (bfloat16, FP8): its shape and dtype, for the structure check."""
 
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise OscarError(f"cannot read tensors ({first})") from None
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_tensors(path: Path, header: dict, data_start: int) -> dict[str, np.ndarray | _Unread]:
+    """Every tensor of a safetensors file whose ``header`` :func:`read_header` checked, as numpy
+    arrays (little-endian, as stored)."""
+    raw = path.read_bytes()
+    out: dict[str, np.ndarray | _Unread] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = tuple(int(x) for x in info["shape"])
+        if info["dtype"] not in _NUMPY_DTYPES:
+            out[name] = _Unread(shape, _DTYPE_NAMES.get(info["dtype"], info["dtype"]))
+            continue
+        start = data_start + int(info["data_offsets"][0])
+        out[name] = np.frombuffer(raw, dtype=_NUMPY_DTYPES[info["dtype"]], count=math.prod(shape),
+                                  offset=start).reshape(shape)
+    return out
 
 
 # ----------------------------------------------------------------------------- checks
@@ -245,9 +270,9 @@ def validate_artifact(path: Path, *, model: ModelReference | None = None) -> Val
         report.add("file", [f"no {WEIGHTS_NAME} here"])
         return report
     try:
-        header, _ = read_header(wpath)
+        header, data_start = read_header(wpath)
         report.metadata = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
-        tensors = _load_tensors(wpath)
+        tensors = read_tensors(wpath, header, data_start)
     except OscarError as e:
         report.add("file", [str(e)])
         return report

@@ -29,7 +29,6 @@ from pathlib import Path
 
 from ..errors import PublishError
 from ..spec.artifact import WEIGHTS_NAME
-from .publish import download_snapshot, parse_source
 from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
 from .zoo import INDEX_NAME, index_is_current
 
@@ -52,6 +51,9 @@ def validate_hub(source: str, *, model: ModelReference | None = None) -> list[Va
     Report paths read ``hf:ORG/NAME[@REV]`` (``/SUB`` for an artifact in a sub-folder). A failed
     download is a problem in the report, not an exception; a malformed source raises
     :class:`~oscar_calib.errors.InputError`."""
+    # the hub clients load only for hub sources: validating local files stays light
+    from .publish import download_snapshot, parse_source
+
     target, revision = parse_source(source)
     label = f"{target}@{revision}" if revision else str(target)
     with tempfile.TemporaryDirectory(prefix="oscar-validate-") as tmp:
@@ -95,6 +97,8 @@ def validate_sources(sources: list[str], *, model: ModelReference | None = None,
     before anything is downloaded, so a malformed one fails at once."""
     for s in sources:
         if is_hub_source(s):
+            from .publish import parse_source
+
             parse_source(s)
     reports: list[ValidationReport] = []
     local: list[Path] = []

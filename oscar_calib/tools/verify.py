@@ -47,10 +47,13 @@ from ..fsutil import atomic_write_bytes, atomic_write_text
 from ..model.load import LoadedModel
 from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
+from ..progress import ProgressFn, counter, step
 from ..spec.artifact import load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
+# what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024
+QUICK_VERIFY = {"depths": (512, 1024), "sequences": 1}
 DEFAULT_MAX_LAYER_ERROR = 0.5
 POSITION_STRIDE = 7
 VERIFY_NAME = "verify.json"
@@ -119,7 +122,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
         split_lengths,
     )
 
-    q_all, k_all, v_all, o_all = caps["q"], caps["k"], caps["v"], caps["o"]   # [B, T, H, d]
+    k_all, v_all = caps["k"], caps["v"]                                       # [B, T, H, d]
+    q_all, o_all, at = caps["q"], caps["o"], caps["at"]     # [B, P, H, d] at the query positions; at[pos] -> P
     n_seq, _, h, d = k_all.shape
     dev = k_all.device
     qk = quantize_kv(k_all, rot_k, clip_k, group_size, backend=backend)       # the write kernel
@@ -162,8 +166,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
                         pools["v_offset"], torch.tensor([nh for _, nh, _ in parts], dtype=torch.int32, device=dev),
                         k16, v16, torch.tensor([ns + nr for ns, _, nr in parts], dtype=torch.int32, device=dev),
                         group_size, table.to(dev))
-    q = torch.stack([q_all[b, e - 1] for b, _, e in rows])                 # [N, Hq, d]
-    ref = torch.stack([o_all[b, e - 1] for b, _, e in rows]).float()
+    q = torch.stack([q_all[b, at[e - 1]] for b, _, e in rows])             # [N, Hq, d]
+    ref = torch.stack([o_all[b, at[e - 1]] for b, _, e in rows]).float()
     o = decode_attention(q, cache, k_rotation=rot_k, v_rotation=rot_v, unrotate=True, sm_scale=scaling,
                          out_dtype=torch.float32, backend=backend)               # the decode kernel
     num_o = float((o.float() - ref).pow(2).sum())
@@ -194,10 +198,10 @@ def _fork_layer_errors(caps: dict, samples, scheme, layer: int, scaling: float, 
     sim = SimulatedKV(None, scheme)
     num = den = 0.0
     for e in sorted({e for _, e in samples}):
-        q = caps["q"][:, e - 1:e].transpose(1, 2)                       # [B, Hq, 1, d]
+        q = caps["q"][:, caps["at"][e - 1]].unsqueeze(2)                 # [B, Hq, 1, d]
         k, v = caps["k"][:, :e].transpose(1, 2), caps["v"][:, :e].transpose(1, 2)
         o = sim.attend(layer, q, k, v, None, scaling, window, None)[:, 0]   # [B, Hq, d]
-        ref = caps["o"][:, e - 1].float()
+        ref = caps["o"][:, caps["at"][e - 1]].float()
         num += float((o - ref).pow(2).sum())
         den += float(ref.pow(2).sum())
     return {"attn": math.sqrt(num / max(den, 1e-300))}
@@ -216,7 +220,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                     dtype: str = "auto", backend: str = "auto", depths=DEFAULT_DEPTHS, sequences: int = 2,
                     positions: int = 8, data: str = "embedded", max_layer_error: float = DEFAULT_MAX_LAYER_ERROR,
                     seed: int = 0, write: bool = True, plot: bool = True, quiet: bool = False,
-                    progress=None, placement=None) -> VerifyResult:
+                    progress: ProgressFn | None = None, placement=None) -> VerifyResult:
     """Verify an artifact; see the module docstring. ``loaded`` (a :class:`LoadedModel`) uses a
     model already in memory instead of loading ``model``; ``placement``
     (:class:`~oscar_calib.model.placement.Placement`) spreads a big one over GPUs, CPU and disk.
@@ -224,7 +228,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     its inputs go to. The artifact is validated first (``oscar validate``'s rules: a NaN or a
     non-orthogonal rotation is refused with its line)."""
     from ..calibrate.corpus import plan_tokens
-    from ..model.capture import Capture
+    from ..model.capture import Capture, capture_forward
     from ..model.load import load_model
     from .validate import require_valid
 
@@ -243,7 +247,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         from ..model.load import spec_for_model_id
 
         model = model or spec_for_model_id(art.metadata.get("model_id", ""))
-        loaded = load_model(model, device=device, dtype=dtype, placement=placement)
+        loaded = load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     lm = loaded
     require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
     geo = lm.geometry
@@ -257,27 +261,40 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     ids = torch.stack(plan.heldout)                                    # [B, max_depth]
     caps: dict[int, dict] = {}
     info: dict[int, dict] = {}
+    # queries and outputs are needed only where a sample's query sits (K/V: every position); one
+    # sequence per forward pass, so the pass's own activations are those of one sequence
+    query_at = sorted({e - 1 for _, e in _samples(depths, positions, POSITION_STRIDE, None)})
+    at = {p: j for j, p in enumerate(query_at)}
+    sel = torch.tensor(query_at, device=dev)
+    seq = [0]
 
     def observe(layer, module, q, k, v, o, kwargs):
-        keep = (lambda t: t.float().cpu()) if spread else (lambda t: t.float())  # noqa: E731
-        caps[layer] = {"q": keep(q.transpose(1, 2)), "k": keep(k.transpose(1, 2)),
-                       "v": keep(v.transpose(1, 2)), "o": keep(o)}
+        ix = sel.to(q.device)
+        got = {"q": q.index_select(2, ix).transpose(1, 2), "k": k.transpose(1, 2), "v": v.transpose(1, 2),
+               "o": o.index_select(1, ix.to(o.device))}
+        if layer not in caps:                 # a spread model's captures wait on the CPU
+            caps[layer] = {n: torch.empty((len(ids), *t.shape[1:]), dtype=torch.float32,
+                                          device="cpu" if spread else dev) for n, t in got.items()} | {"at": at}
+        for n, t in got.items():
+            caps[layer][n][seq[0]] = t[0]
         sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         info[layer] = {"scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                        "window": int(sw) if sw else None}
 
-    with torch.no_grad(), Capture(lm.model, [observe]):
-        lm.model(input_ids=ids.to(dev), use_cache=False)
+    with step(progress, "verify: held-out pass"), torch.no_grad(), Capture(lm.model, [observe]):
+        for seq[0] in range(len(ids)):
+            capture_forward(lm.model, ids[seq[0]:seq[0] + 1].to(dev))
     t_capture = time.perf_counter() - t0
     h = hadamard(geo.head_dim, warn=False).float().to(dev).expand(geo.num_kv_heads, -1, -1).contiguous()
     base_k = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[0], device=dev)
     base_v = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[1], device=dev)
     fork = _fork_scheme(art)
     rows = []
+    tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
     for i, layer in enumerate(art.layers):
         kw = dict(group_size=group_size, sink=sink, recent=recent, backend=backend, scaling=info[i]["scaling"])
         samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
-        cap = {k: t.to(dev) for k, t in caps.pop(i).items()}          # one layer at a time on ``dev``
+        cap = {k: t.to(dev) if torch.is_tensor(t) else t for k, t in caps.pop(i).items()}  # a layer at a time on dev
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
                              layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw)
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
@@ -285,8 +302,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                      "artifact": ours, "hadamard": base})
         if fork is not None:
             rows[-1]["fork"] = _fork_layer_errors(cap, samples, fork, i, info[i]["scaling"], info[i]["window"])
-        if progress:
-            progress(i + 1, len(art.layers))
+        tick(i + 1)
     reasons = []
     mean_o = sum(r["artifact"]["attn"] for r in rows) / len(rows)
     mean_h = sum(r["hadamard"]["attn"] for r in rows) / len(rows)

@@ -32,6 +32,7 @@ from ...fsutil import (
 )
 from ...model.geometry import Geometry, text_config
 from ...model.load import LoadedModel
+from ...progress import ProgressFn, step
 from ...spec.artifact import (
     CARD_NAME,
     REPORT_NAME,
@@ -51,7 +52,6 @@ from .proof import (
 from .weights import (
     CONFIG_KEY,
     FOLDED_KEY,
-    ProgressFn,
     check_artifact_matches,
     fold_targets,
     refuse_folded_artifact,
@@ -201,7 +201,7 @@ class FoldResult:
 
 
 def _load(model_spec: str, artifact: Artifact, out: Path, overwrite: bool, loaded: LoadedModel | None, device: str,
-          trust_remote_code: bool) -> LoadedModel:
+          trust_remote_code: bool, progress: ProgressFn | None = None) -> LoadedModel:
     """Check the output against every input, then load the model (unless ``loaded``)."""
     from ...model.load import load_model, resolve_model
 
@@ -212,7 +212,8 @@ def _load(model_spec: str, artifact: Artifact, out: Path, overwrite: bool, loade
     if source.kind != "hub" and source.path:
         protected.append(Path(source.path) / source.gguf_file if source.gguf_file else Path(source.path))
     check_fold_output(out, overwrite, protected)
-    return loaded or load_model(model_spec, dtype="auto", device=device, trust_remote_code=trust_remote_code)
+    return loaded or load_model(model_spec, dtype="auto", device=device, trust_remote_code=trust_remote_code,
+                                progress=progress)
 
 
 def _prepare(lm: LoadedModel, artifact: Artifact, out_dtype: torch.dtype | None) -> tuple[Geometry, torch.dtype]:
@@ -263,7 +264,7 @@ def fold_checkpoint(model_spec: str, artifact_path: Path, out: Path, *, dtype: s
                                          device=device, overwrite=overwrite, progress=progress,
                                          sample_shape=sample_shape)
             return FoldResult(out, {"model": model_spec, **report})
-    lm = _load(model_spec, artifact, out, overwrite, loaded, device, trust_remote_code)
+    lm = _load(model_spec, artifact, out, overwrite, loaded, device, trust_remote_code, progress)
     artifact_sha = file_sha256(Path(artifact.path) / WEIGHTS_NAME)
     t_load = time.perf_counter() - t0
 
@@ -279,21 +280,18 @@ def fold_checkpoint(model_spec: str, artifact_path: Path, out: Path, *, dtype: s
                              "model_fingerprint": lm.fingerprint, "format_version": FORMAT_VERSION,
                              "artifact": f"{ARTIFACT_SUBDIR}/{WEIGHTS_NAME}",
                              "model_id": artifact.metadata.get("model_id")}
-    steps = progress or (lambda stage, done, total: None)
     with staged_dir(out, overwrite=overwrite, tag="oscar-fold") as tmp:
         t2 = time.perf_counter()
-        steps("save", 0, 1)
-        _save(lm.model, lm.tokenizer, tmp, artifact, artifact_sha, out_dtype, shard_size)
-        steps("save", 1, 1)
+        with step(progress, "fold: saving"):
+            _save(lm.model, lm.tokenizer, tmp, artifact, artifact_sha, out_dtype, shard_size)
         t_save = time.perf_counter() - t2
         t3 = time.perf_counter()
-        steps("reload", 0, 1)
-        run_device = lm.model.device
-        if loaded is None:            # ours: free it before a second copy is loaded from disk
-            lm.model = None
-            gc.collect()
-        reload = reload_check(tmp, input_ids, logits0, out_dtype, device=run_device)
-        steps("reload", 1, 1)
+        with step(progress, "fold: reload check"):
+            run_device = lm.model.device
+            if loaded is None:            # ours: free it before a second copy is loaded from disk
+                lm.model = None
+                gc.collect()
+            reload = reload_check(tmp, input_ids, logits0, out_dtype, device=run_device)
         t_reload = time.perf_counter() - t3
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         apply_umask_mode(tmp, recursive=True)

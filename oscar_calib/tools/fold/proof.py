@@ -14,8 +14,9 @@ import torch
 
 from ...errors import NumericalError
 from ...model.capture import Capture
+from ...progress import ProgressFn, step
 from ...spec.artifact import Artifact
-from .weights import ProgressFn, check_artifact_matches, fold_targets, fold_v_rotation
+from .weights import check_artifact_matches, fold_targets, fold_v_rotation
 
 #: Max relative logit / value difference, float32 folded vs float32 original (``max|a−b| / max|a|``).
 CHECK_TOLERANCE = 1e-4
@@ -109,17 +110,11 @@ def fold_and_check(model, artifact: Artifact, input_ids: torch.Tensor, *, input_
     folded but unusable for writing; callers discard it). Run it on a float32 model."""
     geo = check_artifact_matches(model, artifact, fingerprint=fingerprint)
     fold_targets(model, geo)   # refuse unsupported layouts before the reference forward pass
-    if progress:
-        progress("reference", 0, 1)
-    logits0, values0 = run_and_capture(model, input_ids)
-    if progress:
-        progress("reference", 1, 1)
+    with step(progress, "fold: reference pass"):
+        logits0, values0 = run_and_capture(model, input_ids)
     fold_v_rotation(model, artifact, progress=progress, checked=geo)
-    if progress:
-        progress("check", 0, 1)
-    logits1, values1 = run_and_capture(model, input_ids)
-    if progress:
-        progress("check", 1, 1)
+    with step(progress, "fold: check pass"):
+        logits1, values1 = run_and_capture(model, input_ids)
     per_layer = value_errors(values0, values1, artifact)
     check = FoldCheck(rel_diff(logits0, logits1), max(per_layer, default=0.0), per_layer,
                       list(input_ids.shape), input_kind, tolerance)

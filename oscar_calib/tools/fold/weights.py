@@ -19,7 +19,6 @@ validated (:func:`fold_targets`: plain float ``nn.Linear`` projections of the ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -32,13 +31,13 @@ from ...model.geometry import (
     text_config,
 )
 from ...model.registry import ArchSpec, arch_for
+from ...progress import ProgressFn, counter
 from ...spec.artifact import Artifact, require_compatible
 from ..validate import check_metadata_values, check_values
 
 CONFIG_KEY = "oscar"
 FOLDED_KEY = "v_folded"
 
-ProgressFn = Callable[[str, int, int], None]   # (stage, done, total)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -184,10 +183,7 @@ def fold_v_rotation(model, artifact: Artifact, *, progress: ProgressFn | None = 
     layer's layout before changing any weight."""
     geo = checked or check_artifact_matches(model, artifact)
     targets = fold_targets(model, geo)
-    n = len(targets)
-    if progress:
-        progress("fold", 0, n)
+    tick = counter(progress, "fold: V rotation", len(targets), "layers")
     for i, (t, layer) in enumerate(zip(targets, artifact.layers)):
         fold_layer(t, layer.v_rotation, geo.num_attention_heads)
-        if progress:
-            progress("fold", i + 1, n)
+        tick(i + 1)

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""A new user's first hour, timed: start-up of the light commands, ``make demo``, and
+``oscar calibrate --quick`` with what it costs in accuracy. Optionally against another checkout
+(``--baseline DIR``, e.g. ``git worktree add /tmp/base main``) in the same run, alternating.
+
+    python scripts/bench_first_run.py --parts startup --repeats 5 --baseline /tmp/base
+    python scripts/bench_first_run.py --parts demo,quick --repeats 2 --baseline /tmp/base
+    python scripts/bench_first_run.py --parts accuracy
+
+Parts:
+
+* ``startup``: wall time of ``--help``, ``zoo list``, ``zoo table``, ``validate zoo`` and
+  ``export`` (fresh interpreters, medians of ``--repeats``).
+* ``demo``: the command ``make demo`` runs (``calibrate smollm2-135m --device cpu``), wall time,
+  CPU time and peak RSS of the whole process, per checkout (and per ``--baseline-env``); runs
+  alternate between them.
+* ``quick``: the same with ``--quick`` (this checkout only).
+* ``accuracy``: a default and a ``--quick`` artifact (from ``demo``/``quick``, or made here),
+  both checked with verify's default settings (serving layout, depths 512–2048, two sequences of
+  the held-out half) and ``oscar eval`` perplexity (bf16, hadamard, oscar; 2 × 2048 held-out tokens).
+
+The machine is shared: every row records the load average before it. Writes
+``OUT/bench_first_run.json`` and prints a table. The commands run with ``HF_HUB_OFFLINE=1`` and
+``TOKENIZERS_PARALLELISM=false``, as the Makefile sets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def run(tree: Path, args: list[str], *, cwd: Path | None = None, extra_env: dict | None = None) -> dict:
+    """``python -m oscar_calib ARGS`` from checkout ``tree``: wall time, CPU time, peak RSS, exit code."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OSCAR_PROGRESS": "plain", **(extra_env or {})}
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "oscar_calib", *args], env=env, cwd=cwd or tree, stdout=out,
+                                stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)          # this child's own peak RSS
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    return {"args": args, "tree": str(tree), "wall_s": wall, "rc": proc.returncode, "load_1min": load,
+            "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024, "stdout": stdout[-20000:], "stderr": stderr[-4000:]}
+
+
+def startup(trees: list[Path], repeats: int, tmp: Path) -> list[dict]:
+    rows = []
+    for label, args in (("--help", ["--help"]), ("zoo list", ["zoo", "list"]), ("zoo table", ["zoo", "table"]),
+                        ("validate zoo", ["validate", "zoo"]),
+                        ("export", ["export", str(HERE / "zoo" / "gemma3-270m"), "--out", "EXPORT", "--overwrite",
+                                    "--clip", "k=0.96,v=0.92"])):
+        for tree in trees:
+            walls, loads = [], []
+            for r in range(repeats):
+                a = [str(tmp / f"export-{tree.name}") if x == "EXPORT" else x for x in args]
+                res = run(tree, a)
+                if res["rc"] != 0:
+                    raise SystemExit(f"{label} failed in {tree}: {res['stderr'][-500:]}")
+                walls.append(res["wall_s"])
+                loads.append(res["load_1min"])
+            rows.append({"part": "startup", "command": label, "tree": str(tree), "median_s": statistics.median(walls),
+                         "runs_s": walls, "load_1min": loads})
+    return rows
+
+
+def demo(variants: list[tuple[str, Path, dict]], repeats: int, tmp: Path, quick: bool) -> list[dict]:
+    """``variants``: (label, checkout, extra environment), run in turn ``repeats`` times."""
+    rows = []
+    for r in range(repeats):
+        for label, tree, extra_env in variants:
+            out = tmp / f"{'quick' if quick else 'demo'}-{label}"
+            args = ["calibrate", "smollm2-135m", "--out", str(out), "--overwrite", "--device", "cpu"]
+            res = run(tree, args + (["--quick"] if quick else []), extra_env=extra_env)
+            stages = [ln for ln in res["stderr"].splitlines() if ": done in " in ln]
+            rows.append({"part": "quick" if quick else "demo", "variant": label, "tree": str(tree), "repeat": r,
+                         "env": extra_env, "wall_s": res["wall_s"], "cpu_s": res["cpu_s"],
+                         "peak_rss_mb": res["peak_rss_mb"], "rc": res["rc"], "load_1min": res["load_1min"],
+                         "out": str(out), "stages": stages, "summary": res["stdout"].strip().splitlines()[-4:]})
+    return rows
+
+
+def accuracy(tmp: Path, demo_dir: Path | None, quick_dir: Path | None) -> list[dict]:
+    arts = {}
+    for name, given, extra in (("default", demo_dir, []), ("quick", quick_dir, ["--quick"])):
+        arts[name] = given or tmp / f"acc-{name}"
+        if given is None:
+            run(HERE, ["calibrate", "smollm2-135m", "--out", str(arts[name]), "--overwrite", "--device", "cpu",
+                       "--no-verify", *extra])
+    rows = []
+    for name, art in arts.items():
+        v = run(HERE, ["verify", str(art), "--device", "cpu", "--json"])
+        e = run(HERE, ["eval", "smollm2-135m", str(art), "--methods", "bf16,hadamard,oscar", "--device", "cpu",
+                       "--plot", str(tmp / f"eval-{name}.png"), "--json"], cwd=tmp)
+        vs, es = json.loads(v["stdout"])["summary"], json.loads(e["stdout"])["rows"]
+        rows.append({"part": "accuracy", "artifact": name, "verify_mean_attn_error": vs["mean_attn_error"],
+                     "verify_mean_attn_error_hadamard": vs["mean_attn_error_hadamard"],
+                     "verify_mean_logit_error": vs["mean_logit_error"],
+                     "ppl": {r["method"]: r["ppl"] for r in es}, "load_1min": [v["load_1min"], e["load_1min"]]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="startup,demo,quick,accuracy")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--baseline", type=Path, help="another checkout to time in the same run (alternating)")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="also time the baseline with this environment (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    trees = [HERE] + ([args.baseline.resolve()] if args.baseline else [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="oscar-first-run-") as t:
+        tmp = Path(t)
+        if "startup" in parts:
+            rows += startup(trees, args.repeats, tmp)
+        variants = [("this", HERE, {})]
+        if args.baseline:
+            variants.insert(0, ("baseline", args.baseline.resolve(), {}))
+            if args.baseline_env:
+                variants.insert(1, ("baseline+env", args.baseline.resolve(),
+                                    dict(kv.split("=", 1) for kv in args.baseline_env)))
+        if "demo" in parts:
+            rows += demo(variants, args.repeats, tmp, quick=False)
+        if "quick" in parts:
+            rows += demo([("this", HERE, {})], args.repeats, tmp, quick=True)
+        if "accuracy" in parts:
+            last = lambda part: next((Path(r["out"]) for r in reversed(rows)          # noqa: E731
+                                      if r["part"] == part and r["tree"] == str(HERE) and r["rc"] == 0), None)
+            rows += accuracy(tmp, last("demo"), last("quick"))
+    (args.out / "bench_first_run.json").write_text(json.dumps(rows, indent=2))
+    for r in rows:
+        if r["part"] == "startup":
+            print(f"startup  {r['command']:<14} {Path(r['tree']).name:<14} median {r['median_s']:.2f} s  "
+                  f"runs {['%.2f' % x for x in r['runs_s']]}  load {['%.1f' % x for x in r['load_1min']]}")
+        elif r["part"] in ("demo", "quick"):
+            rss = f"{r['peak_rss_mb']:.0f} MB"
+            print(f"{r['part']:<8} {r['variant']:<14} #{r['repeat']} wall {r['wall_s']:6.1f} s  CPU {r['cpu_s']:6.1f} s  "
+                  f"peak RSS {rss}  rc {r['rc']}  load {r['load_1min']:.1f}")
+        else:
+            print(f"accuracy {r['artifact']:<8} verify attn {r['verify_mean_attn_error']:.4f} (Hadamard "
+                  f"{r['verify_mean_attn_error_hadamard']:.4f})  ppl {json.dumps(r['ppl'])}")
+    print(f"JSON: {args.out / 'bench_first_run.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Light commands import nothing heavy: ``--help`` of every command, ``zoo``, ``validate`` without
+``--model`` and ``export`` (torch only: it writes torch pickles). Each runs in a fresh interpreter
+that reports which heavy modules ended up in ``sys.modules``. The start-up times themselves are
+measured by ``scripts/bench_startup.py``, not asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from test_validate import make_artifact
+
+from oscar_calib.cli import app
+
+HEAVY = ("torch", "transformers", "triton", "accelerate", "datasets", "matplotlib", "huggingface_hub", "modelscope",
+         "gguf", "safetensors.torch")
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, sys
+from oscar_calib.cli import main
+args, watch = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+sys.argv = ["oscar", *args]
+code = 0
+try:
+    main()
+except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+heavy = sorted(m for m in watch if m in sys.modules)
+print("\\nPROBE " + json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def probe(args: list[str], env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=120)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("PROBE "), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(last[len("PROBE "):])
+
+
+def every_help() -> list[list[str]]:
+    """``--help`` of the root, of every command and of every sub-command, from the CLI itself."""
+    root = typer.main.get_command(app)
+    out = [["--help"], ["--version"]]
+    for name, cmd in sorted(root.commands.items()):
+        out.append([name, "--help"])
+        for sub in sorted(getattr(cmd, "commands", {}) or {}):
+            out.append([name, sub, "--help"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    root = tmp_path_factory.mktemp("startup")
+    zoo = root / "zoo"
+    make_artifact(zoo / "a", granularity="layer", metadata={"fork_k_clip": "0.96", "fork_v_clip": "0.92"})
+    make_artifact(zoo / "b", seed=1)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OSCAR_CACHE": str(root / "cache"), "OSCAR_ZOO": str(zoo)}
+    return zoo, root, env
+
+
+def light_commands(zoo: Path, root: Path) -> list[list[str]]:
+    return every_help() + [
+        ["zoo", "index"], ["zoo", "index", "--check"], ["zoo", "list"], ["zoo", "list", "--json"], ["zoo", "table"],
+        ["validate", str(zoo)], ["validate", str(zoo), "--format", "github"], ["validate", str(zoo / "a"), "--json"],
+        ["validate", str(root / "missing")],                           # a bad path: one line, still light
+    ]
+
+
+def test_every_command_is_covered():
+    """A new command gets its --help probed without anyone remembering to add it."""
+    names = {args[0] for args in every_help() if len(args) > 1}
+    assert {"calibrate", "verify", "eval", "fold-weights", "validate", "zoo", "export", "import", "push",
+            "pull"} <= names
+
+
+def test_light_commands_import_nothing_heavy(setting):
+    zoo, root, env = setting
+    failures = []
+    for args in light_commands(zoo, root):
+        r = probe(args, env)
+        if r["heavy"]:
+            failures.append((args, r["heavy"]))
+        expected = 1 if args[:2] == ["validate", str(root / "missing")] else 0
+        assert r["code"] == expected, (args, r)
+    assert not failures, failures
+
+
+def test_export_needs_torch_but_not_transformers(setting, tmp_path):
+    """export writes the fork's torch pickles and checks them with torch.load: torch, nothing more."""
+    zoo, _, env = setting
+    r = probe(["export", str(zoo / "a"), "--out", str(tmp_path / "serve")], env)
+    assert r["code"] == 0 and (tmp_path / "serve" / "launch.sh").exists()
+    assert "torch" in r["heavy"] and "transformers" not in r["heavy"] and "triton" not in r["heavy"], r
+
+
+def test_a_heavy_command_is_seen_as_heavy(setting, tmp_path):
+    """The probe can fail: checking against a model reads its config through transformers."""
+    zoo, _, env = setting
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    r = probe(["validate", str(zoo / "a"), "--model", str(tmp_path / "gpt2")], env)
+    assert r["code"] == 2 and "transformers" in r["heavy"], r
