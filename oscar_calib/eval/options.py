@@ -15,6 +15,8 @@ field              task    meaning (default)
 ``lengths``        niah    context lengths, a tuple or comma-separated text (1024 … 8192)
 ``depths``         niah    needle depths in [0, 1] (0, 0.25, 0.5, 0.75, 1)
 ``samples``        niah    prompts per (length, depth) (1)
+``prompts``        niah    at least this many prompts per length: sets ``samples`` to
+                           ``ceil(prompts / len(depths))`` (None: use ``samples``)
 ``haystack``       niah    filler: ``corpus`` (held-out sentences) or ``noise`` (RULER's)
 ``max_new_tokens`` niah    answer tokens generated (12)
 ``prefill_chunk``  niah    tokens per prefill forward pass (2048)
@@ -67,6 +69,7 @@ class EvalOptions:
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     samples: int = 1
+    prompts: int | None = None
     haystack: str = "corpus"
     max_new_tokens: int = 12
     prefill_chunk: int = 2048
@@ -95,6 +98,11 @@ class EvalOptions:
             raise InputError(f"--lengths must be positive integers, got {list(self.lengths)}")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise InputError(f"--depths must lie in [0, 1], got {list(self.depths)}")
+        if self.prompts is not None:
+            _positive("--prompts", self.prompts)
+            if self.samples != 1 and self.samples != -(-self.prompts // len(self.depths)):
+                raise InputError("give --samples or --prompts, not both")
+            set_("samples", -(-self.prompts // len(self.depths)))
         if self.haystack not in HAYSTACKS:
             raise InputError(f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}")
 

@@ -18,17 +18,24 @@ class EvalResult:
     timings: dict = field(default_factory=dict)
 
     def summary(self) -> list[dict]:
-        """ppl: one row per method; niah: one row per method with accuracy per length."""
+        """ppl: one row per method; niah: one row per method with accuracy per length, each with its
+        95% Wilson interval (``interval``, ``by_length_interval``) and prompt count (``by_length_n``)."""
         if self.task == "ppl":
             return self.rows
+        from .stats import wilson_interval
+
+        ci = lambda v: [round(x, 4) for x in wilson_interval(sum(v), len(v))]  # noqa: E731
         out = []
         for m in dict.fromkeys(r["method"] for r in self.rows):
             rs = [r for r in self.rows if r["method"] == m]
             by_len = {}
             for r in rs:
                 by_len.setdefault(r["length"], []).append(r["score"])
-            out.append({"method": m, "accuracy": sum(r["score"] for r in rs) / len(rs), "samples": len(rs),
+            scores = [r["score"] for r in rs]
+            out.append({"method": m, "accuracy": sum(scores) / len(rs), "samples": len(rs), "interval": ci(scores),
                         "by_length": {str(k): sum(v) / len(v) for k, v in sorted(by_len.items())},
+                        "by_length_interval": {str(k): ci(v) for k, v in sorted(by_len.items())},
+                        "by_length_n": {str(k): len(v) for k, v in sorted(by_len.items())},
                         "bits_per_element": rs[0]["bits_per_element"]})
         return out
 

@@ -1,0 +1,228 @@
+"""NIAH that decides something: >= 50 prompts per context length through the real cache, on the GPU.
+
+Runs ``oscar eval --task niah``'s evaluation (:func:`oscar_calib.eval.evaluate_niah`: full-precision
+prefill, then ``model.generate()`` through each method's cache; on CUDA the INT2 methods decode
+through the real :class:`~oscar_calib.runtime.OscarCache` with the Triton kernels) for
+bf16, hadamard, oscar and fork, one context length at a time, and writes one EvalResult JSON
+(``oscar eval --json``'s shape, with a 95% Wilson interval per method x length) after every
+length, so a run cut short keeps what it had. The table printed last is what the README shows.
+
+    # on the GPU machine (GGUF files carried in parts and re-assembled; see --gguf)
+    python scripts/niah_gpu.py smollm2-135m zoo/smollm2-135m --gguf /root/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --lengths 1024,2048,4096,8192 --prompts 50 --out $OUT/niah_smollm2-135m_h100.json
+    python scripts/niah_gpu.py --quick                     # CPU check of the whole script (tiny lengths)
+    python scripts/niah_gpu.py --merge OUT.json A.json B.json      # lengths run in separate calls
+    python scripts/niah_gpu.py --record scripts/results/niah_smollm2-135m_h100.json zoo/smollm2-135m
+
+``--record`` stores the result in the artifact (``calibration.json`` and its model card, as
+``oscar eval --record`` does) after checking that the artifact's ``oscar.safetensors`` is the one
+the run used (sha256 recorded in the JSON's settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+METHODS = "bf16,hadamard,oscar,fork"
+DEPTHS = "0,0.25,0.5,0.75,1"
+
+
+def artifact_sha256(artifact: Path) -> str:
+    return hashlib.sha256((Path(artifact) / "oscar.safetensors").read_bytes()).hexdigest()
+
+
+def load(alias: str, gguf: str | None, device: str, dtype: str):
+    """The model by alias, or from a GGUF file carried to this machine (recorded under the alias'
+    model id, so the result belongs to the same model as the artifact)."""
+    import dataclasses
+
+    from oscar_calib.model.load import ALIASES, load_model
+
+    if gguf is None:
+        return load_model(alias, device=device, dtype=dtype)
+    lm = load_model(gguf, device=device, dtype=dtype)
+    if alias in ALIASES:
+        lm.source = dataclasses.replace(lm.source, model_id=ALIASES[alias]["model_id"])
+    return lm
+
+
+def check_artifact(path: Path, lm) -> tuple[object, bool]:
+    """The validated artifact, and whether its model fingerprint matches (a geometry mismatch is fatal;
+    a fingerprint that differs only by the config keys another transformers version writes is reported)."""
+    from oscar_calib.errors import ArtifactError
+    from oscar_calib.spec.artifact import compatibility_problems, load_artifact
+    from oscar_calib.tools.validate import require_valid
+
+    require_valid(path)
+    art = load_artifact(path)
+    geometry = compatibility_problems(art.metadata, lm.geometry, None, model_name=lm.source.model_id)
+    if geometry:
+        raise ArtifactError(f"{path}: {geometry[0]}")
+    match = not compatibility_problems(art.metadata, lm.geometry, lm.fingerprint)
+    if not match:
+        print(f"note: {path}: model fingerprint differs (config keys of this transformers version); geometry matches",
+              flush=True)
+    return art, match
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from runs of the same model, methods, depths and samples at different lengths."""
+    from oscar_calib.eval import EvalResult
+
+    first = results[0]["settings"]
+    same = ("methods", "depths", "samples", "seed", "haystack", "sink", "recent", "artifact_sha256")
+    for r in results[1:]:
+        diff = [k for k in same if r["settings"].get(k) != first.get(k)]
+        if diff or r["model_id"] != results[0]["model_id"]:
+            raise SystemExit(f"error: cannot merge results that differ in {', '.join(diff) or 'model'}")
+    rows = [row for r in results for row in r["rows"]]
+    lengths = sorted({row["length"] for row in rows})
+    settings = dict(first, lengths=lengths)
+    timings = {"total_s": sum(r["timings"].get("total_s", 0.0) for r in results),
+               "per_length_s": {k: v for r in results for k, v in r["timings"].get("per_length_s", {}).items()}}
+    return EvalResult("niah", results[0]["model_id"], settings, rows, timings).to_json()
+
+
+def table(result: dict) -> str:
+    """Method x length with 95% intervals, then the paired tests against each method's neighbours."""
+    from oscar_calib.eval.stats import format_rate, paired_p_value
+
+    summ = result["summary"]
+    lengths = list(summ[0]["by_length"]) if summ else []
+    lines = [f"{result['model_id']}: NIAH exact match, {summ[0]['samples'] // max(1, len(lengths))} prompts per length"
+             if summ else "no rows"]
+    lines.append(f"{'method':<10}" + "".join(f"{k:>20}" for k in lengths) + f"{'all':>20}")
+    for s in summ:
+        lines.append(f"{s['method']:<10}" + "".join(f"{format_rate(s['by_length'][k], s['by_length_interval'][k]):>20}"
+                                                    for k in lengths)
+                     + f"{format_rate(s['accuracy'], s['interval']):>20}")
+    scores = {}
+    for row in result["rows"]:
+        scores.setdefault((row["method"], row["length"]), []).append(row["score"])
+    methods = [s["method"] for s in summ]
+    lines.append("paired exact McNemar p (same prompts), per length and over all lengths:")
+    for i, a in enumerate(methods):
+        for b in methods[i + 1:]:
+            ps = [paired_p_value(scores[(a, int(k))], scores[(b, int(k))]) for k in lengths]
+            every_a = [x for k in lengths for x in scores[(a, int(k))]]
+            every_b = [x for k in lengths for x in scores[(b, int(k))]]
+            lines.append(f"  {a} vs {b}: " + " ".join(f"{p:.3f}" for p in ps)
+                         + f" | all {paired_p_value(every_a, every_b):.3g}")
+    return "\n".join(lines)
+
+
+def run(args) -> None:
+    import torch
+
+    from oscar_calib.eval import EvalOptions, EvalResult, evaluate_niah
+    from oscar_calib.fsutil import atomic_write_text
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    lm = load(args.model, args.gguf, device, args.dtype)
+    load_s = time.perf_counter() - t0
+    print(f"loaded {lm.source.model_id} on {device} in {load_s:.1f} s", flush=True)
+    art, fingerprint_ok = check_artifact(Path(args.artifact), lm)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    opts = EvalOptions(task="niah", methods=args.methods, depths=depths, prompts=args.prompts, seed=args.seed,
+                       lengths=lengths)
+    rows, per_length, skipped = [], {}, []
+    settings = None
+    out = Path(args.out)
+    for length in lengths:
+        spent = time.perf_counter() - t0
+        if per_length and args.deadline_s:
+            last_len, last_s = list(per_length.items())[-1]
+            guess = last_s * max(1.0, (length / int(last_len)) ** 0.5)
+            if spent + guess > args.deadline_s:
+                skipped.append(length)
+                print(f"skip {length}: {spent:.0f} s spent, about {guess:.0f} s more would pass --deadline-s", flush=True)
+                continue
+        t = time.perf_counter()
+        res = evaluate_niah(lm, opts.replace(lengths=(length,)), artifact=art)
+        per_length[str(length)] = round(time.perf_counter() - t, 2)
+        rows += res.rows
+        settings = dict(res.settings, lengths=sorted({r["length"] for r in rows}), artifact=str(args.artifact),
+                        artifact_sha256=artifact_sha256(Path(args.artifact)), fingerprint_match=fingerprint_ok,
+                        device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                        dtype=str(next(lm.model.parameters()).dtype).removeprefix("torch."),
+                        backend="triton" if device.startswith("cuda") else "torch",
+                        command=" ".join(sys.argv[1:]), skipped_lengths=skipped)
+        result = EvalResult("niah", lm.source.model_id, settings, rows,
+                            {"total_s": round(time.perf_counter() - t0, 2), "load_s": round(load_s, 2),
+                             "per_length_s": per_length}).to_json()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+        acc = {s["method"]: s["accuracy"] for s in result["summary"] if str(length) in s["by_length"]}
+        print(f"length {length}: {per_length[str(length)]:.1f} s; "
+              + " ".join(f"{m} {s['by_length'][str(length)]:.2f}" for m, s in
+                         ((s["method"], s) for s in result["summary"]) if m in acc), flush=True)
+    if settings is None:
+        raise SystemExit("error: no length ran")
+    print(table(json.loads(out.read_text())))
+    print(f"wrote {out}")
+
+
+def record(paths: list[str], artifact: str, force: bool) -> None:
+    from oscar_calib.eval import EvalResult, record_eval
+
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    merged = merge(results) if len(results) > 1 else results[0]
+    want, have = merged["settings"].get("artifact_sha256"), artifact_sha256(Path(artifact))
+    if want != have and not force:
+        raise SystemExit(f"error: {artifact}/oscar.safetensors (sha256 {have[:12]}…) is not the artifact the run used "
+                         f"({str(want)[:12]}…); re-run the NIAH with this artifact, or pass --force to record anyway")
+    result = EvalResult("niah", merged["model_id"], merged["settings"], merged["rows"], merged["timings"])
+    record_eval(Path(artifact), result)
+    print(table(result.to_json()))
+    print(f"recorded in {artifact}/calibration.json and its README.md")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default="smollm2-135m", help="model alias (smollm2-135m, gemma3-270m)")
+    p.add_argument("artifact", nargs="?", help="artifact directory (for oscar and fork)")
+    p.add_argument("--gguf", help="the alias' GGUF file at this path (a machine without its wheel)")
+    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--depths", default=DEPTHS)
+    p.add_argument("--prompts", type=int, default=50, help="at least this many prompts per length")
+    p.add_argument("--methods", default=METHODS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--deadline-s", type=float, default=0.0, help="start no length predicted to end after this")
+    p.add_argument("--out", default="niah_out/niah.json")
+    p.add_argument("--quick", action="store_true", help="tiny lengths and prompts (checks the script on the CPU)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="write OUT (--out) merged from these results")
+    p.add_argument("--record", nargs="+", metavar="JSON", help="record these results (merged) into ARTIFACT")
+    p.add_argument("--force", action="store_true", help="--record even if the artifact differs from the run's")
+    args = p.parse_args(argv)
+    if args.record:
+        if len(args.record) < 2:
+            raise SystemExit("error: --record JSON [JSON ...] ARTIFACT")
+        *jsons, artifact = args.record
+        return record(jsons, artifact, args.force)
+    if args.merge:
+        from oscar_calib.fsutil import atomic_write_text
+
+        merged = merge([json.loads(Path(x).read_text()) for x in args.merge])
+        atomic_write_text(Path(args.out), json.dumps(merged, indent=1) + "\n")
+        print(table(merged))
+        return print(f"wrote {args.out}")
+    if args.quick:
+        args.lengths, args.depths, args.prompts = "300,500", "0,1", 2
+    if args.artifact is None:
+        args.artifact = f"zoo/{args.model}"
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
