@@ -14,6 +14,16 @@ length, so a run cut short keeps what it had. The table printed last is what the
     python scripts/niah_gpu.py --merge OUT.json A.json B.json      # lengths run in separate calls
     python scripts/niah_gpu.py --record scripts/results/niah_smollm2-135m_h100.json zoo/smollm2-135m
 
+Getting the models there: a run carries at most 64 MiB of working tree and the GPU machine has no
+network and no ``gguf`` package. Here: ``xz -6`` each GGUF (SmolLM2 98 -> 90 MB, Gemma 253 -> 238
+MB), ``split -b 47513348`` into parts, and copy them with the gguf wheel (``pip download gguf``)
+into ``.gpu/<name>/`` of the checkout that travels. There: one part per run into ``/root/m/``
+(files under /root survive while the machine stays warm, about 30 s after a run: make the calls
+back to back), then ``cat part* | xz -d > /root/m/FILE.gguf``, ``pip install --target /root/site``
+the wheel, and run this script with ``PYTHONPATH=/root/site`` and ``--gguf /root/m/FILE.gguf``.
+Eight calls (five only copying a part, three runs that carried the last part of a model) took
+15.6 min of device time (2026-11-23).
+
 ``--record`` stores the result in the artifact (``calibration.json`` and its model card, as
 ``oscar eval --record`` does) after checking that the artifact's ``oscar.safetensors`` is the one
 the run used (sha256 recorded in the JSON's settings).

@@ -382,7 +382,7 @@ def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     report = json.loads((art / "calibration.json").read_text())
     assert report["eval"]["oscar_ppl"] == 8.4 and report["eval"]["niah"]["oscar"] == 1.0
     assert eval_text(report["eval"]) == "ppl BF16 8.20 / OSCAR 8.40; NIAH OSCAR 100%"
-    assert "| **this artifact** | 8.400 | 100% |" in (art / "README.md").read_text()
+    assert "| **this artifact** | 8.400 | 100% [21%, 100%] |" in (art / "README.md").read_text()
 
 
 # ----------------------------------------------------------------------------- the fork's scheme as a method

@@ -41,6 +41,9 @@ def eval_command(
     depths: Annotated[str, typer.Option(help="niah: needle depths in [0, 1], comma-separated.")]
     = "0,0.25,0.5,0.75,1",
     samples: Annotated[int, typer.Option(help="niah: prompts per (length, depth).")] = 1,
+    prompts: Annotated[Optional[int], typer.Option(help="niah: at least this many prompts per length (sets --samples "
+                                                   "to ceil(N / depths)); 50 or more tells methods apart, the "
+                                                   "default 5 shows a trend.")] = None,
     haystack: Annotated[str, typer.Option(help="niah filler: corpus (held-out sentences) or noise (RULER's "
                                           "repeated sentences).")] = "corpus",
     seed: Annotated[int, typer.Option(help="Seed for held-out sequences / needles.")] = 0,
@@ -74,6 +77,7 @@ def eval_command(
     * `oscar eval smollm2-135m zoo/smollm2-135m`
     * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,hadamard,oscar --json`
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --lengths 2048,8192 --methods bf16,hadamard,oscar`
+    * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --prompts 50 --lengths 2048` (intervals that decide)
     * `oscar eval Qwen/Qwen3-32B runs/qwen3-32b --device-map auto --methods bf16,oscar` (spread over the GPUs)
     """
     from ..errors import InputError
@@ -85,7 +89,7 @@ def eval_command(
         raise InputError("--record needs an ARTIFACT directory")
     options = EvalOptions(task=task, methods=methods, group_size=group_size, sink=sink, recent=recent, seed=seed,
                           sequences=sequences, seq_len=seq_len, data=data, lengths=lengths, depths=depths,
-                          samples=samples, haystack=haystack)
+                          samples=samples, prompts=prompts, haystack=haystack)
     plot = plot or Path(f"eval-{Path(model).name.removesuffix('.gguf')}-{task}.png")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     with progress_display() as progress:
@@ -115,14 +119,19 @@ def render(result, json_out: bool) -> None:
                                    "distance to BF16 a method removes (100% = as good as BF16)"))
         _fork_line(s)
     else:
+        from ..eval.stats import format_rate
+
         summ = result.summary()
         lengths = list(summ[0]["by_length"]) if summ else []
-        rows = [[r["method"], f"{r['bits_per_element']:.3f}"] + [f"{r['by_length'][k]:.2f}" for k in lengths]
-                + [f"{r['accuracy']:.2f}"] for r in summ]
+        rows = [[r["method"], f"{r['bits_per_element']:.3f}"]
+                + [format_rate(r["by_length"][k], r["by_length_interval"][k]) for k in lengths]
+                + [format_rate(r["accuracy"], r["interval"])] for r in summ]
         stdout.print(table(f"oscar eval niah: {result.model_id}", ["method", "bits/elem"] + lengths + ["all"], rows,
-                           caption=f"exact match over depths {s['depths']} × {s['samples']} sample(s); haystack "
-                                   f"{s['haystack']}. Share of needles retrieved: higher is better, 1.00 = every "
-                                   "one; BF16 is what the model manages without quantisation"))
+                           caption=f"exact match over depths {s['depths']} × {s['samples']} sample(s) "
+                                   f"({len(s['depths']) * s['samples']} prompts per length); haystack "
+                                   f"{s['haystack']}. Share of needles retrieved [95% Wilson interval]: higher is "
+                                   "better, 1.00 = every one; BF16 is what the model manages without quantisation; "
+                                   "overlapping intervals do not tell two methods apart (--prompts 50 narrows them)"))
         _fork_line(s)
     for note in s.get("notes") or []:
         stdout.print(f"note: {note}")

@@ -67,15 +67,26 @@ def eval_text(results: dict) -> str:
         if lines:
             lines.append("")
         lengths = list(niah["summary"][0]["by_length"]) if niah["summary"] else []
-        lines.append(f"needle in a haystack (exact match): depths {s['depths']}, {s['samples']} sample(s) each, "
-                     f"haystack {s['haystack']}, generate() through the cache")
-        lines.append(f"{'method':<12}{'bits/elem':>10}" + "".join(f"{k:>8}" for k in lengths) + f"{'all':>8}")
+        lines.append(f"needle in a haystack (exact match, 95% Wilson interval): depths {s['depths']}, {s['samples']} "
+                     f"sample(s) each ({len(s['depths']) * s['samples']} prompts per length), haystack {s['haystack']}, "
+                     "generate() through the cache")
+        lines.append(f"{'method':<12}{'bits/elem':>10}" + "".join(f"{k:>19}" for k in lengths) + f"{'all':>19}")
         for r in niah["summary"]:
             lines.append(f"{r['method']:<12}{r['bits_per_element']:>10.3f}"
-                         + "".join(f"{r['by_length'][k]:>8.2f}" for k in lengths) + f"{r['accuracy']:>8.2f}")
+                         + "".join(f"{_rate(r, k):>19}" for k in lengths) + f"{_rate(r):>19}")
         if s.get("fork"):
             lines.append(fork_note(s["fork"]))
     return "\n".join(lines)
+
+
+def _rate(row: dict, length: str | None = None) -> str:
+    """``0.62 [0.48, 0.74]`` for a NIAH summary row (one length, or all); a result recorded before
+    intervals existed shows the rate alone."""
+    from .stats import format_rate
+
+    rate = row["accuracy"] if length is None else row["by_length"][length]
+    ci = row.get("interval") if length is None else (row.get("by_length_interval") or {}).get(length)
+    return format_rate(rate, ci) if ci else f"{rate:.2f}"
 
 
 def fork_note(fork: dict) -> str:
@@ -101,6 +112,10 @@ def eval_headline(results: dict) -> dict:
     if niah:
         out["niah"] = {r["method"]: round(r["accuracy"], 3) for r in niah["summary"]}
         out["niah"]["lengths"] = niah["settings"]["lengths"]
+        intervals = {r["method"]: r["interval"] for r in niah["summary"] if "interval" in r}
+        if intervals:
+            out["niah_interval"] = intervals
+            out["niah_prompts"] = {r["method"]: r["samples"] for r in niah["summary"]}
     return out
 
 
@@ -162,11 +177,15 @@ def write_plot(path: Path, result: EvalResult) -> None:
         fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
         for s in result.summary():
             xs = [int(k) for k in s["by_length"]]
-            ax.plot(xs, list(s["by_length"].values()), "o-", label=s["method"])
+            ys = list(s["by_length"].values())
+            lo = [y - s["by_length_interval"][k][0] for k, y in zip(s["by_length"], ys)]
+            hi = [s["by_length_interval"][k][1] - y for k, y in zip(s["by_length"], ys)]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=s["method"],
+                        color=PLOT_COLORS.get(s["method"]))
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("NIAH exact match")
+        ax.set_ylabel("NIAH exact match (95% interval)")
         ax.set_title(f"{result.model_id}: needle retrieval through the KV cache", fontsize=9)
         ax.legend()
     buf = io.BytesIO()

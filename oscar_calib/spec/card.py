@@ -64,6 +64,12 @@ _EVAL_LABELS = (("bf16", "BF16 KV cache"), ("naive", "naive INT2"), ("hadamard",
                 ("quanto", "transformers QuantizedCache (quanto, 2 bits)"))
 
 
+def _needle(rate, interval) -> str:
+    if rate is None:
+        return "–"
+    return f"{rate:.0%} [{interval[0]:.0%}, {interval[1]:.0%}]" if interval else f"{rate:.0%}"
+
+
 def _eval_section(report: dict) -> list[str]:
     """``## Evaluation``: the headline numbers ``oscar eval --record`` stored under ``eval`` as a
     table, then the full text tables (``eval_results["text"]``)."""
@@ -74,19 +80,22 @@ def _eval_section(report: dict) -> list[str]:
     lines = ["## Evaluation", ""]
     if isinstance(ev, dict):
         niah = ev.get("niah") if isinstance(ev.get("niah"), dict) else {}
-        rows = [(label, ev.get(f"{m}_ppl"), niah.get(m)) for m, label in _EVAL_LABELS
+        ci = ev.get("niah_interval") if isinstance(ev.get("niah_interval"), dict) else {}
+        rows = [(label, ev.get(f"{m}_ppl"), niah.get(m), ci.get(m)) for m, label in _EVAL_LABELS
                 if f"{m}_ppl" in ev or m in niah]
         if rows:
             lines += ["| KV cache | held-out perplexity | needle retrieval |", "|---|---|---|"]
-            lines += [f"| {label} | {'–' if p is None else f'{p:.3f}'} | {'–' if a is None else f'{a:.0%}'} |"
-                      for label, p, a in rows]
+            lines += [f"| {label} | {'–' if p is None else f'{p:.3f}'} | {_needle(a, interval)} |"
+                      for label, p, a, interval in rows]
             extra = []
             if "oscar_bits_per_element" in ev:
                 extra.append(f"This artifact stores {ev['oscar_bits_per_element']:g} bits per element of the INT2 history"
                              + (f" ({ev['fork_bits_per_element']:g} in the fork, which keeps float32 scales)."
                                 if "fork_bits_per_element" in ev else "."))
             if niah.get("lengths"):
-                extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}.")
+                prompts = (ev.get("niah_prompts") or {}).get("oscar")
+                extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}"
+                             + (f" ({prompts} prompts per method, 95% Wilson interval in brackets)." if prompts else "."))
             lines += ["", *([" ".join(extra), ""] if extra else [])]
     if text:
         lines += ["Measured with `oscar eval` (full tables):", "", "```", text, "```", ""]
