@@ -21,7 +21,7 @@ into ``.gpu/<name>/`` of the checkout that travels. There: one part per run into
 (files under /root survive while the machine stays warm, about 30 s after a run: make the calls
 back to back), then ``cat part* | xz -d > /root/m/FILE.gguf``, ``pip install --target /root/site``
 the wheel, and run this script with ``PYTHONPATH=/root/site`` and ``--gguf /root/m/FILE.gguf``.
-Eight calls (five only copying a part, three runs that carried the last part of a model) took
+Eight calls (five only copying a part, three runs, two of them carrying a model's last part) took
 15.6 min of device time (2026-11-23).
 
 ``--record`` stores the result in the artifact (``calibration.json`` and its model card, as

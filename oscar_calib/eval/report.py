@@ -175,8 +175,10 @@ def write_plot(path: Path, result: EvalResult) -> None:
                         if fork else ""), fontsize=9)
     else:
         fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
-        for s in result.summary():
-            xs = [int(k) for k in s["by_length"]]
+        summ = result.summary()
+        for i, s in enumerate(summ):
+            shift = 2 ** (0.04 * (i - (len(summ) - 1) / 2))     # side by side, so the error bars stay apart
+            xs = [int(k) * shift for k in s["by_length"]]
             ys = list(s["by_length"].values())
             lo = [y - s["by_length_interval"][k][0] for k, y in zip(s["by_length"], ys)]
             hi = [s["by_length_interval"][k][1] - y for k, y in zip(s["by_length"], ys)]
