@@ -180,8 +180,8 @@ def write_plot(path: Path, result: EvalResult) -> None:
             shift = 2 ** (0.04 * (i - (len(summ) - 1) / 2))     # side by side, so the error bars stay apart
             xs = [int(k) * shift for k in s["by_length"]]
             ys = list(s["by_length"].values())
-            lo = [y - s["by_length_interval"][k][0] for k, y in zip(s["by_length"], ys)]
-            hi = [s["by_length_interval"][k][1] - y for k, y in zip(s["by_length"], ys)]
+            lo = [max(0.0, y - s["by_length_interval"][k][0]) for k, y in zip(s["by_length"], ys)]
+            hi = [max(0.0, s["by_length_interval"][k][1] - y) for k, y in zip(s["by_length"], ys)]
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=s["method"],
                         color=PLOT_COLORS.get(s["method"]))
         ax.set_xscale("log", base=2)
