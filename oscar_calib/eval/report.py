@@ -69,7 +69,7 @@ def eval_text(results: dict) -> str:
         lengths = list(niah["summary"][0]["by_length"]) if niah["summary"] else []
         lines.append(f"needle in a haystack (exact match, 95% Wilson interval): depths {s['depths']}, {s['samples']} "
                      f"sample(s) each ({len(s['depths']) * s['samples']} prompts per length), haystack {s['haystack']}, "
-                     "generate() through the cache")
+                     "generate() through the cache" + (f" on {s['device']}" if s.get("device") else ""))
         lines.append(f"{'method':<12}{'bits/elem':>10}" + "".join(f"{k:>19}" for k in lengths) + f"{'all':>19}")
         for r in niah["summary"]:
             lines.append(f"{r['method']:<12}{r['bits_per_element']:>10.3f}"
