@@ -182,7 +182,7 @@ def run(args) -> None:
 
 
 def record(paths: list[str], artifact: str, force: bool) -> None:
-    from oscar_calib.eval import EvalResult, record_eval
+    from oscar_calib.eval import EvalResult, record_eval, write_plot
 
     results = [json.loads(Path(p).read_text()) for p in paths]
     merged = merge(results) if len(results) > 1 else results[0]
@@ -191,6 +191,9 @@ def record(paths: list[str], artifact: str, force: bool) -> None:
         raise SystemExit(f"error: {artifact}/oscar.safetensors (sha256 {have[:12]}…) is not the artifact the run used "
                          f"({str(want)[:12]}…); re-run the NIAH with this artifact, or pass --force to record anyway")
     result = EvalResult("niah", merged["model_id"], merged["settings"], merged["rows"], merged["timings"])
+    plot = Path(artifact) / "eval-niah.png"             # the card's needle plot, with the intervals
+    write_plot(plot, result)
+    result.settings["plot"] = str(plot)
     record_eval(Path(artifact), result)
     print(table(result.to_json()))
     print(f"recorded in {artifact}/calibration.json and its README.md")
