@@ -62,6 +62,11 @@ def calibrate_command(
     granularity: Annotated[Optional[str], typer.Option(help="head (per KV head) or layer (default: head).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
+    refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
+                                                        "the held-out attention-output error under INT2 (Cayley, "
+                                                        "kept orthogonal; never worse than the start), then refit "
+                                                        "the clips (default: 0 = off; README, 'Ablation').")] = None,
+    refine_lr: Annotated[Optional[float], typer.Option(help="Learning rate of --refine-steps (default: 2e-3).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
@@ -98,7 +103,7 @@ def calibrate_command(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        checkpoint_every=checkpoint_every, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
+        checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
