@@ -44,7 +44,8 @@ def calibrate_command(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Artifact directory (default: runs/MODEL).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; its 'calibration:' section sets defaults that "
                                                    "command-line options override.")] = None,
-    data: Annotated[Optional[str], typer.Option(help="'embedded' (default), a .txt/.jsonl/.parquet file or directory, "
+    data: Annotated[Optional[str], typer.Option(help="'embedded' (default), 'embedded-code', a .txt/.jsonl/.parquet "
+                                                "file or directory, "
                                                 "or a datasets hub id.")] = None,
     split: Annotated[Optional[str], typer.Option(help="Dataset split for a hub dataset (default: train).")] = None,
     text_field: Annotated[Optional[str], typer.Option(help="Text column/field (default: text).")] = None,
