@@ -38,7 +38,8 @@ variant            options
 ``g/2``, ``g*2``   half / double the default group size (bits/element 2 + 32/G)
 ``refine``         ``--refine-steps 64`` (lr 2e-3): Cayley refinement of the rotations on the
                    held-out attention-output error (``numerics.refine``), clips refitted
-``refine-S``,      S steps at lr 2e-3 / 64 steps at lr L (e.g. ``refine-16``, ``refine-lr1e-2``)
+``refine-S``,      S steps at lr 2e-3 / 64 steps at lr L (e.g. ``refine-32``, ``refine-lr1e-2``);
+                   with ``--heldout-seqs 8`` the last 2 held-out sequences choose the step
 ``refine-lrL``
 =================  ========================================================================
 
@@ -75,6 +76,7 @@ VARIANTS = {
     "g*2": {"group_size": "double"},
     "refine": {"refine_steps": 64},
     "refine-16": {"refine_steps": 16},
+    "refine-32": {"refine_steps": 32},
     "refine-128": {"refine_steps": 128},
     "refine-lr5e-4": {"refine_steps": 64, "refine_lr": 5e-4},
     "refine-lr1e-2": {"refine_steps": 64, "refine_lr": 1e-2},
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="calibration seed (which windows calibrate)")
+    ap.add_argument("--heldout-seqs", type=int, default=1, help="held-out sequences the clips (and refinement) "
+                    "are fitted on")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -146,14 +150,14 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
     texts = [t.strip() for t in args.texts.split(",") if t.strip()]
-    base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed)
+    base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed, heldout_seqs=args.heldout_seqs)
     opts = EvalOptions(methods=("bf16", "naive", "hadamard"), sequences=args.sequences, seq_len=args.seq_len,
                        sink=base.sink_tokens, recent=base.recent_tokens)     # `oscar eval`'s settings, checked
     t0 = time.perf_counter()
     lm = prepare_model(base)
     geo = lm.geometry
     g0 = default_group_size(geo.head_dim)
-    cache = ROOT / "runs" / "ablation" / f"{Path(args.model).name}.seed{args.seed}.stats.pt"
+    cache = ROOT / "runs" / "ablation" / f"{Path(args.model).name}.seed{args.seed}.h{args.heldout_seqs}.stats.pt"
     run, timing = stats_run(lm, base, cache)
     print(f"statistics: {timing.get('statistics_s', 0):.0f} s", flush=True)
     seqs = {t: heldout_sequences(lm.tokenizer, sequences=opts.sequences, seq_len=opts.seq_len, data=t, seed=opts.seed)
@@ -162,6 +166,7 @@ def main() -> None:
     results.setdefault("rows", {})
     results["settings"] = {"model": lm.source.model_id, "tokens": base.tokens, "seq_len": base.seq_len,
                            "calibration_seed": args.seed, "heldout_tokens": base.heldout_tokens,
+                           "heldout_seqs": base.heldout_seqs,
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
                            "threads": torch.get_num_threads()}
@@ -269,7 +274,8 @@ def table(results: dict) -> str:
     texts = st["texts"]
     bf = rows.get("bf16", {}).get("ppl", {})
     lines = [f"{st['model']}: held-out perplexity, {st['eval_sequences']}×{st['eval_seq_len']} tokens per text, "
-             f"BF16 sink {st['sink']} + recent {st['recent']}; calibration seed {st['calibration_seed']}",
+             f"BF16 sink {st['sink']} + recent {st['recent']}; calibration seed {st['calibration_seed']}, "
+             f"{st.get('heldout_seqs', 1)} held-out sequence(s) of {st['heldout_tokens']} rows",
              f"command: `{results.get('command', '')}`", "",
              "| variant | group | bits/elem | " + " | ".join(f"ppl {t} (vs BF16, gap closed)" for t in texts) + " |",
              "|---|---|---|" + "---|" * len(texts)]

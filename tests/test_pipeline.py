@@ -22,6 +22,7 @@ from oscar_calib.errors import (
     InputError,
     Interrupted,
     NumericalError,
+    OscarWarning,
     OutputExistsError,
 )
 from oscar_calib.spec.artifact import (
@@ -94,11 +95,14 @@ def test_layer_granularity_and_fixed_clips(tmp_path):
 
 def test_refined_rotations_stay_v1_and_are_recorded(tmp_path):
     # the tiny run holds 48 held-out rows: a sink of 8 leaves 40 quantised
-    base = run_tiny(tmp_path / "a", "qwen3", sink_tokens=8, recent_tokens=16)
-    res = run_tiny(tmp_path / "b", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=6, refine_lr=1e-2)
+    base = run_tiny(tmp_path / "a", "qwen3", sink_tokens=8, recent_tokens=16, heldout_seqs=2)
+    with pytest.warns(OscarWarning, match="one held-out sequence"):
+        run_tiny(tmp_path / "c", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=1)
+    res = run_tiny(tmp_path / "b", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=6, refine_lr=1e-2,
+                   heldout_seqs=2)
     md, t = check_contract(res.out, 2, 4, 2, 16)                  # still orthogonal [h, d, d], v1
     assert json.loads(md["calibration"])["refine"] == {"steps": 6, "lr": 1e-2, "objective": "attention-output",
-                                                      "sink": 8}
+                                                      "sink": 8, "fit_sequences": 1, "validation_sequences": 1}
     assert "refine" not in json.loads(load_artifact(base.out).metadata["calibration"])
     a0, a1 = load_artifact(base.out), load_artifact(res.out)
     moved = 0

@@ -13,6 +13,7 @@ from oscar_calib.numerics.refine import (
     fake_quant_ste,
     refine_layer,
     refine_rotations,
+    split_sequences,
 )
 from oscar_calib.numerics.rotation import orthogonality_error
 
@@ -105,6 +106,24 @@ def test_refine_layer_splits_query_heads_by_kv_head():
     rows1 = HeadRows.of_layer(held, 1)
     assert torch.equal(rows1.q[0], q[0][:, 2:4]) and torch.equal(rows1.k[0], k[0][:, 1])
     assert reps[1]["after"] == pytest.approx(_independent(rows1, rk[1], 1.0, rv[1], 1.0, 4, 2), rel=1e-6)
+
+
+def test_validation_rows_choose_the_step_and_carry_the_report():
+    rows = _rows(seed=5, seqs=3)
+    fit = HeadRows(rows.q[:2], rows.k[:2], rows.v[:2], rows.scaling)
+    valid = HeadRows(rows.q[2:], rows.k[2:], rows.v[2:], rows.scaling)
+    eye = torch.eye(16, dtype=torch.float64)
+    rk, rv, rep = refine_rotations(fit, eye, 1.0, eye, 1.0, 8, RefineSettings(steps=20, lr=1e-2, sink=4), valid=valid)
+    assert rep["before"] == pytest.approx(_independent(valid, eye, 1.0, eye, 1.0, 8, 4), rel=1e-6)
+    assert rep["after"] == pytest.approx(_independent(valid, rk, 1.0, rv, 1.0, 8, 4), rel=1e-6)
+    assert rep["after"] <= rep["before"]
+    assert _independent(fit, rk, 1.0, rv, 1.0, 8, 4) < _independent(fit, eye, 1.0, eye, 1.0, 8, 4)
+
+
+def test_split_sequences():
+    assert split_sequences(1) == ([0], None)
+    assert split_sequences(2) == ([0], [1])
+    assert split_sequences(8) == ([0, 1, 2, 3, 4, 5], [6, 7])
 
 
 @pytest.mark.parametrize("kw", [{"steps": -1}, {"lr": 0.0}, {"lr": float("nan")}, {"sink": -2}])

@@ -55,7 +55,8 @@ def test_a_refined_smollm2_artifact_validates_and_verifies(tmp_path, smollm2_loa
     from oscar_calib.tools.validate import validate_artifact
 
     out = tmp_path / "refined"
-    res = calibrate(CalibrationConfig(**{**FAST, "refine_steps": 4, "refine_lr": 1e-2}), out, loaded=smollm2_loaded)
+    res = calibrate(CalibrationConfig(**{**FAST, "refine_steps": 4, "refine_lr": 1e-2, "heldout_seqs": 2}), out,
+                    loaded=smollm2_loaded)
     assert any(h["best_step"] > 0 for row in res.report["layers"] for h in row["refine"])
     assert validate_artifact(out).ok
     v = verify_artifact(out, loaded=smollm2_loaded, backend="torch", write=False, **QUICK)

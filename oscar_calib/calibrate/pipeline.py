@@ -30,7 +30,7 @@ from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model
 from ..model.placement import Placement, input_device
 from ..numerics.clip import HeldoutLayer, fit_k_clip, fit_v_clip, heldout_errors
-from ..numerics.refine import RefineSettings, refine_layer
+from ..numerics.refine import RefineSettings, refine_layer, split_sequences
 from ..numerics.rotation import (
     K_OBJECTIVES,
     V_OBJECTIVES,
@@ -236,14 +236,20 @@ def fit_clips(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, cq: 
     return k_clip, k_table, v_clip, v_table
 
 
+def refine_metadata(cfg: CalibrationConfig, heldout_seqs: int) -> dict:
+    """What ``--refine-steps`` did, for the artifact's ``calibration`` metadata."""
+    train, valid = split_sequences(heldout_seqs)
+    return {"steps": cfg.refine_steps, "lr": cfg.refine_lr, "objective": "attention-output", "sink": cfg.sink_tokens,
+            "fit_sequences": len(train), "validation_sequences": len(valid or [])}
+
+
 def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, group_size: int) -> dict[str, str]:
     geo = lm.geometry
     calibration = {
         "data": plan.source, "tokens": plan.tokens, "sequences": len(plan.calibration), "seq_len": cfg.seq_len,
         "seed": cfg.seed, "token_sha256": plan.sha256(), "heldout_tokens": sum(len(s) for s in plan.heldout),
         "pilot_tokens": cfg.pilot_tokens, "clip": "fit" if cfg.k_clip is None or cfg.v_clip is None else "fixed",
-        **({"refine": {"steps": cfg.refine_steps, "lr": cfg.refine_lr, "objective": "attention-output",
-                       "sink": cfg.sink_tokens}} if cfg.refine_steps else {}),
+        **({"refine": refine_metadata(cfg, len(plan.heldout))} if cfg.refine_steps else {}),
     }
     return {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": lm.source.model_id,
@@ -356,6 +362,10 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
         check_group_size(lm.geometry.head_dim, group_size)
         _warn_beyond_context(lm, cfg.seq_len)
+        if cfg.refine_steps and cfg.heldout_seqs < 2:
+            warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
+                          "which fits that sequence rather than the model (README, 'Ablation'): use --heldout-seqs 8",
+                          OscarWarning, stacklevel=3)
         with step(progress, "tokenising data"):
             plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
                                tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,

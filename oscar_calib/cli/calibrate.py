@@ -55,6 +55,8 @@ def calibrate_command(
     seed: Annotated[Optional[int], typer.Option(help="Seed for choosing sequences (default: 0).")] = None,
     heldout_tokens: Annotated[Optional[int], typer.Option(help="Held-out prefix length for clip fitting "
                                                           "(default: 512).")] = None,
+    heldout_seqs: Annotated[Optional[int], typer.Option(help="Held-out sequences (default: 1; with "
+                                                        "--refine-steps use 8: a quarter of them validate).")] = None,
     k_objective: Annotated[Optional[str], typer.Option(help="Key objective: ktk (key second moment) or qqt "
                                                        "(query covariance, the paper's) (default: ktk).")] = None,
     v_objective: Annotated[Optional[str], typer.Option(help="Value objective: sst (exact score-weighted), "
@@ -102,7 +104,7 @@ def calibrate_command(
 
     cfg = config_from_options(config, dict(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
-        batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
+        batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
         checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
