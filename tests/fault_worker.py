@@ -13,7 +13,7 @@ from pathlib import Path
 
 from oscar_calib.calibrate import pipeline
 
-_real_forward = pipeline._forward
+_real_forward = pipeline.capture_forward
 _calls = {"n": 0}
 
 
@@ -34,7 +34,7 @@ def _forward(model, ids):
         time.sleep(float(_env("SLOW")))
 
 
-pipeline._forward = _forward
+pipeline.capture_forward = _forward
 
 if __name__ == "__main__":
     from oscar_calib.cli import main

@@ -167,7 +167,8 @@ def test_sigkill_while_writing_leaves_no_file_claiming_to_be_an_artifact(tmp_pat
 def test_ctrl_c_says_how_to_resume_and_a_rerun_never_discards_the_checkpoint(monkeypatch, capsys, tmp_path,
                                                                             tiny_llama_dir):
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OSCAR_TEST_SLOW="0.5")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OSCAR_TEST_SLOW="0.5",
+               OSCAR_PROGRESS="off")
     proc = subprocess.Popen([sys.executable, str(TESTS / "fault_worker.py"), "calibrate", str(tiny_llama_dir),
                              "--out", str(out), *FAST_ARGS, "--checkpoint-every", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -140,7 +140,7 @@ def test_verify_reports_the_fork_scheme(tmp_path):
 
     g = torch.Generator().manual_seed(0)
     caps = {"q": torch.randn(1, 30, 4, 16, generator=g), "k": 3 * torch.randn(1, 30, 2, 16, generator=g),
-            "v": torch.randn(1, 30, 2, 16, generator=g)}
+            "v": torch.randn(1, 30, 2, 16, generator=g), "at": {p: p for p in range(30)}}
     fork = KVScheme.shared_from_artifact(art, quantizer="fork")
     full = SimulatedKV(None, fork).attend(0, caps["q"].transpose(1, 2), caps["k"].transpose(1, 2),
                                           caps["v"].transpose(1, 2), None, 0.25, None, None)      # [1, 30, 4, 16]

@@ -120,6 +120,20 @@ def raise_with_resume_hint(error: BaseException, ckpt: Path) -> None:
         raise WriteError(f"{error}; the checkpoint {ckpt} is kept: rerun with --resume once the disk has room") from None
 
 
+@contextlib.contextmanager
+def failing_cleanly(out: Path, ckpt: Path, created: bool):
+    """Around a stage of a run: Ctrl-C becomes :func:`interrupted`'s line; any other failure
+    cleans up (:func:`cleanup_failed_run`) and, on a full disk, says how to resume."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise interrupted(ckpt) from None
+    except BaseException as e:
+        cleanup_failed_run(out, ckpt, created, e)
+        raise_with_resume_hint(e, ckpt)
+        raise
+
+
 def interrupted(ckpt: Path) -> Interrupted:
     """Ctrl-C outside the capture (loading, rotations, writing)."""
     if ckpt.exists():

@@ -51,12 +51,10 @@ from ..spec.config import CalibrationConfig, stable_hash
 from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
 from .checkpoint import (
     CHECKPOINT_NAME,
-    cleanup_failed_run,
-    interrupted,
+    failing_cleanly,
     interruptible,
     load_checkpoint,
     other_world_checkpoints,
-    raise_with_resume_hint,
     remove_checkpoints,
     save_checkpoint,
 )
@@ -303,7 +301,7 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
                                            progress=progress if ranks.is_main else None)
     t_load = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
-    try:
+    with failing_cleanly(out, ckpt, created):
         run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume,
                                          progress=progress if ranks.is_main else None, on_batch=on_batch, ranks=ranks)
         if ranks.is_main:
@@ -312,12 +310,6 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
             shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
                                       layers, rows, progress=progress)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
-    except KeyboardInterrupt:
-        raise interrupted(ckpt) from None
-    except BaseException as e:
-        cleanup_failed_run(out, ckpt, created, e)
-        raise_with_resume_hint(e, ckpt)
-        raise
     if not ranks.is_main:
         ranks.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
         ckpt.unlink(missing_ok=True)
@@ -327,14 +319,8 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
     report = build_report(cfg, lm, metadata, group_size, rows, timing, shared_clips)
-    try:
+    with failing_cleanly(out, ckpt, created):
         write_outputs(out, artifact, report)
-    except KeyboardInterrupt:
-        raise interrupted(ckpt) from None
-    except BaseException as e:
-        cleanup_failed_run(out, ckpt, created, e)
-        raise_with_resume_hint(e, ckpt)
-        raise
     ckpt.unlink(missing_ok=True)
     ranks.barrier("rank 0 writing the artifact")
     return CalibrationResult(out, artifact, report, lm, stats=run, rank=ranks.rank)

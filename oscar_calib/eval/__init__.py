@@ -1,22 +1,7 @@
 """``oscar eval``: held-out perplexity and needle-in-a-haystack retrieval with a 2-bit KV cache.
 
-Methods (every INT2 method but ``fork``, ``fork-lloyd`` and ``quanto`` uses the same group size, sink and recent
-window; the fork methods take the artifact's, as ``oscar export`` serves them):
-
-==============  =========================================================================
-method          what the KV cache holds
-==============  =========================================================================
-``bf16``        every K/V row in BF16 (the reference)
-``naive``       INT2 history, no rotation, no clip
-``hadamard``    INT2 history, Walsh–Hadamard rotation (QuaRot-style), clips 0.96/0.92
-``oscar``       INT2 history with the artifact's rotations and clips
-``fork``        what the OSCAR SGLang fork's main serves for the artifact: shared per-layer
-                rotation in BF16, one global K and V clip, float32 scale/zero, the artifact's
-                group size and windows (details and limits: :mod:`.methods`)
-``fork-lloyd``  ``fork`` with its Lloyd-Max buckets (ppl only; not in the default set)
-``quanto``      transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
-                residual length 128, group 64, no sink
-==============  =========================================================================
+Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd`` and ``quanto``; what the
+KV cache holds in each, and which group size and windows it uses, is in :mod:`.methods`.
 
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
