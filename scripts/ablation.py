@@ -4,14 +4,18 @@
     python scripts/ablation.py smollm2-135m            # -> runs/ablation/smollm2-135m.json + a table
     python scripts/ablation.py gemma3-270m
     python scripts/ablation.py smollm2-135m --variants default,layer,clip-fixed --sequences 1
+    python scripts/ablation.py smollm2-135m --variants default,refine --threads 1 \
+        --out scripts/results/ablation_refine_smollm2-135m.json   # also writes the .md beside it
 
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
 every variant re-runs only the rotation and clip step (``pipeline.build_rotations``) with its
 options changed, and is scored by ``oscar eval``'s perplexity (``eval.ppl.sequence_nll``: 2 × 2048
-held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history). Baselines use the
-same sink, window and group size: BF16, naive INT2 (no rotation, no clip) and Hadamard (QuaRot-INT2,
-clips 0.96/0.92).
+held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history) on every text of
+``--texts``: by default the embedded corpus' held-out half (``embedded``, CPython's documentation
+topics) and the embedded code corpus' held-out half (``embedded-code``, stdlib source: a second
+domain nothing is calibrated on). Baselines use the same sink, window and group size: BF16, naive
+INT2 (no rotation, no clip) and Hadamard (QuaRot-INT2, clips 0.96/0.92).
 
 Variants (each changes one option of the default, or names a combination):
 
@@ -32,6 +36,11 @@ variant            options
 ``clip-fixed``     clips 0.96/0.92 instead of fitted
 ``no-clip``        no clipping (ratios 1.0/1.0)
 ``g/2``, ``g*2``   half / double the default group size (bits/element 2 + 32/G)
+``refine``         ``--refine-steps 64`` (lr 2e-3): Cayley refinement of the rotations on the
+                   held-out attention-output error (``numerics.refine``), clips refitted
+``refine-S``,      S steps at lr 2e-3 / 64 steps at lr L (e.g. ``refine-32``, ``refine-lr1e-2``);
+                   with ``--heldout-seqs 8`` the last 2 held-out sequences choose the step
+``refine-lrL``
 =================  ========================================================================
 
 Per-layer and per-KV-head statistics are the same for ``head`` and ``layer`` granularity when a
@@ -65,7 +74,14 @@ VARIANTS = {
     "no-clip": {"k_clip": 1.0, "v_clip": 1.0},
     "g/2": {"group_size": "half"},
     "g*2": {"group_size": "double"},
+    "refine": {"refine_steps": 64},
+    "refine-16": {"refine_steps": 16},
+    "refine-32": {"refine_steps": 32},
+    "refine-128": {"refine_steps": 128},
+    "refine-lr5e-4": {"refine_steps": 64, "refine_lr": 5e-4},
+    "refine-lr1e-2": {"refine_steps": 64, "refine_lr": 1e-2},
 }
+TEXTS = ("embedded", "embedded-code")
 
 
 def stats_run(lm, cfg, cache: Path):
@@ -108,20 +124,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--texts", default=",".join(TEXTS), help="held-out texts, one ppl column each")
     ap.add_argument("--sequences", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0, help="calibration seed (which windows calibrate)")
+    ap.add_argument("--heldout-seqs", type=int, default=1, help="held-out sequences the clips (and refinement) "
+                    "are fitted on")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
 
     import torch
 
-    from oscar_calib.calibrate.pipeline import build_rotations, prepare_model
+    from oscar_calib.calibrate.pipeline import prepare_model
     from oscar_calib.eval import EvalOptions
-    from oscar_calib.eval.methods import build_schemes
-    from oscar_calib.eval.ppl import heldout_sequences, sequence_nll
-    from oscar_calib.runtime.scheme import KVScheme
-    from oscar_calib.spec.artifact import Artifact
+    from oscar_calib.eval.ppl import heldout_sequences
     from oscar_calib.spec.config import CalibrationConfig
     from oscar_calib.spec.defaults import default_group_size
 
@@ -132,94 +149,150 @@ def main() -> None:
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
-    base = CalibrationConfig(model=args.model, device="cpu")
+    texts = [t.strip() for t in args.texts.split(",") if t.strip()]
+    base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed, heldout_seqs=args.heldout_seqs)
     opts = EvalOptions(methods=("bf16", "naive", "hadamard"), sequences=args.sequences, seq_len=args.seq_len,
                        sink=base.sink_tokens, recent=base.recent_tokens)     # `oscar eval`'s settings, checked
     t0 = time.perf_counter()
     lm = prepare_model(base)
     geo = lm.geometry
     g0 = default_group_size(geo.head_dim)
-    run, timing = stats_run(lm, base, out.with_suffix(".stats.pt"))
+    cache = ROOT / "runs" / "ablation" / f"{Path(args.model).name}.seed{args.seed}.h{args.heldout_seqs}.stats.pt"
+    run, timing = stats_run(lm, base, cache)
     print(f"statistics: {timing.get('statistics_s', 0):.0f} s", flush=True)
-    seqs = heldout_sequences(lm.tokenizer, sequences=opts.sequences, seq_len=opts.seq_len, seed=opts.seed)
+    seqs = {t: heldout_sequences(lm.tokenizer, sequences=opts.sequences, seq_len=opts.seq_len, data=t, seed=opts.seed)
+            for t in texts}
     results = json.loads(out.read_text()) if out.exists() else {}
     results.setdefault("rows", {})
     results["settings"] = {"model": lm.source.model_id, "tokens": base.tokens, "seq_len": base.seq_len,
+                           "calibration_seed": args.seed, "heldout_tokens": base.heldout_tokens,
+                           "heldout_seqs": base.heldout_seqs,
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
-                           "recent": opts.recent, "default_group_size": g0}
-
-    def ppl(scheme) -> float:
-        nll = n = 0
-        for s in seqs:
-            a, b = sequence_nll(lm.model, s.unsqueeze(0), scheme)
-            nll, n = nll + a, n + b
-        return math.exp(nll / n)
+                           "recent": opts.recent, "default_group_size": g0, "texts": texts,
+                           "threads": torch.get_num_threads()}
+    results["command"] = "python scripts/ablation.py " + " ".join(sys.argv[1:])
 
     def save():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        out.with_suffix(".md").write_text(table(results) + "\n")
 
     def group_of(name: str) -> int:
         opt = VARIANTS[name].get("group_size")
         return {None: g0, "half": g0 // 2, "double": min(2 * g0, geo.head_dim)}[opt]
 
-    groups = sorted({group_of(v) for v in names})
-    for g in groups:                                 # baselines at every group size used
-        for m in (x for x in opts.methods if x != "bf16" or g == groups[0]):
-            key = m if m == "bf16" else f"{m}@{g}"
-            if key in results["rows"]:
+    def score(key: str, scheme, extra: dict) -> None:
+        row = results["rows"].setdefault(key, {})
+        row.setdefault("ppl", {})
+        for t in texts:
+            if t in row["ppl"]:
                 continue
             t1 = time.perf_counter()
-            scheme = build_schemes([m], geo, group_size=g, sink=opts.sink, recent=opts.recent)[m]
-            results["rows"][key] = {"ppl": ppl(scheme), "group_size": None if m == "bf16" else g,
-                                    "bits_per_element": scheme.bits_per_element, "eval_s": time.perf_counter() - t1}
-            print(f"{key}: {results['rows'][key]['ppl']:.3f}", flush=True)
-            save()
-    key = f"hadamard-noclip@{g0}"                     # the no-clip reference point for ``no-clip``
-    if "no-clip" in names and key not in results["rows"]:
-        scheme = build_schemes(["hadamard"], geo, group_size=g0, sink=opts.sink, recent=opts.recent,
-                               hadamard_clips=(1.0, 1.0))["hadamard"]
-        results["rows"][key] = {"ppl": ppl(scheme), "group_size": g0, "bits_per_element": scheme.bits_per_element}
-        print(f"{key}: {results['rows'][key]['ppl']:.3f}", flush=True)
+            row["ppl"][t] = perplexity(lm.model, seqs[t], scheme)
+            row.setdefault("eval_s", {})[t] = time.perf_counter() - t1
+            print(f"{key} on {t}: {row['ppl'][t]:.3f}", flush=True)
+        row.update(extra)
         save()
+
+    def missing(key: str) -> bool:
+        return not set(texts) <= set(results["rows"].get(key, {}).get("ppl", {}))
+
+    for key, g, m, clips in baselines(names, group_of, g0, opts.methods):
+        if missing(key):
+            scheme = baseline_scheme(m, geo, g, opts, clips)
+            score(key, scheme, {"group_size": None if m == "bf16" else g, "bits_per_element": scheme.bits_per_element})
     for name in names:
-        if name in results["rows"]:
-            continue
-        opts = {k: v for k, v in VARIANTS[name].items() if k != "group_size"}
-        g = group_of(name)
-        cfg = CalibrationConfig(**{**base.to_dict(), **opts, "group_size": g})
-        t1 = time.perf_counter()
-        layers, _ = build_rotations(run, cfg, geo, g)
-        t_rot = time.perf_counter() - t1
-        art = Artifact(layers=layers, metadata={"group_size": str(g), "num_kv_heads": str(geo.num_kv_heads),
-                                                "head_dim": str(geo.head_dim)})
-        scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent)
-        results["rows"][name] = {"ppl": ppl(scheme), "group_size": g, "bits_per_element": scheme.bits_per_element,
-                                 "options": VARIANTS[name], "rotations_s": t_rot,
-                                 "eval_s": time.perf_counter() - t1 - t_rot,
-                                 "k_clip_mean": sum(float(lr.k_clip.mean()) for lr in layers) / len(layers),
-                                 "v_clip_mean": sum(float(lr.v_clip.mean()) for lr in layers) / len(layers)}
-        print(f"{name}: {results['rows'][name]['ppl']:.3f}", flush=True)
-        save()
+        if missing(name):
+            scheme, extra = variant_scheme(name, run, base, geo, group_of(name), opts)
+            score(name, scheme, extra)
     results["total_s"] = time.perf_counter() - t0
     save()
-    print_table(results)
+    print(table(results))
 
 
-def print_table(results: dict) -> None:
-    rows = results["rows"]
-    bf = rows.get("bf16", {}).get("ppl")
-    print(f"\n{results['settings']['model']}: held-out perplexity, {results['settings']['eval_sequences']}×"
-          f"{results['settings']['eval_seq_len']} tokens, BF16 sink {results['settings']['sink']} + recent "
-          f"{results['settings']['recent']}")
-    print("| variant | group | bits/elem | ppl | vs Hadamard (same G) | Hadamard→BF16 gap closed |")
-    print("|---|---|---|---|---|---|")
+def perplexity(model, seqs, scheme) -> float:
+    from oscar_calib.eval.ppl import sequence_nll
+
+    nll = n = 0
+    for s in seqs:
+        a, b = sequence_nll(model, s.unsqueeze(0), scheme)
+        nll, n = nll + a, n + b
+    return math.exp(nll / n)
+
+
+def baselines(names, group_of, g0, methods):
+    """(row key, group size, method, Hadamard clips) of every baseline the variants need: each method
+    at every group size used (BF16 once), and Hadamard without clips when ``no-clip`` runs."""
+    groups = sorted({group_of(v) for v in names})
+    out = []
+    for g in groups:
+        for m in (x for x in methods if x != "bf16" or g == groups[0]):
+            out.append((m if m == "bf16" else f"{m}@{g}", g, m, None))
+    if "no-clip" in names:
+        out.append((f"hadamard-noclip@{g0}", g0, "hadamard", (1.0, 1.0)))
+    return out
+
+
+def baseline_scheme(method, geo, g, opts, clips):
+    from oscar_calib.eval.methods import build_schemes
+
+    kw = {"hadamard_clips": clips} if clips else {}
+    return build_schemes([method], geo, group_size=g, sink=opts.sink, recent=opts.recent, **kw)[method]
+
+
+def variant_scheme(name, run, base, geo, g, opts):
+    """The KV scheme of one variant (its rotations and clips re-built from the shared statistics)
+    and the row's extra fields."""
+    from oscar_calib.calibrate.pipeline import build_rotations
+    from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.spec.artifact import Artifact
+    from oscar_calib.spec.config import CalibrationConfig
+
+    options = {k: v for k, v in VARIANTS[name].items() if k != "group_size"}
+    cfg = CalibrationConfig(**{**base.to_dict(), **options, "group_size": g}).validate()
+    t1 = time.perf_counter()
+    layers, rows = build_rotations(run, cfg, geo, g)
+    t_rot = time.perf_counter() - t1
+    art = Artifact(layers=layers, metadata={"group_size": str(g), "num_kv_heads": str(geo.num_kv_heads),
+                                            "head_dim": str(geo.head_dim)})
+    scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent)
+    extra = {"group_size": g, "bits_per_element": scheme.bits_per_element, "options": VARIANTS[name],
+             "rotations_s": t_rot,
+             "heldout_attn_error": sum(r["heldout"]["oscar"]["attn"] for r in rows) / len(rows),
+             "k_clip_mean": sum(float(lr.k_clip.mean()) for lr in layers) / len(layers),
+             "v_clip_mean": sum(float(lr.v_clip.mean()) for lr in layers) / len(layers)}
+    if any("refine" in r for r in rows):
+        reps = [h for r in rows for h in r["refine"]]
+        extra["refine_objective"] = {"before": sum(h["before"] for h in reps) / len(reps),
+                                     "after": sum(h["after"] for h in reps) / len(reps),
+                                     "heads_moved": sum(h["best_step"] > 0 for h in reps), "heads": len(reps)}
+    return scheme, extra
+
+
+def table(results: dict) -> str:
+    rows, st = results["rows"], results["settings"]
+    texts = st["texts"]
+    bf = rows.get("bf16", {}).get("ppl", {})
+    lines = [f"{st['model']}: held-out perplexity, {st['eval_sequences']}×{st['eval_seq_len']} tokens per text, "
+             f"BF16 sink {st['sink']} + recent {st['recent']}; calibration seed {st['calibration_seed']}, "
+             f"{st.get('heldout_seqs', 1)} held-out sequence(s) of {st['heldout_tokens']} rows",
+             f"command: `{results.get('command', '')}`", "",
+             "| variant | group | bits/elem | " + " | ".join(f"ppl {t} (vs BF16, gap closed)" for t in texts) + " |",
+             "|---|---|---|" + "---|" * len(texts)]
     for name, r in rows.items():
         g = r.get("group_size")
-        had = rows.get(f"hadamard@{g}", {}).get("ppl") if g else None
-        vs = f"{r['ppl'] - had:+.3f}" if had else "–"
-        gap = f"{(had - r['ppl']) / (had - bf):+.0%}" if had and bf and had != bf else "–"
-        print(f"| {name} | {g or '–'} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} | {vs} | {gap} |")
+        had = rows.get(f"hadamard@{g}", {}).get("ppl", {}) if g else {}
+        cells = []
+        for t in texts:
+            p = r.get("ppl", {}).get(t)
+            if p is None:
+                cells.append("–")
+                continue
+            rel = f"{(p / bf[t] - 1):+.2%}" if bf.get(t) else "–"
+            gap = f"{(had[t] - p) / (had[t] - bf[t]):+.0%}" if had.get(t) and bf.get(t) and had[t] != bf[t] else "–"
+            cells.append(f"{p:.3f} ({rel}, {gap})")
+        lines.append(f"| {name} | {g or '–'} | {r['bits_per_element']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_calibrate_json_on_a_local_checkpoint(monkeypatch, capsys, tmp_path, tin
 
 
 @pytest.mark.parametrize("case", ["missing", "unsupported", "unknown_arch", "tokens0", "bad_clip", "bad_objective",
-                                  "empty_data", "unwritable", "under_a_file"])
+                                  "empty_data", "unwritable", "under_a_file", "bad_refine", "refine_layer"])
 def test_bad_input_is_one_line(monkeypatch, capsys, tmp_path, tiny_llama_dir, case):
     out = tmp_path / "out"
     model = str(tiny_llama_dir)
@@ -64,6 +64,10 @@ def test_bad_input_is_one_line(monkeypatch, capsys, tmp_path, tiny_llama_dir, ca
         extra, pattern = ["--clip", "k=1.5,v=0.9"], "outside (0, 1]"
     elif case == "bad_objective":
         extra, pattern = ["--k-objective", "qk"], "unknown --k-objective"
+    elif case == "bad_refine":
+        extra, pattern = ["--refine-steps", "-3"], "--refine-steps must be >= 0"
+    elif case == "refine_layer":
+        extra, pattern = ["--refine-steps", "4", "--granularity", "layer"], "needs --granularity head"
     elif case == "empty_data":
         (tmp_path / "empty.txt").write_text("   \n")
         extra, pattern = ["--data", str(tmp_path / "empty.txt")], "no text"
@@ -120,5 +124,6 @@ def test_help_documents_every_option():
                           text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     for opt in ("--data", "--tokens", "--seq-len", "--batch-size", "--seed", "--out", "--k-objective",
                 "--v-objective", "--composition", "--granularity", "--group-size", "--clip", "--resume",
-                "--overwrite", "--json", "--dtype", "--device", "--trust-remote-code", "--split", "--text-field"):
+                "--overwrite", "--json", "--dtype", "--device", "--trust-remote-code", "--split", "--text-field",
+                "--refine-steps", "--refine-lr"):
         assert opt in proc.stdout, opt

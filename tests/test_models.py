@@ -1,6 +1,7 @@
 """Model resolution (aliases, GGUF files and directories, checkpoints, hub ids), data sources,
 the registry and fingerprints."""
 
+from pathlib import Path
 
 import pytest
 from helpers import loaded_tiny, tiny_model
@@ -124,6 +125,30 @@ def test_embedded_halves_do_not_overlap(char_tokenizer):
     assert a.sha256() != b.sha256()
     lm = loaded_tiny()
     assert lm.geometry.num_layers == 2
+
+
+def test_embedded_code_is_a_second_corpus_split_in_halves(char_tokenizer):
+    import importlib.util
+
+    from oscar_calib.calibrate.corpus import (
+        CODE_MODULES,
+        EMBEDDED_CODE,
+        embedded_code_texts,
+    )
+
+    texts, source = load_texts(EMBEDDED_CODE)
+    assert source.startswith("embedded-code:stdlib[argparse,")
+    assert len(texts) == len(CODE_MODULES) and "class ArgumentParser" in texts[0]
+    assert texts[-1] == Path(importlib.util.find_spec(CODE_MODULES[-1]).origin).read_text(encoding="utf-8")
+    assert "pydoc" not in source and set(texts).isdisjoint(load_texts("embedded")[0])
+    kw = dict(data=EMBEDDED_CODE, tokens=2000, seq_len=500, heldout_tokens=500, heldout_seqs=2)
+    cal = plan_tokens(char_tokenizer, **kw, corpus_split="calibration")
+    held = plan_tokens(char_tokenizer, **kw, corpus_split="heldout")
+    assert held.source.endswith("[heldout]") and cal.source.endswith("[calibration]")
+    cal_rows = {tuple(s.tolist()) for s in cal.calibration + cal.heldout}
+    assert not cal_rows & {tuple(s.tolist()) for s in held.heldout}
+    assert held.sha256() == plan_tokens(char_tokenizer, **kw, corpus_split="heldout").sha256()   # deterministic
+    assert embedded_code_texts() == texts
 
 
 def test_gguf_cache_is_installed_whole_and_only_once(tmp_path):

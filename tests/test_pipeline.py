@@ -22,6 +22,7 @@ from oscar_calib.errors import (
     InputError,
     Interrupted,
     NumericalError,
+    OscarWarning,
     OutputExistsError,
 )
 from oscar_calib.spec.artifact import (
@@ -90,6 +91,35 @@ def test_layer_granularity_and_fixed_clips(tmp_path):
     assert torch.equal(r[0], r[1])
     assert torch.allclose(t["layers.1.k_clip"], torch.tensor([0.96, 0.96]))
     assert torch.allclose(t["layers.1.v_clip"], torch.tensor([0.92, 0.92]))
+
+
+def test_refined_rotations_stay_v1_and_are_recorded(tmp_path):
+    # the tiny run holds 48 held-out rows: a sink of 8 leaves 40 quantised
+    base = run_tiny(tmp_path / "a", "qwen3", sink_tokens=8, recent_tokens=16, heldout_seqs=2)
+    with pytest.warns(OscarWarning, match="one held-out sequence"):
+        run_tiny(tmp_path / "c", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=1)
+    res = run_tiny(tmp_path / "b", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=6, refine_lr=1e-2,
+                   heldout_seqs=2)
+    md, t = check_contract(res.out, 2, 4, 2, 16)                  # still orthogonal [h, d, d], v1
+    assert json.loads(md["calibration"])["refine"] == {"steps": 6, "lr": 1e-2, "objective": "attention-output",
+                                                      "sink": 8, "fit_sequences": 1, "validation_sequences": 1}
+    assert "refine" not in json.loads(load_artifact(base.out).metadata["calibration"])
+    a0, a1 = load_artifact(base.out), load_artifact(res.out)
+    moved = 0
+    for i, (row, row0) in enumerate(zip(res.report["layers"], base.report["layers"])):
+        assert "refine" not in row0 and len(row["refine"]) == 2
+        for h, r in enumerate(row["refine"]):
+            assert r["after"] <= r["before"]
+            same = torch.equal(a1.layers[i].k_rotation[h], a0.layers[i].k_rotation[h])
+            assert same == (r["best_step"] == 0)                 # a head moves exactly when a step won
+            moved += not same
+    assert moved > 0
+
+
+def test_refine_settings_are_checked():
+    for kw in ({"refine_steps": -1}, {"refine_lr": 0.0}, {"refine_steps": 2, "granularity": "layer"}):
+        with pytest.raises(InputError):
+            CalibrationConfig(**{**TINY_FAST, **kw}).validate()
 
 
 def test_rerun_is_byte_identical(tmp_path):

@@ -50,6 +50,20 @@ def test_verify_passes_on_demo_and_fails_on_identity(tmp_path, demo_artifact, sm
     assert json.loads((bad / "verify.json").read_text())["passed"] is False
 
 
+@pytest.mark.slow
+def test_a_refined_smollm2_artifact_validates_and_verifies(tmp_path, smollm2_loaded):
+    from oscar_calib.tools.validate import validate_artifact
+
+    out = tmp_path / "refined"
+    res = calibrate(CalibrationConfig(**{**FAST, "refine_steps": 4, "refine_lr": 1e-2, "heldout_seqs": 2}), out,
+                    loaded=smollm2_loaded)
+    assert any(h["best_step"] > 0 for row in res.report["layers"] for h in row["refine"])
+    assert validate_artifact(out).ok
+    v = verify_artifact(out, loaded=smollm2_loaded, backend="torch", write=False, **QUICK)
+    assert v.passed, v.reasons
+    assert v.summary()["mean_attn_error"] < v.summary()["mean_attn_error_hadamard"]
+
+
 def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
     assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
     lm = loaded_tiny("llama", head_dim=64, layers=2)

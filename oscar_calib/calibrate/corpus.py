@@ -1,9 +1,16 @@
-"""Calibration text: the embedded corpus, local files, or a `datasets` hub id.
+"""Calibration text: the embedded corpora, local files, or a `datasets` hub id.
 
-The embedded corpus is CPython's own documentation topics (``pydoc_data.topics``, ~110K tokens
-of English, no network). Topics are joined in key order and the token stream is split in two
-halves: ``calibration`` (first half, what ``oscar calibrate`` reads by default) and ``heldout``
-(second half, what ``oscar verify`` and ``oscar eval`` read), so the two never overlap.
+Two corpora ship with every Python (no network, the same text for the same Python version):
+
+* ``embedded`` (the default): CPython's own documentation topics (``pydoc_data.topics``, ~110K
+  tokens of English reference prose), topics joined in key order.
+* ``embedded-code``: the source code of six pure-Python standard-library modules
+  (:data:`CODE_MODULES`, ~78K tokens of Python with its docstrings and comments), a second domain
+  to measure on (README, "Ablation"); never the calibration default.
+
+Each one's token stream is split in two halves: ``calibration`` (first half, what
+``oscar calibrate`` reads) and ``heldout`` (second half, what ``oscar verify`` and ``oscar eval``
+read), so the two never overlap.
 
 Documents are joined with the tokenizer's EOS token and the stream is cut into sequences of
 ``seq_len`` tokens (the last one may be shorter); no padding is ever used.
@@ -23,6 +30,8 @@ import torch
 from ..errors import DataError, InputError, OscarWarning, first_line
 
 EMBEDDED = "embedded"
+EMBEDDED_CODE = "embedded-code"
+CODE_MODULES = ("argparse", "calendar", "difflib", "fractions", "statistics", "textwrap")
 SPLITS = ("calibration", "heldout")
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
 MAX_NON_TEXT = 0.01       # share of undecodable bytes and control characters above which a file is not text
@@ -50,6 +59,26 @@ def embedded_texts() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[k] for k in sorted(topics)]
+
+
+def embedded_code_texts() -> list[str]:
+    """The source of :data:`CODE_MODULES`, one document per module, in that order."""
+    import importlib.util
+
+    out = []
+    for name in CODE_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise DataError(f"{EMBEDDED_CODE}: this Python has no source for the standard-library module {name!r}")
+        out.append(Path(spec.origin).read_text(encoding="utf-8"))
+    return out
+
+
+# name -> (documents, description)
+EMBEDDED_SOURCES = {
+    EMBEDDED: (embedded_texts, "embedded:pydoc_data.topics"),
+    EMBEDDED_CODE: (embedded_code_texts, f"embedded-code:stdlib[{','.join(CODE_MODULES)}]"),
+}
 
 
 def _read_file(path: Path, text_field: str) -> list[str]:
@@ -87,8 +116,9 @@ def _read_file(path: Path, text_field: str) -> list[str]:
 
 def load_texts(data: str, *, split: str = "train", text_field: str = "text") -> tuple[list[str], str]:
     """Documents and a short description of where they came from."""
-    if data == EMBEDDED:
-        return embedded_texts(), "embedded:pydoc_data.topics"
+    if data in EMBEDDED_SOURCES:
+        texts, source = EMBEDDED_SOURCES[data]
+        return texts(), source
     path = Path(data).expanduser()
     if path.is_file():
         return _read_file(path, text_field), f"file:{path.name}"
@@ -165,7 +195,7 @@ def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_f
 
     The stream is cut into ``seq_len`` windows; a ``seed``-driven permutation picks which windows
     calibrate (enough for ``tokens``) and which ``heldout_seqs`` windows are held out (their first
-    ``heldout_tokens`` tokens). For the embedded corpus, ``corpus_split`` picks its half.
+    ``heldout_tokens`` tokens). For an embedded corpus, ``corpus_split`` picks its half.
     """
     if tokens <= 0:
         raise InputError(f"--tokens must be positive, got {tokens}")
@@ -173,7 +203,7 @@ def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_f
         raise InputError(f"--seq-len must be at least 16, got {seq_len}")
     texts, source = load_texts(data, split=split, text_field=text_field)
     stream = token_stream(texts, tokenizer)
-    if data == EMBEDDED:
+    if data in EMBEDDED_SOURCES:
         half = len(stream) // 2
         stream = stream[:half] if corpus_split == "calibration" else stream[half:]
         source += f"[{corpus_split}]"

@@ -30,6 +30,7 @@ from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model
 from ..model.placement import Placement, input_device
 from ..numerics.clip import HeldoutLayer, fit_k_clip, fit_v_clip, heldout_errors
+from ..numerics.refine import RefineSettings, refine_layer, split_sequences
 from ..numerics.rotation import (
     K_OBJECTIVES,
     V_OBJECTIVES,
@@ -190,15 +191,12 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, cfg.granularity, warn=(i == 0))
         v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, cfg.granularity, warn=False)
         held = heldout_layer(run, i)
-        k_table = v_table = None
-        if cfg.k_clip is None:
-            k_clip, k_table = fit_k_clip(held.k_rows(), k_rot, cq, group_size)
-        else:
-            k_clip = torch.full((geo.num_kv_heads,), cfg.k_clip, dtype=torch.float64)
-        if cfg.v_clip is None:
-            v_clip, v_table = fit_v_clip(held, v_rot, group_size)
-        else:
-            v_clip = torch.full((geo.num_kv_heads,), cfg.v_clip, dtype=torch.float64)
+        k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, group_size)
+        refined = None
+        if cfg.refine_steps:      # refine with the start's clips on the same held-out rows, then fit them again
+            settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
+            k_rot, v_rot, refined = refine_layer(held, k_rot, k_clip, v_rot, v_clip, group_size, settings)
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, group_size)
         ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, group_size)
         h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
         base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
@@ -214,9 +212,33 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             "orthogonality": max(orthogonality_error(k_rot.float()), orthogonality_error(v_rot.float())),
             "clip_tables": {"k": None if k_table is None else k_table.tolist(),
                             "v": None if v_table is None else v_table.tolist()},
+            **({} if refined is None else {"refine": refined}),
         })
         tick(i + 1)
     return layers, rows
+
+
+def fit_clips(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, cq: torch.Tensor,
+              cfg: CalibrationConfig, heads: int, group_size: int) -> tuple:
+    """``(k_clip, k_table, v_clip, v_table)`` of one layer: fitted on the held-out rows, or the
+    fixed ratios of ``cfg`` (table None)."""
+    k_table = v_table = None
+    if cfg.k_clip is None:
+        k_clip, k_table = fit_k_clip(held.k_rows(), k_rot, cq, group_size)
+    else:
+        k_clip = torch.full((heads,), cfg.k_clip, dtype=torch.float64)
+    if cfg.v_clip is None:
+        v_clip, v_table = fit_v_clip(held, v_rot, group_size)
+    else:
+        v_clip = torch.full((heads,), cfg.v_clip, dtype=torch.float64)
+    return k_clip, k_table, v_clip, v_table
+
+
+def refine_metadata(cfg: CalibrationConfig, heldout_seqs: int) -> dict:
+    """What ``--refine-steps`` did, for the artifact's ``calibration`` metadata."""
+    train, valid = split_sequences(heldout_seqs)
+    return {"steps": cfg.refine_steps, "lr": cfg.refine_lr, "objective": "attention-output", "sink": cfg.sink_tokens,
+            "fit_sequences": len(train), "validation_sequences": len(valid or [])}
 
 
 def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, group_size: int) -> dict[str, str]:
@@ -225,6 +247,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
         "data": plan.source, "tokens": plan.tokens, "sequences": len(plan.calibration), "seq_len": cfg.seq_len,
         "seed": cfg.seed, "token_sha256": plan.sha256(), "heldout_tokens": sum(len(s) for s in plan.heldout),
         "pilot_tokens": cfg.pilot_tokens, "clip": "fit" if cfg.k_clip is None or cfg.v_clip is None else "fixed",
+        **({"refine": refine_metadata(cfg, len(plan.heldout))} if cfg.refine_steps else {}),
     }
     return {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": lm.source.model_id,
@@ -325,6 +348,10 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
         check_group_size(lm.geometry.head_dim, group_size)
         _warn_beyond_context(lm, cfg.seq_len)
+        if cfg.refine_steps and cfg.heldout_seqs < 2:
+            warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
+                          "which fits that sequence rather than the model (README, 'Ablation'): use --heldout-seqs 8",
+                          OscarWarning, stacklevel=3)
         with step(progress, "tokenising data"):
             plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
                                tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,

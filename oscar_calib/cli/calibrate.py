@@ -44,7 +44,8 @@ def calibrate_command(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Artifact directory (default: runs/MODEL).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="YAML file; its 'calibration:' section sets defaults that "
                                                    "command-line options override.")] = None,
-    data: Annotated[Optional[str], typer.Option(help="'embedded' (default), a .txt/.jsonl/.parquet file or directory, "
+    data: Annotated[Optional[str], typer.Option(help="'embedded' (default), 'embedded-code', a .txt/.jsonl/.parquet "
+                                                "file or directory, "
                                                 "or a datasets hub id.")] = None,
     split: Annotated[Optional[str], typer.Option(help="Dataset split for a hub dataset (default: train).")] = None,
     text_field: Annotated[Optional[str], typer.Option(help="Text column/field (default: text).")] = None,
@@ -54,6 +55,8 @@ def calibrate_command(
     seed: Annotated[Optional[int], typer.Option(help="Seed for choosing sequences (default: 0).")] = None,
     heldout_tokens: Annotated[Optional[int], typer.Option(help="Held-out prefix length for clip fitting "
                                                           "(default: 512).")] = None,
+    heldout_seqs: Annotated[Optional[int], typer.Option(help="Held-out sequences (default: 1; with "
+                                                        "--refine-steps use 8: a quarter of them validate).")] = None,
     k_objective: Annotated[Optional[str], typer.Option(help="Key objective: ktk (key second moment) or qqt "
                                                        "(query covariance, the paper's) (default: ktk).")] = None,
     v_objective: Annotated[Optional[str], typer.Option(help="Value objective: sst (exact score-weighted), "
@@ -62,6 +65,11 @@ def calibrate_command(
     granularity: Annotated[Optional[str], typer.Option(help="head (per KV head) or layer (default: head).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
+    refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
+                                                        "the held-out attention-output error under INT2 (Cayley, "
+                                                        "kept orthogonal; never worse than the start), then refit "
+                                                        "the clips (default: 0 = off; README, 'Ablation').")] = None,
+    refine_lr: Annotated[Optional[float], typer.Option(help="Learning rate of --refine-steps (default: 2e-3).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
@@ -96,9 +104,9 @@ def calibrate_command(
 
     cfg = config_from_options(config, dict(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
-        batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, k_objective=k_objective,
+        batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        checkpoint_every=checkpoint_every, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
+        checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)

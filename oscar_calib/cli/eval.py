@@ -36,7 +36,8 @@ def eval_command(
     recent: Annotated[int, typer.Option(help="BF16 recent-window tokens.")] = DEFAULT_RECENT,
     sequences: Annotated[int, typer.Option(help="ppl: held-out sequences.")] = 2,
     seq_len: Annotated[int, typer.Option(help="ppl: tokens per sequence.")] = 2048,
-    data: Annotated[str, typer.Option(help="ppl: 'embedded' (its held-out half) or a text file/dir.")] = "embedded",
+    data: Annotated[str, typer.Option(help="ppl: 'embedded' (pydoc topics) or 'embedded-code' (stdlib source), "
+                                      "their held-out half; or a text file/dir.")] = "embedded",
     lengths: Annotated[str, typer.Option(help="niah: context lengths, comma-separated.")] = "1024,2048,4096,8192",
     depths: Annotated[str, typer.Option(help="niah: needle depths in [0, 1], comma-separated.")]
     = "0,0.25,0.5,0.75,1",

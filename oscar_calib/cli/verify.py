@@ -31,7 +31,8 @@ def verify_command(
     depths: Annotated[str, typer.Option(help="Context lengths to test, comma-separated.")] = "512,1024,2048",
     sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 2,
     positions: Annotated[int, typer.Option(help="Query positions per depth and sequence.")] = 8,
-    data: Annotated[str, typer.Option(help="Held-out text: 'embedded' (its held-out half) or a file/dir.")] = "embedded",
+    data: Annotated[str, typer.Option(help="Held-out text: 'embedded' or 'embedded-code' (the held-out half) or a "
+                                      "file/dir.")] = "embedded",
     max_layer_error: Annotated[float, typer.Option(help="Fail when any layer's relative attention-output error "
                                                    "exceeds this.")] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed for choosing held-out sequences.")] = 0,

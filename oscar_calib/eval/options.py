@@ -11,7 +11,7 @@ field              task    meaning (default)
 ``seed``           both    chooses the held-out sequences / the needles (0)
 ``sequences``      ppl     held-out sequences (2)
 ``seq_len``        ppl     tokens per sequence (2048)
-``data``           ppl     ``embedded`` (the corpus' held-out half) or a text file or directory
+``data``           ppl     ``embedded`` / ``embedded-code`` (a corpus' held-out half) or a file or directory
 ``lengths``        niah    context lengths, a tuple or comma-separated text (1024 … 8192)
 ``depths``         niah    needle depths in [0, 1] (0, 0.25, 0.5, 0.75, 1)
 ``samples``        niah    prompts per (length, depth) (1)

@@ -28,7 +28,7 @@ from .report import EvalResult
 def heldout_sequences(tokenizer, *, sequences: int = 2, seq_len: int = 2048, data: str = "embedded",
                       seed: int = 0) -> list[torch.Tensor]:
     """``sequences`` windows of ``seq_len`` tokens from the held-out half of the embedded corpus
-    (or from ``data``), chosen by ``seed``."""
+    (``embedded-code``: of the embedded code corpus; or from a file ``data``), chosen by ``seed``."""
     from ..calibrate.corpus import plan_tokens
 
     plan = plan_tokens(tokenizer, data=data, tokens=seq_len, seq_len=seq_len, heldout_tokens=seq_len,
@@ -99,6 +99,7 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
     o = as_options(options, "ppl", legacy)
     methods, group_size, sink, recent = list(o.methods), o.group_size, o.sink, o.recent
     sequences, seq_len, data, seed = o.sequences, o.seq_len, o.data, o.seed
+    from ..calibrate.corpus import EMBEDDED_SOURCES
     schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent)
     seqs = heldout_sequences(lm.tokenizer, sequences=sequences, seq_len=seq_len, data=data, seed=seed)
     rows, timings = [], {}
@@ -128,7 +129,7 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
         if "bf16" in by and "hadamard" in by and by["hadamard"] != by["bf16"]:
             r["gap_closed_vs_hadamard"] = (by["hadamard"] - r["ppl"]) / (by["hadamard"] - by["bf16"])
     settings = {"methods": methods, "sink": sink, "recent": recent, "sequences": len(seqs), "seq_len": seq_len,
-                "data": "embedded:pydoc_data.topics[heldout]" if data == "embedded" else data, "seed": seed, "group_size": next((s.group_size for s in schemes.values() if s.quantized),
+                "data": f"{EMBEDDED_SOURCES[data][1]}[heldout]" if data in EMBEDDED_SOURCES else data, "seed": seed, "group_size": next((s.group_size for s in schemes.values() if s.quantized),
                                                                group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None,
                 "quanto": dict(QUANTO_DEFAULTS) if "quanto" in methods else None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from ..errors import InputError
 from .defaults import (
     COMPOSITIONS,
     DEFAULT_RECENT,
+    DEFAULT_REFINE_LR,
     DEFAULT_SINK,
     GRANULARITIES,
     K_OBJECTIVES,
@@ -54,6 +56,8 @@ class CalibrationConfig:
     device: str = "auto"
     trust_remote_code: bool = False
     checkpoint_every: int = 4
+    refine_steps: int = 0               # Cayley refinement of the rotations on held-out rows (0: off)
+    refine_lr: float = DEFAULT_REFINE_LR    # its Adam learning rate (numerics.refine)
     extra: dict = field(default_factory=dict)   # free-form notes carried into the report
 
     def validate(self) -> "CalibrationConfig":
@@ -71,6 +75,12 @@ class CalibrationConfig:
         for name in ("k_clip", "v_clip"):
             if getattr(self, name) is not None:
                 check_clip(name[0], getattr(self, name))
+        if int(self.refine_steps) < 0:
+            raise InputError(f"--refine-steps must be >= 0, got {self.refine_steps}")
+        if not (float(self.refine_lr) > 0 and math.isfinite(float(self.refine_lr))):
+            raise InputError(f"--refine-lr must be a positive number, got {self.refine_lr}")
+        if self.refine_steps and self.granularity == "layer":
+            raise InputError("--refine-steps refines each KV head's rotations: it needs --granularity head")
         if self.group_size is not None and not is_power_of_two(self.group_size):
             raise InputError(f"--group-size {self.group_size} is not a power of two")
         return self

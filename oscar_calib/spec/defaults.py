@@ -25,6 +25,8 @@ DEFAULT_RECENT = 256
 MAX_GROUP_SIZE = 128
 BASELINE_CLIPS = (0.96, 0.92)
 ORTHOGONALITY_TOL = 1e-5
+# rotation refinement (numerics.refine; off unless --refine-steps is given): Adam's learning rate
+DEFAULT_REFINE_LR = 2e-3
 BITS = 2
 
 # method names -> the accumulator (``calibrate.stats``) each objective reads
