@@ -41,6 +41,12 @@ variant            options
 ``refine-S``,      S steps at lr 2e-3 / 64 steps at lr L (e.g. ``refine-32``, ``refine-lr1e-2``);
                    with ``--heldout-seqs 8`` the last 2 held-out sequences choose the step
 ``refine-lrL``
+``codebook``       the default's rotations and clips; 4 calibrated levels per (layer, KV head)
+                   and K/V between each group's min and max (``numerics.codebook``, ``range``
+                   coding: same fp16 scale/offset, same bits), Lloyd-fitted on the held-out rows
+                   the clips are fitted on (rotated and clipped); simulation only
+``codebook-std``   the same with each group stored as fp16 mean and std and the levels in
+                   standardised units (Lloyd from the fork's fixed Gaussian levels)
 =================  ========================================================================
 
 Per-layer and per-KV-head statistics are the same for ``head`` and ``layer`` granularity when a
@@ -80,6 +86,8 @@ VARIANTS = {
     "refine-128": {"refine_steps": 128},
     "refine-lr5e-4": {"refine_steps": 64, "refine_lr": 5e-4},
     "refine-lr1e-2": {"refine_steps": 64, "refine_lr": 1e-2},
+    "codebook": {"quantizer": "codebook"},
+    "codebook-std": {"quantizer": "codebook-std"},
 }
 TEXTS = ("embedded", "embedded-code")
 
@@ -248,7 +256,7 @@ def variant_scheme(name, run, base, geo, g, opts):
     from oscar_calib.spec.artifact import Artifact
     from oscar_calib.spec.config import CalibrationConfig
 
-    options = {k: v for k, v in VARIANTS[name].items() if k != "group_size"}
+    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer")}
     cfg = CalibrationConfig(**{**base.to_dict(), **options, "group_size": g}).validate()
     t1 = time.perf_counter()
     layers, rows = build_rotations(run, cfg, geo, g)
@@ -261,12 +269,52 @@ def variant_scheme(name, run, base, geo, g, opts):
              "heldout_attn_error": sum(r["heldout"]["oscar"]["attn"] for r in rows) / len(rows),
              "k_clip_mean": sum(float(lr.k_clip.mean()) for lr in layers) / len(layers),
              "v_clip_mean": sum(float(lr.v_clip.mean()) for lr in layers) / len(layers)}
+    quantizer = VARIANTS[name].get("quantizer")
+    if quantizer:
+        scheme, extra["codebook"] = with_codebooks(scheme, run, layers, g, quantizer)
     if any("refine" in r for r in rows):
         reps = [h for r in rows for h in r["refine"]]
         extra["refine_objective"] = {"before": sum(h["before"] for h in reps) / len(reps),
                                      "after": sum(h["after"] for h in reps) / len(reps),
                                      "heads_moved": sum(h["best_step"] > 0 for h in reps), "heads": len(reps)}
     return scheme, extra
+
+
+def with_codebooks(scheme, run, layers, g, quantizer):
+    """``scheme`` storing its history with codebooks fitted per layer, KV head and K/V on the held-out
+    rows, and a summary: mean levels and the fitted/initial squared error on those rows."""
+    import dataclasses
+
+    import torch
+
+    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.numerics.codebook import (
+        fake_quant_codebook,
+        fit_layer_levels,
+        initial_levels,
+    )
+    from oscar_calib.numerics.quant import clip_rows
+
+    coding = "std" if quantizer == "codebook-std" else "range"
+    kl, vl, ratios = [], [], {"k": [], "v": []}
+    for i, lr in enumerate(layers):
+        held = heldout_layer(run, i)
+        k_rows, v_rows = torch.cat(held.k), torch.cat(held.v)
+        k_lv, v_lv = fit_layer_levels(k_rows, v_rows, lr.k_rotation, lr.k_clip, lr.v_rotation, lr.v_clip, g, coding)
+        kl.append(k_lv)
+        vl.append(v_lv)
+        for which, x, rot, clip, lv in (("k", k_rows, lr.k_rotation, lr.k_clip, k_lv),
+                                        ("v", v_rows, lr.v_rotation, lr.v_clip, v_lv)):
+            for h in range(x.shape[1]):
+                y = clip_rows(x[:, h].float() @ rot[h].float(), float(clip[h]))
+                err = [float((fake_quant_codebook(y, c, g, coding) - y).pow(2).mean())
+                       for c in (initial_levels(coding), lv[h])]
+                ratios[which].append(err[1] / max(err[0], 1e-300))
+    summary = {"coding": coding,
+               "k_levels_mean": torch.stack(kl).mean((0, 1)).tolist(),
+               "v_levels_mean": torch.stack(vl).mean((0, 1)).tolist(),
+               "heldout_mse_ratio": {w: sum(r) / len(r) for w, r in ratios.items()}}
+    return dataclasses.replace(scheme, name=quantizer, quantizer=quantizer, k_levels=kl, v_levels=vl), summary
 
 
 def table(results: dict) -> str:

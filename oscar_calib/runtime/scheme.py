@@ -15,8 +15,9 @@ import torch
 from ..errors import InputError
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
 
-# whose INT2 arithmetic stores the history: oscar's kernels, or the OSCAR SGLang fork's (uniform / Lloyd-Max)
-QUANTIZERS = ("oscar", "fork", "fork-lloyd")
+# whose INT2 arithmetic stores the history: oscar's kernels, the OSCAR SGLang fork's (uniform / Lloyd-Max),
+# or calibrated 4-level codebooks on oscar's fp16 group parameters (an ablation, simulation only)
+QUANTIZERS = ("oscar", "fork", "fork-lloyd", "codebook", "codebook-std")
 
 @dataclass
 class KVScheme:
@@ -31,8 +32,11 @@ class KVScheme:
     ``oscar`` (our kernels: fp16 scale and offset, ``2 + 32/G`` bits), ``fork`` or ``fork-lloyd``
     (the OSCAR SGLang fork: float32 scale and zero, ``2 + 64/G`` bits, uniform or Lloyd-Max buckets;
     K/V/Q are rotated and held in ``window_dtype`` in the rotated basis as the fork's KV pool does).
-    Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork quantisers; the real
-    caches store with ``oscar``'s.
+    ``codebook`` / ``codebook-std``: oscar's fp16 group parameters (min/max scale and offset, or mean
+    and std) with 4 calibrated levels per layer, KV head and cache (``k_levels[i]``/``v_levels[i]``
+    ``[kv_heads, 4]``, None = the coding's initial levels; :mod:`oscar_calib.numerics.codebook`),
+    ``2 + 32/G`` bits. Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork and
+    codebook quantisers; the real caches store with ``oscar``'s.
     """
 
     name: str
@@ -50,9 +54,11 @@ class KVScheme:
     # time, like the OSCAR SGLang fork with SGLANG_OSCAR_ABSORB_V_ROTATION=1)
     v_output: list = field(default_factory=list)
     quantizer: str = "oscar"
+    k_levels: list = field(default_factory=list)
+    v_levels: list = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output"):
+        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output", "k_levels", "v_levels"):
             lst = getattr(self, name)
             if not lst:
                 setattr(self, name, [None] * self.num_layers)
@@ -75,7 +81,7 @@ class KVScheme:
         quantised."""
         if self.group_size is None:
             return float(torch.finfo(self.window_dtype).bits) if self.window_dtype else 32.0
-        if self.quantizer != "oscar":
+        if self.quantizer in ("fork", "fork-lloyd"):
             from ..numerics.quant import FORK_PARAM_BITS
 
             return 2.0 + FORK_PARAM_BITS / self.group_size

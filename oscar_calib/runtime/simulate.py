@@ -98,7 +98,8 @@ class SimulatedKV(AttentionRoute):
         hkv, s = k.shape[1], k.shape[2]
         grp = hq // hkv
         allowed = self._allowed(mask, b, t, s, window, q.device)                          # [B|1, 1, T, S]
-        rows = oscar_rows if sch.quantizer == "oscar" else fork_rows
+        rows = {"oscar": oscar_rows, "codebook": codebook_rows, "codebook-std": codebook_rows}.get(sch.quantizer,
+                                                                                                  fork_rows)
         qf, keys, values, k_lo, v_lo, back = rows(sch, layer, q, k, v)
         if k_lo is not None:
             qpos = torch.arange(t, device=q.device).unsqueeze(1) + (s - t)
@@ -152,6 +153,40 @@ def oscar_rows(sch: KVScheme, layer: int, q, k, v):
         k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
         v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
     out_rot = sch.v_output[layer]        # absorbed R_v: map the output back, o @ Rᵀ per KV head
+    back = _unrotate(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) if out_rot is not None else None
+    return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
+
+
+def codebook_rows(sch: KVScheme, layer: int, q, k, v):
+    """:func:`oscar_rows` with the INT2 rows stored as calibrated codebooks (``sch.quantizer``
+    ``codebook``: the group's min/max scale and offset, ``codebook-std``: its mean and std, both
+    rounded to fp16 as the kernels store parameters; levels ``sch.k_levels[layer]`` /
+    ``v_levels[layer]`` per KV head). With uniform levels ``codebook`` equals ``oscar`` (tested)."""
+    from ..numerics.codebook import fake_quant_codebook, initial_levels
+    from ..numerics.quant import clip_rows
+
+    wd = sch.window_dtype
+    coding = "std" if sch.quantizer == "codebook-std" else "range"
+    k_in = k.to(wd) if wd is not None else k
+    v_in = v.to(wd) if wd is not None else v
+    k_lo = v_lo = None
+    if sch.quantized:
+        rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+
+        def int2(x, r, c, levels):                      # x [B, H, S, d] -> dequantised, model basis
+            y = x.float().transpose(1, 2)                 # [B, S, H, d]
+            if r is not None:
+                y = torch.einsum("bshd,hde->bshe", y, r)
+            if c is not None:
+                y = clip_rows(y, c.to(torch.float64))
+            out = torch.stack([fake_quant_codebook(y[:, :, h], initial_levels(coding) if levels is None else
+                                                   levels[h], sch.group_size, coding, torch.float16)
+                               for h in range(y.shape[2])], dim=2)
+            return torch.einsum("bshe,hde->bhsd", out, r) if r is not None else out.transpose(1, 2)
+
+        k_lo = int2(k_in, rk, ck, sch.k_levels[layer])
+        v_lo = int2(v_in, rv, cv, sch.v_levels[layer])
+    out_rot = sch.v_output[layer]
     back = _unrotate(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) if out_rot is not None else None
     return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
 
