@@ -49,6 +49,9 @@ variant            options
                    standardised units (Lloyd from the fork's fixed Gaussian levels)
 =================  ========================================================================
 
+``codebook-noclip`` is ``codebook`` without clipping (ratios 1.0/1.0): the levels alone handle the tails;
+``codebook-inner`` keeps the outer levels at each group's min and max and fits only the inner two.
+
 Per-layer and per-KV-head statistics are the same for ``head`` and ``layer`` granularity when a
 model has one KV head (Gemma-3-270M), so ``layer`` only matters for SmolLM2 (3 KV heads).
 """
@@ -88,6 +91,8 @@ VARIANTS = {
     "refine-lr1e-2": {"refine_steps": 64, "refine_lr": 1e-2},
     "codebook": {"quantizer": "codebook"},
     "codebook-std": {"quantizer": "codebook-std"},
+    "codebook-noclip": {"quantizer": "codebook", "k_clip": 1.0, "v_clip": 1.0},
+    "codebook-inner": {"quantizer": "codebook", "fixed_ends": True},
 }
 TEXTS = ("embedded", "embedded-code")
 
@@ -256,7 +261,7 @@ def variant_scheme(name, run, base, geo, g, opts):
     from oscar_calib.spec.artifact import Artifact
     from oscar_calib.spec.config import CalibrationConfig
 
-    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer")}
+    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer", "fixed_ends")}
     cfg = CalibrationConfig(**{**base.to_dict(), **options, "group_size": g}).validate()
     t1 = time.perf_counter()
     layers, rows = build_rotations(run, cfg, geo, g)
@@ -271,7 +276,8 @@ def variant_scheme(name, run, base, geo, g, opts):
              "v_clip_mean": sum(float(lr.v_clip.mean()) for lr in layers) / len(layers)}
     quantizer = VARIANTS[name].get("quantizer")
     if quantizer:
-        scheme, extra["codebook"] = with_codebooks(scheme, run, layers, g, quantizer)
+        scheme, extra["codebook"] = with_codebooks(scheme, run, layers, g, quantizer,
+                                                   VARIANTS[name].get("fixed_ends", False))
     if any("refine" in r for r in rows):
         reps = [h for r in rows for h in r["refine"]]
         extra["refine_objective"] = {"before": sum(h["before"] for h in reps) / len(reps),
@@ -280,9 +286,11 @@ def variant_scheme(name, run, base, geo, g, opts):
     return scheme, extra
 
 
-def with_codebooks(scheme, run, layers, g, quantizer):
+def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
     """``scheme`` storing its history with codebooks fitted per layer, KV head and K/V on the held-out
-    rows, and a summary: mean levels and the fitted/initial squared error on those rows."""
+    rows, and a summary: mean levels and the squared error on those rows (rotated and clipped) with
+    the fitted levels relative to uniform INT2 (``k``, ``v``) and to the initial levels, averaged over
+    layers and KV heads."""
     import dataclasses
 
     import torch
@@ -293,24 +301,27 @@ def with_codebooks(scheme, run, layers, g, quantizer):
         fit_layer_levels,
         initial_levels,
     )
-    from oscar_calib.numerics.quant import clip_rows
+    from oscar_calib.numerics.quant import clip_rows, fake_quant_int2
 
     coding = "std" if quantizer == "codebook-std" else "range"
-    kl, vl, ratios = [], [], {"k": [], "v": []}
+    kl, vl, ratios = [], [], {"k": [], "v": [], "k_vs_initial": [], "v_vs_initial": []}
     for i, lr in enumerate(layers):
         held = heldout_layer(run, i)
         k_rows, v_rows = torch.cat(held.k), torch.cat(held.v)
-        k_lv, v_lv = fit_layer_levels(k_rows, v_rows, lr.k_rotation, lr.k_clip, lr.v_rotation, lr.v_clip, g, coding)
+        k_lv, v_lv = fit_layer_levels(k_rows, v_rows, lr.k_rotation, lr.k_clip, lr.v_rotation, lr.v_clip, g, coding,
+                                      fixed_ends)
         kl.append(k_lv)
         vl.append(v_lv)
         for which, x, rot, clip, lv in (("k", k_rows, lr.k_rotation, lr.k_clip, k_lv),
                                         ("v", v_rows, lr.v_rotation, lr.v_clip, v_lv)):
             for h in range(x.shape[1]):
                 y = clip_rows(x[:, h].float() @ rot[h].float(), float(clip[h]))
-                err = [float((fake_quant_codebook(y, c, g, coding) - y).pow(2).mean())
-                       for c in (initial_levels(coding), lv[h])]
-                ratios[which].append(err[1] / max(err[0], 1e-300))
-    summary = {"coding": coding,
+                fitted = float((fake_quant_codebook(y, lv[h], g, coding) - y).pow(2).mean())
+                int2 = float((fake_quant_int2(y, g) - y).pow(2).mean())
+                init = float((fake_quant_codebook(y, initial_levels(coding), g, coding) - y).pow(2).mean())
+                ratios[which].append(fitted / max(int2, 1e-300))
+                ratios[which + "_vs_initial"].append(fitted / max(init, 1e-300))
+    summary = {"coding": coding, "fixed_ends": fixed_ends,
                "k_levels_mean": torch.stack(kl).mean((0, 1)).tolist(),
                "v_levels_mean": torch.stack(vl).mean((0, 1)).tolist(),
                "heldout_mse_ratio": {w: sum(r) / len(r) for w, r in ratios.items()}}

@@ -84,3 +84,13 @@ def test_bad_levels_and_coding_are_input_errors():
         fake_quant_codebook(rows(), torch.tensor([0.0, 1.0, 3.0]), 64)
     with pytest.raises(InputError):
         initial_levels("gauss")
+
+
+def test_fixed_ends_keeps_the_outer_levels_and_still_descends():
+    x = clip_rows(rows(seed=3), 0.94)
+    y, _, b = coordinates(x, 64, "range")
+    w = (b.unsqueeze(-1) ** 2).expand_as(y)
+    lv = lloyd_levels(y, w, initial_levels("range"), fixed_ends=True)
+    assert lv[0] == 0 and lv[-1] == 3 and not torch.equal(lv, initial_levels("range"))
+    assert codebook_mse(y, w, lv) < codebook_mse(y, w, initial_levels("range"))
+    assert codebook_mse(y, w, lloyd_levels(y, w)) <= codebook_mse(y, w, lv) + 1e-9   # free ends: no worse

@@ -98,9 +98,10 @@ def codebook_mse(y: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> floa
 
 
 def lloyd_levels(y: torch.Tensor, w: torch.Tensor | None = None, init: torch.Tensor | None = None,
-                 iters: int = 50, tol: float = 1e-7) -> torch.Tensor:
+                 iters: int = 50, tol: float = 1e-7, fixed_ends: bool = False) -> torch.Tensor:
     """Weighted 1-D Lloyd on samples ``y`` (any shape) with weights ``w`` (same shape, default 1):
-    four sorted levels (float32). A level whose cell is empty keeps its value. Deterministic."""
+    four sorted levels (float32). A level whose cell is empty keeps its value; ``fixed_ends`` keeps
+    the outer two at their initial values (only the inner two move). Deterministic."""
     y = y.reshape(-1).double()
     w = torch.ones_like(y) if w is None else w.reshape(-1).double()
     lv = _check_levels(initial_levels("range") if init is None else init).double().clone()
@@ -109,6 +110,8 @@ def lloyd_levels(y: torch.Tensor, w: torch.Tensor | None = None, init: torch.Ten
         num = torch.zeros(LEVELS, dtype=torch.float64).index_add_(0, q, w * y)
         den = torch.zeros(LEVELS, dtype=torch.float64).index_add_(0, q, w)
         new = torch.where(den > 0, num / den.clamp(min=1e-300), lv)
+        if fixed_ends:
+            new[0], new[-1] = lv[0], lv[-1]
         new = new.sort().values
         done = float((new - lv).abs().max()) < tol
         lv = new
@@ -117,17 +120,19 @@ def lloyd_levels(y: torch.Tensor, w: torch.Tensor | None = None, init: torch.Ten
     return lv.float()
 
 
-def fit_levels(rows: torch.Tensor, group_size: int, coding: str = "range", iters: int = 50) -> torch.Tensor:
+def fit_levels(rows: torch.Tensor, group_size: int, coding: str = "range", iters: int = 50,
+               fixed_ends: bool = False) -> torch.Tensor:
     """Levels for one (layer, KV head) cache from its rotated, clipped rows ``[N, d]``: Lloyd on the
-    group coordinates weighted by ``b²`` (squared error of ``x``), from :func:`initial_levels`."""
+    group coordinates weighted by ``b²`` (squared error of ``x``), from :func:`initial_levels`
+    (``fixed_ends``: see :func:`lloyd_levels`)."""
     y, _, b = coordinates(rows, group_size, coding)
     w = (b.unsqueeze(-1) ** 2).expand_as(y)
-    return lloyd_levels(y, w, initial_levels(coding), iters=iters)
+    return lloyd_levels(y, w, initial_levels(coding), iters=iters, fixed_ends=fixed_ends)
 
 
 def fit_layer_levels(k_rows: torch.Tensor, v_rows: torch.Tensor, k_rot: torch.Tensor, k_clip: torch.Tensor,
                      v_rot: torch.Tensor, v_clip: torch.Tensor, group_size: int,
-                     coding: str = "range") -> tuple[torch.Tensor, torch.Tensor]:
+                     coding: str = "range", fixed_ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Levels ``[kv_heads, 4]`` for K and for V of one layer, fitted per KV head on its calibration
     rows ``[N, kv_heads, d]`` (e.g. the held-out rows the clips were fitted on) after the head's
     rotation and clip, i.e. on exactly the rows the cache would quantise."""
@@ -137,6 +142,6 @@ def fit_layer_levels(k_rows: torch.Tensor, v_rows: torch.Tensor, k_rot: torch.Te
         for h in range(x.shape[1]):
             y = x[:, h].float() @ rot[h].float()
             c = float(clip[h])
-            levels.append(fit_levels(clip_rows(y, c) if c < 1 else y, group_size, coding))
+            levels.append(fit_levels(clip_rows(y, c) if c < 1 else y, group_size, coding, fixed_ends=fixed_ends))
         out.append(torch.stack(levels))
     return out[0], out[1]
