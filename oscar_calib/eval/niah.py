@@ -26,7 +26,7 @@ from ..progress import ProgressFn, counter
 from ..runtime.cache import OscarCache, attached
 from ..runtime.scheme import KVScheme
 from .methods import bits_of, build_schemes, fork_settings, quanto_cache
-from .options import EvalOptions, as_options
+from .options import HAYSTACKS, EvalOptions, as_options
 from .report import EvalResult
 
 NIAH_PREFIX = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -51,8 +51,6 @@ _NOUNS = ("anchor", "badge", "cabinet", "dolphin", "engine", "falcon", "garden",
           "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quartz", "river", "saddle", "tunnel",
           "violin", "window")
 
-
-HAYSTACKS = ("corpus", "noise")
 
 
 @dataclass

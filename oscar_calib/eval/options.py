@@ -37,6 +37,7 @@ from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, chec
 from .methods import DEFAULT_METHODS, parse_methods
 
 TASKS = ("ppl", "niah")
+HAYSTACKS = ("corpus", "noise")       # NIAH filler: held-out corpus sentences, or RULER's repeated noise
 
 
 def parse_numbers(value, kind, option: str) -> tuple:
@@ -75,8 +76,6 @@ class EvalOptions:
     prefill_chunk: int = 2048
 
     def __post_init__(self) -> None:
-        from .niah import HAYSTACKS  # niah imports this module
-
         if self.task not in TASKS:
             raise InputError(f"unknown --task {self.task!r}; choose from {', '.join(TASKS)}")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)

@@ -153,18 +153,17 @@ def checked_artifact(artifact, model):
     calibrated for another model (geometry and, given a model, its fingerprint)."""
     from ..model.geometry import geometry_of, model_fingerprint
     from ..spec.artifact import Artifact, load_artifact, require_compatible, tensor_name
-    from ..tools.validate import check_values, require_valid
+    from ..spec.values import value_problems
 
     if isinstance(artifact, Artifact):
         art = artifact
         tensors = {tensor_name(i, k): getattr(lr, k) for i, lr in enumerate(art.layers)
                    for k in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")}
-        problems = [p for ps in check_values(tensors, art.metadata).values() for p in ps]
+        problems = value_problems(tensors, art.metadata)
         if problems:
             raise ArtifactError(f"{art.path or 'the artifact'}: {problems[0]}")
     else:
-        require_valid(Path(artifact))
-        art = load_artifact(Path(artifact))
+        art = load_artifact(Path(artifact))         # refuses bad structure or values with the first problem
     fingerprint = model_fingerprint(model) if hasattr(model, "config") else None
     require_compatible(art, geometry_of(model), fingerprint)
     return art

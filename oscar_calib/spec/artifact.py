@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 WEIGHTS_NAME = "oscar.safetensors"
 CARD_NAME = "README.md"
 REPORT_NAME = "calibration.json"
+PULL_RECORD = ".oscar-pull.json"      # where an artifact came from, written by `oscar pull` (hidden: never pushed)
 FORMAT_NAME = "oscar-rotations"
 
 TENSOR_KINDS = ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")

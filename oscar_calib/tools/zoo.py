@@ -26,14 +26,13 @@ from pathlib import Path
 
 from ..errors import InputError, OscarError
 from ..fsutil import atomic_write_text
-from ..spec.artifact import REPORT_NAME, WEIGHTS_NAME, read_metadata
+from ..spec.artifact import PULL_RECORD, REPORT_NAME, WEIGHTS_NAME, read_metadata
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "oscar-zoo-index"
 INDEX_VERSION = 1
 VERIFY_NAME = "verify.json"
 EVAL_NAME = "eval.json"
-PULL_RECORD = ".oscar-pull.json"
 SUMMARY_KEYS = ("mean_attn_error_oscar", "mean_attn_error_hadamard", "layers_better_than_hadamard", "num_layers")
 
 

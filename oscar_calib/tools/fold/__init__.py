@@ -7,8 +7,9 @@ module             what it holds
                    the artifact-vs-model checks and the per-layer layout checks
 ``proof``          original vs folded model on one sample batch: logits equal and every layer's
                    values equal the original values times ``R``, or nothing is written
-``checkpoint``     :func:`fold_checkpoint`: the sharded Hugging Face checkpoint, the artifact
-                   copy (``oscar/``, ``v_folded = "true"``) and the reload check
+``checkpoint``     :func:`fold_checkpoint`: the sharded Hugging Face checkpoint and the reload check
+``output``         what every fold writes beside its checkpoint: the artifact copy (``oscar/``,
+                   ``v_folded = "true"``), the output-directory checks, file hashes
 ``fp8``            compressed-tensors FP8 checkpoints (per-channel / per-tensor scales), folded on
                    their safetensors files the way the OSCAR SGLang fork absorbs ``R_v``:
                    de-quantise, rotate, fresh scales ``amax/448``, re-quantise, proven on logits
@@ -22,15 +23,11 @@ artifact copy), so no engine rotates V twice.
 """
 
 from .checkpoint import (
-    ARTIFACT_SUBDIR,
     OUT_DTYPES,
     RELOAD_TOLERANCE,
     FoldResult,
-    check_fold_output,
-    file_sha256,
     fold_checkpoint,
     reload_check,
-    write_artifact_copy,
 )
 from .fp8 import (
     FP8_TOLERANCE,
@@ -43,6 +40,7 @@ from .fp8 import (
     quantize_fp8,
     refold_fp8,
 )
+from .output import ARTIFACT_SUBDIR, check_fold_output, file_sha256, write_artifact_copy
 from .proof import (
     CHECK_TOLERANCE,
     SAMPLE_SHAPE,

@@ -12,10 +12,7 @@ artifact is copied under ``oscar/`` with metadata ``v_folded = "true"``.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,21 +23,17 @@ from ... import FORMAT_VERSION
 from ...errors import InputError, NumericalError, UnsupportedModelError
 from ...fsutil import (
     apply_umask_mode,
-    atomic_write_bytes,
-    check_can_replace,
     staged_dir,
 )
 from ...model.geometry import Geometry, text_config
 from ...model.load import LoadedModel
 from ...progress import ProgressFn, step
 from ...spec.artifact import (
-    CARD_NAME,
-    REPORT_NAME,
     WEIGHTS_NAME,
     Artifact,
     load_artifact,
-    serialize_safetensors,
 )
+from .output import ARTIFACT_SUBDIR, check_fold_output, file_sha256, write_artifact_copy
 from .proof import (
     SAMPLE_SHAPE,
     FoldCheck,
@@ -57,7 +50,6 @@ from .weights import (
     refuse_folded_artifact,
 )
 
-ARTIFACT_SUBDIR = "oscar"
 #: Max relative logit difference after reloading the saved checkpoint and running it in float32, by
 #: saved dtype. 16-bit dtypes round every folded weight (bf16 keeps 8 significant bits). Measured on
 #: SmolLM2-135M (2×64 tokens): folded bf16 5.8e-3, fp16 9.7e-4 -- no worse than casting the
@@ -67,32 +59,7 @@ RELOAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e
 OUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------- inputs and output
-
-def check_fold_output(out: Path, overwrite: bool, protected: list[Path] = ()) -> None:
-    """Refuse a file, a non-empty directory (unless ``overwrite``), an unwritable place, and any
-    output that is, holds, or sits inside an input."""
-    out = Path(out)
-    res = out.resolve()
-    for p in protected:
-        p = Path(p).resolve()
-        if res == p or res in p.parents or p in res.parents:
-            raise InputError(f"--out {out} overlaps an input ({p}); choose another directory")
-    check_can_replace(out, overwrite=overwrite)
-    parent = res.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"output directory {out} is not writable")
-
 
 def _parse_shard_size(size: str | int) -> str | int:
     from transformers.utils.hub import convert_file_size_to_int
@@ -137,23 +104,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- writing
-
-def write_artifact_copy(directory: Path, artifact: Artifact, source_sha256: str) -> None:
-    """The artifact, marked ``v_folded = "true"``, beside the checkpoint it was folded into."""
-    directory.mkdir(parents=True, exist_ok=True)
-    meta = dict(artifact.metadata, **{FOLDED_KEY: "true"})
-    atomic_write_bytes(directory / WEIGHTS_NAME, serialize_safetensors(artifact.tensors(), meta))
-    src = Path(artifact.path) if artifact.path else None
-    if src is not None and (src / REPORT_NAME).exists():
-        shutil.copyfile(src / REPORT_NAME, directory / REPORT_NAME)
-    card = (src / CARD_NAME).read_text() if src is not None and (src / CARD_NAME).exists() else ""
-    card = card.rstrip("\n") + ("\n\n" if card else "") + (
-        "## Folded\n\n"
-        "This copy's `v_rotation` is already folded into the checkpoint one directory up (`v_proj` rows and "
-        "`o_proj` columns; metadata `v_folded = true`). Engines apply only `k_rotation` (online, to keys and "
-        f"queries after RoPE) and must not rotate V again. Source artifact sha256: `{source_sha256}`.\n")
-    (directory / CARD_NAME).write_text(card)
-
 
 def _save(model, tokenizer, directory: Path, artifact: Artifact, artifact_sha: str, dtype: torch.dtype,
           shard_size: str | int) -> None:

@@ -309,7 +309,7 @@ def fold_fp8_checkpoint(ckpt: FP8Checkpoint, artifact, artifact_sha: str, out: P
     from ...model.geometry import text_config
     from ...model.load import load_model
     from ...model.registry import arch_for
-    from .checkpoint import ARTIFACT_SUBDIR, check_fold_output, write_artifact_copy
+    from .output import ARTIFACT_SUBDIR, check_fold_output, write_artifact_copy
     from .proof import (
         SAMPLE_SHAPE,
         fold_and_check,
