@@ -179,6 +179,7 @@ class OscarCache(Cache):
         check_transformers()
         if not scheme.quantized:
             raise InputError(f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache")
+        scheme.require_oscar_quantizer("OscarCache")
         if any(r is not None for r in scheme.v_output):
             raise InputError(f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is "
                              "simulated by SimulatedKV only")

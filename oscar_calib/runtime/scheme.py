@@ -89,6 +89,13 @@ class KVScheme:
 
         return bits_per_element(self.group_size)
 
+    def require_oscar_quantizer(self, cache: str) -> None:
+        """Refuse, in one line, a quantiser a real cache cannot store (the fork's float32 and
+        Lloyd-Max arithmetic, calibrated codebooks: perplexity-simulation only)."""
+        if self.quantizer != "oscar":
+            raise InputError(f"{self.name}: {cache} stores oscar's uniform INT2; the {self.quantizer!r} quantiser "
+                             "exists only in the perplexity simulation (SimulatedKV)")
+
     def layer(self, i: int) -> tuple:
         return self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i]
 

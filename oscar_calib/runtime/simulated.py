@@ -239,6 +239,7 @@ class SimulatedCache(Cache):
 
     def __init__(self, config, scheme: KVScheme):
         check_transformers()
+        scheme.require_oscar_quantizer("SimulatedCache")
         windows = layer_windows(config)
         if len(windows) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "

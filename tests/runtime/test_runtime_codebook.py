@@ -58,3 +58,19 @@ def test_codebook_bits_and_bad_quantizer():
         dataclasses.replace(base, quantizer="codebook-gauss")
     with pytest.raises(InputError):
         dataclasses.replace(base, quantizer="codebook", k_levels=[None] * 3)
+
+
+@pytest.mark.parametrize("quantizer", ["codebook", "codebook-std", "fork", "fork-lloyd"])
+def test_real_caches_refuse_a_quantiser_they_cannot_store(quantizer):
+    """SimulatedCache and OscarCache store oscar's uniform INT2 only: any other quantiser is refused in
+    one line instead of being stored silently as uniform INT2."""
+    from oscar_calib.runtime.cache import OscarCache
+    from oscar_calib.runtime.simulated import SimulatedCache
+
+    m = tiny_model("llama", layers=2)
+    sch = dataclasses.replace(oscar_scheme(geometry_of(m)), quantizer=quantizer)
+    for cls in (SimulatedCache, OscarCache):
+        with pytest.raises(InputError, match=f"'{quantizer}' quantiser exists only in the perplexity simulation"):
+            cls(m.config, sch)
+    for cls in (SimulatedCache, OscarCache):                  # the same scheme with oscar's quantiser is taken
+        cls(m.config, dataclasses.replace(sch, quantizer="oscar"))
