@@ -29,6 +29,16 @@ from .quant import clip_rows, fake_quant_int2
 CLIP_GRID = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.90, 0.88, 0.85, 0.80, 0.75)
 
 
+def causal_mask(t: int, sliding_window: int | None = None) -> torch.Tensor:
+    """[t, t] boolean: query i sees key j when j ≤ i (and i − j < ``sliding_window`` when given)."""
+    i = torch.arange(t).unsqueeze(1)
+    j = torch.arange(t).unsqueeze(0)
+    m = j <= i
+    if sliding_window:
+        m &= j > i - sliding_window
+    return m
+
+
 @dataclass
 class HeldoutLayer:
     """Held-out activations of one layer: lists (one entry per sequence) of q [T, Hq, d],
@@ -50,12 +60,7 @@ class HeldoutLayer:
         return self.q[0].shape[1] // self.k[0].shape[1]
 
     def mask(self, t: int) -> torch.Tensor:
-        i = torch.arange(t).unsqueeze(1)
-        j = torch.arange(t).unsqueeze(0)
-        m = j <= i
-        if self.sliding_window:
-            m &= j > i - self.sliding_window
-        return m
+        return causal_mask(t, self.sliding_window)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """[Hq, T, T] scaled (and soft-capped) logits, GQA-expanded, unmasked."""

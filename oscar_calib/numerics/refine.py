@@ -37,6 +37,7 @@ import torch
 
 from ..errors import InputError
 from ..spec.defaults import DEFAULT_REFINE_LR, DEFAULT_SINK
+from .clip import causal_mask
 from .quant import LEVELS, SCALE_FLOOR, clip_rows, fake_quant_int2
 
 
@@ -100,12 +101,7 @@ class HeadRows:
     softcap: float | None = None
 
     def mask(self, t: int) -> torch.Tensor:
-        i = torch.arange(t).unsqueeze(1)
-        j = torch.arange(t).unsqueeze(0)
-        m = j <= i
-        if self.sliding_window:
-            m &= j > i - self.sliding_window
-        return m
+        return causal_mask(t, self.sliding_window)
 
     def to(self, dtype: torch.dtype) -> "HeadRows":
         return HeadRows([x.to(dtype) for x in self.q], [x.to(dtype) for x in self.k],
