@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, CharTokenizer, tiny_model  # noqa: F401  (re-exported for fixtures)
+from helpers import FAST, CharTokenizer, byte_tokenizer, tiny_model  # noqa: F401  (re-exported for fixtures)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
@@ -64,5 +64,16 @@ def tiny_llama_dir(tmp_path_factory, smollm2) -> Path:
     model = tiny_model("llama", vocab_size=len(tok))
     d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
     model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Llama checkpoint (float32 safetensors, 3 layers) with a byte tokenizer: what
+    launched ranks and torchrun "nodes" load from disk."""
+    tok = byte_tokenizer()
+    d = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    tiny_model("llama", vocab_size=len(tok), layers=3).save_pretrained(d)
     tok.save_pretrained(d)
     return d

@@ -60,3 +60,15 @@ def loaded_tiny(kind: str = "llama", **kw):
     model = tiny_model(kind, **kw)
     src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")
     return LoadedModel(model, CharTokenizer(), src, geometry_of(model), model_fingerprint(model))
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built in code (no files, no network): 256 bytes + EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import loaded_tiny, tiny_model
+from helpers import loaded_tiny
 from safetensors.torch import load_file
 from test_cli import assert_one_line_error, run_main
 
@@ -217,28 +217,6 @@ def test_a_rank_with_a_device_map_gets_its_slice_of_the_gpus(monkeypatch):
 
 CLI_ARGS = ["--tokens", "512", "--seq-len", "64", "--batch-size", "2", "--heldout-tokens", "48", "--device", "cpu",
             "--no-verify"]
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer built in code (no files, no network): 256 bytes + EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random-init Llama checkpoint (float32 safetensors) with a byte tokenizer."""
-    tok = byte_tokenizer()
-    d = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    tiny_model("llama", vocab_size=len(tok), layers=3).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import tiny_model
-from test_distributed import byte_tokenizer
 
 from oscar_calib.calibrate.heartbeat import DONE, Heartbeat
 from oscar_calib.calibrate.pipeline import calibrate
@@ -39,23 +37,13 @@ ARGS = ["--tokens", "1024", "--seq-len", "64", "--batch-size", "1", "--heldout-t
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory) -> Path:
-    """A tiny random-init Llama checkpoint with a byte tokenizer (what every node loads)."""
-    tok = byte_tokenizer()
-    d = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    tiny_model("llama", vocab_size=len(tok), layers=3).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, ckpt_dir) -> bytes:
+def reference(tmp_path_factory, tiny_dir) -> bytes:
     """oscar.safetensors of a single-process run over the same tokens, one thread."""
     out = tmp_path_factory.mktemp("ref") / "out"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        calibrate(CalibrationConfig(model=str(ckpt_dir), **SETTINGS), out)
+        calibrate(CalibrationConfig(model=str(tiny_dir), **SETTINGS), out)
     finally:
         torch.set_num_threads(threads)
     return (out / "oscar.safetensors").read_bytes()
@@ -67,7 +55,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(ckpt_dir: Path, out: Path, logs: Path, *extra: str, env: dict | None = None) -> list:
+def start_nodes(tiny_dir: Path, out: Path, logs: Path, *extra: str, env: dict | None = None) -> list:
     """Two torchrun processes, --nnodes 2 --node-rank 0/1, meeting at a c10d rendezvous on localhost."""
     port = free_port()
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1",
@@ -77,7 +65,7 @@ def start_nodes(ckpt_dir: Path, out: Path, logs: Path, *extra: str, env: dict | 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", f"oscar-test-{port}", "--monitor-interval", "0.1", str(WORKER),
-               "calibrate", str(ckpt_dir), "--out", str(out), *ARGS, *extra]
+               "calibrate", str(tiny_dir), "--out", str(out), *ARGS, *extra]
         log = open(logs / f"node{node}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full), log))
     return procs
@@ -101,11 +89,11 @@ def wait_all(procs, timeout: float = 300) -> list[tuple[int, float]]:
     return ends
 
 
-def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, ckpt_dir, reference):
+def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, tiny_dir, reference):
     import json
 
     out = tmp_path / "out"
-    ends = wait_all(start_nodes(ckpt_dir, out, tmp_path))
+    ends = wait_all(start_nodes(tiny_dir, out, tmp_path))
     logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
     assert [c for c, _ in ends] == [0, 0], logs
     assert (out / "oscar.safetensors").read_bytes() == reference
@@ -114,7 +102,7 @@ def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, ckpt_dir, reference):
     assert not list(out.glob(".oscar-checkpoint*")) and not list(out.glob(".*.tmp"))
 
 
-def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path, ckpt_dir, reference):
+def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path, tiny_dir, reference):
     """Rank 1 is SIGKILLed after its 3rd batch; rank 0 (the other node) is then slowed to 6 s a
     batch, so it would need ~30 s more to reach its next collective: it is stopped within a bound
     (the heartbeat, 2 s here, or torchrun when rank 1's machine hosted the store), with one line
@@ -122,7 +110,7 @@ def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path,
     out, mark = tmp_path / "out", tmp_path / "died"
     faults = {"OSCAR_TEST_DIE_RANK": "1", "OSCAR_TEST_DIE_AT": "3", "OSCAR_TEST_MARK": str(mark),
               "OSCAR_TEST_SLOW": "6", "OSCAR_TEST_SLOW_FROM": "3", "OSCAR_TEST_SLOW_RANKS": "0"}
-    ends = wait_all(start_nodes(ckpt_dir, out, tmp_path, env=faults))
+    ends = wait_all(start_nodes(tiny_dir, out, tmp_path, env=faults))
     logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
     survivor = next(i for i in (0, 1) if "rank 0:" in logs[i])
     assert ends[0][0] != 0 and ends[1][0] != 0, logs
@@ -139,7 +127,7 @@ def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path,
         state = torch.load(out / f".oscar-checkpoint.rank{r}-of-2.pt", weights_only=True)
         assert state["batches_done"] >= 2                       # saved after batch 2, before the kill
     assert not (out / "oscar.safetensors").exists()
-    ends = wait_all(start_nodes(ckpt_dir, out, tmp_path, "--resume"))
+    ends = wait_all(start_nodes(tiny_dir, out, tmp_path, "--resume"))
     assert [c for c, _ in ends] == [0, 0], [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
     assert (out / "oscar.safetensors").read_bytes() == reference
 
