@@ -46,8 +46,7 @@ import sys
 import threading
 import time
 
-from ..errors import InputError
-from .ranks import STOPPED_EXIT
+from .ranks import STOPPED_EXIT, env_seconds
 
 DEFAULT_TIMEOUT_S = 60.0
 DONE = 1 << 40
@@ -57,14 +56,7 @@ _SESSIONS = itertools.count()     # calibrations in this process: a job may run 
 
 def heartbeat_timeout() -> float:
     """``OSCAR_DIST_HEARTBEAT`` seconds (default 60; 0: no heartbeat)."""
-    raw = os.environ.get("OSCAR_DIST_HEARTBEAT", str(DEFAULT_TIMEOUT_S))
-    try:
-        v = float(raw)
-    except ValueError:
-        raise InputError(f"OSCAR_DIST_HEARTBEAT={raw!r} is not a number of seconds") from None
-    if v < 0:
-        raise InputError("OSCAR_DIST_HEARTBEAT must be 0 (off) or a positive number of seconds")
-    return v
+    return env_seconds("OSCAR_DIST_HEARTBEAT", DEFAULT_TIMEOUT_S, zero_means="off")
 
 
 def job_store(timeout_s: float):

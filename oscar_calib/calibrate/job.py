@@ -24,10 +24,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, InputError, first_line
+from ..errors import DistributedError, first_line
 from ..model.placement import Placement, cpu_bytes
 from .heartbeat import Heartbeat, heartbeat_timeout, job_store
-from .ranks import env_world_size, stopped
+from .ranks import env_seconds, env_world_size, stopped
 
 DEFAULT_TIMEOUT_S = 1800
 
@@ -99,14 +99,7 @@ class DistContext:
 
 
 def _timeout_s() -> float:
-    raw = os.environ.get("OSCAR_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-    try:
-        v = float(raw)
-    except ValueError:
-        raise InputError(f"OSCAR_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
-    if v <= 0:
-        raise InputError("OSCAR_DIST_TIMEOUT must be positive")
-    return v
+    return env_seconds("OSCAR_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)
 
 
 def gpus_per_rank(gpus: int, local_world: int | None = None) -> int:

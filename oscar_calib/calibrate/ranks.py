@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from ..errors import DistributedError
+from ..errors import DistributedError, InputError
 
 STOPPED_EXIT = 143          # 128 + SIGTERM: this rank stopped because of another rank (not a root cause)
 
@@ -44,6 +44,20 @@ def env_world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise DistributedError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+def env_seconds(name: str, default: float, *, zero_means: str | None = None) -> float:
+    """A number of seconds from environment variable ``name`` (``default`` when unset): positive, or
+    also 0 when ``zero_means`` says what 0 does (e.g. ``"off"``). Anything else is one clear line."""
+    raw = os.environ.get(name, str(default))
+    try:
+        v = float(raw)
+    except ValueError:
+        raise InputError(f"{name}={raw!r} is not a number of seconds") from None
+    if v < 0 or (v == 0 and zero_means is None):
+        allowed = f"0 ({zero_means}) or a positive number" if zero_means else "positive"
+        raise InputError(f"{name} must be {allowed}" + (" of seconds" if zero_means else ""))
+    return v
 
 
 def launched() -> bool:
