@@ -7,7 +7,7 @@ import json
 
 import pytest
 from test_cli import run_main
-from test_distributed import plain_artifact, tiny_dir  # noqa: F401 (fixtures)
+from test_distributed import plain_artifact  # noqa: F401 (a fixture; tiny_dir comes from conftest)
 
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.model.load import load_model
