@@ -93,7 +93,18 @@ VARIANTS = {
     "codebook-std": {"quantizer": "codebook-std"},
     "codebook-noclip": {"quantizer": "codebook", "k_clip": 1.0, "v_clip": 1.0},
     "codebook-inner": {"quantizer": "codebook", "fixed_ends": True},
+    # a K/V bit budget (per-layer / per-cache group sizes; ``groups`` is resolved by ``variant_groups``)
+    "k/2": {"groups": "k/2"},
+    "v/2": {"groups": "v/2"},
+    "global/2": {"groups": "global/2"},
+    "global/4": {"groups": "global/4"},
+    "sliding/2": {"groups": "sliding/2"},
+    "budget": {"groups": "budget"},
+    "budget-split": {"groups": "budget-split"},
+    "budget-mean": {"groups": "budget-mean"},
+    "budget-mean-split": {"groups": "budget-mean-split"},
 }
+BUDGET_BITS = 2.5
 TEXTS = ("embedded", "embedded-code")
 
 
@@ -145,6 +156,8 @@ def main() -> None:
                     "are fitted on")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--baselines", default="bf16,naive,hadamard", help="baseline methods (bf16 is always needed "
+                    "for the relative columns)")
     args = ap.parse_args()
 
     import torch
@@ -164,7 +177,8 @@ def main() -> None:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
     texts = [t.strip() for t in args.texts.split(",") if t.strip()]
     base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed, heldout_seqs=args.heldout_seqs)
-    opts = EvalOptions(methods=("bf16", "naive", "hadamard"), sequences=args.sequences, seq_len=args.seq_len,
+    opts = EvalOptions(methods=tuple(m.strip() for m in args.baselines.split(",") if m.strip()),
+                       sequences=args.sequences, seq_len=args.seq_len,
                        sink=base.sink_tokens, recent=base.recent_tokens)     # `oscar eval`'s settings, checked
     t0 = time.perf_counter()
     lm = prepare_model(base)
@@ -190,7 +204,7 @@ def main() -> None:
         out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         out.with_suffix(".md").write_text(table(results) + "\n")
 
-    def group_of(name: str) -> int:
+    def group_of(name: str) -> int:       # per-layer variants (``groups``) count as the default size here
         opt = VARIANTS[name].get("group_size")
         return {None: g0, "half": g0 // 2, "double": min(2 * g0, geo.head_dim)}[opt]
 
@@ -256,20 +270,30 @@ def baseline_scheme(method, geo, g, opts, clips):
 def variant_scheme(name, run, base, geo, g, opts):
     """The KV scheme of one variant (its rotations and clips re-built from the shared statistics)
     and the row's extra fields."""
+    import dataclasses
+
     from oscar_calib.calibrate.pipeline import build_rotations
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.spec.artifact import Artifact
     from oscar_calib.spec.config import CalibrationConfig
 
-    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer", "fixed_ends")}
+    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer", "fixed_ends", "groups")}
     cfg = CalibrationConfig(**{**base.to_dict(), **options, "group_size": g}).validate()
     t1 = time.perf_counter()
     layers, rows = build_rotations(run, cfg, geo, g)
+    groups, budget = variant_groups(VARIANTS[name].get("groups"), run, layers, cfg, geo, g)
+    if groups:
+        layers, rows = build_rotations(run, cfg, geo, g, groups=groups)
     t_rot = time.perf_counter() - t1
     art = Artifact(layers=layers, metadata={"group_size": str(g), "num_kv_heads": str(geo.num_kv_heads),
                                             "head_dim": str(geo.head_dim)})
     scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent)
+    if groups:
+        scheme = dataclasses.replace(scheme, group_size=max(max(x) for x in groups),
+                                     k_groups=[x[0] for x in groups], v_groups=[x[1] for x in groups])
     extra = {"group_size": g, "bits_per_element": scheme.bits_per_element, "options": VARIANTS[name],
+             **({"groups": groups, "long_bits_per_element": long_bits(scheme, run)} if groups else {}),
+             **({"budget": budget} if budget else {}),
              "rotations_s": t_rot,
              "heldout_attn_error": sum(r["heldout"]["oscar"]["attn"] for r in rows) / len(rows),
              "k_clip_mean": sum(float(lr.k_clip.mean()) for lr in layers) / len(layers),
@@ -284,6 +308,42 @@ def variant_scheme(name, run, base, geo, g, opts):
                                      "after": sum(h["after"] for h in reps) / len(reps),
                                      "heads_moved": sum(h["best_step"] > 0 for h in reps), "heads": len(reps)}
     return scheme, extra
+
+
+def full_layers(run) -> list[int]:
+    """Layers without a sliding window (their history grows with the context)."""
+    return [i for i in sorted(run.layer_info) if not run.layer_info[i]["sliding_window"]]
+
+
+def long_bits(scheme, run) -> float:
+    """Bits per element at long contexts: the full-attention layers' mean (``calibrate.budget``)."""
+    longs = full_layers(run) or list(range(scheme.num_layers))
+    return sum(scheme.layer_bits(i) for i in longs) / len(longs)
+
+
+def variant_groups(spec, run, layers, cfg, geo, g0):
+    """Per layer ``(G_K, G_V)`` of a bit-budget variant (None for the others) and, for the greedy
+    ones, what the allocation saw."""
+    from oscar_calib.calibrate.budget import allocate, budget_tables, candidate_sizes
+    from oscar_calib.calibrate.pipeline import heldout_layer
+
+    if spec is None:
+        return None, None
+    n, full = geo.num_layers, set(full_layers(run))
+    fixed = {"k/2": lambda i: (g0 // 2, g0), "v/2": lambda i: (g0, g0 // 2),
+             "global/2": lambda i: (g0 // 2,) * 2 if i in full else (g0, g0),
+             "global/4": lambda i: (g0 // 4,) * 2 if i in full else (g0, g0),
+             "sliding/2": lambda i: (g0, g0) if i in full else (g0 // 2,) * 2}
+    if spec in fixed:
+        return [fixed[spec](i) for i in range(n)], None
+    sizes = candidate_sizes(geo.head_dim)
+    tables = budget_tables(lambda i: heldout_layer(run, i), [(lr.k_rotation, lr.v_rotation) for lr in layers],
+                           [s.covariance("q") for s in run.stats], cfg, geo.num_kv_heads, sizes)
+    alloc = allocate(tables, sizes, BUDGET_BITS, tied="split" not in spec,
+                     long_layers=None if "mean" in spec else sorted(full))
+    return alloc.groups, {"sizes": list(sizes), "mean_bits": alloc.mean_bits, "long_bits": alloc.long_bits,
+                          "heldout_mse": alloc.heldout_mse,
+                          "tables": [t.tolist() for t in tables]}
 
 
 def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):

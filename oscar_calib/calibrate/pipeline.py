@@ -181,8 +181,10 @@ def spread(eig: torch.Tensor) -> float:
 
 
 def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int, *,
-                    progress: ProgressFn | None = None) -> tuple[list, list]:
-    """Rotations, clips and per-layer report rows."""
+                    progress: ProgressFn | None = None, groups: list | None = None) -> tuple[list, list]:
+    """Rotations, clips and per-layer report rows. ``groups``: per layer ``(K, V)`` group sizes
+    (a bit budget, :mod:`oscar_calib.calibrate.budget`) the clips are fitted for; default
+    ``group_size`` everywhere."""
     layers, rows = [], []
     tick = counter(progress, "rotations + clips", len(run.stats), "layers")
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
@@ -191,22 +193,26 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, cfg.granularity, warn=(i == 0))
         v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, cfg.granularity, warn=False)
         held = heldout_layer(run, i)
-        k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, group_size)
+        gk, gv = groups[i] if groups else (group_size, group_size)
+        k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
         refined = None
         if cfg.refine_steps:      # refine with the start's clips on the same held-out rows, then fit them again
+            if gk != gv:
+                raise InputError("--refine-steps needs one group size for K and V in every layer")
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
-            k_rot, v_rot, refined = refine_layer(held, k_rot, k_clip, v_rot, v_clip, group_size, settings)
-            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, group_size)
-        ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, group_size)
+            k_rot, v_rot, refined = refine_layer(held, k_rot, k_clip, v_rot, v_clip, gk, settings)
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
+        ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
         h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
         base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
-                              torch.full_like(v_clip, BASELINE_CLIPS[1]), group_size)
+                              torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
         layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
                                      v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float()))
         rows.append({
             "layer": i,
             "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
             "k_spread": spread(k_eig), "v_spread": spread(v_eig),
+            **({"k_group_size": gk, "v_group_size": gv} if groups else {}),
             "k_clip": [round(float(c), 4) for c in k_clip], "v_clip": [round(float(c), 4) for c in v_clip],
             "heldout": {"oscar": ours, "hadamard": base},
             "orthogonality": max(orthogonality_error(k_rot.float()), orthogonality_error(v_rot.float())),
@@ -219,16 +225,16 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
 
 
 def fit_clips(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, cq: torch.Tensor,
-              cfg: CalibrationConfig, heads: int, group_size: int) -> tuple:
-    """``(k_clip, k_table, v_clip, v_table)`` of one layer: fitted on the held-out rows, or the
-    fixed ratios of ``cfg`` (table None)."""
+              cfg: CalibrationConfig, heads: int, group_size: int, v_group_size: int | None = None) -> tuple:
+    """``(k_clip, k_table, v_clip, v_table)`` of one layer: fitted on the held-out rows (values for
+    ``v_group_size`` when given), or the fixed ratios of ``cfg`` (table None)."""
     k_table = v_table = None
     if cfg.k_clip is None:
         k_clip, k_table = fit_k_clip(held.k_rows(), k_rot, cq, group_size)
     else:
         k_clip = torch.full((heads,), cfg.k_clip, dtype=torch.float64)
     if cfg.v_clip is None:
-        v_clip, v_table = fit_v_clip(held, v_rot, group_size)
+        v_clip, v_table = fit_v_clip(held, v_rot, v_group_size or group_size)
     else:
         v_clip = torch.full((heads,), cfg.v_clip, dtype=torch.float64)
     return k_clip, k_table, v_clip, v_table

@@ -156,14 +156,16 @@ def fit_v_clip(held: HeldoutLayer, rot: torch.Tensor, group_size: int,
     return g[table.argmin(1)], table
 
 
-def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size: int) -> dict:
-    """Relative RMS errors on the held-out rows for one layer (see module docstring)."""
+def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size: int,
+                   v_group_size: int | None = None) -> dict:
+    """Relative RMS errors on the held-out rows for one layer (see module docstring); values in
+    groups of ``v_group_size`` when given (a K/V split), else ``group_size``."""
     num = {"k": 0.0, "v": 0.0, "attn": 0.0}
     den = {"k": 0.0, "v": 0.0, "attn": 0.0}
     for q, k, v, p, (s_ref, o_ref) in zip(held.q, held.k, held.v, held.probs(), held.references()):
         m = held.mask(q.shape[0])
         kq = _dequant_heads(k, k_rot, k_clip, group_size)
-        vq = _dequant_heads(v, v_rot, v_clip, group_size)
+        vq = _dequant_heads(v, v_rot, v_clip, v_group_size or group_size)
         s_q = held.logits(q, kq)
         num["k"] += float(((s_q - s_ref) * m).pow(2).sum())
         den["k"] += float((s_ref * m).pow(2).sum())

@@ -37,6 +37,12 @@ class KVScheme:
     ``[kv_heads, 4]``, None = the coding's initial levels; :mod:`oscar_calib.numerics.codebook`),
     ``2 + 32/G`` bits. Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork and
     codebook quantisers; the real caches store with ``oscar``'s.
+
+    ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
+    budget spent unevenly, :mod:`oscar_calib.numerics.budget`); empty = ``group_size`` everywhere.
+    ``group_size`` stays the scheme's nominal size (the largest of the layers' when they differ).
+    The simulations read any split; the real caches (one kernel call per layer) need K and V of a
+    layer to share one size (:meth:`layer_group`).
     """
 
     name: str
@@ -56,6 +62,8 @@ class KVScheme:
     quantizer: str = "oscar"
     k_levels: list = field(default_factory=list)
     v_levels: list = field(default_factory=list)
+    k_groups: list = field(default_factory=list)
+    v_groups: list = field(default_factory=list)
 
     def __post_init__(self):
         for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output", "k_levels", "v_levels"):
@@ -69,6 +77,15 @@ class KVScheme:
             raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from {', '.join(QUANTIZERS)}")
         if self.group_size is not None:
             check_group_size(None, self.group_size)
+        for name in ("k_groups", "v_groups"):
+            lst = getattr(self, name)
+            if lst and self.group_size is None:
+                raise InputError(f"{self.name}: {name} given but nothing is quantised (group_size None)")
+            if lst and len(lst) != self.num_layers:
+                raise InputError(f"{self.name}: {name} has {len(lst)} layers, expected {self.num_layers}")
+            for g in lst:
+                check_group_size(None, g)
+            setattr(self, name, [int(g) for g in lst] if lst else [self.group_size] * self.num_layers)
 
     @property
     def quantized(self) -> bool:
@@ -81,13 +98,35 @@ class KVScheme:
         quantised."""
         if self.group_size is None:
             return float(torch.finfo(self.window_dtype).bits) if self.window_dtype else 32.0
+        return sum(self.layer_bits(i) for i in range(self.num_layers)) / self.num_layers
+
+    def layer_bits(self, i: int) -> float:
+        """Stored bits per history element of layer ``i``, K and V averaged (they hold as many)."""
         if self.quantizer in ("fork", "fork-lloyd"):
             from ..numerics.quant import FORK_PARAM_BITS
 
-            return 2.0 + FORK_PARAM_BITS / self.group_size
+            return sum(2.0 + FORK_PARAM_BITS / g for g in self.groups(i)) / 2
         from ..kernels.pack import bits_per_element
 
-        return bits_per_element(self.group_size)
+        return sum(bits_per_element(g) for g in self.groups(i)) / 2
+
+    @property
+    def uniform_groups(self) -> bool:
+        """Every layer's K and V use ``group_size``."""
+        return all(g == self.group_size for g in self.k_groups + self.v_groups)
+
+    def groups(self, i: int) -> tuple[int | None, int | None]:
+        """``(K, V)`` group sizes of layer ``i`` (None, None when nothing is quantised)."""
+        return self.k_groups[i], self.v_groups[i]
+
+    def layer_group(self, i: int, cache: str = "the real cache") -> int | None:
+        """Layer ``i``'s one group size for K and V, or :class:`InputError` when they differ (the
+        kernels store both caches of a layer with one size)."""
+        gk, gv = self.groups(i)
+        if gk != gv:
+            raise InputError(f"{self.name}: layer {i} stores K in groups of {gk} and V in groups of {gv}; {cache} "
+                             "needs one group size per layer (the simulation alone reads a K/V split)")
+        return gk
 
     def require_oscar_quantizer(self, cache: str) -> None:
         """Refuse, in one line, a quantiser a real cache cannot store (the fork's float32 and

@@ -148,8 +148,9 @@ def oscar_rows(sch: KVScheme, layer: int, q, k, v):
     k_lo = v_lo = None
     if sch.quantized:
         rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
-        kq = quantize_kv(k_in.transpose(1, 2), rk, ck, sch.group_size).dequantize()     # [B, S, Hkv, d] rotated
-        vq = quantize_kv(v_in.transpose(1, 2), rv, cv, sch.group_size).dequantize()
+        gk, gv = sch.groups(layer)
+        kq = quantize_kv(k_in.transpose(1, 2), rk, ck, gk).dequantize()     # [B, S, Hkv, d] rotated
+        vq = quantize_kv(v_in.transpose(1, 2), rv, cv, gv).dequantize()
         k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
         v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
     out_rot = sch.v_output[layer]        # absorbed R_v: map the output back, o @ Rᵀ per KV head
@@ -173,19 +174,20 @@ def codebook_rows(sch: KVScheme, layer: int, q, k, v):
     if sch.quantized:
         rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
 
-        def int2(x, r, c, levels):                      # x [B, H, S, d] -> dequantised, model basis
+        def int2(x, r, c, levels, g):                   # x [B, H, S, d] -> dequantised, model basis
             y = x.float().transpose(1, 2)                 # [B, S, H, d]
             if r is not None:
                 y = torch.einsum("bshd,hde->bshe", y, r)
             if c is not None:
                 y = clip_rows(y, c.to(torch.float64))
             out = torch.stack([fake_quant_codebook(y[:, :, h], initial_levels(coding) if levels is None else
-                                                   levels[h], sch.group_size, coding, torch.float16)
+                                                   levels[h], g, coding, torch.float16)
                                for h in range(y.shape[2])], dim=2)
             return torch.einsum("bshe,hde->bhsd", out, r) if r is not None else out.transpose(1, 2)
 
-        k_lo = int2(k_in, rk, ck, sch.k_levels[layer])
-        v_lo = int2(v_in, rv, cv, sch.v_levels[layer])
+        gk, gv = sch.groups(layer)
+        k_lo = int2(k_in, rk, ck, sch.k_levels[layer], gk)
+        v_lo = int2(v_in, rv, cv, sch.v_levels[layer], gv)
     out_rot = sch.v_output[layer]
     back = _unrotate(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) if out_rot is not None else None
     return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
@@ -221,11 +223,12 @@ def fork_rows(sch: KVScheme, layer: int, q, k, v):
     if sch.quantized:
         lloyd = sch.quantizer == "fork-lloyd"
 
-        def int2(x, c):
+        def int2(x, c, g):
             y = x if c is None else clip_rows(x, c.to(torch.float64).view(-1, 1))
-            return fake_quant_fork(y, sch.group_size, lloyd=lloyd)
+            return fake_quant_fork(y, g, lloyd=lloyd)
 
-        k_lo, v_lo = int2(kr, ck), int2(vr, cv)
+        gk, gv = sch.groups(layer)
+        k_lo, v_lo = int2(kr, ck, gk), int2(vr, cv, gv)
     out = rv if rv is not None else sch.v_output[layer]
     back = _unrotate(out.to(q.device, torch.float32), grp, hp) if out is not None else None
     return qr, kr, vr, k_lo, v_lo, back

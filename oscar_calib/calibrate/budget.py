@@ -1,0 +1,140 @@
+"""A K/V bit budget: per-layer (and per-cache) INT2 group sizes chosen by the held-out objective.
+
+Stored bits per element are ``2 + 32/G`` (:func:`oscar_calib.kernels.pack.bits_per_element`), so
+halving a group size buys accuracy for bits. :func:`error_table` measures, for one layer and
+every pair of candidate sizes ``(G_K, G_V)``, the calibration's own held-out figure: the relative
+RMS error of the attention output with keys and values quantised
+(:func:`~oscar_calib.numerics.clip.heldout_errors` ``attn``), clips refitted for each size.
+:func:`allocate` spends a budget greedily: every (layer, cache) starts at the largest size, and
+the halving that removes the most squared error per bit is taken while the average stays within
+the budget.
+
+Bits are counted two ways, both must stay within the budget (``long_layers``):
+
+* **mean**: every layer holds as many history tokens (a context within every sliding window);
+* **long**: only the full-attention layers hold a growing history (a sliding-window layer keeps at
+  most its window), so at long contexts the average tends to the full-attention layers' mean.
+
+At any context length the true average lies between the two, so bounding both bounds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from ..kernels.pack import bits_per_element
+from ..numerics.clip import HeldoutLayer, heldout_errors
+from ..spec.defaults import check_group_size
+
+MIN_BUDGET_GROUP = 32      # smallest candidate group size (3 bits per element)
+
+
+def candidate_sizes(head_dim: int, smallest: int = MIN_BUDGET_GROUP) -> tuple[int, ...]:
+    """Powers of two from ``head_dim`` down to ``smallest`` (descending)."""
+    out, g = [], head_dim
+    while g >= smallest and g & (g - 1) == 0:
+        check_group_size(head_dim, g)
+        out.append(g)
+        g //= 2
+    if not out:
+        raise InputError(f"head_dim {head_dim} has no power-of-two group size of at least {smallest}")
+    return tuple(out)
+
+
+def error_table(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, clips: dict,
+                sizes: tuple[int, ...]) -> torch.Tensor:
+    """``[len(sizes), len(sizes)]``: held-out relative attention-output error (``attn``) of one layer
+    with keys in groups of ``sizes[a]`` and values in groups of ``sizes[b]``. ``clips[("k", G)]`` /
+    ``clips[("v", G)]`` hold the per-KV-head clip ratios fitted for each size."""
+    out = torch.empty(len(sizes), len(sizes), dtype=torch.float64)
+    for a, gk in enumerate(sizes):
+        for b, gv in enumerate(sizes):
+            out[a, b] = heldout_errors(held, k_rot, clips[("k", gk)], v_rot, clips[("v", gv)], gk, gv)["attn"]
+    return out
+
+
+@dataclass
+class Allocation:
+    """Per layer ``(G_K, G_V)`` and the figures it was chosen on."""
+
+    groups: list[tuple[int, int]]
+    mean_bits: float
+    long_bits: float
+    heldout_mse: float           # Σ over layers of the squared relative attention error
+
+    @property
+    def tied(self) -> bool:
+        return all(k == v for k, v in self.groups)
+
+
+def _bits(sizes, idx: list[int]) -> float:
+    return sum(bits_per_element(sizes[i]) for i in idx) / len(idx)
+
+
+def allocate(tables: list[torch.Tensor], sizes: tuple[int, ...], budget: float, *, tied: bool = True,
+             long_layers: list[int] | None = None) -> Allocation:
+    """Greedy group sizes within ``budget`` bits per element (module docstring).
+
+    ``tables[i]`` is :func:`error_table` of layer ``i``; ``tied`` keeps K and V of a layer at one
+    size (what one kernel call per layer stores) and halves both at once; otherwise K and V move
+    on their own. ``long_layers``: the layers whose history grows with the context (full
+    attention); None = every layer."""
+    n = len(tables)
+    longs = list(range(n)) if long_layers is None else list(long_layers)
+    if not longs:
+        longs = list(range(n))
+    if bits_per_element(sizes[0]) > budget + 1e-9:
+        raise InputError(f"a budget of {budget} bits per element is below the largest group size's "
+                         f"{bits_per_element(sizes[0])}")
+    ik, iv = [0] * n, [0] * n
+
+    def fits(k, v) -> bool:
+        return (_bits(sizes, k + v) <= budget + 1e-9
+                and _bits(sizes, [k[i] for i in longs] + [v[i] for i in longs]) <= budget + 1e-9)
+
+    while True:
+        best = None
+        base = _bits(sizes, ik + iv)
+        for i in range(n):
+            moves = [(1, 1)] if tied else [(1, 0), (0, 1)]
+            for dk, dv in moves:
+                a, b = ik[i] + dk, iv[i] + dv
+                if a >= len(sizes) or b >= len(sizes):
+                    continue
+                k2, v2 = list(ik), list(iv)
+                k2[i], v2[i] = a, b
+                if not fits(k2, v2):
+                    continue
+                gain = float(tables[i][ik[i], iv[i]] ** 2 - tables[i][a, b] ** 2)
+                cost = _bits(sizes, k2 + v2) - base
+                if gain > 0 and (best is None or gain / cost > best[0]):
+                    best = (gain / cost, i, a, b)
+        if best is None:
+            break
+        _, i, ik[i], iv[i] = best
+    return Allocation(groups=[(sizes[a], sizes[b]) for a, b in zip(ik, iv)], mean_bits=_bits(sizes, ik + iv),
+                      long_bits=_bits(sizes, [ik[i] for i in longs] + [iv[i] for i in longs]),
+                      heldout_mse=sum(float(t[a, b] ** 2) for t, a, b in zip(tables, ik, iv)))
+
+
+def budget_tables(held_layers, rotations: list, covariances: list, cfg, heads: int,
+                  sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """:func:`error_table` of every layer. ``held_layers(i)`` gives layer ``i``'s held-out rows,
+    ``rotations[i]`` its ``(k_rot, v_rot)``, ``covariances[i]`` its query covariance; clips are
+    fitted (or fixed) as ``cfg`` says, once per layer, cache and size."""
+    from ..numerics.clip import fit_k_clip, fit_v_clip
+
+    out = []
+    for i, (k_rot, v_rot) in enumerate(rotations):
+        held = held_layers(i)
+        clips = {}
+        for g in sizes:
+            clips[("k", g)] = (fit_k_clip(held.k_rows(), k_rot, covariances[i], g)[0] if cfg.k_clip is None
+                               else torch.full((heads,), cfg.k_clip, dtype=torch.float64))
+            clips[("v", g)] = (fit_v_clip(held, v_rot, g)[0] if cfg.v_clip is None
+                               else torch.full((heads,), cfg.v_clip, dtype=torch.float64))
+        out.append(error_table(held, k_rot.double(), v_rot.double(), clips, sizes))
+    return out
