@@ -289,7 +289,7 @@ def variant_scheme(name, run, base, geo, g, opts):
                                             "head_dim": str(geo.head_dim)})
     scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent)
     if groups:
-        scheme = dataclasses.replace(scheme, group_size=max(max(x) for x in groups),
+        scheme = dataclasses.replace(scheme,
                                      k_groups=[x[0] for x in groups], v_groups=[x[1] for x in groups])
     extra = {"group_size": g, "bits_per_element": scheme.bits_per_element, "options": VARIANTS[name],
              **({"groups": groups, "long_bits_per_element": long_bits(scheme, run)} if groups else {}),

@@ -76,7 +76,7 @@ def test_demo_artifact_passes_every_check(demo_artifact):
     report = validate_artifact(demo_artifact)
     assert report.ok, report.problems
     assert set(report.checks) == {"file", "metadata", "shapes", "finite", "orthogonal", "clips", "eigenvalues",
-                                  "granularity"}
+                                  "granularity", "group_sizes"}
     assert all(report.checks.values())
     result = runner.invoke(app, ["validate", str(demo_artifact), "--json"])
     assert result.exit_code == 0, result.output
@@ -155,6 +155,10 @@ DEFECTS = {
     "gqa": (dict(metadata={"num_attention_heads": "5"}), "5 query heads do not split evenly over 2 KV heads"),
     "fingerprint": (dict(metadata={"model_fingerprint": "abc"}), "not a sha256"),
     "layer_granularity": (dict(metadata={"granularity": "layer"}), "differs between KV heads"),
+    "layer_groups_count": (dict(metadata={"layer_group_sizes": "8"}), "'layer_group_sizes' has 1 sizes for 2 layers"),
+    "layer_groups_power": (dict(metadata={"layer_group_sizes": "8,3"}), "3 is not a power of two dividing head_dim 8"),
+    "layer_groups_divide": (dict(metadata={"layer_group_sizes": "16,8"}), "16 is not a power of two dividing"),
+    "layer_groups_syntax": (dict(metadata={"layer_group_sizes": "8;4"}), "not comma-separated integers"),
 }
 
 

@@ -189,7 +189,8 @@ class OscarCache(Cache):
                                 f"{len(windows)} layers")
         self.scheme = scheme
         super().__init__(layers=[
-            OscarLayer(scheme.layer(i), group_size=scheme.group_size, sink=scheme.sink, recent=scheme.recent,
+            OscarLayer(scheme.layer(i), group_size=scheme.layer_group(i, "OscarCache"), sink=scheme.sink,
+                       recent=scheme.recent,
                        window_dtype=scheme.window_dtype, sliding_window=w, backend=backend)
             for i, w in enumerate(windows)])
 

@@ -40,7 +40,7 @@ class KVScheme:
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
     budget spent unevenly, :mod:`oscar_calib.numerics.budget`); empty = ``group_size`` everywhere.
-    ``group_size`` stays the scheme's nominal size (the largest of the layers' when they differ).
+    ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``).
     The simulations read any split; the real caches (one kernel call per layer) need K and V of a
     layer to share one size (:meth:`layer_group`).
     """
@@ -167,7 +167,8 @@ class KVScheme:
     @classmethod
     def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
                       recent: int | None = None, window_dtype=torch.bfloat16) -> "KVScheme":
-        """The artifact's rotations and clips; group size, sink and window default to its metadata.
+        """The artifact's rotations and clips; group size, sink and window default to its metadata
+        (its per-layer ``layer_group_sizes`` when stored; ``group_size`` given: that size everywhere).
 
         An artifact marked ``v_folded = "true"`` (``oscar fold-weights``) belongs to a checkpoint whose
         ``v_proj`` already outputs ``v @ R_v`` and whose ``o_proj`` takes the output in that basis: V
@@ -177,6 +178,7 @@ class KVScheme:
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         md = art.metadata
         folded = md.get("v_folded", "false") == "true"
+        sizes = [int(group_size)] * art.num_layers if group_size else art.layer_group_sizes
         return cls(
             name, art.num_layers, int(group_size or art.group_size),
             [lr.k_rotation.float() for lr in art.layers],
@@ -184,7 +186,7 @@ class KVScheme:
             [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
             sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
             recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
-            window_dtype=window_dtype)
+            window_dtype=window_dtype, k_groups=sizes, v_groups=list(sizes))
 
     @classmethod
     def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,

@@ -249,7 +249,8 @@ class SimulatedCache(Cache):
         for i, w in enumerate(windows):
             rk, ck, rv, cv = scheme.layer(i)
             layers.append(SimulatedLayer(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
-                                         group_size=scheme.group_size, sink=scheme.sink, recent=scheme.recent,
+                                         group_size=scheme.layer_group(i, "SimulatedCache"), sink=scheme.sink,
+                                         recent=scheme.recent,
                                          window_dtype=scheme.window_dtype, sliding_window=w))
         super().__init__(layers=layers)
 

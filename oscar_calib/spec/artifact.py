@@ -45,6 +45,10 @@ SHARED_KINDS = ("k_layer_rotation", "v_layer_rotation", "k_layer_eigenvalues", "
 # Optional metadata (toolkit 0.2): the one K and one V clip ratio fitted for the shared rotations
 # (an engine that applies one ratio per cache for the whole model).
 SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
+# Optional metadata (toolkit 0.3): the INT2 group size of every layer, comma separated (K and V of a layer
+# share it), when a bit budget gave layers different sizes (`oscar calibrate --bit-budget`). ``group_size``
+# then holds the closest uniform size within the same budget (what an engine with one size serves).
+LAYER_GROUPS_METADATA = "layer_group_sizes"
 
 REQUIRED_METADATA = (
     "format", "format_version", "model_id", "model_fingerprint", "num_layers",
@@ -116,6 +120,11 @@ class Artifact:
         return int(self.metadata["group_size"])
 
     @property
+    def layer_group_sizes(self) -> list[int]:
+        """Every layer's INT2 group size: ``layer_group_sizes`` when stored, else ``group_size``."""
+        return layer_group_sizes(self.metadata) or [self.group_size] * self.num_layers
+
+    @property
     def granularity(self) -> str:
         return self.metadata.get("granularity", "head")
 
@@ -149,6 +158,33 @@ class Artifact:
                 if t is not None:
                     out[tensor_name(i, kind)] = t.detach().to("cpu", torch.float32).contiguous()
         return out
+
+
+def layer_group_sizes(md: dict[str, str]) -> list[int] | None:
+    """The stored per-layer group sizes (None when absent); :class:`ArtifactError` when unreadable
+    or not one power of two dividing head_dim per layer (:func:`layer_group_problems`)."""
+    problems = layer_group_problems(md)
+    if problems:
+        raise ArtifactError(problems[0])
+    raw = md.get(LAYER_GROUPS_METADATA)
+    return None if raw is None else [int(x) for x in raw.split(",")]
+
+
+def layer_group_problems(md: dict[str, str]) -> list[str]:
+    """Why ``layer_group_sizes`` is unusable (empty when absent or fine)."""
+    raw = md.get(LAYER_GROUPS_METADATA)
+    if raw is None:
+        return []
+    parts = str(raw).split(",")
+    if not all(x.strip().isdigit() for x in parts):
+        return [f"metadata {LAYER_GROUPS_METADATA!r} is not comma-separated integers: {raw[:60]!r}"]
+    sizes, n, d = [int(x) for x in parts], str(md.get("num_layers", "")), str(md.get("head_dim", ""))
+    if n.isdigit() and len(sizes) != int(n):
+        return [f"metadata {LAYER_GROUPS_METADATA!r} has {len(sizes)} sizes for {n} layers"]
+    bad = [g for g in sizes if g <= 0 or g & (g - 1) or (d.isdigit() and int(d) % g)]
+    if bad:
+        return [f"metadata {LAYER_GROUPS_METADATA!r}: {bad[0]} is not a power of two dividing head_dim {d}"]
+    return []
 
 
 # ----------------------------------------------------------------------------- bytes

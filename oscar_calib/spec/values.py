@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact import SHARED_KINDS, TENSOR_KINDS, tensor_name
+from .artifact import SHARED_KINDS, TENSOR_KINDS, layer_group_problems, tensor_name
 from .defaults import ORTHOGONALITY_TOL
 
 EIGENVALUE_TOL = 1e-6        # relative to the head's largest |eigenvalue|
 
 
 def check_values(tensors: dict, md: dict[str, str]) -> dict[str, list[str]]:
-    """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity.
+    """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity, per-layer
+    group sizes (``layer_group_sizes``, when stored).
     Assumes :func:`check_structure` passed; ``tensors`` are numpy arrays or torch tensors (an
     in-memory artifact's, on any device). Returns problems per check name."""
-    out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}
+    out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": [],
+           "group_sizes": layer_group_problems(md)}
     n = int(md["num_layers"])
     per_layer = md.get("granularity") == "layer"
     for i in range(n):

@@ -16,7 +16,8 @@ Procedure
    ``attn`` = ‖o_int2 − o‖ / ‖o‖ and ``logit`` = ‖q K̂ᵀ − q Kᵀ‖ / ‖q Kᵀ‖ over the cached tokens,
    pooled over depths, sequences and heads.
 4. The same for a Hadamard (QuaRot-style) baseline with the same sink, window and group size and
-   clips 0.96/0.92.
+   clips 0.96/0.92. An artifact with per-layer group sizes (``layer_group_sizes``, a bit budget)
+   is verified, and its baseline run, with each layer's own size.
 5. ``fork`` (informational, when the artifact has shared rotations and a global clip pair): the
    ``attn`` error of what the OSCAR SGLang fork's main serves for the artifact (one rotation per
    layer held in BF16, one K and one V clip ratio, float32 scale/zero; ``oscar eval``'s ``fork``
@@ -48,7 +49,7 @@ from ..model.load import LoadedModel
 from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
 from ..progress import ProgressFn, counter, step
-from ..spec.artifact import load_artifact, require_compatible
+from ..spec.artifact import LAYER_GROUPS_METADATA, load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
@@ -292,7 +293,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     rows = []
     tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
     for i, layer in enumerate(art.layers):
-        kw = dict(group_size=group_size, sink=sink, recent=recent, backend=backend, scaling=info[i]["scaling"])
+        kw = dict(group_size=art.layer_group_sizes[i], sink=sink, recent=recent, backend=backend,
+                  scaling=info[i]["scaling"])
         samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
         cap = {k: t.to(dev) if torch.is_tensor(t) else t for k, t in caps.pop(i).items()}  # a layer at a time on dev
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
@@ -316,6 +318,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                 "sequences": sequences, "positions_per_depth": positions, "position_stride": POSITION_STRIDE, "data": plan.source, "sink_tokens": sink, "recent_tokens": recent,
                 "group_size": group_size, "max_layer_error": max_layer_error, "baseline_clips": list(BASELINE_CLIPS),
                 "token_sha256": plan.sha256()}
+    if LAYER_GROUPS_METADATA in art.metadata:
+        settings["layer_group_sizes"] = art.layer_group_sizes
     if fork is not None:
         settings["fork"] = {"k_clip": art.shared_clips()[0], "v_clip": art.shared_clips()[1], "group_size": fork.group_size,
                             "sink_tokens": fork.sink, "recent_tokens": fork.recent,
