@@ -277,3 +277,32 @@ def test_smollm2_demo_artifact(demo_artifact):
 def test_smollm2_rerun_byte_identical(tmp_path, demo_artifact, smollm2_loaded):
     res = calibrate(CalibrationConfig(**FAST), tmp_path / "again", loaded=smollm2_loaded)
     assert sha(res.out / "oscar.safetensors") == sha(demo_artifact / "oscar.safetensors")
+
+
+def test_bit_budget_writes_per_layer_group_sizes(tmp_path):
+    """--bit-budget: one layer of three gets groups of 32 (3 bits) within 2.7 bits on average, the
+    artifact stores the sizes (and the closest uniform size as group_size) and validates."""
+    from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.tools.validate import validate_artifact
+
+    res = run_tiny(tmp_path / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.7)
+    md, _ = check_contract(res.out, 3, 4, 2, 64)
+    sizes = [int(g) for g in md["layer_group_sizes"].split(",")]
+    assert sorted(sizes) == [32, 64, 64] and md["group_size"] == "64"
+    assert json.loads(md["calibration"])["bit_budget"] == 2.7
+    b = res.report["bit_budget"]
+    assert b["layer_group_sizes"] == sizes and b["mean_bits"] == pytest.approx((3 + 2.5 + 2.5) / 3)
+    assert b["heldout_attn"]["per_layer"] < b["heldout_attn"]["uniform"]
+    assert [r["k_group_size"] for r in res.report["layers"]] == sizes
+    assert validate_artifact(res.out).ok
+    assert KVScheme.from_artifact(res.out).k_groups == sizes
+    # a budget that only affords the largest size writes a plain artifact
+    plain = run_tiny(tmp_path / "p", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.5)
+    assert "layer_group_sizes" not in plain.artifact.metadata and plain.artifact.metadata["group_size"] == "64"
+
+
+def test_bit_budget_settings_are_checked():
+    for kw, msg in (({"bit_budget": 2.0}, "above 2"), ({"bit_budget": 2.5, "group_size": 32}, "leave out --group-size"),
+                    ({"bit_budget": 2.5, "refine_steps": 2}, "cannot be combined")):
+        with pytest.raises(InputError, match=msg):
+            CalibrationConfig(**kw).validate()

@@ -20,6 +20,7 @@ At any context length the true average lies between the two, so bounding both bo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from ..errors import InputError
 from ..kernels.pack import bits_per_element
 from ..numerics.clip import HeldoutLayer, heldout_errors
+from ..spec.artifact import LAYER_GROUPS_METADATA
 from ..spec.defaults import check_group_size
 
 MIN_BUDGET_GROUP = 32      # smallest candidate group size (3 bits per element)
@@ -137,4 +139,48 @@ def budget_tables(held_layers, rotations: list, covariances: list, cfg, heads: i
             clips[("v", g)] = (fit_v_clip(held, v_rot, g)[0] if cfg.v_clip is None
                                else torch.full((heads,), cfg.v_clip, dtype=torch.float64))
         out.append(error_table(held, k_rot.double(), v_rot.double(), clips, sizes))
+    return out
+
+
+def closest_uniform(sizes: tuple[int, ...], budget: float) -> int:
+    """The one group size for every layer that spends the most of ``budget`` without exceeding it
+    (what an engine with one size serves instead of a per-layer allocation)."""
+    within = [g for g in sizes if bits_per_element(g) <= budget + 1e-9]
+    if not within:
+        raise InputError(f"a budget of {budget} bits per element is below every group size's cost "
+                         f"({', '.join(f'{g}: {bits_per_element(g):g}' for g in sizes)})")
+    return min(within)
+
+
+def spend_budget(held_layers, stats: list, layers: list, layer_info: dict, cfg, geo) -> tuple[Allocation, dict]:
+    """``oscar calibrate --bit-budget``: per-layer group sizes (K = V within a layer, so one kernel
+    call per layer stores both) chosen by :func:`allocate` on the held-out tables of the layers'
+    rotations, within the mean and long-context bounds (full-attention layers: those without a
+    sliding window in ``layer_info``). Returns the allocation and its record for the report, with
+    the closest uniform size and both schemes' held-out attention errors (mean over layers)."""
+    sizes = candidate_sizes(geo.head_dim)
+    tables = budget_tables(held_layers, [(lr.k_rotation, lr.v_rotation) for lr in layers],
+                           [s.covariance("q") for s in stats], cfg, geo.num_kv_heads, sizes)
+    longs = [i for i in range(len(layers)) if not (layer_info.get(i) or {}).get("sliding_window")]
+    alloc = allocate(tables, sizes, cfg.bit_budget, tied=True, long_layers=longs)
+    uniform = closest_uniform(sizes, cfg.bit_budget)
+    u = sizes.index(uniform)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    record = {"bits": cfg.bit_budget, "mean_bits": alloc.mean_bits, "long_bits": alloc.long_bits,
+              "full_attention_layers": longs, "layer_group_sizes": [k for k, _ in alloc.groups],
+              "uniform_group_size": uniform, "uniform_bits": bits_per_element(uniform),
+              "heldout_attn": {"per_layer": mean([float(t[sizes.index(k), sizes.index(v)])
+                                                  for t, (k, v) in zip(tables, alloc.groups)]),
+                               "uniform": mean([float(t[u, u]) for t in tables])}}
+    return alloc, record
+
+
+def budget_metadata(metadata: dict, record: dict) -> dict[str, str]:
+    """The artifact metadata a bit budget adds: the per-layer sizes (left out when they all equal the
+    uniform ``group_size``) and the budget in ``calibration``."""
+    out = {"calibration": json.dumps({**json.loads(metadata["calibration"]), "bit_budget": record["bits"]},
+                                     sort_keys=True)}
+    sizes = record["layer_group_sizes"]
+    if any(g != record["uniform_group_size"] for g in sizes):
+        out[LAYER_GROUPS_METADATA] = ",".join(str(g) for g in sizes)
     return out

@@ -224,6 +224,19 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
     return layers, rows
 
 
+def _spend_budget(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, layers: list, progress) -> tuple:
+    """``--bit-budget``: per-layer group sizes from the held-out tables of ``layers``' rotations, the
+    rotations' clips refitted for them. Returns (layers, rows, the closest uniform group size, the
+    budget's report record)."""
+    from .budget import spend_budget
+
+    with step(progress, "bit budget"):
+        alloc, record = spend_budget(lambda i: heldout_layer(run, i), run.stats, layers, run.layer_info, cfg, geo)
+    layers, rows = build_rotations(run, cfg, geo, record["uniform_group_size"], progress=progress,
+                                   groups=alloc.groups)
+    return layers, rows, record["uniform_group_size"], record
+
+
 def fit_clips(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, cq: torch.Tensor,
               cfg: CalibrationConfig, heads: int, group_size: int, v_group_size: int | None = None) -> tuple:
     """``(k_clip, k_table, v_clip, v_table)`` of one layer: fitted on the held-out rows (values for
@@ -313,6 +326,9 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
         if ranks.is_main:
             t2 = time.perf_counter()
             layers, rows = build_rotations(run, cfg, lm.geometry, group_size, progress=progress)
+            budget = None
+            if cfg.bit_budget:
+                layers, rows, group_size, budget = _spend_budget(run, cfg, lm.geometry, layers, progress)
             shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
                                       layers, rows, progress=progress)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
@@ -322,9 +338,15 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
         return CalibrationResult(out, None, None, lm, stats=run, rank=ranks.rank)
     metadata = artifact_metadata(cfg, lm, plan, group_size)
     metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in shared_clips))))
+    if budget is not None:
+        from .budget import budget_metadata
+
+        metadata.update(budget_metadata(metadata, budget))
     artifact = Artifact(layers=layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
     report = build_report(cfg, lm, metadata, group_size, rows, timing, shared_clips)
+    if budget is not None:
+        report["bit_budget"] = budget
     with failing_cleanly(out, ckpt, created):
         write_outputs(out, artifact, report)
     ckpt.unlink(missing_ok=True)

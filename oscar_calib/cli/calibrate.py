@@ -64,6 +64,10 @@ def calibrate_command(
     composition: Annotated[Optional[str], typer.Option(help="u_h_pbr, u, h or identity (default: u_h_pbr).")] = None,
     granularity: Annotated[Optional[str], typer.Option(help="head (per KV head) or layer (default: head).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
+    bit_budget: Annotated[Optional[float], typer.Option(help="Instead of one group size, spend this many stored bits "
+                                                        "per element (e.g. 2.5) on a group size per layer, chosen "
+                                                        "on the held-out attention error (README, 'A K/V bit "
+                                                        "budget').")] = None,
     clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
     refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
                                                         "the held-out attention-output error under INT2 (Cayley, "
@@ -106,7 +110,7 @@ def calibrate_command(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
+        bit_budget=bit_budget, checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
@@ -168,9 +172,15 @@ def _render(result, verdict: dict | None) -> None:
         caption=f"clips per KV head (min–max); spread = λmax/mean λ. Mean attn err {s['mean_attn_error_oscar']:.4f} "
                 f"vs Hadamard {s['mean_attn_error_hadamard']:.4f}; better on {s['layers_better_than_hadamard']}/"
                 f"{s['num_layers']} layers. Errors are relative RMS errors (0 = exact, lower is better) on "
-                f"{report['calibration']['heldout_tokens']} held-out tokens with every token INT2 (group "
-                f"{report['group_size']}, no BF16 sink or window: the harshest case, the one the clips are fitted "
+                f"{report['calibration']['heldout_tokens']} held-out tokens with every token INT2 ("
+                f"{'each layer its group' if report.get('bit_budget') else 'group ' + str(report['group_size'])}, no BF16 sink or window: the harshest case, the one the clips are fitted "
                 "on); Hadamard = the data-free rotation with clips 0.96/0.92."))
+    if report.get("bit_budget"):
+        b = report["bit_budget"]
+        stdout.print(f"bit budget {b['bits']:g}: group sizes per layer {b['layer_group_sizes']} ({b['mean_bits']:.3f} "
+                     f"bits per element, {b['long_bits']:.3f} at long contexts); held-out attn err "
+                     f"{b['heldout_attn']['per_layer']:.4f} vs {b['heldout_attn']['uniform']:.4f} with one size "
+                     f"{b['uniform_group_size']} ({b['uniform_bits']:g} bits)")
     t = report["timings"]
     stdout.print(f"artifact written to [bold]{result.out}[/bold]  ({report['calibration']['tokens']} tokens, "
                  f"{t['total_s']:.1f} s total, {t['statistics_s']:.1f} s capture)")

@@ -29,7 +29,8 @@ class CalibrationConfig:
     """Everything that decides what ``oscar calibrate`` computes.
 
     ``k_clip``/``v_clip`` of ``None`` mean "fit per layer and KV head"; a number fixes them.
-    ``group_size`` of ``None`` means ``min(128, head_dim)``.
+    ``group_size`` of ``None`` means ``min(128, head_dim)``; ``bit_budget`` (bits per stored
+    element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibrate.budget`).
     """
 
     model: str = "smollm2-135m"
@@ -48,6 +49,7 @@ class CalibrationConfig:
     composition: str = "u_h_pbr"
     granularity: str = "head"
     group_size: int | None = None
+    bit_budget: float | None = None     # stored bits per element to spend on per-layer group sizes (calibrate.budget)
     k_clip: float | None = None
     v_clip: float | None = None
     sink_tokens: int = DEFAULT_SINK
@@ -83,6 +85,15 @@ class CalibrationConfig:
             raise InputError("--refine-steps refines each KV head's rotations: it needs --granularity head")
         if self.group_size is not None and not is_power_of_two(self.group_size):
             raise InputError(f"--group-size {self.group_size} is not a power of two")
+        if self.bit_budget is not None:
+            b = float(self.bit_budget)
+            if not (math.isfinite(b) and b > 2):
+                raise InputError(f"--bit-budget must be a number of bits per element above 2, got {self.bit_budget}")
+            if self.group_size is not None:
+                raise InputError("--bit-budget chooses every layer's group size: leave out --group-size")
+            if self.refine_steps:
+                raise InputError("--bit-budget and --refine-steps cannot be combined (the refinement runs at one "
+                                 "group size)")
         return self
 
     def fingerprint_fields(self) -> dict:
