@@ -306,3 +306,9 @@ def test_bit_budget_settings_are_checked():
                     ({"bit_budget": 2.5, "refine_steps": 2}, "cannot be combined")):
         with pytest.raises(InputError, match=msg):
             CalibrationConfig(**kw).validate()
+
+
+def test_bit_budget_card_names_the_sizes(tmp_path):
+    res = run_tiny(tmp_path / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.7)
+    card = (res.out / "README.md").read_text()
+    assert "group size per layer" in card and "bit budget 2.7" in card and "serves group 64" in card

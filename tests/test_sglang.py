@@ -378,3 +378,25 @@ def test_calibration_stores_shared_rotations_and_global_clips(tmp_path):
     assert not torch.allclose(art.layers[1].k_rotation[0], art.layers[1].k_rotation[1])   # per head differs
     assert "mean_attn_error_fork" in res.report["summary"]
     assert all("fork" in row["heldout"] for row in res.report["layers"])
+
+
+def test_per_layer_group_sizes_export_the_closest_uniform_scheme_with_one_line(tmp_path):
+    """A bit-budget artifact (per-layer sizes): the fork takes one size, so the export serves the
+    artifact's group_size and says so, with the held-out cost its calibration report recorded."""
+    art = shared_artifact(tmp_path / "b", granularity="layer", d=16,
+                          metadata={"layer_group_sizes": "16,4", "group_size": "8"})
+    report = json.loads((art / "calibration.json").read_text())
+    report["bit_budget"] = {"bits": 2.6, "heldout_attn": {"per_layer": 0.2, "uniform": 0.21}}
+    (art / "calibration.json").write_text(json.dumps(report))
+    res = export_sglang(art, tmp_path / "serve")
+    assert res.settings.group_size == 8
+    assert read_env(tmp_path / "serve" / "serve.env") and "--kv-cache-quant-group-size" in \
+        (tmp_path / "serve" / "launch.sh").read_text()
+    note = [w for w in res.warnings if "one group size" in w]
+    assert len(note) == 1 and "\n" not in note[0]
+    assert "exporting group 8 (6 bits per element)" in note[0] and "bit budget of 2.6" in note[0]
+    assert "0.2100 with group 8 vs 0.2000 with the per-layer sizes (+5.0%)" in note[0]
+    plain = shared_artifact(tmp_path / "p", granularity="layer", d=16)
+    assert not [w for w in export_sglang(plain, tmp_path / "serve2").warnings if "one group size" in w]
+    result = runner.invoke(app, ["export", str(art), "--out", str(tmp_path / "serve3")])
+    assert result.exit_code == 0 and "the fork takes one group size" in result.output

@@ -23,7 +23,7 @@ def model_card(report: dict) -> str:
         f"| base model | `{report['model_id']}` (fingerprint `{report['model_fingerprint'][:16]}…`) |",
         f"| geometry | {g['num_layers']} layers, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']} |",
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
-        f"| quantisation | INT2 per token, group {report['group_size']}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
+        f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
         f"| calibration data | {cal['data']}, {cal['tokens']} tokens in {cal['sequences']} sequences of ≤{cal['seq_len']}, seed {cal['seed']} |",
         "",
@@ -102,3 +102,13 @@ def _eval_section(report: dict) -> list[str]:
     elif ev and not isinstance(ev, dict):
         lines += ["```", str(ev), "```", ""]
     return lines
+
+
+def _groups(report: dict) -> str:
+    """``group G``, or the per-layer sizes of a bit budget with their cost and the uniform alternative."""
+    b = report.get("bit_budget")
+    if not b or all(g == report["group_size"] for g in b["layer_group_sizes"]):
+        return f"group {report['group_size']}"
+    return (f"group size per layer {', '.join(map(str, b['layer_group_sizes']))} (bit budget {b['bits']:g}: "
+            f"{b['mean_bits']:.3f} bits per element, {b['long_bits']:.3f} at long contexts; an engine with one size "
+            f"serves group {b['uniform_group_size']}, {b['uniform_bits']:g} bits)")

@@ -41,6 +41,7 @@ from pathlib import Path
 from ... import __version__
 from ...errors import ArtifactError, InputError
 from ...fsutil import atomic_write_bytes, atomic_write_text, staged_dir
+from ...kernels.pack import bits_per_element
 from ...numerics.clip import choose_global_clips
 from ...spec.artifact import Artifact, load_artifact
 from ...spec.defaults import check_clip, is_power_of_two
@@ -247,12 +248,34 @@ def _default_model_path(art: Artifact, folded: bool) -> str:
 
 
 def _warnings(art: Artifact) -> list[str]:
+    out = []
     types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
     if "sliding_attention" in types or art.metadata.get("model_type") in SLIDING_MODEL_TYPES:
-        return [f"{art.metadata.get('model_id')} has sliding-window attention layers: the fork's main turns its "
-                "OSCAR decode path off for sliding-window models (and refuses hybrid ones), so this export will "
-                "load but not run as OSCAR there; its PR #20 adds sliding-window support"]
-    return []
+        out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: the fork's main turns its "
+                   "OSCAR decode path off for sliding-window models (and refuses hybrid ones), so this export will "
+                   "load but not run as OSCAR there; its PR #20 adds sliding-window support")
+    note = uniform_group_note(art)
+    return out + ([note] if note else [])
+
+
+def uniform_group_note(art: Artifact) -> str | None:
+    """One line when the artifact has per-layer group sizes (a bit budget), which the fork cannot
+    serve (one ``--kv-cache-quant-group-size`` for every layer): the export serves the artifact's
+    ``group_size``, the closest uniform size within the budget, and the line says what that costs on
+    the calibration's held-out rows (its report's ``bit_budget`` record). None for one size."""
+    sizes = art.layer_group_sizes
+    if len(set(sizes)) == 1:
+        return None
+    g = art.group_size
+    b = (art.report or {}).get("bit_budget") or {}
+    err = b.get("heldout_attn") or {}
+    cost = (f"held-out attention error {err['uniform']:.4f} with group {g} vs {err['per_layer']:.4f} with the "
+            f"per-layer sizes ({err['uniform'] / err['per_layer'] - 1:+.1%})" if {"uniform", "per_layer"} <= set(err)
+            else "cost not recorded in calibration.json")
+    budget = f"the bit budget of {b['bits']:g}" if "bits" in b else "the artifact's budget"
+    return (f"the fork takes one group size for every layer: exporting group {g} ({bits_per_element(g):g} bits per "
+            f"element) instead of the per-layer sizes {min(sizes)}–{max(sizes)}, the closest uniform scheme within "
+            f"{budget}; {cost}")
 
 
 def _clips_doc(art: Artifact, k: float, v: float, source: str) -> dict:
