@@ -74,3 +74,32 @@ def test_a_bad_layer_group_list_is_refused_by_every_reader(tmp_path):
         load_artifact(bad)
     with pytest.raises(ArtifactError, match="3 is not a power of two"):
         KVScheme.from_artifact(bad)
+
+
+def test_eval_reads_a_bit_budget_artifact_end_to_end(tmp_path, char_tokenizer):
+    """calibrate --bit-budget on a tiny model, then `oscar eval`'s ppl: the oscar row runs each layer at
+    its size (bits = the per-layer mean), the baselines at the artifact's uniform size; an explicit
+    --group-size still means one size everywhere."""
+    from helpers import FAST, loaded_tiny
+
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.eval import EvalOptions
+    from oscar_calib.eval.ppl import evaluate_ppl
+    from oscar_calib.eval.report import eval_text, group_label
+    from oscar_calib.spec.config import CalibrationConfig
+
+    lm = loaded_tiny("llama", head_dim=64, layers=3)
+    cfg = CalibrationConfig(**dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64, bit_budget=2.7))
+    art = calibrate(cfg, tmp_path / "b", loaded=lm).artifact
+    sizes = art.layer_group_sizes
+    assert sorted(sizes) == [32, 64, 64]
+    opts = EvalOptions(methods=("bf16", "hadamard", "oscar"), sink=4, recent=8, sequences=1, seq_len=48)
+    res = evaluate_ppl(lm, opts, artifact=art)
+    by = {r["method"]: r for r in res.rows}
+    assert by["oscar"]["layer_group_sizes"] == [[g, g] for g in sizes]
+    assert by["oscar"]["bits_per_element"] == pytest.approx((3 + 2.5 + 2.5) / 3)
+    assert by["hadamard"]["bits_per_element"] == 2.5 and "layer_group_sizes" not in by["hadamard"]
+    assert group_label(by["oscar"]) == "32-64" and "32-64" in eval_text({"ppl": res.to_json()})
+    forced = evaluate_ppl(lm, EvalOptions(methods=("oscar",), group_size=64, sink=4, recent=8, sequences=1,
+                                          seq_len=48), artifact=art)
+    assert "layer_group_sizes" not in forced.rows[0] and forced.rows[0]["ppl"] != by["oscar"]["ppl"]

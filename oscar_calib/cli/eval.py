@@ -108,7 +108,9 @@ def render(result, json_out: bool) -> None:
         return
     s = result.settings
     if result.task == "ppl":
-        rows = [[r["method"], f"{r['bits_per_element']:.3f}", r["group_size"] or "–", f"{r['ppl']:.3f}",
+        from ..eval.report import group_label
+
+        rows = [[r["method"], f"{r['bits_per_element']:.3f}", group_label(r).replace("-", "–"), f"{r['ppl']:.3f}",
                  f"{r['gap_closed_vs_hadamard']:+.0%}" if "gap_closed_vs_hadamard" in r else "–"]
                 for r in result.rows]
         quanto = "; quanto: QuantizedCache defaults (no sink, residual 128)" if "quanto" in s.get("methods", ()) else ""

@@ -120,6 +120,8 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
         sch = schemes.get(m)
         row = {"method": m, "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "bits_per_element": bits_of(m, sch),
                "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)}
+        if sch is not None and sch.quantized and not sch.uniform_groups:
+            row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]   # a bit budget
         if sch is not None and (sch.sink, sch.recent) != (sink, recent):
             row.update(sink=sch.sink, recent=sch.recent)     # the fork methods: the artifact's windows
         rows.append(row)

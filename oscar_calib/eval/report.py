@@ -55,7 +55,7 @@ def eval_text(results: dict) -> str:
         lines.append(f"{'method':<12}{'bits/elem':>10}{'group':>7}{'perplexity':>12}{'gap closed':>12}")
         for r in ppl["rows"]:
             gap = f"{r['gap_closed_vs_hadamard']:+.0%}" if "gap_closed_vs_hadamard" in r else "-"
-            lines.append(f"{r['method']:<12}{r['bits_per_element']:>10.3f}{str(r['group_size'] or '-'):>7}"
+            lines.append(f"{r['method']:<12}{r['bits_per_element']:>10.3f}{group_label(r):>7}"
                          f"{r['ppl']:>12.3f}{gap:>12}")
         lines.append("gap closed: share of the Hadamard -> BF16 perplexity gap closed; quanto: transformers "
                      "QuantizedCache (2 bits, residual 128, group 64)")
@@ -96,6 +96,15 @@ def fork_note(fork: dict) -> str:
     return (f"fork: the OSCAR SGLang fork's scheme for this artifact: {fork.get('rotations', 'one rotation per layer')}, "
             f"clips k={fork['k_clip']:g} v={fork['v_clip']:g} for the whole model, group {fork['group_size']}, "
             f"BF16 sink {fork['sink']} + recent {fork['recent']}, {storage}")
+
+
+def group_label(row: dict) -> str:
+    """A result row's group column: its size, ``32-256`` for per-layer sizes (a bit budget), or -."""
+    sizes = row.get("layer_group_sizes")
+    if sizes:
+        flat = [g for pair in sizes for g in pair]
+        return f"{min(flat)}-{max(flat)}"
+    return str(row.get("group_size") or "-")
 
 
 def eval_headline(results: dict) -> dict:
