@@ -396,6 +396,9 @@ def table(results: dict) -> str:
              f"BF16 sink {st['sink']} + recent {st['recent']}; calibration seed {st['calibration_seed']}, "
              f"{st.get('heldout_seqs', 1)} held-out sequence(s) of {st['heldout_tokens']} rows",
              f"command: `{results.get('command', '')}`", "",
+             "bits/elem: mean over layers (every layer holding as many tokens); (long ...): the full-attention "
+             "layers' mean, what the average tends to at long contexts when sliding-window layers hold only their "
+             "window", "",
              "| variant | group | bits/elem | " + " | ".join(f"ppl {t} (vs BF16, gap closed)" for t in texts) + " |",
              "|---|---|---|" + "---|" * len(texts)]
     for name, r in rows.items():
@@ -410,7 +413,14 @@ def table(results: dict) -> str:
             rel = f"{(p / bf[t] - 1):+.2%}" if bf.get(t) else "–"
             gap = f"{(had[t] - p) / (had[t] - bf[t]):+.0%}" if had.get(t) and bf.get(t) and had[t] != bf[t] else "–"
             cells.append(f"{p:.3f} ({rel}, {gap})")
-        lines.append(f"| {name} | {g or '–'} | {r['bits_per_element']:.3f} | " + " | ".join(cells) + " |")
+        bits = f"{r['bits_per_element']:.3f}"
+        if r.get("long_bits_per_element") is not None and abs(r["long_bits_per_element"] - r["bits_per_element"]) > 1e-9:
+            bits += f" (long {r['long_bits_per_element']:.3f})"
+        group = g or "–"
+        if r.get("groups"):
+            flat = [x for pair in r["groups"] for x in pair]
+            group = f"{min(flat)}–{max(flat)} per layer" + ("" if all(a == b for a, b in r["groups"]) else ", K≠V")
+        lines.append(f"| {name} | {group} | {bits} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -164,3 +164,28 @@ def test_verify_reports_the_fork_scheme(tmp_path):
         cv.stdout = old
     text = buf.getvalue()
     assert "fork attn" in text and f"mean attention error {s['mean_attn_error_fork']:.4f} (informational)" in text
+
+
+def test_verify_runs_each_layer_of_a_bit_budget_artifact_at_its_size(tmp_path):
+    """Per-layer sizes: each layer goes through the write/decode path with its own group size (a
+    layer verified at another size gives another error), and the settings name the sizes."""
+    lm = loaded_tiny("llama", head_dim=64, layers=3)
+    out = tmp_path / "b"
+    calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 64, "heldout_tokens": 48, "sink_tokens": 4,
+                                   "recent_tokens": 8, "bit_budget": 2.7}), out, loaded=lm)
+    art = load_artifact(out)
+    sizes = art.layer_group_sizes
+    assert sorted(sizes) == [32, 64, 64]
+    kw = dict(loaded=lm, backend="torch", depths=(40, 56), sequences=1, positions=2, write=False)
+    res = verify_artifact(out, **kw)
+    assert res.settings["layer_group_sizes"] == sizes
+    uniform = tmp_path / "u"
+    shutil.copytree(out, uniform)
+    md = dict(art.metadata)
+    del md["layer_group_sizes"]
+    write_artifact_files(uniform, type(art)(layers=art.layers, metadata=md), "u\n", art.report)
+    flat = verify_artifact(uniform, **kw)
+    small = sizes.index(32)
+    for i in range(3):
+        same = res.layers[i]["artifact"]["attn"] == flat.layers[i]["artifact"]["attn"]
+        assert same == (i != small)
