@@ -47,7 +47,19 @@ variant            options
                    the clips are fitted on (rotated and clipped); simulation only
 ``codebook-std``   the same with each group stored as fp16 mean and std and the levels in
                    standardised units (Lloyd from the fork's fixed Gaussian levels)
+``k/2``, ``v/2``    keys (values) in half the default group size, the other cache unchanged
+``global/2``,      the full-attention layers' groups halved (quartered), sliding-window layers
+``global/4``       unchanged; ``sliding/2`` the reverse
+``budget``         per-layer group sizes (K = V) chosen by ``calibrate.budget`` on the held-out
+                   tables within 2.5 bits, mean and long-context bounds (``--bit-budget 2.5``)
+``budget-split``   the same with K and V sizes chosen apart (simulation only)
+``budget-mean``,   the same bounded by the mean over layers only (over budget at long contexts
+``budget-mean-     on a sliding-window model)
+split``
 =================  ========================================================================
+
+``--baselines`` picks the baseline methods (``bf16,naive,hadamard``; bf16 is needed for the
+relative columns). Per-layer variants are scored against baselines at the default group size.
 
 ``codebook-noclip`` is ``codebook`` without clipping (ratios 1.0/1.0): the levels alone handle the tails;
 ``codebook-inner`` keeps the outer levels at each group's min and max and fits only the inner two.
