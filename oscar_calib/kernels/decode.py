@@ -52,13 +52,12 @@ host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
-context, batch 1, 63 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.1x, 41%
-of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.30 ms against 5.51 ms (4.2x, 63%).
-Nsight Compute: the decode kernel is latency-bound, not at the memory roofline: 7.5 resident
-warps per SM (255 or 188 registers per thread; at batch 1 also the grid of 8 programs per SM),
-schedulers issuing on ~40% of cycles, 12-16 warp instructions per token and KV head, DRAM at
-50-58% of its peak. At batch 1 the rotation and merge kernels and the gaps between the three
-launches add ~17 us to the 46 us decode kernel.
+context, batch 1, 54 us against 194 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47%
+of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.16 ms against 5.58 ms (4.8x, 71%).
+The H200 gives about the same times (50 us, 1.08 ms): Nsight Compute finds the decode kernel
+latency-bound, not at the memory roofline (issue active ~50-58%, 12-19% occupancy, top stall
+"wait", i.e. fixed-latency dependencies). At batch 1 the rotation and merge kernels add ~12 us
+to the ~40 us decode kernel (PDL overlaps part of them).
 """
 
 from __future__ import annotations
