@@ -233,9 +233,9 @@ def decode_variants(batch: int | None = None) -> list[dict]:
     small = batch * QWEN["kv_heads"] < 64
     out = [{}, ROUND1["small" if small else "large"], ROUND2["small" if small else "large"], {"pdl": False}]
     if small:
-        out += [{"split_tokens16": 128}, {"programs_per_sm": 12}, {"BLOCK_N": 64, "maxnreg": 168}]
+        out += [{"split_tokens16": 128}, {"merge_two_pass": True}, {"BLOCK_N": 64, "maxnreg": 168}]
     else:
-        out += [{"programs_per_sm": 32}, {"programs_per_sm": 96}, {"programs_per_sm": 128}]
+        out += [{"programs_per_sm": 64}, {"programs_per_sm": 128}, {"merge_two_pass": True}]
     return out
 
 

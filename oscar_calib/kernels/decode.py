@@ -48,7 +48,8 @@ The optional output un-rotation is one batched matmul in torch. Nothing reads le
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
 :data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
 ``heads_per_program``, ``programs_per_sm``, ``split_tokens``, ``split_tokens16``,
-``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``.
+``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``merge_two_pass`` (the merge's two-pass
+loop even when all partials fit one block; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
@@ -279,13 +280,13 @@ def decode_attention(
 # 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not
 # raise the issue rate). Batch 32: one KV head per program, 32-token tiles, 128 registers and
 # 64 programs per SM 1131 us (48: 1155, 32: 1185, 24: 1198) against 1286 us for two heads per
-# program at 255 registers. Paged caches at batch 32 keep two heads per program and 64-token
+# program at 255 registers; on an H200 96 per SM 1067 us, 128: 1066, 64: 1090 (96 is the default). Paged caches at batch 32 keep two heads per program and 64-token
 # tiles ("large_paged": 355 us against 384 us for the contiguous choice at 32K x 32, page 64).
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True},
     "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 64, "prefetch": True, "maxnreg": 128, "pdl": True},
+              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True},
     "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
                     "programs_per_sm": 16, "prefetch": True, "maxnreg": 0, "pdl": True},
 }
@@ -418,7 +419,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,
-        D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, ONE_PASS=s_all <= block_s and not cfg.get("merge_two_pass", False),
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
     if not unrotate:
         return o_rot

@@ -142,7 +142,9 @@ def test_decode_many_splits_mha_and_default_tiles(device):
     # QG = 1 (plain multi-head attention), 16-token splits: many partials, several empty
     q, cache, rk, rv, _ = _case(batch=2, tokens=72, heads=2, qg=1, d=64, g=32, lengths=[72, 25],
                                 seed=4, device=device)
-    _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16})
+    one, _ = _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16})
+    two, _ = _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16, "merge_two_pass": True})
+    assert relative_error(one.float(), two.float()) < 1e-6  # the merge's one- and two-pass forms agree
     _run(q, cache, rk, rv, config={})  # production tile sizes
 
 
