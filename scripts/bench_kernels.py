@@ -19,7 +19,8 @@ On the GPU (default), in this order:
    and plane-wise kernels.
 
 Each kernel's bound (memory / instruction issue / latency) comes from Nsight Compute through
-``scripts/ncu_kernels.py``, which reads this script's JSON (``ncu_decode``, ``write_profile``).
+``scripts/ncu_kernels.py``, which reads this script's JSON (``ncu_decode``, ``write_profile``);
+``--ncu`` runs it at the end of the same run and adds a ``bound`` line per kernel to the table.
 
 Timing: ``triton.testing.do_bench`` medians (it flushes L2 before every call) of CUDA-graph
 replays (so host launch overhead stays out, as in a serving engine's decode step), inputs are
@@ -27,7 +28,7 @@ random (never zeros), and when a working set is under 3x L2 the timed calls rota
 several copies of it. Achieved bandwidth counts the cache bytes each kernel must read.
 
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
-Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--out DIR]``.
+Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def parse_args():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--no-sweep", action="store_true", help="time the default decode variant only")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
+    ap.add_argument("--ncu", action="store_true",
+                    help="afterwards run each profiled kernel once under Nsight Compute (scripts/ncu_kernels.py) "
+                         "and add its metrics and bound (memory / instruction issue / latency) to the JSON and table")
     return ap.parse_args()
 
 
@@ -203,6 +207,11 @@ ROUND1 = {"small": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": 1, "progr
                     "prefetch": False, "maxnreg": 0, "pdl": False},
           "large": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": "fill", "programs_per_sm": 16,
                     "prefetch": False, "maxnreg": 0, "pdl": False}}
+# the defaults after the first round-2 sweep (prefetch), for comparison in the same run
+ROUND2 = {"small": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": 1, "programs_per_sm": 8,
+                    "prefetch": True, "maxnreg": 0, "pdl": False},
+          "large": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": "fill", "programs_per_sm": 16,
+                    "prefetch": True, "maxnreg": 0, "pdl": False}}
 # OSCAR's own INT2 decode kernel on an H100, tuned, from issue 15 (us): (batch, context) -> time
 OSCAR_REF_H100 = {(1, 32768): 60.7, (1, 131072): 181.2, (32, 32768): 956.0, (32, 131072): 3752.0}
 
@@ -222,9 +231,11 @@ def decode_variants(batch: int | None = None) -> list[dict]:
             out += [v for v in decode_variants(b) if v not in out]
         return out
     small = batch * QWEN["kv_heads"] < 64
-    out = [{}, ROUND1["small" if small else "large"], {"pdl": False}, {"maxnreg": 0}, {"num_stages": 3},
-           {"heads_per_program": "fill", "maxnreg": 144}, {"BLOCK_N": 64, "maxnreg": 168}]
-    out += [{"programs_per_sm": 24}, {"programs_per_sm": 32}] if small else [{"programs_per_sm": 8}]
+    out = [{}, ROUND1["small" if small else "large"], ROUND2["small" if small else "large"], {"pdl": False}]
+    if small:
+        out += [{"split_tokens16": 128}, {"merge_two_pass": True}, {"BLOCK_N": 64, "maxnreg": 168}]
+    else:
+        out += [{"programs_per_sm": 64}, {"programs_per_sm": 128}, {"merge_two_pass": True}]
     return out
 
 
@@ -415,6 +426,11 @@ def write_variants() -> list[tuple[str, dict, dict]]:
             ("rot+clip per-plane dots", {"planes": True, "split": False}, {"clip": True}),
             ("rot+clip split BT=128 w8", {**sp, "BT": 128, "num_warps": 8}, {"clip": True}),
             ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
+            ("rot+clip BT=32", {"BT": 32}, {"clip": True}),
+            ("rot+clip w8", {"num_warps": 8}, {"clip": True}),
+            ("rot+clip BT=32 w2", {"BT": 32, "num_warps": 2}, {"clip": True}),
+            ("rot+clip split w8", {**sp, "num_warps": 8}, {"clip": True}),
+            ("rot+clip split BT=32", {**sp, "BT": 32}, {"clip": True}),
             ("rot, no clip", {}, {"clip": False}),
             ("rot, no clip split", sp, {"clip": False}),
             ("no rot, clip", {}, {"clip": True, "rot": False}),
@@ -537,7 +553,7 @@ def main():
             else:
                 log(f"decode ctx={ctx} B={batch}: INT2 {row['int2_ms'] * 1e3:.1f} us, "
                     f"SDPA {row['sdpa_ms'] * 1e3:.1f} us, x{row['speedup']:.2f}")
-    # paged layout (page 64, shuffled pages) against contiguous, same configuration
+    # paged layout (page 64, shuffled pages) against contiguous
     report["paged"] = []
     cases = [(32768, max(batches)), (131072, min(batches))] if GPU else [(contexts[-1], batches[-1])]
     page = 64 if GPU else 16
@@ -547,19 +563,54 @@ def main():
         hist = pctx - min(pctx, SINK + RECENT)
         if hist % page:
             continue
+        # contiguous with the sweep's best, paged with the library's choice for paged caches
         cont = safe_time_decode(pctx, pb, shape, best[pb], l2, sdpa=False)
-        pag = safe_time_decode(pctx, pb, shape, best[pb], l2, sdpa=False, paged=page)
-        report["paged"].append({"context": pctx, "batch": pb, "page": page, "contiguous": cont, "paged": pag})
+        pag = safe_time_decode(pctx, pb, shape, {}, l2, sdpa=False, paged=page)
+        report["paged"].append({"context": pctx, "batch": pb, "page": page, "config": best[pb],
+                                "contiguous": cont, "paged": pag})
         if "int2_ms" in cont and "int2_ms" in pag:
-            log(f"paged page={page} ctx={pctx} B={pb}: {pag['int2_ms'] * 1e3:.1f} us vs contiguous "
-                f"{cont['int2_ms'] * 1e3:.1f} us")
+            log(f"paged page={page} ctx={pctx} B={pb}: {pag['int2_ms'] * 1e3:.1f} us (library default) vs contiguous "
+                f"{cont['int2_ms'] * 1e3:.1f} us ({best[pb]})")
 
     report["profile"] = profile_decode(shape, best) if GPU else {}
     report["write"] = time_write(shape, l2)
     report["write_profile"] = write_profile(report["write"])
     report["elapsed_s"] = time.time() - T0
-    (out_dir / "bench_kernels.json").write_text(json.dumps(report, indent=2, default=str))
+    path = out_dir / "bench_kernels.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    if ARGS.ncu and GPU:
+        report = run_ncu(path) or report
     print_table(report, bw)
+
+
+NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats", "InstructionStats")
+
+
+def run_ncu(path: Path) -> dict | None:
+    """Profile the report's ``ncu_decode``/``write_profile`` configurations under Nsight Compute
+    (one call each, ``--clock-control none``) and merge the metrics and bounds into ``path``."""
+    import shutil
+    import subprocess
+
+    ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
+    if ncu is None:
+        log("--ncu: Nsight Compute (ncu) not found; bounds not measured")
+        return None
+    script = str(Path(__file__).resolve().parent / "ncu_kernels.py")
+    labels, csv_path = path.with_name("ncu_labels.json"), path.with_name("ncu.csv")
+    cmd = [ncu, "--csv", "--page", "raw", "--clock-control", "none", "-k", "regex:decode|quantize|rotate_query"]
+    for sec in NCU_SECTIONS:
+        cmd += ["--section", sec]
+    cmd += [sys.executable, script, "target", "--report", str(path), "--labels", str(labels)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with open(csv_path, "w") as f:
+        res = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, text=True, env=env)
+    if res.returncode != 0:
+        log(f"--ncu: ncu exited {res.returncode}: {res.stderr.strip()[-300:]}")
+        return None
+    subprocess.run([sys.executable, script, "merge", "--report", str(path), "--labels", str(labels),
+                    "--csv", str(csv_path)], check=False, env=env)
+    return json.loads(path.read_text())
 
 
 def print_table(report: dict, bw: float) -> None:
@@ -590,6 +641,10 @@ def print_table(report: dict, bw: float) -> None:
     for r in report.get("sweep", []):
         if "int2_ms" in r:
             lines.append(f"sweep 128K B={r['batch']:<3} {r['int2_ms'] * 1e3:8.1f} us {r['config']}")
+    for n in report.get("ncu", []):
+        m = n["metrics"]
+        lines.append(f"bound {n['what']:<34} {n['kernel']:<26} {(m.get('time') or 0) / 1e3:8.1f} us  "
+                     f"DRAM {m.get('dram_pct') or 0:3.0f}%  issue {m.get('issue_pct') or 0:3.0f}%  -> {m['bound']}")
     lines.append(f"best decode config per batch: {report['best_config']}")
     c = report["correctness"]
     lines.append(f"correctness: write codes differing {c['write']['codes_differing']:.1e}; decode rel err "

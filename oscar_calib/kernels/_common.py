@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import weakref
 from types import ModuleType
 
 import torch
@@ -34,6 +35,10 @@ SUBNORMAL_UNIT = 2.0**-24
 INV_SUBNORMAL_UNIT = 2.0**24
 
 _triton_modules: dict[str, ModuleType] = {}
+# Tensors derived from an argument tensor (a rotation's 16-bit split or float32 copy, clip
+# indices), reused while the source tensor is alive and unmodified (weak reference + version
+# counter), so a call per decode step launches only the kernels themselves.
+_DERIVED: dict[tuple, tuple] = {}
 
 
 def interpreting() -> bool:
@@ -133,3 +138,19 @@ def same_device(*named: tuple[str, torch.Tensor]) -> None:
     if len(devs) > 1:
         desc = ", ".join(f"{n} on {t.device}" for n, t in named)
         raise InputError(f"tensors must be on one device: {desc}")
+
+
+def derived(src: torch.Tensor, tag: tuple, make):
+    """``make()``, cached for ``src`` (same object, same version) and ``tag``."""
+    key = (id(src),) + tag
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is src and hit[1] == src._version:
+        return hit[2]
+    if len(_DERIVED) > 64:
+        for k in [k for k, v in _DERIVED.items() if v[0]() is None]:
+            del _DERIVED[k]
+        if len(_DERIVED) > 64:
+            _DERIVED.clear()
+    val = make()
+    _DERIVED[key] = (weakref.ref(src), src._version, val)
+    return val

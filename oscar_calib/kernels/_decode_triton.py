@@ -719,9 +719,12 @@ def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, H, QG,
 
 @triton.jit
 def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
-                        D: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+                        D: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+                        ONE_PASS: tl.constexpr = False):
     """Grid ``(B*Hq, D/DC)``: log-sum-exp merge of the split partials for one query head and
-    ``DC`` output channels. ``PDL``: launched early, waits for the decode grid."""
+    ``DC`` output channels. ``PDL``: launched early, waits for the decode grid. ``ONE_PASS``
+    (all partials fit one block, ``S_ALL <= BLOCK_S``): the log-sum-exps and the partial outputs
+    are loaded together, one round trip to memory instead of two."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
@@ -732,6 +735,18 @@ def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
     m = pid % QG
     offs_s = tl.arange(0, BLOCK_S)
     cols = c0 + tl.arange(0, DC)
+    if ONE_PASS:
+        sm = offs_s < S_ALL
+        row = (bh * S_ALL + offs_s) * QG + m
+        lv = tl.load(lse_ptr + row, mask=sm, other=float("-inf"))
+        o = tl.load(op_ptr + row.to(tl.int64)[:, None] * D + cols[None, :], mask=sm[:, None], other=0.0)
+        top = tl.max(lv, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        wgt = tl.math.exp2(lv - top)
+        total = tl.sum(wgt, axis=0)
+        res = tl.sum(wgt[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + hq * s_oh + cols, res.to(out_ptr.dtype.element_ty))
+        return
     mx = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
     for s0 in range(0, S_ALL, BLOCK_S):
         sm = s0 + offs_s < S_ALL

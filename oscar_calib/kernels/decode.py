@@ -48,17 +48,17 @@ The optional output un-rotation is one batched matmul in torch. Nothing reads le
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
 :data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
 ``heads_per_program``, ``programs_per_sm``, ``split_tokens``, ``split_tokens16``,
-``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``.
+``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``merge_two_pass`` (the merge's two-pass
+loop even when all partials fit one block; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
-context, batch 1, 63 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.1x, 41%
-of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.30 ms against 5.51 ms (4.2x, 63%).
-Nsight Compute: the decode kernel is latency-bound, not at the memory roofline: 7.5 resident
-warps per SM (255 or 188 registers per thread; at batch 1 also the grid of 8 programs per SM),
-schedulers issuing on ~40% of cycles, 12-16 warp instructions per token and KV head, DRAM at
-50-58% of its peak. At batch 1 the rotation and merge kernels and the gaps between the three
-launches add ~17 us to the 46 us decode kernel.
+context, batch 1, 54 us against 194 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47%
+of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.13 ms against 5.52 ms (4.9x, 72%).
+The H200 gives about the same times (50 us, 1.08 ms): Nsight Compute finds the decode kernel
+latency-bound, not at the memory roofline (issue active ~50-58%, 12-19% occupancy, top stall
+"wait", i.e. fixed-latency dependencies). At batch 1 the rotation and merge kernels add ~12 us
+to the ~40 us decode kernel (PDL overlaps part of them).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from ..errors import InputError
 from ..spec.defaults import is_power_of_two
 from ._common import (
     check_tensor,
+    derived,
     interpreting,
     load_triton_module,
     next_pow2,
@@ -274,24 +275,29 @@ def decode_attention(
 #   maxnreg          register cap per thread (0: none); 128 lets 16 one-warp programs share an SM
 #   pdl              programmatic dependent launch of the decode and merge kernels
 #
-# Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py): prefetch on, 1281 us
-# against 1360 us at batch 32 (-6%), 63.6 against 64.6 us at batch 1 (within noise). maxnreg,
-# pdl and the BLOCK_N = 32 / BLOCK16 = 16 tiles are implemented and tested but not yet timed on
-# a GPU, so they are off (their predicted effect is in the README's kernel section).
+# Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py sweeps, CUDA-graph
+# replays; scripts/results/bench_kernels_h100_round2b.json): batch 1, PDL on 54.7 us against
+# 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not
+# raise the issue rate). Batch 32: one KV head per program, 32-token tiles, 128 registers and
+# 64 programs per SM 1131 us (48: 1155, 32: 1185, 24: 1198) against 1286 us for two heads per
+# program at 255 registers; on an H200 96 per SM 1067 us, 128: 1066, 64: 1090 (96 is the default). Paged caches at batch 32 keep two heads per program and 64-token
+# tiles ("large_paged": 355 us against 384 us for the contiguous choice at 32K x 32, page 64).
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": False},
-    "large": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
-              "programs_per_sm": 16, "prefetch": True, "maxnreg": 0, "pdl": False},
+              "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True},
+    "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
+              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True},
+    "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
+                    "programs_per_sm": 16, "prefetch": True, "maxnreg": 0, "pdl": True},
 }
 SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
 
 
-def tuning(bsz: int, num_kv_heads: int, config: dict | None = None) -> dict:
+def tuning(bsz: int, num_kv_heads: int, config: dict | None = None, *, paged: bool = False) -> dict:
     """The effective tuning: the regime's defaults overridden by ``config``."""
-    regime = "small" if bsz * num_kv_heads < SMALL_BATCH_HEADS else "large"
+    regime = "small" if bsz * num_kv_heads < SMALL_BATCH_HEADS else ("large_paged" if paged else "large")
     return {**TUNING[regime], **(config or {})}
 
 
@@ -317,7 +323,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     nb = d // (4 * w)
     dev = q.device
     interp = interpreting()
-    cfg = tuning(bsz, h, config)
+    cfg = tuning(bsz, h, config, paged=cache.paged)
     asm = int(cfg["mode"]) == 1 and not interp
     block_n = int(cfg["BLOCK_N"])
     block16 = int(cfg["BLOCK16"])
@@ -336,8 +342,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         q = q.contiguous()
     if k_rotation is not None:
         r = k_rotation
-        if r.dtype != torch.float32 or not r.is_contiguous():
-            r = r.float().contiguous()
+        if r.dtype != torch.float32 or not r.is_contiguous():  # once per rotation tensor, not per call
+            r = derived(k_rotation, ("f32",), lambda: k_rotation.float().contiguous())
         qr = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
         bc = d if interp else min(32, d)  # (the interpreter: fewer, larger programs)
         LAST_LAUNCH["rotate"] = mod.rotate_query_kernel[(bsz * h, d // bc)](
@@ -413,7 +419,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,
-        D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, ONE_PASS=s_all <= block_s and not cfg.get("merge_two_pass", False),
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
     if not unrotate:
         return o_rot

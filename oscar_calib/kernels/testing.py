@@ -17,7 +17,7 @@ def random_rotation(heads: int, d: int, *, generator: torch.Generator | None = N
     a = torch.randn(heads, d, d, dtype=torch.float64, generator=generator)
     qm, r = torch.linalg.qr(a)
     qm = qm * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
-    return qm.float().to(device)
+    return qm.float().contiguous().to(device)
 
 
 def kv_rows(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, *,

@@ -43,7 +43,6 @@ occupancy, DRAM at 18% with rotation and clip).
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -53,6 +52,7 @@ from ..spec.defaults import default_group_size, is_power_of_two
 from ._common import (
     check_group,
     check_tensor,
+    derived,
     interpreting,
     load_triton_module,
     resolve_backend,
@@ -182,32 +182,13 @@ def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
     return v
 
 
-# Tensors derived from a rotation or clip tensor (16-bit splits, clip indices), reused while the
-# source tensor is alive and unmodified (weak reference + version counter), so repeated calls
-# (one per decode step) launch only the quantisation kernel.
-_DERIVED: dict[tuple, tuple] = {}
 # the compiled kernel of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
 # The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs for unrotated input
 # (H100, 128K tokens x 8 heads: 172 us against 223 us without clip); with a rotation the general
 # kernel runs (568 us against 775 us for one product per plane). "split" (one [BT, d] product
-# split into planes) is implemented and tested, not yet timed: off.
+# split into planes) is slower too (587 against 575 us, H100): off.
 DEFAULT_SPLIT = False
-
-
-def _derived(src: torch.Tensor, tag: tuple, make):
-    key = (id(src),) + tag
-    hit = _DERIVED.get(key)
-    if hit is not None and hit[0]() is src and hit[1] == src._version:
-        return hit[2]
-    if len(_DERIVED) > 64:
-        for k in [k for k, v in _DERIVED.items() if v[0]() is None]:
-            del _DERIVED[k]
-        if len(_DERIVED) > 64:
-            _DERIVED.clear()
-    val = make()
-    _DERIVED[key] = (weakref.ref(src), src._version, val)
-    return val
 
 
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
@@ -248,9 +229,9 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         rot_mode, r1, r2 = 0, x3, x3
     else:
         rot_mode = 2 if x3.dtype == torch.float32 else (3 if fast_rotation else 1)
-        r1, r2 = _derived(rotation, ("rot", x3.dtype, rot_mode), lambda: _split_rotation(rotation, x3.dtype, rot_mode))
+        r1, r2 = derived(rotation, ("rot", x3.dtype, rot_mode), lambda: _split_rotation(rotation, x3.dtype, rot_mode))
     if clip_t is not None:
-        kidx = _derived(clip_t, ("kidx", d), lambda: torch.clamp(
+        kidx = derived(clip_t, ("kidx", d), lambda: torch.clamp(
             torch.floor(clip_t.to(torch.float64) * d), max=d - 1).to(torch.int32).contiguous())
     else:
         kidx = torch.zeros(1, dtype=torch.int32, device=x.device)

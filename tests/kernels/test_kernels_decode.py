@@ -142,8 +142,42 @@ def test_decode_many_splits_mha_and_default_tiles(device):
     # QG = 1 (plain multi-head attention), 16-token splits: many partials, several empty
     q, cache, rk, rv, _ = _case(batch=2, tokens=72, heads=2, qg=1, d=64, g=32, lengths=[72, 25],
                                 seed=4, device=device)
-    _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16})
+    one, _ = _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16})
+    two, _ = _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 16, "split_tokens16": 16, "merge_two_pass": True})
+    assert relative_error(one.float(), two.float()) < 1e-6  # the merge's one- and two-pass forms agree
     _run(q, cache, rk, rv, config={})  # production tile sizes
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_decode_library_tuning_of_every_regime(page, device, monkeypatch):
+    # the defaults of the "large" regime (one head per program, 32-token tiles, register cap, PDL)
+    # and of "large_paged", selected at a small size by lowering the regime threshold
+    q, cache, rk, rv, _ = _case(batch=2, tokens=70, heads=2, qg=4, d=128, g=128, lengths=[70, 45],
+                                page=page, seed=23, device=device)
+    for threshold in (1, 10**6):
+        monkeypatch.setattr(decode_mod, "SMALL_BATCH_HEADS", threshold)
+        regime = decode_mod.tuning(2, 2, paged=page is not None)
+        want = "small" if threshold > 4 else ("large_paged" if page else "large")
+        assert regime == decode_mod.TUNING[want]
+        _run(q, cache, rk, rv, config={"split_tokens": 32})
+
+
+def test_decode_rotation_prepared_once(device):
+    # a non-contiguous rotation is made contiguous once per tensor, not per call
+    from oscar_calib.kernels import _common
+
+    q, cache, rk, rv, _ = _case(batch=1, tokens=30, heads=2, qg=2, d=64, g=64, seed=24, device=device)
+    rt = rk.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, column-major
+    assert not rt.is_contiguous()
+    _run(q, cache, rt, rv)
+    hit = [v for k, v in _common._DERIVED.items() if k[0] == id(rt)]
+    assert len(hit) == 1 and hit[0][2].is_contiguous()
+    first = hit[0][2]
+    _run(q, cache, rt, rv)
+    assert [v for k, v in _common._DERIVED.items() if k[0] == id(rt)][0][2] is first
+    rt.mul_(1.0)  # an in-place change invalidates the cached copy
+    _run(q, cache, rt, rv)
+    assert [v for k, v in _common._DERIVED.items() if k[0] == id(rt)][0][2] is not first
 
 
 def test_decode_unrotate_bf16_query_fp16_window(device):
