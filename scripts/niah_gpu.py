@@ -87,7 +87,7 @@ def merge(results: list[dict]) -> dict:
     from oscar_calib.eval import EvalResult
 
     first = results[0]["settings"]
-    same = ("methods", "depths", "samples", "seed", "haystack", "sink", "recent", "artifact_sha256")
+    same = ("methods", "depths", "samples", "seed", "haystack", "haystack_sha256", "sink", "recent", "artifact_sha256")
     for r in results[1:]:
         diff = [k for k in same if r["settings"].get(k) != first.get(k)]
         if diff or r["model_id"] != results[0]["model_id"]:

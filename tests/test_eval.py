@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.eval.methods import build_schemes, parse_methods, quanto_cache
-from oscar_calib.eval.niah import cache_for, evaluate_niah, make_niah, score_niah
+from oscar_calib.eval.niah import cache_for, evaluate_niah, haystack_fingerprint, make_niah, score_niah
 from oscar_calib.eval.ppl import (
     evaluate_ppl,
     heldout_sequences,
@@ -234,6 +234,36 @@ def test_evaluate_niah_runs():
     s = {r["method"]: r for r in res.summary()}
     assert set(s) == {"bf16", "hadamard", "quanto"} and s["bf16"]["samples"] == 2
     assert "cache_bytes_per_token" in next(r for r in res.rows if r["method"] == "hadamard")
+    assert res.settings["haystack_sha256"] == haystack_fingerprint("corpus")
+
+
+def test_haystack_fingerprint_names_the_filler(monkeypatch):
+    a, n = haystack_fingerprint("corpus"), haystack_fingerprint("noise")
+    assert len(a) == 16 and a != n and a == haystack_fingerprint("corpus")
+    # the corpus filler is the running Python's pydoc topics: another build's text, another print
+    import pydoc_data.topics as topics
+
+    monkeypatch.setitem(topics.topics, "zzz-extra", "x" * 5000)
+    assert haystack_fingerprint("corpus") != a
+    with pytest.raises(InputError, match="unknown haystack"):
+        haystack_fingerprint("hay")
+
+
+def test_niah_gpu_merge_refuses_other_filler(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("niah_gpu", Path(__file__).resolve().parents[1] / "scripts/niah_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = {"methods": ["bf16"], "depths": [0.5], "samples": 1, "seed": 0, "haystack": "corpus", "sink": 4,
+            "recent": 8, "lengths": [512], "haystack_sha256": "a" * 16}
+    row = {"method": "bf16", "length": 512, "tokens": 512, "depth": 0.5, "seed": 0, "score": 1, "bits_per_element": 16.0}
+    one = {"model_id": "m", "settings": base, "rows": [row], "timings": {}}
+    two = {"model_id": "m", "settings": dict(base, lengths=[1024]), "rows": [dict(row, length=1024)], "timings": {}}
+    assert mod.merge([one, two])["settings"]["lengths"] == [512, 1024]
+    other = dict(two, settings=dict(two["settings"], haystack_sha256="b" * 16))
+    with pytest.raises(SystemExit, match="haystack_sha256"):
+        mod.merge([one, other])
 
 
 def test_methods_parsing_and_errors():

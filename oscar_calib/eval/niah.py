@@ -13,6 +13,7 @@ in the answer equals the value, else 0.
 from __future__ import annotations
 
 import copy
+import hashlib
 import random
 import re
 import time
@@ -67,23 +68,36 @@ class NiahSample:
 _SENTENCES: dict = {}
 
 
+def _filler_text(haystack: str) -> str:
+    """The text filler sentences come from: RULER's noise, or the embedded corpus' held-out half."""
+    if haystack == "noise":
+        return NOISE
+    if haystack == "corpus":
+        from ..calibrate.corpus import embedded_texts
+
+        text = "\n".join(embedded_texts())
+        return text[len(text) // 2:]
+    raise InputError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
+
+
 def _filler_sentences(tokenizer, haystack: str) -> tuple[list[str], list[int]]:
     """Sentences of the embedded corpus' held-out half (or RULER's noise), with token counts."""
     key = (id(tokenizer), haystack)
     if key not in _SENTENCES:
+        text = _filler_text(haystack)
         if haystack == "noise":
-            sents = [s + "." for s in NOISE.rstrip(".").split(". ")]
-        elif haystack == "corpus":
-            from ..calibrate.corpus import embedded_texts
-
-            text = "\n".join(embedded_texts())
-            text = text[len(text) // 2:]
-            sents = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 20 <= len(s.strip()) <= 600]
+            sents = [s + "." for s in text.rstrip(".").split(". ")]
         else:
-            raise InputError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
+            sents = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 20 <= len(s.strip()) <= 600]
         lens = [len(tokenizer(" " + s, add_special_tokens=False)["input_ids"]) for s in sents]
         _SENTENCES[key] = (sents, lens)
     return _SENTENCES[key]
+
+
+def haystack_fingerprint(haystack: str) -> str:
+    """sha256 (first 16 hex digits) of the filler text: the ``corpus`` haystack is the running
+    Python's ``pydoc_data`` topics, so two machines' prompts agree only when this does."""
+    return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()[:16]
 
 
 def make_niah(tokenizer, length: int, depth: float, seed: int, *, haystack: str = "corpus") -> NiahSample:
@@ -198,7 +212,8 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
             tick(len(rows))
         del pre
     settings = {"methods": methods, "sink": sink, "recent": recent, "lengths": list(lengths), "depths": list(depths),
-                "samples": samples, "seed": seed, "haystack": haystack, "max_new_tokens": max_new_tokens,
+                "samples": samples, "seed": seed, "haystack": haystack,
+                "haystack_sha256": haystack_fingerprint(haystack), "max_new_tokens": max_new_tokens,
                 "group_size": next((s.group_size for s in schemes.values() if s.quantized), group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None}
     fork = fork_settings(schemes, artifact)

@@ -39,7 +39,7 @@ class KVScheme:
     codebook quantisers; the real caches store with ``oscar``'s.
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
-    budget spent unevenly, :mod:`oscar_calib.numerics.budget`); empty = ``group_size`` everywhere.
+    budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
     ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``).
     The simulations read any split; the real caches (one kernel call per layer) need K and V of a
     layer to share one size (:meth:`layer_group`).
