@@ -14,7 +14,13 @@ from typer.testing import CliRunner
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.eval.methods import build_schemes, parse_methods, quanto_cache
-from oscar_calib.eval.niah import cache_for, evaluate_niah, haystack_fingerprint, make_niah, score_niah
+from oscar_calib.eval.niah import (
+    cache_for,
+    evaluate_niah,
+    haystack_fingerprint,
+    make_niah,
+    score_niah,
+)
 from oscar_calib.eval.ppl import (
     evaluate_ppl,
     heldout_sequences,
