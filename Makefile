@@ -50,7 +50,7 @@ bench-scale: setup
 	$(PYTHON) scripts/bench_scale.py
 
 bench-kernels: setup
-	$(PYTHON) scripts/bench_kernels.py $(if $(NCU),--ncu,)
+	$(PYTHON) scripts/bench_kernels.py $(if $(NCU),--ncu,) $(if $(QUICK),--quick,)
 
 bench-generate: setup
 	$(PYTHON) scripts/bench_generate.py

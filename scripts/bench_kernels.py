@@ -92,6 +92,9 @@ from oscar_calib.kernels.testing import (
 T0 = time.time()
 GPU = torch.cuda.is_available() and not ARGS.quick
 DEV = "cuda" if GPU else "cpu"
+if not GPU and not ARGS.quick:
+    sys.exit("error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the "
+             "Triton interpreter)")
 LOG: list[str] = []
 
 
