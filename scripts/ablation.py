@@ -6,6 +6,8 @@
     python scripts/ablation.py smollm2-135m --variants default,layer,clip-fixed --sequences 1
     python scripts/ablation.py smollm2-135m --variants default,refine --threads 1 \
         --out scripts/results/ablation_refine_smollm2-135m.json   # also writes the .md beside it
+    python scripts/ablation.py --render --out scripts/results/ablation_budget_gemma3-270m.json \
+        --niah budget=scripts/results/niah_gemma3-270m_budget_h100.json:oscar   # a NIAH column, no model
 
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
@@ -170,7 +172,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--baselines", default="bf16,naive,hadamard", help="baseline methods (bf16 is always needed "
                     "for the relative columns)")
+    ap.add_argument("--niah", action="append", default=[], metavar="VARIANT=RESULT.json:METHOD",
+                    help="attach NIAH at the largest length of METHOD in a scripts/niah_gpu.py result to the row "
+                         "VARIANT (repeatable; a NIAH column in the table)")
+    ap.add_argument("--render", action="store_true",
+                    help="only re-write --out's table (with --niah attached) from its JSON; loads no model")
     args = ap.parse_args()
+    if args.render:
+        if args.out is None or not args.out.is_file():
+            raise SystemExit("error: --render needs --out naming an existing ablation JSON")
+        results = json.loads(args.out.read_text())
+        attach_niah(results, args.niah)
+        if args.niah:
+            results["render_command"] = "python scripts/ablation.py " + " ".join(sys.argv[1:])
+        write_results(results, args.out)
+        print(table(results))
+        return
 
     import torch
 
@@ -210,11 +227,10 @@ def main() -> None:
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
                            "threads": torch.get_num_threads()}
     results["command"] = "python scripts/ablation.py " + " ".join(sys.argv[1:])
+    attach_niah(results, args.niah)
 
     def save():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        out.with_suffix(".md").write_text(table(results) + "\n")
+        write_results(results, out)
 
     def group_of(name: str) -> int:       # per-layer variants (``groups``) count as the default size here
         opt = VARIANTS[name].get("group_size")
@@ -247,6 +263,39 @@ def main() -> None:
     results["total_s"] = time.perf_counter() - t0
     save()
     print(table(results))
+
+
+def write_results(results: dict, out: Path) -> None:
+    """The JSON and its table (``.md`` beside it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    out.with_suffix(".md").write_text(table(results) + "\n")
+
+
+def attach_niah(results: dict, specs: list[str]) -> None:
+    """``VARIANT=RESULT.json:METHOD``: store METHOD's NIAH exact-match rate at the result's largest
+    length (with its 95% interval, the file and the filler's fingerprint) in row VARIANT."""
+    for spec in specs:
+        variant, _, rest = spec.partition("=")
+        path, _, method = rest.rpartition(":")
+        if not variant or not path or not method:
+            raise SystemExit(f"error: --niah {spec!r}: expected VARIANT=RESULT.json:METHOD")
+        if variant not in results.get("rows", {}):
+            raise SystemExit(f"error: --niah: the table has no row {variant!r} (rows: {', '.join(results.get('rows', {}))})")
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --niah: cannot read {path}: {e}") from None
+        summ = next((x for x in data.get("summary", []) if x.get("method") == method), None)
+        if summ is None or not summ.get("by_length"):
+            found = ", ".join(x.get("method", "?") for x in data.get("summary", []))
+            raise SystemExit(f"error: --niah: {path} has no NIAH rates for method {method!r} (methods: {found})")
+        longest = max(summ["by_length"], key=int)
+        results["rows"][variant]["niah"] = {
+            "length": int(longest), "rate": summ["by_length"][longest],
+            "interval": summ["by_length_interval"][longest], "prompts": summ["by_length_n"][longest],
+            "source": str(path), "method": method,
+            "haystack_sha256": data.get("settings", {}).get("haystack_sha256")}
 
 
 def perplexity(model, seqs, scheme) -> float:
@@ -404,6 +453,9 @@ def table(results: dict) -> str:
     rows, st = results["rows"], results["settings"]
     texts = st["texts"]
     bf = rows.get("bf16", {}).get("ppl", {})
+    niah = any("niah" in r for r in rows.values())
+    label = {src: chr(ord("a") + i) for i, src in enumerate(sorted({r["niah"]["source"] for r in rows.values()
+                                                                   if "niah" in r}))}
     lines = [f"{st['model']}: held-out perplexity, {st['eval_sequences']}×{st['eval_seq_len']} tokens per text, "
              f"BF16 sink {st['sink']} + recent {st['recent']}; calibration seed {st['calibration_seed']}, "
              f"{st.get('heldout_seqs', 1)} held-out sequence(s) of {st['heldout_tokens']} rows",
@@ -411,8 +463,9 @@ def table(results: dict) -> str:
              "bits/elem: mean over layers (every layer holding as many tokens); (long ...): the full-attention "
              "layers' mean, what the average tends to at long contexts when sliding-window layers hold only their "
              "window", "",
-             "| variant | group | bits/elem | " + " | ".join(f"ppl {t} (vs BF16, gap closed)" for t in texts) + " |",
-             "|---|---|---|" + "---|" * len(texts)]
+             "| variant | group | bits/elem | " + " | ".join(f"ppl {t} (vs BF16, gap closed)" for t in texts) + " |"
+             + (" NIAH, largest length [95%] |" if niah else ""),
+             "|---|---|---|" + "---|" * (len(texts) + bool(niah))]
     for name, r in rows.items():
         g = r.get("group_size")
         had = rows.get(f"hadamard@{g}", {}).get("ppl", {}) if g else {}
@@ -432,7 +485,19 @@ def table(results: dict) -> str:
         if r.get("groups"):
             flat = [x for pair in r["groups"] for x in pair]
             group = f"{min(flat)}–{max(flat)} per layer" + ("" if all(a == b for a, b in r["groups"]) else ", K≠V")
+        if niah:
+            n = r.get("niah")
+            cells.append(f"{n['rate']:.2f} [{n['interval'][0]:.2f}, {n['interval'][1]:.2f}] at {n['length']} "
+                         f"({label[n['source']]})" if n else "–")
         lines.append(f"| {name} | {group} | {bits} | " + " | ".join(cells) + " |")
+    sources = sorted({(r["niah"]["source"], r["niah"].get("haystack_sha256") or "not recorded")
+                      for r in rows.values() if "niah" in r})
+    if sources:
+        lines += ["", "NIAH: exact match through the real cache (scripts/niah_gpu.py), from "
+                  + "; ".join(f"({label[src]}) `{src}` (filler sha256 {h})" for src, h in sources)
+                  + ". Compare rates within one file, or across files whose filler fingerprints agree."]
+    if results.get("render_command"):
+        lines.append(f"NIAH attached with: `{results['render_command']}`")
     return "\n".join(lines)
 
 
