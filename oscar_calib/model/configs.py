@@ -34,7 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..spec.config import CalibrationConfig, from_mapping, load_yaml_mapping
+from ..spec.config import (
+    CalibrationConfig,
+    check_known_keys,
+    from_mapping,
+    load_yaml_mapping,
+)
 
 SECTIONS = ("geometry", "calibration", "rotationzoo")
 ROTATIONZOO_REPO = "Zhongzhu/OSCAR-RotationZoo"      # OSCAR's published rotations on the Hugging Face hub
@@ -202,10 +207,7 @@ class ModelConfig:
 def geometry_from_mapping(data: dict, *, where: str = "geometry") -> GeometrySpec:
     if not isinstance(data, dict):
         raise InputError(f"{where}: expected a mapping")
-    names = {f.name for f in dataclasses.fields(GeometrySpec)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    check_known_keys(data, GeometrySpec, where)
     missing = [f.name for f in dataclasses.fields(GeometrySpec)
                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
     if missing:
@@ -243,10 +245,7 @@ def load_model_config(path: Path) -> ModelConfig:
 def rotationzoo_from_mapping(data: dict, *, where: str = "rotationzoo", head_dim: int) -> RotationZooSpec:
     if not isinstance(data, dict):
         raise InputError(f"{where}: expected a mapping")
-    names = {f.name for f in dataclasses.fields(RotationZooSpec)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    check_known_keys(data, RotationZooSpec, where)
     values = dict(data)
     if "names" in values:
         if not isinstance(values["names"], (list, tuple)):

@@ -124,12 +124,17 @@ def parse_clip(text: str | None) -> tuple[float | None, float | None]:
     return out["k"], out["v"]
 
 
-def from_mapping(data: dict, *, where: str = "config") -> CalibrationConfig:
-    """Build a config from a mapping; unknown keys are an error that lists the valid ones."""
-    names = {f.name for f in dataclasses.fields(CalibrationConfig)}
+def check_known_keys(data: dict, cls, where: str) -> None:
+    """Refuse keys of ``data`` that are not fields of the dataclass ``cls``, listing the valid ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+
+
+def from_mapping(data: dict, *, where: str = "config") -> CalibrationConfig:
+    """Build a config from a mapping; unknown keys are an error that lists the valid ones."""
+    check_known_keys(data, CalibrationConfig, where)
     return CalibrationConfig(**data).validate()
 
 
