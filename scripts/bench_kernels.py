@@ -55,6 +55,9 @@ def parse_args():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--no-sweep", action="store_true", help="time the default decode variant only")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
+    ap.add_argument("--variants", default=None, metavar="JSON",
+                    help="sweep only: time these decode configs (a JSON list of config dicts, or a file holding "
+                         "one) at every context x batch, no SDPA, no write kernel; writes sweep.json")
     ap.add_argument("--ncu", action="store_true",
                     help="afterwards run each profiled kernel once under Nsight Compute (scripts/ncu_kernels.py) "
                          "and add its metrics and bound (memory / instruction issue / latency) to the JSON and table")
@@ -236,7 +239,7 @@ def decode_variants(batch: int | None = None) -> list[dict]:
     small = batch * QWEN["kv_heads"] < 64
     out = [{}, ROUND1["small" if small else "large"], ROUND2["small" if small else "large"], {"pdl": False}]
     if small:
-        out += [{"split_tokens16": 128}, {"merge_two_pass": True}, {"BLOCK_N": 64, "maxnreg": 168}]
+        out += [{"maxnreg": 0}, {"split_tokens16": 128}, {"merge_two_pass": True}]
     else:
         out += [{"programs_per_sm": 64}, {"programs_per_sm": 128}, {"merge_two_pass": True}]
     return out
@@ -305,6 +308,10 @@ def kernel_info(k) -> dict:
         v = getattr(k, name, None)
         if isinstance(v, (int, float)):
             out[name] = v
+    meta = getattr(k, "metadata", None)
+    shared = getattr(meta, "shared", None)
+    if "shared" not in out and isinstance(shared, int):
+        out["shared"] = shared
     return out
 
 
@@ -347,8 +354,11 @@ def time_decode(ctx: int, batch: int, shape: dict, cfg: dict, l2: int, *, sdpa: 
     if paged:
         caches = [random_paged(c, paged) for c in caches]
     out = torch.empty(batch, qh, d, device=DEV, dtype=torch.bfloat16)
-    fns = [lambda c=c: decode_attention(q, c, k_rotation=rk, backend="triton", out=out, check_lengths=False,
-                                        config=cfg) for c in caches]
+    # bench-only key: the query given already rotated (no rotation kernel), to time what it adds
+    kr = None if cfg.get("bench_prerotated") else rk
+    kcfg = {k: v for k, v in cfg.items() if not k.startswith("bench_")}
+    fns = [lambda c=c: decode_attention(q, c, k_rotation=kr, backend="triton", out=out, check_lengths=False,
+                                        config=kcfg) for c in caches]
     ms = timed_graphs(fns)
     row.update(int2_ms=ms, int2_copies=n2, int2_bytes_per_s=ib / (ms * 1e-3),
                kernel=kernel_info(decode_mod.LAST_LAUNCH.get("split")))
@@ -496,7 +506,60 @@ def time_write(shape: dict, l2: int) -> list[dict]:
     return rows
 
 
+VARIANTS: list[dict] = []
+
+
+def parse_variants(text: str) -> list[dict]:
+    """``--variants``: a JSON list of config dicts, inline or in a file."""
+    p = Path(text)
+    if text.lstrip().startswith("["):
+        raw = text
+    elif p.is_file():
+        raw = p.read_text()
+    else:
+        sys.exit(f"error: --variants {text!r} is neither a JSON list nor a file")
+    try:
+        val = json.loads(raw)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: --variants is not JSON: {e}")
+    if not isinstance(val, list) or not all(isinstance(v, dict) for v in val):
+        sys.exit("error: --variants must be a JSON list of config objects")
+    return val
+
+
+def sweep_variants(report: dict, shape: dict, contexts: list[int], batches: list[int], l2: int, bw: float,
+                   out_dir: Path) -> None:
+    """``--variants``: check each config against the reference, then time it at every shape."""
+    variants = VARIANTS
+    report["correctness"] = check_correctness(shape, variants)
+    report["variants"] = []
+    for cfg, ok in zip(variants, report["correctness"]["decode"]):
+        if not ok["ok"]:
+            log(f"variant {cfg}: failed the correctness check, not timed")
+            continue
+        for batch in batches:
+            for ctx in contexts:
+                if over_budget():
+                    break
+                row = safe_time_decode(ctx, batch, shape, cfg, l2, sdpa=False)
+                report["variants"].append(row)
+                if "int2_ms" in row:
+                    log(f"variant ctx={ctx} B={batch} {cfg}: {row['int2_ms'] * 1e3:.1f} us "
+                        f"({row['int2_bytes_per_s'] / bw * 100:.0f}% of copy BW)")
+    report["elapsed_s"] = time.time() - T0
+    (out_dir / "sweep.json").write_text(json.dumps(report, indent=2, default=str))
+    for batch in batches:
+        for ctx in contexts:
+            rows = sorted((r for r in report["variants"] if r["batch"] == batch and r["context"] == ctx
+                           and "int2_ms" in r), key=lambda r: r["int2_ms"])
+            for r in rows:
+                print(f"{ctx:>7} x {batch:<3} {r['int2_ms'] * 1e3:8.1f} us  {r['config']}")
+
+
 def main():
+    global VARIANTS
+    if ARGS.variants is not None:  # bad input is refused before any work
+        VARIANTS = parse_variants(ARGS.variants)
     out_dir = Path(ARGS.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = dict(QWEN) if not ARGS.quick else {"q_heads": 4, "kv_heads": 2, "head_dim": 64, "group_size": 64}
@@ -509,6 +572,9 @@ def main():
     report["copy"] = copy_bandwidth()
     bw = report["copy"]["bytes_per_s"]
     log(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    if ARGS.variants is not None:
+        sweep_variants(report, shape, contexts, batches, l2, bw, out_dir)
+        return
 
     variants = decode_variants()
     report["correctness"] = check_correctness(shape, variants)

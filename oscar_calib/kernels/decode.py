@@ -282,9 +282,19 @@ def decode_attention(
 # 64 programs per SM 1131 us (48: 1155, 32: 1185, 24: 1198) against 1286 us for two heads per
 # program at 255 registers; on an H200 96 per SM 1067 us, 128: 1066, 64: 1090 (96 is the default). Paged caches at batch 32 keep two heads per program and 64-token
 # tiles ("large_paged": 355 us against 384 us for the contiguous choice at 32K x 32, page 64).
+#
+# Batch 1 (round 2c, scripts/results/bench_kernels_h100_sweep_round2c.json): a 184-register cap
+# (8 programs per SM still) 23.4 us against 24.7 us at 32K, 54.2 against 54.3 at 128K; paged it
+# is slower (60.5 against 58.9 us at 128K), so "small_paged" keeps no cap. Not faster at batch 1:
+# more resident programs (9-12 per SM, with caps of 160-232 registers or one pipeline stage:
+# 65-87 us at 128K), longer programs (at least 512-2048 tokens each: 25-65 us at 32K), and the
+# merge inside the decode kernel (the last program of a head merging: 37 us at 32K, one warp
+# reads every partial).
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True},
+              "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True},
+    "small_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
+                    "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True},
     "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True},
     "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
@@ -297,7 +307,7 @@ LAST_LAUNCH: dict = {}
 
 def tuning(bsz: int, num_kv_heads: int, config: dict | None = None, *, paged: bool = False) -> dict:
     """The effective tuning: the regime's defaults overridden by ``config``."""
-    regime = "small" if bsz * num_kv_heads < SMALL_BATCH_HEADS else ("large_paged" if paged else "large")
+    regime = ("small" if bsz * num_kv_heads < SMALL_BATCH_HEADS else "large") + ("_paged" if paged else "")
     return {**TUNING[regime], **(config or {})}
 
 

@@ -1,5 +1,6 @@
 """scripts/bench_kernels.py on a machine without a GPU: one line and a non-zero exit unless --quick."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,25 @@ def test_bench_kernels_without_gpu_says_so_in_one_line(tmp_path):
     assert lines == ["error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under "
                      "the Triton interpreter)"]
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_bench_kernels_variant_sweep_quick(tmp_path):
+    # --variants: each config checked against the reference, then timed at every shape (CPU
+    # interpreter under --quick); bad input is one line and a non-zero exit, nothing written
+    cfg = '[{"mode": 0, "BLOCK_N": 16, "BLOCK16": 16, "programs_per_sm": 1}]'
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--variants", cfg],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rep = json.loads((tmp_path / "sweep.json").read_text())
+    assert rep["correctness"]["decode"][0]["ok"]
+    rows = [r for r in rep["variants"] if "int2_ms" in r]
+    assert {(r["context"], r["batch"]) for r in rows} == {(360, 1), (704, 1), (360, 2), (704, 2)}
+    for bad, why in (("[1, 2]", "must be a JSON list of config objects"), ("[{", "is not JSON"),
+                     ("no-such-file.json", "is neither a JSON list nor a file")):
+        out = tmp_path / "bad"
+        res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--variants", bad],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and why in lines[0], res.stderr
+        assert not out.exists()

@@ -150,14 +150,14 @@ def test_decode_many_splits_mha_and_default_tiles(device):
 
 @pytest.mark.parametrize("page", [None, 16])
 def test_decode_library_tuning_of_every_regime(page, device, monkeypatch):
-    # the defaults of the "large" regime (one head per program, 32-token tiles, register cap, PDL)
-    # and of "large_paged", selected at a small size by lowering the regime threshold
+    # the defaults of every regime ("small", "large": one head per program, 32-token tiles,
+    # register caps, PDL; their "_paged" forms), selected at a small size by moving the threshold
     q, cache, rk, rv, _ = _case(batch=2, tokens=70, heads=2, qg=4, d=128, g=128, lengths=[70, 45],
                                 page=page, seed=23, device=device)
     for threshold in (1, 10**6):
         monkeypatch.setattr(decode_mod, "SMALL_BATCH_HEADS", threshold)
         regime = decode_mod.tuning(2, 2, paged=page is not None)
-        want = "small" if threshold > 4 else ("large_paged" if page else "large")
+        want = ("small" if threshold > 4 else "large") + ("_paged" if page else "")
         assert regime == decode_mod.TUNING[want]
         _run(q, cache, rk, rv, config={"split_tokens": 32})
 
