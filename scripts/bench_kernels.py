@@ -268,7 +268,8 @@ def check_correctness(shape: dict, variants: list[dict]) -> dict:
                     "dequant_max_abs_diff": float((got.dequantize().cpu() - ref.dequantize()).abs().max())}
     log(f"check write: codes differing {frac:.2e} (max {worst} level), dequant max |diff| "
         f"{res['write']['dequant_max_abs_diff']:.3g}")
-    for name, cfg, rot in (("planes", {"planes": True}, rk), ("planes, no rotation", {"planes": True}, None)):
+    for name, cfg, rot in (("planes", {"planes": True}, rk), ("planes rounds", {"planes": True, "select": "rounds"}, rk),
+                           ("general", {"planes": False}, rk), ("planes, no rotation", {"planes": True}, None)):
         got = quantize_kv(x, rot, kclip, g, backend="triton", config=cfg)
         worst, frac = code_agreement(got, quantize_kv_reference(xc, None if rot is None else rkc, kclipc, g))
         res[f"write {name}"] = {"max_level_diff": worst, "codes_differing": frac}
@@ -433,21 +434,26 @@ def write_variants() -> list[tuple[str, dict, dict]]:
     if ARGS.quick:
         return [("rot+clip", {}, {"clip": True})]
     gen = {"planes": False}
-    sp = {"planes": True, "split": True}
-    cfgs = [("rot+clip", {}, {"clip": True}),
-            ("rot+clip split", sp, {"clip": True}),
-            ("rot+clip per-plane dots", {"planes": True, "split": False}, {"clip": True}),
-            ("rot+clip split BT=128 w8", {**sp, "BT": 128, "num_warps": 8}, {"clip": True}),
+    clip, noclip = {"clip": True}, {"clip": False}
+    norot, fp32 = {"clip": True, "rot": False}, {"clip": True, "rot": False, "fp32": True}
+    # "{}" is the library default: plane-wise, one product split into planes, tournament clip
+    # selection (unrotated 16-bit input: rounds over integer keys)
+    cfgs = [("rot+clip", {}, clip),
+            ("rot+clip rounds", {"select": "rounds"}, clip),
+            ("rot+clip general", gen, clip),
+            ("rot+clip per-plane dots", {"split": False}, clip),
+            ("rot+clip BT=128 w8", {"BT": 128, "num_warps": 8}, clip),
+            ("rot+clip BT=32", {"BT": 32}, clip),
+            ("rot+clip w8", {"num_warps": 8}, clip),
+            ("rot+clip general BT=32 w2", {**gen, "BT": 32, "num_warps": 2}, clip),
             ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
-            ("rot+clip BT=32", {"BT": 32}, {"clip": True}),
-            ("rot+clip w8", {"num_warps": 8}, {"clip": True}),
-            ("rot+clip BT=32 w2", {"BT": 32, "num_warps": 2}, {"clip": True}),
-            ("rot+clip split w8", {**sp, "num_warps": 8}, {"clip": True}),
-            ("rot+clip split BT=32", {**sp, "BT": 32}, {"clip": True}),
-            ("rot, no clip", {}, {"clip": False}),
-            ("rot, no clip split", sp, {"clip": False}),
-            ("no rot, clip", {}, {"clip": True, "rot": False}),
-            ("no rot, clip general", gen, {"clip": True, "rot": False}),
+            ("rot, no clip", {}, noclip),
+            ("rot, no clip general", gen, noclip),
+            ("no rot, clip", {}, norot),
+            ("no rot, clip sorted", {"select": "sorted"}, norot),
+            ("no rot, clip general", gen, norot),
+            ("no rot, fp32 clip", {}, fp32),
+            ("no rot, fp32 clip rounds", {"select": "rounds"}, fp32),
             ("no rot/clip", {}, {"clip": False, "rot": False}),
             ("no rot/clip general", gen, {"clip": False, "rot": False})]
     return cfgs
@@ -484,7 +490,7 @@ def time_write(shape: dict, l2: int) -> list[dict]:
     out = QuantizedKV(torch.empty(t, h, d // 4, dtype=torch.uint8, device=DEV),
                       torch.empty(t, h, d // g, dtype=torch.float16, device=DEV),
                       torch.empty(t, h, d // g, dtype=torch.float16, device=DEV), g)
-    nbytes = x.numel() * 2 + out.codes.numel() + 2 * out.scale.numel() * 2
+    x32 = None
     rows = []
     for name, cfg, opt in write_variants():
         if over_budget():
@@ -492,8 +498,12 @@ def time_write(shape: dict, l2: int) -> list[dict]:
             continue
         rot = rk if opt.get("rot", True) else None
         cl = clip if opt["clip"] else None
-        fn = lambda: quantize_kv(x, rot, cl, g, backend="triton", out=out, fast_rotation=opt.get("fast", False),  # noqa: E731
-                                 config=cfg)
+        if opt.get("fp32"):  # float32 rows: the float clip selection without a rotation
+            x32 = x.float() if x32 is None else x32
+        xin = x32 if opt.get("fp32") else x
+        nbytes = xin.numel() * xin.element_size() + out.codes.numel() + 2 * out.scale.numel() * 2
+        fn = lambda: quantize_kv(xin, rot, cl, g, backend="triton", out=out,  # noqa: E731
+                                 fast_rotation=opt.get("fast", False), config=cfg)
         try:
             ms = timed_graphs([fn])
         except Exception as e:  # noqa: BLE001

@@ -243,6 +243,64 @@ def _select4(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
 
 
 @triton.jit
+def _ce(x, y):
+    """Compare-exchange: (larger, smaller)."""
+    return tl.maximum(x, y), tl.minimum(x, y)
+
+
+@triton.jit
+def _mth_sorted4(a0, a1, a2, a3, m, LOWEST: tl.constexpr):
+    """``m`` rounds of a tournament over the ``W`` columns of each row: the four plane values of
+    a column (held by one thread) are sorted once (five compare-exchanges); a round takes the
+    row maximum of the column heads and pops the column(s) whose head it was. Without ties
+    among the top ``m`` this is the ``m``-th largest value (callers check or have unique keys).
+    Per round: one compare, four selects and one row reduction per column, against a
+    compare, a select and a maximum per value (and four reductions) for
+    :func:`_max4_below`."""
+    s0, s1 = _ce(a0, a1)
+    s2, s3 = _ce(a2, a3)
+    s0, s2 = _ce(s0, s2)
+    s1, s3 = _ce(s1, s3)
+    s1, s2 = _ce(s1, s2)
+    v = tl.max(s0, axis=1)
+    for _ in range(m - 1):
+        pop = s0 == v[:, None]
+        s0 = tl.where(pop, s1, s0)
+        s1 = tl.where(pop, s2, s1)
+        s2 = tl.where(pop, s3, s2)
+        s3 = tl.where(pop, LOWEST, s3)
+        v = tl.max(s0, axis=1)
+    return v
+
+
+@triton.jit
+def _select4_sorted(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
+    """:func:`_select4` with the tournament of :func:`_mth_sorted4` for the rounds; the same
+    count check (exactly ``m`` values ``>= v``) and tie-aware fallback, so exact either way."""
+    v = _mth_sorted4(a0, a1, a2, a3, m, float("-inf"))
+    vb = v[:, None]
+    ge = (a0 >= vb).to(tl.int32) + (a1 >= vb).to(tl.int32) + (a2 >= vb).to(tl.int32) + (a3 >= vb).to(tl.int32)
+    ok = (tl.sum(ge, axis=1) == m) | (rmask == 0)
+    if tl.min(ok.to(tl.int32), axis=0) == 0:
+        v = _kth_largest4(a0, a1, a2, a3, m, BT)
+    return v
+
+
+@triton.jit
+def _kth_keyed4_sorted(a0, a1, a2, a3, m, LARGEST: tl.constexpr, W: tl.constexpr):
+    """:func:`_kth_keyed4` by the tournament (unique keys: no ties, no check needed)."""
+    k0 = _key(a0, 0, W)
+    k1 = _key(a1, 1, W)
+    k2 = _key(a2, 2, W)
+    k3 = _key(a3, 3, W)
+    if LARGEST:
+        v = _mth_sorted4(k0, k1, k2, k3, m, -1)
+    else:  # the m-th smallest key is minus the m-th largest of the negated keys
+        v = -_mth_sorted4(-k0, -k1, -k2, -k3, m, -2147483647)
+    return (v & -256).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _key(a, P: tl.constexpr, W: tl.constexpr):
     return a.to(tl.int32, bitcast=True) | (P * W + tl.arange(0, W))[None, :]
 
@@ -301,7 +359,7 @@ def quantize_kv_planes_kernel(
     T,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False,
 ):
     """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
     ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
@@ -349,11 +407,21 @@ def quantize_kv_planes_kernel(
         a1 = tl.abs(y1)
         a2 = tl.abs(y2)
         a3 = tl.abs(y3)
-        if KEYED:
+        if KEYED and SORTED:
+            if kq >= D // 2:
+                t = _kth_keyed4_sorted(a0, a1, a2, a3, D - kq, True, W)
+            else:
+                t = _kth_keyed4_sorted(a0, a1, a2, a3, kq + 1, False, W)
+        elif KEYED:
             if kq >= D // 2:
                 t = _kth_keyed4(a0, a1, a2, a3, D - kq, True, W)
             else:
                 t = _kth_keyed4(a0, a1, a2, a3, kq + 1, False, W)
+        elif SORTED:
+            if kq >= D // 2:
+                t = _select4_sorted(a0, a1, a2, a3, D - kq, rmask, BT)
+            else:
+                t = -_select4_sorted(-a0, -a1, -a2, -a3, kq + 1, rmask, BT)
         elif kq >= D // 2:
             t = _select4(a0, a1, a2, a3, D - kq, rmask, BT)
         else:

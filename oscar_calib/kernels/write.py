@@ -29,15 +29,23 @@ Two Triton kernels (:mod:`._write_triton`): the general one, and a plane-wise on
 single byte block (``d == 4 * min(G, d/4)``, e.g. d = 128 with any G >= 32) that holds the row as
 four ``[rows, d/4]`` tensors (one per bit plane), so the clip selection, the group statistics and
 the packing need no data movement between threads. ``config={"planes": ...}`` picks one; by
-default the plane-wise kernel runs for unrotated input and the general one with a rotation
-(the plane-wise kernel then needs four narrow products, or with ``"split": True`` one product
-split into planes).
+default the plane-wise kernel runs wherever it applies. With a rotation it takes one ``[rows, d]``
+product split into the planes (``"split": True``; four narrow products, ``False``, are slower).
+Its clip threshold comes from a tournament (``"select": "sorted"``): each column's four plane
+values are sorted once, and a round pops the row's largest column head. That is one compare,
+four selects and one row reduction per column per round, instead of a compare, a select and a
+maximum per value. It is exact: the same count check and tie-aware fallback. Unrotated 16-bit
+input keeps the rounds (``"rounds"``) over its unique integer keys, where the tournament's
+sorting costs more registers than it saves.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``): rotate + clip + quantise + pack 568 us (539 GB/s, 18% of copy),
-rotate without clip 280 us (36%); without rotation, plane-wise: with clip 279 us (37%), neither
-172 us (59%; the general kernel 223 us). Nsight Compute: latency-bound (216 registers, 12%
-occupancy, DRAM at 18% with rotation and clip).
+``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_write_round2c.json``):
+rotate + clip + quantise + pack 543 us with the plane-wise tournament (563 GB/s, 19% of copy;
+the general kernel 580 us, plane-wise rounds 588 us). Rotate without clip 280 us (36%). Without
+rotation, plane-wise: with clip 289 us (37%; the tournament 356 us), neither 171 us (59%).
+Nsight Compute: latency-bound (216-228 registers, 12% occupancy, DRAM at 18% with rotation and
+clip). Without rotation and clip the kernel already issues on ~58% of cycles at 59% of copy,
+so the clip selection and the rotation have to come nearly free in instructions to reach 60%.
 """
 
 from __future__ import annotations
@@ -144,7 +152,8 @@ def quantize_kv(
         fast_rotation: Triton only: one 16-bit product for the rotation instead of two
             (see the module docstring).
         config: Triton tuning overrides (``BT``, ``num_warps``, ``KB``, ``planes``: True,
-            False or "auto", ``split``, ``fast_div``); for benchmarks.
+            False or "auto", ``split``, ``select``: "sorted", "rounds" or "auto",
+            ``fast_div``); for benchmarks.
 
     Returns:
         :class:`QuantizedKV` with codes ``uint8 [..., kv_heads, d/4]`` and fp16 scale/offset
@@ -184,11 +193,13 @@ def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
 
 # the compiled kernel of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
-# The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs for unrotated input
-# (H100, 128K tokens x 8 heads: 172 us against 223 us without clip); with a rotation the general
-# kernel runs (568 us against 775 us for one product per plane). "split" (one [BT, d] product
-# split into planes) is slower too (587 against 575 us, H100): off.
-DEFAULT_SPLIT = False
+# The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs wherever it applies
+# (H100, 128K tokens x 8 heads: 172 us against 223 us without rotation or clip). With a rotation
+# it takes one [BT, d] product split into planes ("split"; one product per plane: 775 us) and the
+# tournament clip selection ("select": "sorted"): 543 us against 580 us for the general kernel
+# and 588 us for the plane-wise rounds. Unrotated 16-bit input keeps the rounds over integer keys
+# (289 us against 356 us for the tournament, which needs 255 registers there).
+DEFAULT_SPLIT = True
 
 
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
@@ -241,12 +252,17 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
     grid = (math.ceil(n_tok / bt), kvh)
     w = min(group_size, d // 4)
     planes = config.get("planes", "auto")
-    if planes == "auto":  # measured faster without a rotation, slower with one (one product per plane)
+    if planes == "auto":  # measured faster everywhere it applies, given the split product
         planes = rot_mode == 0 or bool(config.get("split", DEFAULT_SPLIT))
     planes = bool(planes) and d == 4 * w
     kern = mod.quantize_kv_planes_kernel if planes else mod.quantize_kv_kernel
+    keyed = rot_mode == 0 and x3.dtype in (torch.bfloat16, torch.float16) and d <= 256
+    select = config.get("select", "auto")
+    if select not in ("auto", "sorted", "rounds"):
+        raise InputError(f"config select must be 'auto', 'sorted' or 'rounds', got {select!r}")
     if planes:
-        extra = {"SPLIT": bool(config.get("split", DEFAULT_SPLIT))}
+        extra = {"SPLIT": bool(config.get("split", DEFAULT_SPLIT)),
+                 "SORTED": select == "sorted" or (select == "auto" and not keyed)}
     else:
         extra = {"FAST_DIV": bool(config.get("fast_div", False))}
     LAST_LAUNCH["write"] = kern[grid](
@@ -257,7 +273,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         n_tok,
         D=d, G=group_size, W=w, BT=bt, KB=kb,
         ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
-        KEYED=rot_mode == 0 and x3.dtype in (torch.bfloat16, torch.float16) and d <= 256,
+        KEYED=keyed,
         num_warps=num_warps, **extra,
     )
     return out

@@ -9,11 +9,14 @@ from oscar_calib.kernels import write as write_mod
 from oscar_calib.kernels.testing import code_agreement, kv_rows, random_rotation
 
 # kernel variants: the general kernel and the plane-wise one (one product per plane, or one
-# [BT, d] product split into planes); "planes" only applies where d == 4 * min(G, d/4)
+# [BT, d] product split into planes; clip selection by rounds or by a tournament); "planes" only applies where d == 4 * min(G, d/4)
 KERNELS = {
     "general": {"planes": False},
-    "planes": {"planes": True, "split": False},
-    "planes_split": {"planes": True, "split": True},
+    "planes": {"planes": True, "split": False, "select": "rounds"},
+    "planes_split": {"planes": True, "split": True, "select": "rounds"},
+    # the clip threshold by a tournament over each column's sorted plane values (the default
+    # with a rotation; forced here for unrotated input too, integer keys included)
+    "planes_sorted": {"planes": True, "split": True, "select": "sorted"},
 }
 
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
@@ -79,7 +82,7 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("kernel", ["general", "planes"])
+@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted"])
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
@@ -167,6 +170,8 @@ def test_write_input_errors(device):
         quantize_kv(x, rot, 1.0, 32, backend="cuda")
     with pytest.raises(InputError, match="head_dim 96"):
         quantize_kv(torch.randn(4, 2, 96, device=device), None, 1.0, 32, backend="triton")
+    with pytest.raises(InputError, match="config select must be"):
+        quantize_kv(x, rot, 0.9, 32, backend="triton", config={"select": "fast"})
 
 
 def test_backend_selection(monkeypatch, device):
