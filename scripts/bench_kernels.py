@@ -95,6 +95,11 @@ from oscar_calib.kernels.testing import (
 T0 = time.time()
 GPU = torch.cuda.is_available() and not ARGS.quick
 DEV = "cuda" if GPU else "cpu"
+if ARGS.quick:
+    from oscar_calib.kernels._common import interpreter_problem
+
+    if interpreter_problem():
+        sys.exit(f"error: --quick: {interpreter_problem()}")
 if not GPU and not ARGS.quick:
     sys.exit("error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the "
              "Triton interpreter)")

@@ -86,8 +86,35 @@ def resolve_backend(backend: str, tensors: list[torch.Tensor], supported: str | 
     return "triton"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def interpreter_problem() -> str | None:
+    """Why the Triton CPU interpreter cannot run our kernels here, or None. Measured: Triton
+    3.6's interpreter turns loaded scalars into one-element arrays, which NumPy 2.4 refuses as
+    loop bounds (3.6 with NumPy 2.2/2.3 and 3.7-3.9 with NumPy 2.4 pass the kernel tests)."""
+    try:
+        import numpy
+        import triton
+    except Exception:  # pragma: no cover - depends on the install
+        return None
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        return (f"the Triton {triton.__version__} CPU interpreter cannot run these kernels with NumPy "
+                f"{numpy.__version__}; install numpy<2.4 or triton>=3.7 (GPU runs are not affected)")
+    return None
+
+
 def load_triton_module(name: str) -> ModuleType:
     """Import ``oscar_calib.kernels.<name>`` (a module that defines ``@triton.jit`` kernels) lazily."""
+    if interpreting():
+        why = interpreter_problem()
+        if why:
+            raise InputError(why)
     mod = _triton_modules.get(name)
     if mod is None:
         mod = importlib.import_module(f"{__package__}.{name}")

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from oscar_calib.kernels._common import interpreter_problem
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 
@@ -22,6 +24,7 @@ def test_bench_kernels_without_gpu_says_so_in_one_line(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
 def test_bench_kernels_variant_sweep_quick(tmp_path):
     # --variants: each config checked against the reference, then timed at every shape (CPU
     # interpreter under --quick); bad input is one line and a non-zero exit, nothing written

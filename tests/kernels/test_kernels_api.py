@@ -4,8 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from oscar_calib.errors import InputError
 from oscar_calib.kernels import build_cache, quantize_kv_reference, split_lengths
 from oscar_calib.kernels.testing import kv_rows, random_rotation
 
@@ -54,3 +56,24 @@ def test_build_cache_layout():
                         page_size=4, generator=torch.Generator().manual_seed(0), backend="torch")
     assert paged.paged and paged.page_size == 4 and paged.history_capacity == 20
     assert sorted(paged.block_table[0].tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_interpreter_problem_names_the_versions(monkeypatch):
+    # Triton < 3.7 with NumPy >= 2.4: the interpreter fails on our kernels; one clear line instead
+    import numpy
+    import triton
+
+    from oscar_calib.kernels import _common
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    why = _common.interpreter_problem()
+    assert why and "3.6.0" in why and "2.4.1" in why and "numpy<2.4" in why
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(InputError, match="CPU interpreter cannot run"):
+        _common.load_triton_module("_write_triton")
+    monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    assert _common.interpreter_problem() is None
+    monkeypatch.setattr(triton, "__version__", "3.7.0+git1234")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    assert _common.interpreter_problem() is None
