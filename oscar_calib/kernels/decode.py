@@ -53,12 +53,13 @@ loop even when all partials fit one block; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
-context, batch 1, 54 us against 194 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47%
-of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.13 ms against 5.52 ms (4.9x, 72%).
+context, batch 1, 54 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.6x, 48%
+of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.11 ms against 5.51 ms (4.96x, 74%).
 The H200 gives about the same times (50 us, 1.08 ms): Nsight Compute finds the decode kernel
-latency-bound, not at the memory roofline (issue active ~50-58%, 12-19% occupancy, top stall
+latency-bound, not at the memory roofline (issue active ~51-58%, 12-19% occupancy, top stall
 "wait", i.e. fixed-latency dependencies). At batch 1 the rotation and merge kernels add ~12 us
-to the ~40 us decode kernel (PDL overlaps part of them).
+to the ~42 us decode kernel (PDL overlaps part of them); given an already rotated query the
+call is 2.5-3.6 us shorter at 8K-32K and no shorter at 128K.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def decode_attention(
 #   pdl              programmatic dependent launch of the decode and merge kernels
 #
 # Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py sweeps, CUDA-graph
-# replays; scripts/results/bench_kernels_h100_round2b.json): batch 1, PDL on 54.7 us against
+# replays; scripts/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
 # 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not
 # raise the issue rate). Batch 32: one KV head per program, 32-token tiles, 128 registers and
 # 64 programs per SM 1131 us (48: 1155, 32: 1185, 24: 1198) against 1286 us for two heads per

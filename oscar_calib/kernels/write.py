@@ -39,7 +39,7 @@ input keeps the rounds (``"rounds"``) over its unique integer keys, where the to
 sorting costs more registers than it saves.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_write_round2c.json``):
+``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2c.json``):
 rotate + clip + quantise + pack 543 us with the plane-wise tournament (563 GB/s, 19% of copy;
 the general kernel 580 us, plane-wise rounds 588 us). Rotate without clip 280 us (36%). Without
 rotation, plane-wise: with clip 289 us (37%; the tournament 356 us), neither 171 us (59%).
