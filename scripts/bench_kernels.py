@@ -455,7 +455,6 @@ def write_variants() -> list[tuple[str, dict, dict]]:
             ("rot, no clip", {}, noclip),
             ("rot, no clip general", gen, noclip),
             ("no rot, clip", {}, norot),
-            ("no rot, clip sorted", {"select": "sorted"}, norot),
             ("no rot, clip general", gen, norot),
             ("no rot, fp32 clip", {}, fp32),
             ("no rot, fp32 clip rounds", {"select": "rounds"}, fp32),

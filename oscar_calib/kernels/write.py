@@ -35,14 +35,15 @@ Its clip threshold comes from a tournament (``"select": "sorted"``): each column
 values are sorted once, and a round pops the row's largest column head. That is one compare,
 four selects and one row reduction per column per round, instead of a compare, a select and a
 maximum per value. It is exact: the same count check and tie-aware fallback. Unrotated 16-bit
-input keeps the rounds (``"rounds"``) over its unique integer keys, where the tournament's
-sorting costs more registers than it saves.
+input always takes rounds over its unique integer keys (a tournament there measured slower: it
+needs 255 registers).
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
 ``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2c.json``):
 rotate + clip + quantise + pack 543 us with the plane-wise tournament (563 GB/s, 19% of copy;
 the general kernel 580 us, plane-wise rounds 588 us). Rotate without clip 280 us (36%). Without
-rotation, plane-wise: with clip 289 us (37%; the tournament 356 us), neither 171 us (59%).
+rotation, plane-wise: with clip 289 us (37%; a tournament over the keys took 356 us), neither
+171 us (59%).
 Nsight Compute: latency-bound (216-228 registers, 12% occupancy, DRAM at 18% with rotation and
 clip). Without rotation and clip the kernel already issues on ~58% of cycles at 59% of copy,
 so the clip selection and the rotation have to come nearly free in instructions to reach 60%.
@@ -198,7 +199,7 @@ LAST_LAUNCH: dict = {}
 # it takes one [BT, d] product split into planes ("split"; one product per plane: 775 us) and the
 # tournament clip selection ("select": "sorted"): 543 us against 580 us for the general kernel
 # and 588 us for the plane-wise rounds. Unrotated 16-bit input keeps the rounds over integer keys
-# (289 us against 356 us for the tournament, which needs 255 registers there).
+# (289 us against 356 us for a tournament over the keys, which needed 255 registers; removed).
 DEFAULT_SPLIT = True
 
 
@@ -262,7 +263,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         raise InputError(f"config select must be 'auto', 'sorted' or 'rounds', got {select!r}")
     if planes:
         extra = {"SPLIT": bool(config.get("split", DEFAULT_SPLIT)),
-                 "SORTED": select == "sorted" or (select == "auto" and not keyed)}
+                 "SORTED": select != "rounds"}
     else:
         extra = {"FAST_DIV": bool(config.get("fast_div", False))}
     LAST_LAUNCH["write"] = kern[grid](

@@ -14,8 +14,8 @@ KERNELS = {
     "general": {"planes": False},
     "planes": {"planes": True, "split": False, "select": "rounds"},
     "planes_split": {"planes": True, "split": True, "select": "rounds"},
-    # the clip threshold by a tournament over each column's sorted plane values (the default
-    # with a rotation; forced here for unrotated input too, integer keys included)
+    # the clip threshold by a tournament over each column's sorted plane values (the default,
+    # except for unrotated 16-bit input, which always takes rounds over integer keys)
     "planes_sorted": {"planes": True, "split": True, "select": "sorted"},
 }
 
