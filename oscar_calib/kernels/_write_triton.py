@@ -13,7 +13,9 @@ ties among the top ``m``, the usual case), ``v`` is the answer. Otherwise the bl
 the exact tie-aware selection (max, count the occurrences, remove them). Exact either way;
 ``m + 1`` row reductions instead of ``2m``. Unrotated 16-bit input (e.g. values whose rotation
 lives in v_proj) has many ties; there the kernel orders unique integer keys ``bits(|y|) |
-column`` instead (``m`` reductions, exact, no fallback).
+column`` instead (``m`` reductions, exact, no fallback). The plane-wise kernel's default
+(``SORTED``) runs the fast path as a tournament: each column's four plane values sorted once,
+then per round one row reduction over the column heads and a pop (:func:`_mth_sorted4`).
 
 Quantisation: ``q = floor(y/s + z + 0.5)`` with IEEE division (``div_rn``), the reference's
 arithmetic. (Multiplying by ``1/s`` and redoing only blocks near a rounding tie was tried: on
