@@ -45,3 +45,22 @@ def test_bench_kernels_variant_sweep_quick(tmp_path):
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and why in lines[0], res.stderr
         assert not out.exists()
+
+
+@pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
+def test_bench_kernels_quick_run_writes_json_and_table(tmp_path):
+    # the whole --quick run (CPU interpreter): correctness first, every decode shape, the paged
+    # comparison in rounds, the write kernel; the JSON and the printed table agree
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rep = json.loads((tmp_path / "bench_kernels.json").read_text())
+    assert rep["quick"] and rep["correctness"]["write"]["codes_differing"] == 0.0
+    assert all(r["ok"] for r in rep["correctness"]["decode"])
+    assert {(r["context"], r["batch"]) for r in rep["decode"] if "int2_ms" in r} == {(360, 1), (704, 1), (360, 2),
+                                                                                      (704, 2)}
+    (paged,) = rep["paged"]
+    assert len(paged["rounds"]) == 1 and paged["median_ratio"] == paged["rounds"][0]["ratio"] > 0
+    assert [w["name"] for w in rep["write"] if "ms" in w] == ["rot+clip"]
+    out = res.stdout
+    assert "median of 1 rounds" in out and "write rot+clip" in out and "correctness: write codes differing" in out
