@@ -1,0 +1,48 @@
+"""scripts/kernel_sass.py: the kernels compile for sm_90 without a GPU and their SASS is counted."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_sass.py"
+
+
+def _bins_present() -> bool:
+    try:
+        import triton
+    except ImportError:  # pragma: no cover
+        return False
+    b = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return (b / "nvdisasm").is_file() and (b / "cuobjdump").is_file()
+
+
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.skipif(not _bins_present(), reason="this Triton install ships no nvdisasm/cuobjdump")
+def test_kernel_sass_counts_the_decode_main_loop_and_the_write_kernel():
+    res = _run("decode", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = json.loads(res.stdout)
+    assert d["arch"] == "sm_90" and 0 < d["registers"] <= 255
+    ml = d["main_loop"]
+    # a 64-token step of one KV head: four key and four value dots of several HMMA each; the
+    # per-token figure divides the loop by the step's tokens
+    assert ml["opcodes"]["HMMA"] >= 32 and ml["instructions"] > 200
+    assert ml["per_token"] == pytest.approx(ml["instructions"] / 64)
+    assert ml["instructions"] == max(lp["instructions"] for lp in d["loops"])
+    # two KV heads per program: the step covers twice the token-heads
+    two = json.loads(_run("decode", "--set", "HP=2", "--json").stdout)
+    assert two["main_loop"]["per_token"] == pytest.approx(two["main_loop"]["instructions"] / 128)
+    w = json.loads(_run("write", "--json").stdout)
+    assert w["loops"] and "main_loop" not in w and w["instructions"] > 500
+    bad = _run("decode", "--set", "NOPE=1")
+    assert bad.returncode != 0
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --set 'NOPE=1'")
