@@ -52,8 +52,9 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run (tiny shapes, Triton interpreter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder (default $OUT or ./bench_out)")
-    ap.add_argument("--contexts", default="8192,32768,65536,131072")
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--contexts", default=None,
+                    help="comma-separated context lengths (default 8192,32768,65536,131072; --quick: 360,704)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32; --quick: 1,2)")
     ap.add_argument("--no-sweep", action="store_true", help="time the default decode variant only")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
     ap.add_argument("--variants", default=None, metavar="JSON",
@@ -526,6 +527,19 @@ def time_write(shape: dict, l2: int) -> list[dict]:
 VARIANTS: list[dict] = []
 
 
+def int_list(text: str | None, flag: str) -> list[int]:
+    """``"1,32"`` -> ``[1, 32]``; None -> ``[]``; anything else is one line and exit 1."""
+    if text is None:
+        return []
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        sys.exit(f"error: {flag} {text!r}: expected comma-separated positive integers")
+    if not vals or min(vals) < 1:
+        sys.exit(f"error: {flag} {text!r}: expected comma-separated positive integers")
+    return vals
+
+
 def parse_variants(text: str) -> list[dict]:
     """``--variants``: a JSON list of config dicts, inline or in a file."""
     p = Path(text)
@@ -588,11 +602,11 @@ def main():
     global VARIANTS
     if ARGS.variants is not None:  # bad input is refused before any work
         VARIANTS = parse_variants(ARGS.variants)
+    contexts = int_list(ARGS.contexts, "--contexts") or ([360, 704] if ARGS.quick else [8192, 32768, 65536, 131072])
+    batches = int_list(ARGS.batches, "--batches") or ([1, 2] if ARGS.quick else [1, 32])
     out_dir = Path(ARGS.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = dict(QWEN) if not ARGS.quick else {"q_heads": 4, "kv_heads": 2, "head_dim": 64, "group_size": 64}
-    contexts = [int(c) for c in ARGS.contexts.split(",")] if not ARGS.quick else [360, 704]
-    batches = [int(b) for b in ARGS.batches.split(",")] if not ARGS.quick else [1, 2]
     report: dict = {"device": device_facts(), "shape": shape, "sink": SINK, "recent": RECENT,
                     "bits_per_element": bits_per_element(shape["group_size"]), "quick": ARGS.quick}
     l2 = report["device"]["l2_bytes"]
