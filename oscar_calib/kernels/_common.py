@@ -25,6 +25,7 @@ import torch
 
 from ..errors import InputError
 from ..spec.defaults import check_group_size
+from ..versions import version_tuple
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "OSCAR_KERNELS"
@@ -86,14 +87,6 @@ def resolve_backend(backend: str, tensors: list[torch.Tensor], supported: str | 
     return "triton"
 
 
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for p in text.split(".")[:2]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def interpreter_problem() -> str | None:
     """Why the Triton CPU interpreter cannot run our kernels here, or None. Measured: Triton
     3.6's interpreter turns loaded scalars into one-element arrays, which NumPy 2.4 refuses as
@@ -103,7 +96,7 @@ def interpreter_problem() -> str | None:
         import triton
     except Exception:  # pragma: no cover - depends on the install
         return None
-    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+    if version_tuple(triton.__version__) < (3, 7) and version_tuple(numpy.__version__) >= (2, 4):
         return (f"the Triton {triton.__version__} CPU interpreter cannot run these kernels with NumPy "
                 f"{numpy.__version__}; install numpy<2.4 or triton>=3.7 (GPU runs are not affected)")
     return None

@@ -12,23 +12,10 @@ the layer kwargs as one dict for all layers, 5.23 as a list with one dict per la
 from __future__ import annotations
 
 from ..errors import UnsupportedModelError
+from ..versions import version_tuple
 
 SUPPORTED_TRANSFORMERS = (">=5.17", "<5.24")
 _LOW, _HIGH = (5, 17), (5, 24)          # inclusive, exclusive (major, minor)
-
-
-def _version_tuple(version: str) -> tuple[int, int]:
-    parts = []
-    for p in version.split(".")[:2]:
-        digits = ""
-        for ch in p:
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(int(digits or 0))
-    while len(parts) < 2:
-        parts.append(0)
-    return parts[0], parts[1]
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -38,7 +25,7 @@ def check_transformers(version: str | None = None) -> None:
         import transformers
 
         version = transformers.__version__
-    if not _LOW <= _version_tuple(version) < _HIGH:
+    if not _LOW <= version_tuple(version) < _HIGH:
         raise UnsupportedModelError(
             f"the OSCAR caches are tested with transformers {','.join(SUPPORTED_TRANSFORMERS)} "
             f"(5.17 and 5.23 in CI); found {version}: install a version in that range")

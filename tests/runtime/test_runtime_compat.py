@@ -7,12 +7,12 @@ import transformers
 from helpers import tiny_model
 
 from oscar_calib.errors import UnsupportedModelError
-from oscar_calib.runtime import compat
 from oscar_calib.runtime.compat import (
     SUPPORTED_TRANSFORMERS,
     check_transformers,
     layer_windows,
 )
+from oscar_calib.versions import version_tuple
 
 
 def test_installed_version_is_in_the_tested_range():
@@ -47,4 +47,4 @@ def test_layer_windows_reads_the_517_dict_form(monkeypatch):
     monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["chunked_attention"], {"sliding_window": 4}))
     with pytest.raises(UnsupportedModelError, match="chunked_attention"):
         layer_windows(tiny_model("llama").config)
-    assert compat._version_tuple(transformers.__version__) >= (5, 17)
+    assert version_tuple(transformers.__version__) >= (5, 17)
