@@ -206,10 +206,10 @@ def _max4_below(a0, a1, a2, a3, v):
 
 @triton.jit
 def _count4(a0, a1, a2, a3, v):
-    """Per row, how many values are ``>= v``."""
+    """Per row, how many values are ``>= v`` (one row reduction over the four planes' counts)."""
     vb = v[:, None]
-    return (tl.sum((a0 >= vb).to(tl.int32), axis=1) + tl.sum((a1 >= vb).to(tl.int32), axis=1)
-            + tl.sum((a2 >= vb).to(tl.int32), axis=1) + tl.sum((a3 >= vb).to(tl.int32), axis=1))
+    ge = (a0 >= vb).to(tl.int32) + (a1 >= vb).to(tl.int32) + (a2 >= vb).to(tl.int32) + (a3 >= vb).to(tl.int32)
+    return tl.sum(ge, axis=1)
 
 
 @triton.jit
@@ -238,6 +238,13 @@ def _select4(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
     v = _max4(a0, a1, a2, a3)
     for _ in range(m - 1):
         v = _max4_below(a0, a1, a2, a3, v)
+    return _unless_tied(a0, a1, a2, a3, v, m, rmask, BT)
+
+
+@triton.jit
+def _unless_tied(a0, a1, a2, a3, v, m, rmask, BT: tl.constexpr):
+    """``v`` where every row of the block has exactly ``m`` values ``>= v`` (no tie among its top
+    ``m``: the fast paths' answer is exact), else the tie-aware selection for the block."""
     ok = (_count4(a0, a1, a2, a3, v) == m) | (rmask == 0)
     if tl.min(ok.to(tl.int32), axis=0) == 0:
         v = _kth_largest4(a0, a1, a2, a3, m, BT)
@@ -279,13 +286,7 @@ def _mth_sorted4(a0, a1, a2, a3, m, LOWEST: tl.constexpr):
 def _select4_sorted(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
     """:func:`_select4` with the tournament of :func:`_mth_sorted4` for the rounds; the same
     count check (exactly ``m`` values ``>= v``) and tie-aware fallback, so exact either way."""
-    v = _mth_sorted4(a0, a1, a2, a3, m, float("-inf"))
-    vb = v[:, None]
-    ge = (a0 >= vb).to(tl.int32) + (a1 >= vb).to(tl.int32) + (a2 >= vb).to(tl.int32) + (a3 >= vb).to(tl.int32)
-    ok = (tl.sum(ge, axis=1) == m) | (rmask == 0)
-    if tl.min(ok.to(tl.int32), axis=0) == 0:
-        v = _kth_largest4(a0, a1, a2, a3, m, BT)
-    return v
+    return _unless_tied(a0, a1, a2, a3, _mth_sorted4(a0, a1, a2, a3, m, float("-inf")), m, rmask, BT)
 
 
 @triton.jit
