@@ -750,16 +750,13 @@ def print_table(report: dict, bw: float) -> None:
             f"{r['speedup']:>7.2f} {r['int2_bytes_per_s'] / 1e9:>9.0f} {r['int2_bytes_per_s'] / bw * 100:>5.0f}% "
             f"{r['sdpa_bytes_per_s'] / bw * 100:>9.0f}%" + (f"  {ref / (r['int2_ms'] * 1e3):.2f}x faster" if ref else ""))
     for p in report["paged"]:
-        c, g = p["contiguous"], p["paged"]
         if p.get("rounds"):
             rs = p["rounds"]
             lines.append(f"paged (page {p['page']}) ctx {p['context']} B {p['batch']}: median of {len(rs)} rounds "
                          f"{(p['median_ratio'] - 1) * 100:+.1f}% against contiguous (rounds "
                          + ", ".join(f"{(r['ratio'] - 1) * 100:+.1f}%" for r in rs)
                          + f"; last {rs[-1]['paged_ms'] * 1e3:.1f} vs {rs[-1]['contiguous_ms'] * 1e3:.1f} us)")
-        elif "int2_ms" in c and "int2_ms" in g:  # (results written before the rounds)
-            lines.append(f"paged (page {p['page']}) ctx {p['context']} B {p['batch']}: {g['int2_ms'] * 1e3:.1f} us "
-                         f"vs contiguous {c['int2_ms'] * 1e3:.1f} us ({(g['int2_ms'] / c['int2_ms'] - 1) * 100:+.1f}%)")
+
     for w in report["write"]:
         if "ms" in w:
             lines.append(f"write {w['name']:<26} {w['tokens']} tok: {w['ms'] * 1e3:8.1f} us "
