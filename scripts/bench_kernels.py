@@ -278,6 +278,8 @@ def check_correctness(shape: dict, variants: list[dict]) -> dict:
     log(f"check write: codes differing {frac:.2e} (max {worst} level), dequant max |diff| "
         f"{res['write']['dequant_max_abs_diff']:.3g}")
     for name, cfg, rot in (("planes", {"planes": True}, rk), ("planes rounds", {"planes": True, "select": "rounds"}, rk),
+                           ("planes divide", {"planes": True, "quantize": "divide"}, rk),
+                           ("planes per block", {"planes": True, "programs_per_sm": 0}, rk),
                            ("general", {"planes": False}, rk), ("planes, no rotation", {"planes": True}, None)):
         got = quantize_kv(x, rot, kclip, g, backend="triton", config=cfg)
         worst, frac = code_agreement(got, quantize_kv_reference(xc, None if rot is None else rkc, kclipc, g))
@@ -445,24 +447,31 @@ def write_variants() -> list[tuple[str, dict, dict]]:
     gen = {"planes": False}
     clip, noclip = {"clip": True}, {"clip": False}
     norot, fp32 = {"clip": True, "rot": False}, {"clip": True, "rot": False, "fp32": True}
-    # "{}" is the library default: plane-wise, one product split into planes, tournament clip
-    # selection (unrotated 16-bit input: rounds over integer keys)
+    # "{}" is the library default: plane-wise, codes by thresholds; with a 16-bit rotation one
+    # product split into planes on a persistent grid (2 programs per SM, 2 stages) whose programs
+    # load the rotation once, and the tournament clip selection (unrotated 16-bit input: rounds
+    # over integer keys). Round 2c's slower shapes (BT=32 or 128, 8 warps) are in its JSON.
+    blocks = {"programs_per_sm": 0, "num_stages": 3}  # one program per row block (round 2c)
     cfgs = [("rot+clip", {}, clip),
+            ("rot+clip divide", {"quantize": "divide"}, clip),
+            ("rot+clip per block", blocks, clip),
+            ("rot+clip per block divide", {**blocks, "quantize": "divide"}, clip),
+            ("rot+clip 1/SM", {"programs_per_sm": 1, "num_stages": 3}, clip),
+            ("rot+clip 1 stage", {"num_stages": 1}, clip),
             ("rot+clip rounds", {"select": "rounds"}, clip),
             ("rot+clip general", gen, clip),
             ("rot+clip per-plane dots", {"split": False}, clip),
-            ("rot+clip BT=128 w8", {"BT": 128, "num_warps": 8}, clip),
-            ("rot+clip BT=32", {"BT": 32}, clip),
-            ("rot+clip w8", {"num_warps": 8}, clip),
-            ("rot+clip general BT=32 w2", {**gen, "BT": 32, "num_warps": 2}, clip),
             ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
             ("rot, no clip", {}, noclip),
+            ("rot, no clip per block", blocks, noclip),
             ("rot, no clip general", gen, noclip),
             ("no rot, clip", {}, norot),
             ("no rot, clip general", gen, norot),
             ("no rot, fp32 clip", {}, fp32),
             ("no rot, fp32 clip rounds", {"select": "rounds"}, fp32),
+            ("no rot, clip divide", {"quantize": "divide"}, norot),
             ("no rot/clip", {}, {"clip": False, "rot": False}),
+            ("no rot/clip divide", {"quantize": "divide"}, {"clip": False, "rot": False}),
             ("no rot/clip general", gen, {"clip": False, "rot": False})]
     return cfgs
 

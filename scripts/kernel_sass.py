@@ -15,8 +15,9 @@ Kernels:
   regime (``decode.TUNING["small"]``: 64-token steps, one KV head per program, prefetch, PDL,
   the register cap), Qwen3-8B head shapes (d = 128, G = 128, 4 query heads per KV head);
 * ``write``: the plane-wise write kernel with a rotation and the clip (the library default:
-  one split product, tournament selection), 64 rows per program; it has no loop over rows,
-  its loops are the clip-selection rounds (run ``m`` times) and the tie-aware fallback.
+  a persistent program holding the rotation, one split product, tournament selection, codes by
+  thresholds), 64 rows per block; its first loop is the one over row blocks, which holds the
+  clip-selection rounds (run ``m`` times) and the tie-aware fallback (rarely run) as inner loops.
 
 ``--set NAME=VALUE`` overrides a constexpr (e.g. ``BN=32``, ``SORTED=0``); ``--maxnreg`` /
 ``--num-stages`` / ``--num-warps`` the compile options. The numbers come from the local Triton,
@@ -58,8 +59,8 @@ def defaults(kernel: str) -> tuple[dict, dict]:
                      PAGED=False, PAGE=1, ASM=True, INTERP=False, PARTS=1, PF=bool(t["prefetch"]), PDL=bool(t["pdl"]))
         return const, {"num_warps": 1, "num_stages": t["num_stages"], "maxnreg": t["maxnreg"] or None}
     const = dict(D=128, G=128, W=32, BT=64, KB=64, ROT=1, CLIP=True, INTERP=False, KEYED=False, SPLIT=True,
-                 SORTED=True)
-    return const, {"num_warps": 4, "num_stages": 3, "maxnreg": None}
+                 SORTED=True, RES=True, THRESH=True)
+    return const, {"num_warps": 4, "num_stages": 2, "maxnreg": None}
 
 
 def compile_kernel(kernel: str, const: dict, opts: dict, arch: int):

@@ -325,6 +325,95 @@ def _qplane(y, s, z):
     return tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
 
 
+# Quantisation by thresholds. ``f(y) = floor(fl(fl(fl(y / s) + z) + 0.5))`` (the reference's
+# arithmetic) is monotone in ``y``: every step is a correctly rounded operation, and those are
+# monotone. So ``clamp(f(y), 0, 3) = [y >= T1] + [y >= T2] + [y >= T3]`` with ``T_k`` the smallest
+# float32 with ``f(T_k) >= k``: three compares per value instead of a division. ``T_k`` comes
+# backwards through the chain: ``U_k``, the smallest float with ``fl(U_k + 0.5) >= k`` (0.5 - 2^-25,
+# 1.5, 2.5; ``tests`` recomputes them); ``Q_k``, the smallest float with ``fl(Q_k + z) >= U_k``;
+# ``T_k``, the smallest float with ``fl(T_k / s) >= Q_k``. A correctly rounded result is ``>= X``
+# exactly when the exact value lies above the midpoint of ``pred(X)`` and ``X`` (or on it, when the
+# tie goes to ``X``: an even mantissa), and the midpoints, ``m - z`` and ``m * s`` are computed in
+# float64. Each ``T_k`` is then checked with the reference arithmetic (``f(T_k) >= k`` and
+# ``f(pred(T_k)) < k``, which by monotonicity pins it down); a block with any failed check divides
+# instead, so the codes are exact either way.
+U1 = tl.constexpr(0.49999997)  # float32 0.5 - 2^-25 (bits 0x3EFFFFFF)
+
+
+@triton.jit
+def _f32_succ(f):
+    """The next float32 above finite ``f`` (-0 counts as +0)."""
+    b = f.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)
+    return tl.where(b >= 0, b + 1, b - 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_pred(f):
+    """The next float32 below finite ``f`` (-0 counts as +0)."""
+    b = f.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)
+    return tl.where(b > 0, b - 1, tl.where(b == 0, -2147483647, b + 1)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_at_least(e, strict):
+    """The smallest float32 ``>= e`` (``> e`` where ``strict``) for float64 ``e``."""
+    f = e.to(tl.float32)
+    fd = f.to(tl.float64)
+    return tl.where((fd < e) | (strict & (fd == e)), _f32_succ(f), f)
+
+
+@triton.jit
+def _above_mid(x):
+    """(midpoint of ``pred(x)`` and ``x`` in float64, whether the tie rounds down: odd mantissa)."""
+    m = (_f32_pred(x).to(tl.float64) + x.to(tl.float64)) * 0.5
+    return m, (x.to(tl.int32, bitcast=True) & 1) == 1
+
+
+@triton.jit
+def _level_value(y, s, z):
+    """``floor(fl(fl(y / s) + z) + 0.5)``: the reference's arithmetic before the clamp."""
+    return tl.floor(tl.math.div_rn(y, s) + z + 0.5)
+
+
+@triton.jit
+def _level_threshold(u, s, z, k: tl.constexpr):
+    """(``T_k``, whether it checks out) per row, for ``u = U_k``."""
+    uu = tl.zeros_like(s) + u
+    m, odd = _above_mid(uu)
+    q = _f32_at_least(m - z.to(tl.float64), odd)
+    m, odd = _above_mid(q)
+    t = _f32_at_least(m * s.to(tl.float64), odd)
+    ok = (_level_value(t, s, z) >= k) & (_level_value(_f32_pred(t), s, z) < k)
+    return t, ok
+
+
+@triton.jit
+def _thresholds(s, z):
+    """``T_1, T_2, T_3`` per row of a group (``s, z`` float32 [BT]) and whether all check out."""
+    t1, ok1 = _level_threshold(U1, s, z, 1)
+    t2, ok2 = _level_threshold(1.5, s, z, 2)
+    t3, ok3 = _level_threshold(2.5, s, z, 3)
+    return t1, t2, t3, ok1 & ok2 & ok3
+
+
+@triton.jit
+def _tplane(y, t1, t2, t3, P: tl.constexpr):
+    """Codes of one plane by thresholds, already shifted to bit pair ``P``."""
+    b1 = t1[:, None]
+    b2 = t2[:, None]
+    b3 = t3[:, None]
+    return tl.where(y >= b2, tl.where(y >= b3, 3 << (2 * P), 2 << (2 * P)),
+                    tl.where(y >= b1, 1 << (2 * P), 0))
+
+
+@triton.jit
+def _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3):
+    """The byte of four planes' codes, each by IEEE division (:func:`_qplane`)."""
+    return _qplane(y0, s0, z0) | (_qplane(y1, s1, z1) << 2) | (_qplane(y2, s2, z2) << 4) | (_qplane(y3, s3, z3) << 6)
+
+
 @triton.jit
 def _group_params(lo, hi):
     s = tl.maximum(tl.math.div_rn(hi - lo, tl.full(lo.shape, 3.0, tl.float32)), 1e-8)
@@ -348,14 +437,46 @@ def quantize_kv_planes_kernel(
     T,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
-    SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False, RES: tl.constexpr = False,
+    THRESH: tl.constexpr = False,
 ):
     """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
     ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
-    product per plane)."""
+    product per plane). ``RES`` (with ``SPLIT`` and a 16-bit rotation): a persistent grid; each
+    program loads ``R`` (high and low parts) once and takes row blocks ``pid, pid + P, ...`` of its
+    head, instead of one block per program reading ``R`` from L2 each time."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    rows = pid * BT + tl.arange(0, BT)
+    if RES:
+        npg = tl.num_programs(0)
+        dr = tl.arange(0, D)
+        roff = h.to(tl.int64) * D * D + dr[:, None] * D + dr[None, :]
+        rh = tl.load(r1_ptr + roff)
+        if ROT == 1:
+            rl = tl.load(r2_ptr + roff)
+        else:
+            rl = rh
+        if INTERP:  # the interpreter's 16-bit dot is not exact; fp32 is, for 16-bit operands
+            rh = rh.to(tl.float32)
+            rl = rl.to(tl.float32)
+        for blk in range(pid, tl.cdiv(T, BT), npg):
+            _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
+                         scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
+                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH)
+    else:
+        _planes_rows(pid, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
+                     scale_ptr, off_ptr, s_st, s_sh, T, 0, 0,
+                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH)
+
+
+@triton.jit
+def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
+                 scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
+                 D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
+                 ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr,
+                 SPLIT: tl.constexpr, SORTED: tl.constexpr, RES: tl.constexpr, THRESH: tl.constexpr):
+    """Row block ``blk`` of head ``h`` (see :func:`quantize_kv_planes_kernel`)."""
+    rows = blk * BT + tl.arange(0, BT)
     rmask = rows < T
     cols = tl.arange(0, W)
     xrow = x_ptr + rows.to(tl.int64)[:, None] * s_xt + h * s_xh
@@ -366,13 +487,21 @@ def quantize_kv_planes_kernel(
         y2 = tl.load(xrow + 2 * W + cols[None, :], mask=rm, other=0.0).to(tl.float32)
         y3 = tl.load(xrow + 3 * W + cols[None, :], mask=rm, other=0.0).to(tl.float32)
     elif SPLIT:  # one [BT, D] product, then the four planes (a register-level split)
-        y = tl.zeros([BT, D], dtype=tl.float32)
-        kk = tl.arange(0, KB)
         dd = tl.arange(0, D)
-        rbase = h.to(tl.int64) * D * D
-        for kb in tl.static_range(D // KB):
-            xk = tl.load(xrow + kb * KB + kk[None, :], mask=rm, other=0.0)
-            y = _rdot(xk, r1_ptr, r2_ptr, rbase + (kb * KB + kk)[:, None] * D + dd[None, :], y, ROT, INTERP)
+        if RES:  # R loaded once per program (rh, rl): one dot per part over all of D
+            xk = tl.load(xrow + dd[None, :], mask=rm, other=0.0)
+            if INTERP:
+                xk = xk.to(tl.float32)
+            y = tl.dot(xk, rh)
+            if ROT == 1:
+                y = tl.dot(xk, rl, y)
+        else:
+            y = tl.zeros([BT, D], dtype=tl.float32)
+            kk = tl.arange(0, KB)
+            rbase = h.to(tl.int64) * D * D
+            for kb in tl.static_range(D // KB):
+                xk = tl.load(xrow + kb * KB + kk[None, :], mask=rm, other=0.0)
+                y = _rdot(xk, r1_ptr, r2_ptr, rbase + (kb * KB + kk)[:, None] * D + dd[None, :], y, ROT, INTERP)
         ya, yb = tl.split(tl.reshape(tl.permute(tl.reshape(y, [BT, 4, W]), (0, 2, 1)), [BT, W, 2, 2]))
         y0, y2 = tl.split(ya)
         y1, y3 = tl.split(yb)
@@ -447,7 +576,24 @@ def quantize_kv_planes_kernel(
         _store_params(scale_ptr, off_ptr, prow, rmask, s1, z1, 1)
         _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 2)
         _store_params(scale_ptr, off_ptr, prow, rmask, s3, z3, 3)
-    packed = (_qplane(y0, s0, z0) | (_qplane(y1, s1, z1) << 2) | (_qplane(y2, s2, z2) << 4)
-              | (_qplane(y3, s3, z3) << 6))
+    if THRESH:  # codes by thresholds (exact; a block whose thresholds fail their check divides)
+        a1, a2, a3, ok = _thresholds(s0, z0)
+        if GP == 4:
+            b1, b2, b3, c1, c2, c3, d1, d2, d3 = a1, a2, a3, a1, a2, a3, a1, a2, a3
+        elif GP == 2:
+            c1, c2, c3, okc = _thresholds(s2, z2)
+            b1, b2, b3, d1, d2, d3 = a1, a2, a3, c1, c2, c3
+            ok = ok & okc
+        else:
+            b1, b2, b3, okb = _thresholds(s1, z1)
+            c1, c2, c3, okc = _thresholds(s2, z2)
+            d1, d2, d3, okd = _thresholds(s3, z3)
+            ok = ok & okb & okc & okd
+        packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
+            | _tplane(y3, d1, d2, d3, 3)
+        if tl.min((ok | (rmask == 0)).to(tl.int32), axis=0) == 0:
+            packed = _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3)
+    else:
+        packed = _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3)
     crow = codes_ptr + rows.to(tl.int64)[:, None] * s_ct + h * s_ch
     tl.store(crow + cols[None, :], packed.to(tl.uint8), mask=rm)

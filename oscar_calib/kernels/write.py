@@ -154,7 +154,9 @@ def quantize_kv(
             (see the module docstring).
         config: Triton tuning overrides (``BT``, ``num_warps``, ``KB``, ``planes``: True,
             False or "auto", ``split``, ``select``: "sorted", "rounds" or "auto",
-            ``fast_div``); for benchmarks.
+            ``fast_div``, ``programs_per_sm``: a persistent grid whose programs load the
+            rotation once, 0 for one program per row block, ``quantize``: "thresholds" or
+            "divide", ``num_stages``); for benchmarks.
 
     Returns:
         :class:`QuantizedKV` with codes ``uint8 [..., kv_heads, d/4]`` and fp16 scale/offset
@@ -201,6 +203,15 @@ LAST_LAUNCH: dict = {}
 # and 588 us for the plane-wise rounds. Unrotated 16-bit input keeps the rounds over integer keys
 # (289 us against 356 us for a tournament over the keys, which needed 255 registers; removed).
 DEFAULT_SPLIT = True
+# programs per SM of the persistent grid with a resident rotation (0: one program per row block)
+DEFAULT_PROGRAMS_PER_SM = 2
+RESIDENT_BYTES = 64 * 1024
+# plane-wise kernel: codes by three exact thresholds per group ("thresholds") or by division
+DEFAULT_QUANTIZE = "thresholds"
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
@@ -262,8 +273,20 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
     if select not in ("auto", "sorted", "rounds"):
         raise InputError(f"config select must be 'auto', 'sorted' or 'rounds', got {select!r}")
     if planes:
-        extra = {"SPLIT": bool(config.get("split", DEFAULT_SPLIT)),
-                 "SORTED": select != "rounds"}
+        split = bool(config.get("split", DEFAULT_SPLIT))
+        quantize = config.get("quantize", DEFAULT_QUANTIZE)
+        if quantize not in ("thresholds", "divide"):
+            raise InputError(f"config quantize must be 'thresholds' or 'divide', got {quantize!r}")
+        extra = {"SPLIT": split, "SORTED": select != "rounds", "THRESH": quantize == "thresholds"}
+        # resident rotation: a persistent grid of programs that load R once (16-bit rotations
+        # whose parts fit 64 KB of shared memory, i.e. d <= 128)
+        per_sm = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM))
+        r_bytes = d * d * 2 * (2 if rot_mode == 1 else 1)
+        if split and rot_mode in (1, 3) and per_sm > 0 and r_bytes <= RESIDENT_BYTES:
+            # (the interpreter: two programs per head, so that each one loops)
+            per_head = 2 if interpreting() or not x3.is_cuda else -(-per_sm * _sm_count(x3.device) // kvh)
+            grid = (max(1, min(grid[0], per_head)), kvh)
+            extra["RES"] = True
     else:
         extra = {"FAST_DIV": bool(config.get("fast_div", False))}
     LAST_LAUNCH["write"] = kern[grid](
@@ -275,6 +298,6 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         D=d, G=group_size, W=w, BT=bt, KB=kb,
         ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
         KEYED=keyed,
-        num_warps=num_warps, **extra,
+        num_warps=num_warps, num_stages=int(config.get("num_stages", 2 if extra.get("RES") else 3)), **extra,
     )
     return out

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from oscar_calib.errors import InputError
 from oscar_calib.kernels import QuantizedKV, quantize_kv, quantize_kv_reference
 from oscar_calib.kernels import write as write_mod
+from oscar_calib.kernels._common import load_triton_module
 from oscar_calib.kernels.testing import code_agreement, kv_rows, random_rotation
 
 # kernel variants: the general kernel and the plane-wise one (one product per plane, or one
@@ -17,6 +20,12 @@ KERNELS = {
     # the clip threshold by a tournament over each column's sorted plane values (the default,
     # except for unrotated 16-bit input, which always takes rounds over integer keys)
     "planes_sorted": {"planes": True, "split": True, "select": "sorted"},
+    # with a 16-bit rotation the default is a persistent grid whose programs load the rotation
+    # once and loop over row blocks (under the interpreter: two programs per head, so each takes
+    # several blocks); this is one program per row block
+    "planes_per_block": {"planes": True, "split": True, "select": "sorted", "programs_per_sm": 0},
+    # codes by division instead of by the three exact thresholds per group
+    "planes_divide": {"planes": True, "split": True, "select": "sorted", "quantize": "divide"},
 }
 
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
@@ -82,7 +91,7 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted"])
+@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide"])
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
@@ -199,3 +208,61 @@ def test_backend_selection(monkeypatch, device):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InputError, match="needs CUDA tensors"):
         quantize_kv(x, None, None, 32, backend="triton")
+
+
+# the write kernel's threshold helper, set on first use (a kernel resolves it as a global)
+_THRESHOLDS = None
+
+
+@triton.jit
+def _thresholds_kernel(s_ptr, z_ptr, t_ptr, ok_ptr, N, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    s = tl.load(s_ptr + i, mask=m, other=1.0)
+    z = tl.load(z_ptr + i, mask=m, other=0.0)
+    t1, t2, t3, ok = _THRESHOLDS(s, z)
+    tl.store(t_ptr + i * 3, t1, mask=m)
+    tl.store(t_ptr + i * 3 + 1, t2, mask=m)
+    tl.store(t_ptr + i * 3 + 2, t3, mask=m)
+    tl.store(ok_ptr + i, ok.to(tl.int32), mask=m)
+
+
+def _level_np(y, s, z):
+    """The reference's ``floor(fl(fl(y / s) + z) + 0.5)`` in float32 (numpy rounds each step)."""
+    import numpy as np
+
+    f = np.float32
+    return np.floor(f(f(f(y) / f(s)) + f(z)) + f(0.5))
+
+
+def test_level_thresholds_are_exact(device):
+    """The write kernel's codes by thresholds: for every group ``T_k`` is the smallest float32 whose
+    level (the reference's arithmetic) reaches ``k``, and the kernel's own check agrees."""
+    import numpy as np
+
+    global _THRESHOLDS
+    mod = load_triton_module("_write_triton")
+    _THRESHOLDS = mod._thresholds
+    # U_k: the smallest float32 u with fl(u + 0.5) >= k, as the kernel assumes
+    f32 = np.float32
+    for k, u in ((1, mod.U1.value), (2, 1.5), (3, 2.5)):
+        u = f32(u)
+        assert f32(u + f32(0.5)) >= k > f32(np.nextafter(u, f32(-1)) + f32(0.5))
+
+    gen = torch.Generator().manual_seed(8)
+    n = 512
+    s = torch.exp(torch.empty(n).uniform_(-18.4, 7.0, generator=gen))  # 1e-8 .. 1e3
+    z = torch.cat([torch.empty(n // 2).uniform_(0, 3, generator=gen),
+                   torch.empty(n // 4).uniform_(-40, 40, generator=gen),
+                   torch.randn(n // 4, generator=gen) * 1e6])
+    s[:8] = torch.tensor([1.0, 1e-8, 3.0, 0.5, 1.0, 2.0 ** -20, 1.0, 1e-8])  # exact halves: ties
+    z[:8] = torch.tensor([0.0, 0.0, 1.5, 1.0, 0.5, 3.0, 2.5, -5e8])
+    t = torch.empty(n, 3, device=device)
+    ok = torch.empty(n, dtype=torch.int32, device=device)
+    _thresholds_kernel[(1,)](s.to(device), z.to(device), t, ok, n, BLOCK=n)
+    assert ok.cpu().bool().all()
+    t, sn, zn = t.cpu().numpy(), s.numpy(), z.numpy()
+    for k in (1, 2, 3):
+        tk = t[:, k - 1]
+        assert (_level_np(tk, sn, zn) >= k).all()
+        assert (_level_np(np.nextafter(tk, f32(-np.inf)), sn, zn) < k).all()
