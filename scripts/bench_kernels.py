@@ -27,6 +27,10 @@ Timing: ``triton.testing.do_bench`` medians (it flushes L2 before every call) of
 replays (so host launch overhead stays out, as in a serving engine's decode step), inputs are
 random (never zeros), and when a working set is under 3x L2 the timed calls rotate through
 several copies of it. Achieved bandwidth counts the cache bytes each kernel must read.
+do_bench flushes by zeroing 256 MB, so the timed call starts with L2 full of dirty lines and
+writes up to 50 MB back while it reads; that weighs more on a call that reads 76 MB (INT2, 128K
+x 1) than on one that reads 537 MB (BF16). ``--flush read`` sums the buffer instead, leaving L2
+clean, as after the weight GEMM that precedes attention in a decode step; the JSON records it.
 
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
 Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out DIR]``.
@@ -60,6 +64,10 @@ def parse_args():
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="sweep only: time these decode configs (a JSON list of config dicts, or a file holding "
                          "one) at every context x batch, no SDPA, no write kernel; writes sweep.json")
+    ap.add_argument("--flush", choices=["write", "read"], default="write",
+                    help="how L2 is emptied before each timed call: write (triton's do_bench: zeroing a "
+                         "256 MB buffer, which leaves L2 full of dirty lines that the timed call writes "
+                         "back) or read (summing one, which leaves it clean, as after a weight GEMM)")
     ap.add_argument("--ncu", action="store_true",
                     help="afterwards run each profiled kernel once under Nsight Compute (scripts/ncu_kernels.py) "
                          "and add its metrics and bound (memory / instruction issue / latency) to the JSON and table")
@@ -145,6 +153,8 @@ def time_ms(fns: list) -> float:
         fns[i[0] % len(fns)]()
         i[0] += 1
 
+    if GPU and ARGS.flush == "read":
+        return read_flushed_ms(step)
     if GPU:
         import triton.testing
 
@@ -155,6 +165,27 @@ def time_ms(fns: list) -> float:
         step()
         ts.append((time.perf_counter() - t) * 1e3)
     return statistics.median(ts)
+
+
+FLUSH_BUF: list = []
+
+
+def read_flushed_ms(step, warmup: int = 25, reps: int = 100) -> float:
+    """Median time of ``step`` after reading a 256 MB buffer (L2 left full of clean lines)."""
+    if not FLUSH_BUF:
+        FLUSH_BUF.append(torch.ones(64 << 20, dtype=torch.float32, device=DEV))
+    buf = FLUSH_BUF[0]
+    sink = torch.empty((), dtype=torch.float32, device=DEV)
+    for _ in range(warmup):
+        step()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        torch.sum(buf, out=sink)
+        a.record()
+        step()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def timed_graphs(make_fns: list):
@@ -617,7 +648,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = dict(QWEN) if not ARGS.quick else {"q_heads": 4, "kv_heads": 2, "head_dim": 64, "group_size": 64}
     report: dict = {"device": device_facts(), "shape": shape, "sink": SINK, "recent": RECENT,
-                    "bits_per_element": bits_per_element(shape["group_size"]), "quick": ARGS.quick}
+                    "bits_per_element": bits_per_element(shape["group_size"]), "quick": ARGS.quick, "flush": ARGS.flush}
     l2 = report["device"]["l2_bytes"]
     log(f"device: {report['device']}")
     report["copy"] = copy_bandwidth()
@@ -746,7 +777,8 @@ def print_table(report: dict, bw: float) -> None:
     dev = report["device"]["name"]
     h100 = "H100" in dev
     lines = [f"device: {dev}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); "
-             f"Qwen3-8B shapes {report['shape']}; {report['bits_per_element']} bits/element"]
+             f"Qwen3-8B shapes {report['shape']}; {report['bits_per_element']} bits/element; "
+             f"L2 flushed by a {report.get('flush', 'write')} before each call"]
     lines.append(f"{'ctx':>7} {'B':>3} {'INT2 us':>9} {'SDPA us':>9} {'speedup':>7} {'INT2 GB/s':>9} "
                  f"{'%copy':>6} {'SDPA %copy':>10}" + ("  vs OSCAR ref (issue 15, H100)" if h100 else ""))
     for r in report["decode"]:

@@ -58,6 +58,7 @@ def test_bench_kernels_quick_run_writes_json_and_table(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rep = json.loads((tmp_path / "bench_kernels.json").read_text())
     assert rep["quick"] and rep["correctness"]["write"]["codes_differing"] == 0.0
+    assert rep["flush"] == "write" and "L2 flushed by a write before each call" in res.stdout
     assert all(r["ok"] for r in rep["correctness"]["decode"])
     assert {(r["context"], r["batch"]) for r in rep["decode"] if "int2_ms" in r} == {(360, 1), (704, 1), (360, 2),
                                                                                       (704, 2)}
