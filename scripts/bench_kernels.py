@@ -12,7 +12,7 @@ On the GPU (default), in this order:
    the GQA group folded into 4 query rows per KV head; the faster counts). A variant sweep runs
    first at 128K per batch size (the library default, the round-1 tuning, register cap, PDL,
    tiles, stages, programs per SM, KV heads per program); the best variant per batch size (the
-   library default unless another is more than 1% faster) is then timed everywhere, plus the
+   library default unless another is more than 3% faster) is then timed everywhere, plus the
    paged layout at two sizes (the median of 3 alternating rounds); a profiler breakdown per
    kernel (rotation, decode, merge) follows; on an H100 the table also compares with the timings of
    OSCAR's own kernel given in issue 15;
@@ -180,7 +180,7 @@ def read_flushed_ms(step, warmup: int = 25, reps: int = 100) -> float:
         step()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in ev:
-        torch.sum(buf, out=sink)
+        torch.sum(buf, dim=0, out=sink)
         a.record()
         step()
         b.record()
@@ -598,10 +598,11 @@ def parse_variants(text: str) -> list[dict]:
     return val
 
 
-def pick_best(cands: list[tuple[float, dict]], margin: float = 0.01) -> dict:
+def pick_best(cands: list[tuple[float, dict]], margin: float = 0.03) -> dict:
     """The sweep's winner: the fastest config, but the library default (``{}``) unless the fastest
-    beats it by more than ``margin`` (a 0.1% win at 128K is noise, and a non-default config
-    timed at every other context would change what the table measures)."""
+    beats it by more than ``margin``. Wins of 0.1% and 1.1% at 128K x 1 (``split_tokens16: 128``,
+    rounds 2c and 2d) were noise: the default's own time there moves by 1-2% between runs, and
+    the variant, timed at every other context, was slower at 8K and 32K."""
     fastest = min(cands, key=lambda c: c[0])
     default = [c for c in cands if c[1] == {}]
     if default and fastest[0] >= default[0][0] * (1 - margin):

@@ -17,8 +17,10 @@ column`` instead (``m`` reductions, exact, no fallback). The plane-wise kernel's
 (``SORTED``) runs the fast path as a tournament: each column's four plane values sorted once,
 then per round one row reduction over the column heads and a pop (:func:`_mth_sorted4`).
 
-Quantisation: ``q = floor(y/s + z + 0.5)`` with IEEE division (``div_rn``), the reference's
-arithmetic. (Multiplying by ``1/s`` and redoing only blocks near a rounding tie was tried: on
+Quantisation: ``q = floor(y/s + z + 0.5)`` with IEEE division (``div_rn``) is the reference's
+arithmetic. The plane-wise kernel (``THRESH``) gets the same codes from three thresholds per
+group, checked against that arithmetic (see ``_thresholds``), and divides only in a block where a
+check fails. (Multiplying by ``1/s`` and redoing only blocks near a rounding tie was tried: on
 an H200 the block-wide tie check cost more than the division it saved.)
 """
 

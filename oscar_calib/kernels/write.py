@@ -14,8 +14,9 @@ Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.numerics.
 4. store ``fp16(s)``, ``fp16(-z*s)`` and the packed codes (:mod:`.pack`).
 
 The Triton kernel reproduces the reference's arithmetic: the clip threshold is selected
-exactly (ties included) and ``floor(y/s + z + 0.5)`` uses IEEE division (``div_rn``), so codes
-agree bit for bit when the rotated values agree. The rotation is the one place the arithmetic differs: for 16-bit inputs the kernel splits ``R``
+exactly (ties included) and ``floor(y/s + z + 0.5)`` is evaluated with IEEE division (``div_rn``)
+or, equivalently, by thresholds checked against it, so codes agree bit for bit when the rotated
+values agree. The rotation is the one place the arithmetic differs: for 16-bit inputs the kernel splits ``R``
 into a 16-bit high part and a 16-bit residual and runs two tensor-core products with fp32
 accumulation (``x @ R_hi + x @ R_lo``, about 1e-6 relative error, against the reference's fp32
 matmul); for fp32 inputs it runs one fp32 ("ieee") product. Different summation orders move
@@ -38,15 +39,18 @@ maximum per value. It is exact: the same count check and tie-aware fallback. Unr
 input always takes rounds over its unique integer keys (a tournament there measured slower: it
 needs 255 registers).
 
+Codes come from three thresholds per group instead of a division per value (exact; see
+:mod:`._write_triton`), ``config={"quantize": "divide"}`` divides. With a 16-bit rotation at
+d <= 128 the grid is persistent: each program keeps R's two parts in shared memory and loops over
+row blocks (``programs_per_sm``, default 2; 0 for one program per 64-row block).
+
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2c.json``):
-rotate + clip + quantise + pack 543 us with the plane-wise tournament (563 GB/s, 19% of copy;
-the general kernel 580 us, plane-wise rounds 588 us). Rotate without clip 280 us (36%). Without
-rotation, plane-wise: with clip 289 us (37%; a tournament over the keys took 356 us), neither
-171 us (59%).
-Nsight Compute: latency-bound (216-228 registers, 12% occupancy, DRAM at 18% with rotation and
-clip). Without rotation and clip the kernel already issues on ~58% of cycles at 59% of copy,
-so the clip selection and the rotation have to come nearly free in instructions to reach 60%.
+``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2d.json``):
+rotate + clip + quantise + pack 428 us (715 GB/s, 24% of copy; round 2c's kernel 535 us in the
+same run); dividing instead of thresholds 468 us, one program per row block 456 us. Rotate without
+clip 268 us (38%). Without rotation: with clip 253 us (40%), neither 147 us (69%, memory-bound).
+Nsight Compute with rotation and clip: latency-bound at 40% issue, 160 M warp instructions for 1 M
+rows; the clip selection and the two 16-bit rotation products stand between it and 60%.
 """
 
 from __future__ import annotations
@@ -197,13 +201,14 @@ def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
 # the compiled kernel of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
 # The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs wherever it applies
-# (H100, 128K tokens x 8 heads: 172 us against 223 us without rotation or clip). With a rotation
-# it takes one [BT, d] product split into planes ("split"; four narrow products: 571 us) and the
-# tournament clip selection ("select": "sorted"): 543 us against 580 us for the general kernel
-# and 588 us for the plane-wise rounds. Unrotated 16-bit input keeps the rounds over integer keys
-# (289 us against 356 us for a tournament over the keys, which needed 255 registers; removed).
+# (H100, 128K tokens x 8 heads, round 2d: 147 us against 223 us without rotation or clip). With a
+# rotation it takes one [BT, d] product split into planes ("split"; four narrow products: 565 us)
+# and the tournament clip selection ("select": "sorted"): 428 us against 480 us for rounds and 565
+# us for the general kernel. Unrotated 16-bit input keeps the rounds over integer keys (289 us
+# against 356 us for a tournament over the keys in round 2c, which needed 255 registers; removed).
 DEFAULT_SPLIT = True
-# programs per SM of the persistent grid with a resident rotation (0: one program per row block)
+# programs per SM of the persistent grid with a resident rotation (0: one program per row block):
+# 2 (two stages) 428 us against 456 us per block and 972 us for 1 per SM (H100, round 2d)
 DEFAULT_PROGRAMS_PER_SM = 2
 RESIDENT_BYTES = 64 * 1024
 # plane-wise kernel: codes by three exact thresholds per group ("thresholds") or by division
