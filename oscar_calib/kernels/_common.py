@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import weakref
+from functools import lru_cache
 from types import ModuleType
 
 import torch
@@ -113,6 +114,16 @@ def load_triton_module(name: str) -> ModuleType:
         mod = importlib.import_module(f"{__package__}.{name}")
         _triton_modules[name] = mod
     return mod
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device index)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

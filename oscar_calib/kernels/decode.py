@@ -79,6 +79,7 @@ from ._common import (
     next_pow2,
     resolve_backend,
     same_device,
+    sm_count,
 )
 from .cache import Int2KVCache
 from .pack import dequantize_packed
@@ -195,11 +196,6 @@ def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     if any(t.data_ptr() % 4 or any(st % 4 for st in t.stride()[:-1]) for t in codes):
         return "code tensors whose rows are not 4-byte aligned (the kernel reads 32-bit words)"
     return None
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _capability(dev: torch.device) -> int:
@@ -366,7 +362,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
 
     # split sizes (host integers only: graph-safe)
     # (the interpreter runs programs one after another: one "SM" keeps CPU runs short)
-    n_sm = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
+    n_sm = sm_count(dev) if q.is_cuda else 1
     target = int(cfg["programs_per_sm"]) * n_sm
     cap = cache.history_capacity
     if "split_tokens" in cfg:

@@ -70,6 +70,7 @@ from ._common import (
     load_triton_module,
     resolve_backend,
     same_device,
+    sm_count,
 )
 from .pack import PARAM_DTYPE, QuantizedKV, pack_codes, to_param
 
@@ -215,10 +216,6 @@ RESIDENT_BYTES = 64 * 1024
 DEFAULT_QUANTIZE = "thresholds"
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
     rf = rotation.float()
     if rot_mode == 2:
@@ -289,7 +286,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         r_bytes = d * d * 2 * (2 if rot_mode == 1 else 1)
         if split and rot_mode in (1, 3) and per_sm > 0 and r_bytes <= RESIDENT_BYTES:
             # (the interpreter: two programs per head, so that each one loops)
-            per_head = 2 if interpreting() or not x3.is_cuda else -(-per_sm * _sm_count(x3.device) // kvh)
+            per_head = 2 if interpreting() or not x3.is_cuda else -(-per_sm * sm_count(x3.device) // kvh)
             grid = (max(1, min(grid[0], per_head)), kvh)
             extra["RES"] = True
     else:
