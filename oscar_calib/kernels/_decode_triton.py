@@ -24,7 +24,9 @@ INT2 history (one warp per program, ``BN`` tokens per step):
   running maximum moved (exact). Full blocks run unmasked; the last partial block masked.
 * ``PF``: the loop over full blocks carries the next block's token offsets and parameters
   (loaded before the current block computes: a whole step to arrive instead of a stall in the
-  middle of every step; the code bytes are software-pipelined by Triton already).
+  middle of every step; the code bytes are software-pipelined by Triton already). Paged, the
+  block-table entries come two steps ahead: the offsets of step ``i+1`` must not wait on a
+  table load issued in step ``i`` (that wait cost 5% of the 128K x 1 call, H100).
 * ``PDL``: grid-dependency control for programmatic dependent launch (see :mod:`.decode`).
 
 Code modes (``ASM``): 1 = the bit operations as inline PTX (GPU); 0 = the same values with
@@ -314,18 +316,29 @@ def _tok_offsets(start, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cbw, s_cw, s_pb, s_p
     n = start + tl.arange(0, BN)
     if PAGED:
         if MASKED:
-            pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
+            pg = _page_entries(start, hi, b, tab_ptr, s_tb, BN, PAGE)
         else:
             pg = tl.load(tab_ptr + b * s_tb + n // PAGE).to(tl.int64)
-        slot = n % PAGE
-        tc = pg * s_cb + slot * s_cn
-        tw = pg * s_cbw + slot * s_cw
-        tp = pg * s_pb + slot * s_pn
+        tc, tw, tp = _page_offsets(start, pg, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn, PAGE)
     else:
         tc = n * s_cn
         tw = n * s_cw
         tp = n * s_pn
     return tc, tw, tp
+
+
+@triton.jit
+def _page_entries(start, hi, b, tab_ptr, s_tb, BN: tl.constexpr, PAGE: tl.constexpr):
+    """Block-table entries ``[BN]`` (int64) of tokens ``start .. start+BN-1``; rows past ``hi``: page 0."""
+    n = start + tl.arange(0, BN)
+    return tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _page_offsets(start, pg, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn, PAGE: tl.constexpr):
+    """:func:`_tok_offsets` of a paged cache from the tokens' block-table entries ``pg``."""
+    slot = (start + tl.arange(0, pg.shape[0])) % PAGE
+    return pg * s_cb + slot * s_cn, pg * s_cbw + slot * s_cw, pg * s_pb + slot * s_pn
 
 
 @triton.jit
@@ -628,10 +641,16 @@ def decode_kernel(
         os_acc = tl.zeros([NGT, NK], dtype=tl.float32)
 
         if PF:  # offsets and parameters of step i+1 are loaded before step i runs
+            if PAGED:  # (and the block-table entries two steps ahead: the parameter loads need them)
+                pgn = _page_entries(lo + BN, hi, b, tab_ptr, s_tb, BN, PAGE)
             for i in range(0, nfull):
                 nxt = lo + (i + 1) * BN
-                tc1, tw1, tp1 = _tok_offsets(nxt, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cb // 4, s_cn // 4,
-                                             s_pb, s_pn, BN, PAGED, PAGE, True)
+                if PAGED:
+                    tc1, tw1, tp1 = _page_offsets(nxt, pgn, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn, PAGE)
+                    pgn = _page_entries(nxt + BN, hi, b, tab_ptr, s_tb, BN, PAGE)
+                else:
+                    tc1, tw1, tp1 = _tok_offsets(nxt, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cb // 4, s_cn // 4,
+                                                 s_pb, s_pn, BN, PAGED, PAGE, True)
                 nks, nko, nvs, nvo = _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp1, hoff_p,
                                                   nxt + tl.arange(0, BN) < hi, 0)
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(

@@ -34,9 +34,10 @@ Triton path (flash-decoding; three launches, all graph-capturable):
      they come out of the word (no byte transpose) and all N columns are real query heads;
    * online softmax in base 2; the accumulator rescale is skipped when no running maximum
      moved (exact); full steps run unmasked and the last partial step masked;
-   * ``prefetch``: the token offsets (paged: the block-table entries) and the scale/offset
-     parameters of step ``i+1`` are loaded before step ``i`` computes, so their latency hides
-     behind a whole step instead of stalling every step (one group per row, ``G = d``);
+   * ``prefetch``: the token offsets and the scale/offset parameters of step ``i+1`` are
+     loaded before step ``i`` computes, so their latency hides behind a whole step instead of
+     stalling every step (one group per row, ``G = d``); a paged cache's block-table entries
+     are loaded two steps ahead, so the parameter loads never wait on them;
    * ``pdl`` (Hopper): programmatic dependent launch; the decode kernel starts while the
      rotation kernel runs, does its cache-side set-up (lengths, offsets, first parameters) and
      waits (``griddepcontrol.wait``) only before reading the rotated query; the merge kernel
@@ -287,6 +288,12 @@ def decode_attention(
 # 65-87 us at 128K), longer programs (at least 512-2048 tokens each: 25-65 us at 32K), and the
 # merge inside the decode kernel (the last program of a head merging: 37 us at 32K, one warp
 # reads every partial).
+#
+# Paged (round 2e, page 64, shuffled pages; shuffled and in-order pages time the same, so the
+# cost is in the kernel, not in DRAM locality): the parameter loads of step i+1 waited on the
+# block-table load issued in the same step; with the entries loaded two steps ahead, 128K x 1
+# is 56.7 against 59.6 us (contiguous 54.2; a register cap is slower again: 60 us). 32K x 32:
+# 48 programs per SM 330.3-330.8 us against 350 us with 16 (32: 335, 64: 347; contiguous 330-331).
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True},
@@ -295,7 +302,7 @@ TUNING = {
     "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True},
     "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
-                    "programs_per_sm": 16, "prefetch": True, "maxnreg": 0, "pdl": True},
+                    "programs_per_sm": 48, "prefetch": True, "maxnreg": 0, "pdl": True},
 }
 SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
