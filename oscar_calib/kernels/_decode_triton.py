@@ -28,6 +28,8 @@ INT2 history (one warp per program, ``BN`` tokens per step):
   block-table entries come two steps ahead: the offsets of step ``i+1`` must not wait on a
   table load issued in step ``i`` (that wait cost 5% of the 128K x 1 call, H100).
 * ``PDL``: grid-dependency control for programmatic dependent launch (see :mod:`.decode`).
+* ``L2T``: before that wait, prefetch (PTX ``prefetch.global.L2``) the code and parameter lines
+  of the program's first ``L2T`` tokens (every ``L2CS``-th / ``L2PS``-th token: one per line).
 
 Code modes (``ASM``): 1 = the bit operations as inline PTX (GPU); 0 = the same values with
 plain Triton ops (the interpreter, and a GPU fallback). Both are exact.
@@ -55,6 +57,8 @@ def _v_asm(p: int) -> str:
             "and.b32 u, u, %d;\nmov.b32 {$2, $3}, u;\n}" % (m, m))
 
 
+# ask L2 for the 128-byte line holding an address: no wait, no register written
+L2_PREFETCH_ASM = tl.constexpr("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;")
 K_ASM0 = tl.constexpr(_k_asm(0))
 K_ASM1 = tl.constexpr(_k_asm(1))
 K_ASM2 = tl.constexpr(_k_asm(2))
@@ -342,6 +346,41 @@ def _page_offsets(start, pg, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn, PAGE: tl.const
 
 
 @triton.jit
+def _l2_prefetch(p):
+    """Prefetch into L2 the line of each pointer of ``p`` (inline PTX with a side effect, so it
+    stays although nothing reads its dummy result)."""
+    tl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l", [p.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _warm_l2(lo, hi, b, tab_ptr, s_tb, kc_ptr, vc_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr, hoff_c, hoff_p,
+             s_cb, s_cn, s_pb, s_pn, NT: tl.constexpr, CS: tl.constexpr, PS: tl.constexpr,
+             PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """L2 prefetches of the codes and parameters of tokens ``lo .. lo+NT-1`` (below ``hi``): one
+    per line, i.e. every ``CS``-th token's code row and every ``PS``-th token's parameters
+    (``PS`` at most the page). Tokens past ``hi`` repeat token ``lo`` (in bounds; paged: page 0)."""
+    n = lo + tl.arange(0, NT // CS) * CS
+    if PAGED:
+        pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
+        tc = pg * s_cb + (n % PAGE) * s_cn
+    else:
+        tc = tl.where(n < hi, n, lo).to(tl.int64) * s_cn
+    _l2_prefetch(kc_ptr + hoff_c[:, None] + tc[None, :])
+    _l2_prefetch(vc_ptr + hoff_c[:, None] + tc[None, :])
+    n = lo + tl.arange(0, NT // PS) * PS
+    if PAGED:
+        pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
+        tp = pg * s_pb + (n % PAGE) * s_pn
+    else:
+        tp = tl.where(n < hi, n, lo).to(tl.int64) * s_pn
+    pp = hoff_p[:, None] + tp[None, :]
+    _l2_prefetch(ks_ptr + pp)
+    _l2_prefetch(ko_ptr + pp)
+    _l2_prefetch(vs_ptr + pp)
+    _l2_prefetch(vo_ptr + pp)
+
+
+@triton.jit
 def _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp, hoff_p, nmask, g: tl.constexpr):
     """Scale/offset of group ``g`` for K and V, ``[BN, HP]`` fp16 each (masked rows read 0)."""
     pbase = tp[:, None] + hoff_p[None, :] + g
@@ -519,6 +558,7 @@ def decode_kernel(
     HP: tl.constexpr, M16: tl.constexpr, BN: tl.constexpr, BLOCK16: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
     PARTS: tl.constexpr = 3, PF: tl.constexpr = False, PDL: tl.constexpr = False,
+    L2T: tl.constexpr = 0, L2CS: tl.constexpr = 4, L2PS: tl.constexpr = 64,
 ):
     """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
     ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
@@ -558,6 +598,9 @@ def decode_kernel(
         lo = chunk * CHUNK
         hi = tl.minimum(lo + CHUNK, L)
         nfull = tl.maximum(hi - lo, 0) // BN
+        if L2T > 0:  # while the query rotation runs (PDL), DRAM fetches this program's first tokens
+            _warm_l2(lo, hi, b, tab_ptr, s_tb, kc_ptr, vc_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr, hoff_c, hoff_p,
+                     s_cb, s_cn, s_pb, s_pn, L2T, L2CS, L2PS, PAGED, PAGE)
         if PF:  # offsets and parameters of the first step
             tc, tw, tp = _tok_offsets(lo, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cb // 4, s_cn // 4, s_pb, s_pn,
                                       BN, PAGED, PAGE, True)

@@ -41,7 +41,9 @@ Triton path (flash-decoding; three launches, all graph-capturable):
    * ``pdl`` (Hopper): programmatic dependent launch; the decode kernel starts while the
      rotation kernel runs, does its cache-side set-up (lengths, offsets, first parameters) and
      waits (``griddepcontrol.wait``) only before reading the rotated query; the merge kernel
-     likewise waits for the decode grid. Nothing is written before the wait.
+     likewise waits for the decode grid. Nothing is written before the wait. Programs of a
+     short chunk (``l2_prefetch``) also prefetch all their codes and parameters into L2 before
+     the wait, so DRAM is busy while the rotation kernel runs.
 3. ``decode_merge_kernel``, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32
    output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``).
 
@@ -49,7 +51,7 @@ The optional output un-rotation is one batched matmul in torch. Nothing reads le
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
 :data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
 ``heads_per_program``, ``programs_per_sm``, ``split_tokens``, ``split_tokens16``,
-``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``merge_two_pass`` (the merge's two-pass
+``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``l2_prefetch``, ``merge_two_pass`` (the merge's two-pass
 loop even when all partials fit one block; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
@@ -272,6 +274,8 @@ def decode_attention(
 #   prefetch         load the next step's token offsets and parameters one step ahead
 #   maxnreg          register cap per thread (0: none); 128 lets 16 one-warp programs share an SM
 #   pdl              programmatic dependent launch of the decode and merge kernels
+#   l2_prefetch      with PDL, programs of at most this many history tokens first prefetch them
+#                    all into L2 (DRAM works while the query rotation runs); 0 = never
 #
 # Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py sweeps, CUDA-graph
 # replays; scripts/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
@@ -294,15 +298,25 @@ def decode_attention(
 # block-table load issued in the same step; with the entries loaded two steps ahead, 128K x 1
 # is 56.7 against 59.6 us (contiguous 54.2; a register cap is slower again: 60 us). 32K x 32:
 # 48 programs per SM 330.3-330.8 us against 350 us with 16 (32: 335, 64: 347; contiguous 330-331).
+#
+# L2 warm-up (round 2e, H100, scripts/results/bench_kernels_h100_sweep_round2e.json): 8K x 1
+# (64-token chunks) 17.3 against 18.3 us, 8K x 32 (160-token chunks) 124.3 against 127.8 us.
+# Longer chunks lose: warming 128 / 256 tokens of 32K x 1's 256-token chunks 23.8 / 25.9 against
+# 23.5 us (~19 MB of prefetches queue in front of the rotation kernel's own loads), 128K x 32
+# 1135-1171 against 1123 us. Hence whole chunks of at most 192 tokens, and nothing otherwise.
+# Not faster either: sums of p and p*offset kept per token and reduced after the loop (fewer
+# shuffles per step, more registers): 23.7 / 54.9 / 362.9 / 1238.9 against 23.5 / 54.3 / 331.6 /
+# 1123.1 us at 32K x 1, 128K x 1, 32K x 32, 128K x 32.
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True},
+              "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192},
     "small_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-                    "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True},
+                    "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True, "l2_prefetch": 192},
     "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True},
+              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True, "l2_prefetch": 192},
     "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
-                    "programs_per_sm": 48, "prefetch": True, "maxnreg": 0, "pdl": True},
+                    "programs_per_sm": 48, "prefetch": True, "maxnreg": 0, "pdl": True,
+                    "l2_prefetch": 192},
 }
 SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
@@ -325,6 +339,21 @@ def _heads_per_program(qg: int, h: int, cfg: dict) -> int:
     while m2 * hp < 8 and hp < 4 and 2 * hp <= next_pow2(h):
         hp *= 2
     return hp
+
+
+def _l2_warm_args(cfg: dict, chunk: int, d: int, g: int, page: int, paged: bool, pdl: bool) -> dict:
+    """Constexprs of the L2 warm-up: with PDL and history chunks of at most ``l2_prefetch``
+    tokens, each program prefetches its whole chunk into L2 before it waits for the query
+    rotation; one prefetch per 128-byte line of code rows (``d/4`` bytes per token) and of
+    parameters (2 bytes per group and token; at most a page apart)."""
+    limit = int(cfg.get("l2_prefetch", 0))
+    if not pdl or chunk > limit:
+        return {}
+    cs = max(1, 512 // d)
+    ps = max(1, 64 // (d // g))
+    if paged:
+        cs, ps = min(cs, page), min(ps, page)
+    return {"L2T": next_pow2(max(chunk, cs, ps)), "L2CS": cs, "L2PS": ps}
 
 
 def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config):
@@ -417,6 +446,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl and k_rotation is not None,
+        **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl and k_rotation is not None),
         num_warps=1, num_stages=num_stages, **launch,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)

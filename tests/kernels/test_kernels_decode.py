@@ -148,6 +148,18 @@ def test_decode_many_splits_mha_and_default_tiles(device):
     _run(q, cache, rk, rv, config={})  # production tile sizes
 
 
+def test_l2_warm_up_covers_short_chunks_only():
+    # whole chunks of at most l2_prefetch tokens, one prefetch per 128-byte line, only under PDL
+    warm = decode_mod._l2_warm_args
+    cfg = {"l2_prefetch": 192}
+    assert warm(cfg, 160, 128, 128, 1, False, True) == {"L2T": 256, "L2CS": 4, "L2PS": 64}
+    assert warm(cfg, 64, 64, 32, 1, False, True) == {"L2T": 64, "L2CS": 8, "L2PS": 32}
+    assert warm(cfg, 64, 256, 64, 16, True, True) == {"L2T": 64, "L2CS": 2, "L2PS": 16}  # page-capped
+    assert warm(cfg, 256, 128, 128, 1, False, True) == {}
+    assert warm(cfg, 64, 128, 128, 1, False, False) == {}
+    assert warm({"l2_prefetch": 0}, 64, 128, 128, 1, False, True) == {}
+
+
 @pytest.mark.parametrize("page", [None, 16])
 def test_decode_library_tuning_of_every_regime(page, device, monkeypatch):
     # the defaults of every regime ("small", "large": one head per program, 32-token tiles,
