@@ -479,21 +479,24 @@ def write_variants() -> list[tuple[str, dict, dict]]:
     clip, noclip = {"clip": True}, {"clip": False}
     norot, fp32 = {"clip": True, "rot": False}, {"clip": True, "rot": False, "fp32": True}
     # "{}" is the library default: plane-wise, codes by thresholds; with a 16-bit rotation one
-    # product split into planes on a persistent grid (2 programs per SM, 2 stages) whose programs
-    # load the rotation once, and the tournament clip selection (unrotated 16-bit input: rounds
-    # over integer keys). Round 2c's slower shapes (BT=32 or 128, 8 warps) are in its JSON.
-    blocks = {"programs_per_sm": 0, "num_stages": 3}  # one program per row block (round 2c)
+    # product split into planes on a persistent grid (2 programs per SM; 128-row blocks, 8 warps,
+    # 3 stages) whose programs load the rotation once, and the tournament clip selection
+    # (unrotated 16-bit input: rounds over integer keys).
+    blocks = {"programs_per_sm": 0, "num_stages": 3}  # one program per 64-row block (round 2c)
+    tile2d = {"BT": 64, "num_warps": 4, "num_stages": 2}  # round 2d's tile of the persistent grid
     cfgs = [("rot+clip", {}, clip),
             ("rot+clip divide", {"quantize": "divide"}, clip),
             ("rot+clip per block", blocks, clip),
             ("rot+clip per block divide", {**blocks, "quantize": "divide"}, clip),
-            ("rot+clip 1/SM", {"programs_per_sm": 1, "num_stages": 3}, clip),
-            ("rot+clip 1 stage", {"num_stages": 1}, clip),
+            ("rot+clip 64-row tile", tile2d, clip),
+            ("rot+clip 1/SM", {"programs_per_sm": 1}, clip),
+            ("rot+clip 2 stages", {"num_stages": 2}, clip),
             ("rot+clip rounds", {"select": "rounds"}, clip),
             ("rot+clip general", gen, clip),
             ("rot+clip per-plane dots", {"split": False}, clip),
             ("rot+clip fast-rot", {}, {"clip": True, "fast": True}),
             ("rot, no clip", {}, noclip),
+            ("rot, no clip 64-row tile", tile2d, noclip),
             ("rot, no clip per block", blocks, noclip),
             ("rot, no clip general", gen, noclip),
             ("no rot, clip", {}, norot),

@@ -59,9 +59,11 @@ def defaults(kernel: str) -> tuple[dict, dict]:
                      PAGED=False, PAGE=1, ASM=True, INTERP=False, PARTS=1, PF=bool(t["prefetch"]), PDL=bool(t["pdl"]),
                      L2T=0, L2CS=4, L2PS=64)
         return const, {"num_warps": 1, "num_stages": t["num_stages"], "maxnreg": t["maxnreg"] or None}
-    const = dict(D=128, G=128, W=32, BT=64, KB=64, ROT=1, CLIP=True, INTERP=False, KEYED=False, SPLIT=True,
+    from oscar_calib.kernels.write import RESIDENT_TILE as tile
+
+    const = dict(D=128, G=128, W=32, BT=tile["BT"], KB=64, ROT=1, CLIP=True, INTERP=False, KEYED=False, SPLIT=True,
                  SORTED=True, RES=True, THRESH=True)
-    return const, {"num_warps": 4, "num_stages": 2, "maxnreg": None}
+    return const, {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"], "maxnreg": None}
 
 
 def compile_kernel(kernel: str, const: dict, opts: dict, arch: int):

@@ -212,6 +212,11 @@ DEFAULT_SPLIT = True
 # 2 (two stages) 428 us against 456 us per block and 972 us for 1 per SM (H100, round 2d)
 DEFAULT_PROGRAMS_PER_SM = 2
 RESIDENT_BYTES = 64 * 1024
+# tile of the persistent grid (rows per block, warps, pipeline stages): 128 rows over 8 warps with
+# 3 stages 397-412 us against 427-431 us for 64 rows, 4 warps, 2 stages (H100, round 2e, three
+# runs each; without clip 259 against 268 us). Not faster: 64 rows on 8 warps 1300 us, 32 rows on
+# 4 warps (3 per SM) 1090 us, 128 rows with 1 or 3 programs per SM 726-807 / 516 us.
+RESIDENT_TILE = {"BT": 128, "num_warps": 8, "num_stages": 3}
 # plane-wise kernel: codes by three exact thresholds per group ("thresholds") or by division
 DEFAULT_QUANTIZE = "thresholds"
 
@@ -260,10 +265,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
             torch.floor(clip_t.to(torch.float64) * d), max=d - 1).to(torch.int32).contiguous())
     else:
         kidx = torch.zeros(1, dtype=torch.int32, device=x.device)
-    bt = int(config.get("BT", 64 if d <= 128 else 32))
-    num_warps = int(config.get("num_warps", 4 if d <= 128 else 8))
     kb = min(d, int(config.get("KB", 64)))
-    grid = (math.ceil(n_tok / bt), kvh)
     w = min(group_size, d // 4)
     planes = config.get("planes", "auto")
     if planes == "auto":  # measured faster everywhere it applies, given the split product
@@ -274,6 +276,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
     select = config.get("select", "auto")
     if select not in ("auto", "sorted", "rounds"):
         raise InputError(f"config select must be 'auto', 'sorted' or 'rounds', got {select!r}")
+    tile = {"BT": 64 if d <= 128 else 32, "num_warps": 4 if d <= 128 else 8, "num_stages": 3}
     if planes:
         split = bool(config.get("split", DEFAULT_SPLIT))
         quantize = config.get("quantize", DEFAULT_QUANTIZE)
@@ -285,12 +288,16 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         per_sm = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM))
         r_bytes = d * d * 2 * (2 if rot_mode == 1 else 1)
         if split and rot_mode in (1, 3) and per_sm > 0 and r_bytes <= RESIDENT_BYTES:
-            # (the interpreter: two programs per head, so that each one loops)
-            per_head = 2 if interpreting() or not x3.is_cuda else -(-per_sm * sm_count(x3.device) // kvh)
-            grid = (max(1, min(grid[0], per_head)), kvh)
             extra["RES"] = True
+            tile = dict(RESIDENT_TILE)
     else:
         extra = {"FAST_DIV": bool(config.get("fast_div", False))}
+    tile.update({k: int(config[k]) for k in tile if k in config})
+    bt = tile["BT"]
+    grid = (math.ceil(n_tok / bt), kvh)
+    if extra.get("RES"):  # (the interpreter: two programs per head, so that each one loops)
+        per_head = 2 if interpreting() or not x3.is_cuda else -(-per_sm * sm_count(x3.device) // kvh)
+        grid = (max(1, min(grid[0], per_head)), kvh)
     LAST_LAUNCH["write"] = kern[grid](
         x3, x3.stride(0), x3.stride(1),
         r1, r2, kidx,
@@ -300,6 +307,6 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         D=d, G=group_size, W=w, BT=bt, KB=kb,
         ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
         KEYED=keyed,
-        num_warps=num_warps, num_stages=int(config.get("num_stages", 2 if extra.get("RES") else 3)), **extra,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
     )
     return out
