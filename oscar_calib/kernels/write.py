@@ -45,11 +45,11 @@ d <= 128 the grid is persistent: each program keeps R's two parts in shared memo
 row blocks (``programs_per_sm``, default 2; 0 for one program per 64-row block).
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2d.json``):
-rotate + clip + quantise + pack 428 us (715 GB/s, 24% of copy; round 2c's kernel 535 us in the
-same run); dividing instead of thresholds 468 us, one program per row block 456 us. Rotate without
-clip 268 us (38%). Without rotation: with clip 253 us (40%), neither 147 us (69%, memory-bound).
-Nsight Compute with rotation and clip: latency-bound at 40% issue, 160 M warp instructions for 1 M
+``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2e.json``):
+rotate + clip + quantise + pack 404 us (757 GB/s, 25% of copy; round 2d's 64-row tile 427 us in the
+same run); dividing instead of thresholds 481 us, one program per row block 456 us. Rotate without
+clip 263 us (39%). Without rotation: with clip 253 us (40%), neither 147 us (69%, memory-bound).
+Nsight Compute with rotation and clip: latency-bound at 42% issue, 162 M warp instructions for 1 M
 rows; the clip selection and the two 16-bit rotation products stand between it and 60%.
 """
 
