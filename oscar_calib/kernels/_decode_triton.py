@@ -359,25 +359,26 @@ def _warm_l2(lo, hi, b, tab_ptr, s_tb, kc_ptr, vc_ptr, ks_ptr, ko_ptr, vs_ptr, v
     """L2 prefetches of the codes and parameters of tokens ``lo .. lo+NT-1`` (below ``hi``): one
     per line, i.e. every ``CS``-th token's code row and every ``PS``-th token's parameters
     (``PS`` at most the page). Tokens past ``hi`` repeat token ``lo`` (in bounds; paged: page 0)."""
-    n = lo + tl.arange(0, NT // CS) * CS
-    if PAGED:
-        pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
-        tc = pg * s_cb + (n % PAGE) * s_cn
-    else:
-        tc = tl.where(n < hi, n, lo).to(tl.int64) * s_cn
+    tc = _every_nth(lo, hi, b, tab_ptr, s_tb, s_cb, s_cn, NT // CS, CS, PAGED, PAGE)
     _l2_prefetch(kc_ptr + hoff_c[:, None] + tc[None, :])
     _l2_prefetch(vc_ptr + hoff_c[:, None] + tc[None, :])
-    n = lo + tl.arange(0, NT // PS) * PS
-    if PAGED:
-        pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
-        tp = pg * s_pb + (n % PAGE) * s_pn
-    else:
-        tp = tl.where(n < hi, n, lo).to(tl.int64) * s_pn
-    pp = hoff_p[:, None] + tp[None, :]
+    pp = hoff_p[:, None] + _every_nth(lo, hi, b, tab_ptr, s_tb, s_pb, s_pn, NT // PS, PS, PAGED, PAGE)[None, :]
     _l2_prefetch(ks_ptr + pp)
     _l2_prefetch(ko_ptr + pp)
     _l2_prefetch(vs_ptr + pp)
     _l2_prefetch(vo_ptr + pp)
+
+
+@triton.jit
+def _every_nth(lo, hi, b, tab_ptr, s_tb, s_page, s_tok, COUNT: tl.constexpr, STEP: tl.constexpr,
+               PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Offsets (int64) of tokens ``lo, lo+STEP, ...`` (``COUNT`` of them) for page/token strides
+    ``s_page``/``s_tok``; tokens past ``hi`` are replaced by ``lo`` (paged: by page 0's slot)."""
+    n = lo + tl.arange(0, COUNT) * STEP
+    if PAGED:
+        pg = tl.load(tab_ptr + b * s_tb + n // PAGE, mask=n < hi, other=0).to(tl.int64)
+        return pg * s_page + (n % PAGE) * s_tok
+    return tl.where(n < hi, n, lo).to(tl.int64) * s_tok
 
 
 @triton.jit
