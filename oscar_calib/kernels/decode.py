@@ -427,8 +427,10 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     kc = cache.k_codes
     ks = cache.k_scale
     w16 = cache.k_bf16
+    # the decode kernel overlaps the rotation kernel only when there is one to overlap
+    pdl_decode = pdl and k_rotation is not None
     launch = {}
-    if pdl and k_rotation is not None:
+    if pdl_decode:
         launch["launch_pdl"] = True
     maxnreg = int(cfg["maxnreg"])
     if maxnreg and not interp:  # a register cap: more resident warps (ptxas spills past it)
@@ -445,8 +447,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         qk_scale,
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
-        PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl and k_rotation is not None,
-        **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl and k_rotation is not None),
+        PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
+        **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl_decode),
         num_warps=1, num_stages=num_stages, **launch,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)
