@@ -213,7 +213,7 @@ def _vunit(vw, P: tl.constexpr, bm, o, ASM: tl.constexpr, INTERP: tl.constexpr):
 def _window_head(q_ptr, s_qb, s_qh, b, h, chunk, k16_ptr, v16_ptr, s_1b, s_1h, s_1n, len16_ptr,
                  op_ptr, lse_ptr, qk_scale, H, QG, S_ALL, CHUNK16,
                  D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M: tl.constexpr,
-                 BLOCK16: tl.constexpr, INTERP: tl.constexpr):
+                 BLOCK16: tl.constexpr, INTERP: tl.constexpr, WS: tl.constexpr):
     """Partial attention of one KV head over chunk ``chunk`` of the 16-bit window (slot ``chunk``)."""
     offs_m = tl.arange(0, M)
     mmask = offs_m < QG
@@ -261,7 +261,7 @@ def _window_head(q_ptr, s_qb, s_qh, b, h, chunk, k16_ptr, v16_ptr, s_1b, s_1h, s
         e6 = (q6 - w6.to(tl.float32)).to(WT)
         e7 = (q7 - w7.to(tl.float32)).to(WT)
     offs16 = tl.arange(0, BLOCK16)
-    for start in range(lo, hi, BLOCK16):
+    for start in tl.range(lo, hi, BLOCK16, num_stages=WS):
         n = start + offs16
         nm = n < hi
         rp = base + n.to(tl.int64)[:, None] * s_1n + offs_w[None, :]
@@ -559,7 +559,7 @@ def decode_kernel(
     HP: tl.constexpr, M16: tl.constexpr, BN: tl.constexpr, BLOCK16: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
     PARTS: tl.constexpr = 3, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-    L2T: tl.constexpr = 0, L2CS: tl.constexpr = 4, L2PS: tl.constexpr = 64,
+    L2T: tl.constexpr = 0, L2CS: tl.constexpr = 4, L2PS: tl.constexpr = 64, WS: tl.constexpr = 1,
 ):
     """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
     ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
@@ -579,7 +579,7 @@ def decode_kernel(
             if h0 + hh < H:
                 _window_head(q_ptr, s_qb, s_qh, b, h0 + hh, pid0, k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
                              len16_ptr, op_ptr, lse_ptr, qk_scale, H, QG, S_ALL, CHUNK16,
-                             D, W, NB, M16, BLOCK16, INTERP)
+                             D, W, NB, M16, BLOCK16, INTERP, WS)
     if PARTS == 1 or (PARTS == 3 and pid0 >= S16):
         chunk = pid0 - S16
         # cache-side set-up first: with programmatic dependent launch (PDL) it overlaps the
@@ -753,30 +753,35 @@ def decode_kernel(
 
 
 @triton.jit
-def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, H, QG,
-                        D: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, INTERP: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """Grid ``(B*H, D/BC)``: ``out[b, h*QG + m, c0:c0+BC] = q[b, h*QG + m] @ R[h][:, c0:c0+BC]``
-    in float32 (3xTF32 products): one dot per program, many programs, so the latency is one
-    read of a ``D x BC`` slice of ``R``. ``PDL``: let the decode kernel launch at once."""
+def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, B, H, QG,
+                        D: tl.constexpr, M: tl.constexpr, QG2: tl.constexpr, BC: tl.constexpr,
+                        INTERP: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid ``(ceil(B / SB) * H, D/BC)`` with ``SB = M / QG2`` sequences per program:
+    ``out[b, h*QG + m, c0:c0+BC] = q[b, h*QG + m] @ R[h][:, c0:c0+BC]`` in float32 (3xTF32
+    products). Row ``r`` of the product is query head ``r % QG2`` of sequence ``b0 + r // QG2``,
+    so one read of a ``D x BC`` slice of ``R`` serves ``SB`` sequences (at batch 1 the padding
+    rows stay empty). ``PDL``: let the decode kernel launch at once."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    SB: tl.constexpr = M // QG2
     pid = tl.program_id(0)
     c0 = tl.program_id(1) * BC
-    b = pid // H
     h = pid % H
+    b0 = (pid // H) * SB
     rows = tl.arange(0, M)
-    rmask = rows < QG
+    bb = b0 + rows // QG2
+    m = rows % QG2
+    rmask = (m < QG) & (bb < B)
     kk = tl.arange(0, D)
     cols = c0 + tl.arange(0, BC)
-    qk = tl.load(q_ptr + b.to(tl.int64) * s_qb + (h * QG + rows).to(tl.int64)[:, None] * s_qh + kk[None, :],
+    qk = tl.load(q_ptr + bb.to(tl.int64)[:, None] * s_qb + (h * QG + m).to(tl.int64)[:, None] * s_qh + kk[None, :],
                  mask=rmask[:, None], other=0.0).to(tl.float32)
     rk = tl.load(r_ptr + h.to(tl.int64) * D * D + kk[:, None] * D + cols[None, :])
     if INTERP:
         acc = tl.dot(qk, rk)
     else:
         acc = tl.dot(qk, rk, input_precision="tf32x3")
-    out = out_ptr + (b * H * QG + h * QG + rows).to(tl.int64)[:, None] * D + cols[None, :]
+    out = out_ptr + ((bb * H + h) * QG + m).to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(out, acc, mask=rmask[:, None])
 
 

@@ -309,14 +309,17 @@ def decode_attention(
 # 1123.1 us at 32K x 1, 128K x 1, 32K x 32, 128K x 32.
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192},
+              "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192,
+              "window_stages": 2},
     "small_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-                    "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True, "l2_prefetch": 192},
+                    "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True, "l2_prefetch": 192,
+                    "window_stages": 2},
     "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True, "l2_prefetch": 192},
+              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True, "l2_prefetch": 192,
+              "window_stages": "auto"},
     "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
                     "programs_per_sm": 48, "prefetch": True, "maxnreg": 0, "pdl": True,
-                    "l2_prefetch": 192},
+                    "l2_prefetch": 192, "window_stages": 2},
 }
 SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
@@ -341,6 +344,22 @@ def _heads_per_program(qg: int, h: int, cfg: dict) -> int:
     return hp
 
 
+def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
+    """Pipeline stages of the 16-bit window loop: the configured number, or for ``"auto"`` one
+    stage when the INT2 history holds at least 8x the window's bytes (two otherwise). Without
+    the window's pipeline buffers the kernel needs 9 instead of 16 KB of shared memory at batch
+    32, so 16 one-warp programs fit an SM instead of 13; that pays where the history dominates
+    (128K x 32, H100: 1069-1075 against 1108-1111 us) and loses where the window's share is
+    large (8K x 32: 128-130 against 120 us)."""
+    ws = cfg["window_stages"]
+    if ws != "auto":
+        return int(ws)
+    d = cache.head_dim
+    hist = cache.history_capacity * 2 * (d // 4 + 4 * (d // cache.group_size))
+    window = cache.window_capacity * 2 * d * cache.k_bf16.element_size()
+    return 1 if hist >= 8 * window else 2
+
+
 def _l2_warm_args(cfg: dict, chunk: int, d: int, g: int, page: int, paged: bool, pdl: bool) -> dict:
     """Constexprs of the L2 warm-up: with PDL and history chunks of at most ``l2_prefetch``
     tokens, each program prefetches its whole chunk into L2 before it waits for the query
@@ -354,6 +373,26 @@ def _l2_warm_args(cfg: dict, chunk: int, d: int, g: int, page: int, paged: bool,
     if paged:
         cs, ps = min(cs, page), min(ps, page)
     return {"L2T": next_pow2(max(chunk, cs, ps)), "L2CS": cs, "L2PS": ps}
+
+
+def _rotate_query_triton(mod, q, r, h: int, cfg: dict, pdl: bool) -> torch.Tensor:
+    """``q [B, Hq, d] @ R[h]`` per KV head in float32 with ``rotate_query_kernel``: one program per
+    KV head, 32-column slice of ``R`` and group of sequences whose query heads fill the product's
+    16 rows (4 sequences when a KV head has 4 query heads), so each slice of ``R`` is read once
+    per group instead of once per sequence."""
+    bsz, hq, d = q.shape
+    qg = hq // h
+    interp = interpreting()
+    qr = torch.empty(bsz, hq, d, dtype=torch.float32, device=q.device)
+    bc = d if interp else min(int(cfg.get("rotate_cols", 32)), d)  # (the interpreter: fewer, larger programs)
+    qg2 = next_pow2(qg)
+    rows = max(16, qg2)
+    seqs = rows // qg2 if cfg.get("rotate_batched", True) else 1
+    LAST_LAUNCH["rotate"] = mod.rotate_query_kernel[(-(-bsz // seqs) * h, d // bc)](
+        q, q.stride(0), q.stride(1), r, qr, bsz, h, qg,
+        D=d, M=rows, QG2=qg2 if seqs > 1 else rows, BC=bc, INTERP=interp, PDL=pdl, num_warps=4,
+    )
+    return qr
 
 
 def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config):
@@ -387,12 +426,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         r = k_rotation
         if r.dtype != torch.float32 or not r.is_contiguous():  # once per rotation tensor, not per call
             r = derived(k_rotation, ("f32",), lambda: k_rotation.float().contiguous())
-        qr = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
-        bc = d if interp else min(32, d)  # (the interpreter: fewer, larger programs)
-        LAST_LAUNCH["rotate"] = mod.rotate_query_kernel[(bsz * h, d // bc)](
-            q, q.stride(0), q.stride(1), r, qr, h, qg,
-            D=d, M=max(16, next_pow2(qg)), BC=bc, INTERP=interp, PDL=pdl, num_warps=4,
-        )
+        qr = _rotate_query_triton(mod, q, r, h, cfg, pdl)
     else:
         qr = q
 
@@ -409,9 +443,11 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     s2 = -(-cap // chunk)
     ncap = cache.window_capacity
+    wstages = _window_stages(cfg, cache)
     # window chunks: a window token is ~7x an INT2 token's bytes; small chunks keep window
-    # programs off the critical path
-    chunk16 = int(cfg.get("split_tokens16", min(256, max(block16, chunk // 4, ncap // 64))))
+    # programs off the critical path (smaller still when their loop is not pipelined)
+    per = 10 if wstages == 1 else 4
+    chunk16 = int(cfg.get("split_tokens16", min(256, max(block16, chunk // per, ncap // 64))))
     chunk16 = -(-chunk16 // block16) * block16
     s16 = -(-ncap // chunk16)
     s_all = s16 + s2
@@ -448,6 +484,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
+        WS=wstages,
         **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl_decode),
         num_warps=1, num_stages=num_stages, **launch,
     )

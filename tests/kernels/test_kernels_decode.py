@@ -160,6 +160,31 @@ def test_l2_warm_up_covers_short_chunks_only():
     assert warm({"l2_prefetch": 0}, 64, 128, 128, 1, False, True) == {}
 
 
+def test_window_stages_auto_follows_history_share():
+    # "auto": one window stage once the INT2 history holds 8x the window's bytes (Qwen3-8B shapes:
+    # 72 history bytes per token against 512 per bf16 window token)
+    from types import SimpleNamespace
+
+    def cache(history, window=320):
+        return SimpleNamespace(history_capacity=history, window_capacity=window, head_dim=128, group_size=128,
+                               k_bf16=torch.empty(0, dtype=torch.bfloat16))
+
+    stages = decode_mod._window_stages
+    assert stages({"window_stages": "auto"}, cache(7872)) == 2       # 8K context: 3.5x
+    assert stages({"window_stages": "auto"}, cache(32448)) == 1      # 32K: 14x
+    assert stages({"window_stages": "auto"}, cache(18205)) == 1      # just over 8x
+    assert stages({"window_stages": "auto"}, cache(18204)) == 2
+    assert stages({"window_stages": 2}, cache(10**6)) == 2
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_decode_window_loop_stages(stages, device):
+    # the window loop with and without its software pipeline (several 16-token steps per program)
+    q, cache, rk, rv, _ = _case(batch=2, tokens=90, heads=2, qg=4, d=128, g=128, lengths=[90, 51], recent=40,
+                                seed=31, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "window_stages": stages, "split_tokens16": 32})
+
+
 @pytest.mark.parametrize("page", [None, 16])
 def test_decode_library_tuning_of_every_regime(page, device, monkeypatch):
     # the defaults of every regime ("small", "large": one head per program, 32-token tiles,
@@ -205,6 +230,25 @@ def test_decode_prerotated_query_equals_rotation(device):
     qr = decode_mod.rotate_query(q, rk, 2)
     b = decode_attention(qr, cache, backend="triton", config=SMALL)
     assert relative_error(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("batch,qg", [(9, 4), (5, 3), (3, 8), (2, 32)])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_query_rotation_kernel_groups_sequences(batch, qg, grouped, device):
+    """The rotation kernel, with sequences grouped into the 16 rows of its product (a partial last
+    group; 3 query heads padded to 4; 32 heads taking 32 rows) or one sequence per program, equals
+    q @ R[h] in float64 for every sequence and head."""
+    from oscar_calib.kernels._common import load_triton_module
+
+    gen = torch.Generator().manual_seed(batch * 100 + qg)
+    h, d = 2, 64
+    q = torch.randn(batch, h * qg, d, generator=gen).to(device)
+    r = random_rotation(h, d, generator=gen).float().to(device)
+    got = decode_mod._rotate_query_triton(load_triton_module("_decode_triton"), q, r, h,
+                                          {"rotate_batched": grouped}, pdl=False)
+    want = torch.einsum("bhmd,hde->bhme", q.double().view(batch, h, qg, d), r.double()).reshape(batch, h * qg, d)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
 
 
 def test_reference_is_attention_over_fake_quantised_kv():
