@@ -16,8 +16,10 @@ Scores use ``sm_scale`` (default ``1/sqrt(d)``).
 
 Triton path (flash-decoding; three launches, all graph-capturable):
 
-1. ``rotate_query_kernel``, grid ``(B*H, d/32)``: ``q @ R_k[h]`` in float32 (3xTF32 products).
-   Skipped when ``k_rotation`` is None (the main kernel reads ``q`` in its own dtype).
+1. ``rotate_query_kernel``, grid ``(ceil(B/SB) * H, d/32)``: ``q @ R_k[h]`` in float32 (3xTF32
+   products), ``SB = 16 / QG`` sequences per program (their query heads fill the product's 16
+   rows; each slice of ``R`` is read once per group). Skipped when ``k_rotation`` is None (the
+   main kernel reads ``q`` in its own dtype).
 2. ``decode_kernel``, grid ``(S16 + S2, B * ceil(H/HP))``, one warp per program. Programs
    ``c < S16`` take chunk ``c`` of the 16-bit window (query heads as the M dimension of the
    tensor-core dots, operands split into high + residual 16-bit parts: about fp32 accuracy);
@@ -43,7 +45,10 @@ Triton path (flash-decoding; three launches, all graph-capturable):
      waits (``griddepcontrol.wait``) only before reading the rotated query; the merge kernel
      likewise waits for the decode grid. Nothing is written before the wait. Programs of a
      short chunk (``l2_prefetch``) also prefetch all their codes and parameters into L2 before
-     the wait, so DRAM is busy while the rotation kernel runs.
+     the wait, so DRAM is busy while the rotation kernel runs;
+   * ``window_stages``: software-pipeline stages of the window loop. Its two-stage buffers set
+     the kernel's shared memory (16 KB at batch 32, 24 KB at batch 1) and with it how many
+     one-warp programs fit an SM; one stage needs 9-10 KB.
 3. ``decode_merge_kernel``, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32
    output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``).
 
@@ -51,8 +56,10 @@ The optional output un-rotation is one batched matmul in torch. Nothing reads le
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
 :data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
 ``heads_per_program``, ``programs_per_sm``, ``split_tokens``, ``split_tokens16``,
-``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``l2_prefetch``, ``merge_two_pass`` (the merge's two-pass
-loop even when all partials fit one block; for comparison).
+``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``l2_prefetch``, ``window_stages``, ``merge_two_pass``
+(the merge's two-pass loop even when all partials fit one block; for comparison), ``rotate_batched``
+(False: one sequence per rotation program; for comparison), ``rotate_cols`` (columns of ``R`` per
+rotation program, default 32).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
@@ -276,6 +283,7 @@ def decode_attention(
 #   pdl              programmatic dependent launch of the decode and merge kernels
 #   l2_prefetch      with PDL, programs of at most this many history tokens first prefetch them
 #                    all into L2 (DRAM works while the query rotation runs); 0 = never
+#   window_stages    pipeline stages of the 16-bit window loop, or "auto" (see _window_stages)
 #
 # Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py sweeps, CUDA-graph
 # replays; scripts/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
@@ -307,6 +315,15 @@ def decode_attention(
 # Not faster either: sums of p and p*offset kept per token and reduced after the loop (fewer
 # shuffles per step, more registers): 23.7 / 54.9 / 362.9 / 1238.9 against 23.5 / 54.3 / 331.6 /
 # 1123.1 us at 32K x 1, 128K x 1, 32K x 32, 128K x 32.
+# Window stages (round 2f, H100, scripts/results/bench_kernels_h100_sweep_round2f.json): at batch
+# 32 the window loop's two-stage buffers made the kernel need 16 KB of shared memory, so 13
+# one-warp programs fit an SM although 128 registers allow 16. One stage (9 KB) where the history
+# dominates: 32K x 32 317-320 against 325-328 us, 64K x 32 572 against 587-592, 128K x 32
+# 1087-1095 against 1117-1119; at 8K x 32 (the window 22% of the bytes) it lost, 128-130 against
+# 120 us, hence "auto"; unpipelined window programs take smaller chunks (chunk/10 instead of
+# chunk/4: at 32K x 32, 64-token window chunks 320 against 333 us). Batch 1 keeps two stages:
+# there the 24 KB cap residency at 9 programs per SM, which keeps the 8-per-SM grid even; with
+# one stage up to 11 fit, the busiest SMs take more and 128K x 1 took 72 against 54 us.
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192,
