@@ -64,11 +64,12 @@ rotation program, default 32).
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
 context, batch 1, 54 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47%
-of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.11 ms against 5.51 ms (4.95x, 73%).
-The H200 gives about the same times (50 us, 1.08 ms): Nsight Compute finds the decode kernel
-latency-bound, not at the memory roofline (issue active ~51-58%, 12-19% occupancy, top stall
-"wait", i.e. fixed-latency dependencies). At batch 1 the rotation and merge kernels add ~12 us
-to the ~42 us decode kernel (PDL overlaps part of them); given an already rotated query the
+of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.07 ms against 5.51 ms (5.1x, 76%).
+The H200 gives about the same times (50 us, 1.05 ms). Nsight Compute finds the batch-32 decode
+kernel memory-bound on the H100 (71% of DRAM peak) and the batch-1 kernel (and the H200's)
+latency-bound (issue active ~50-62%, top stall "wait", i.e. fixed-latency dependencies). At
+batch 1 the rotation and merge kernels add ~12 us to the ~42 us decode kernel (PDL overlaps
+part of them); given an already rotated query the
 call is 2.5-3.6 us shorter at 8K-32K and no shorter at 128K.
 """
 
