@@ -93,7 +93,7 @@ from ._common import (
     sm_count,
 )
 from .cache import Int2KVCache
-from .pack import dequantize_packed
+from .pack import bits_per_element, dequantize_packed
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -373,7 +373,7 @@ def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
     if ws != "auto":
         return int(ws)
     d = cache.head_dim
-    hist = cache.history_capacity * 2 * (d // 4 + 4 * (d // cache.group_size))
+    hist = cache.history_capacity * 2 * d * bits_per_element(cache.group_size) / 8
     window = cache.window_capacity * 2 * d * cache.k_bf16.element_size()
     return 1 if hist >= 8 * window else 2
 
@@ -408,7 +408,7 @@ def _rotate_query_triton(mod, q, r, h: int, cfg: dict, pdl: bool) -> torch.Tenso
     seqs = rows // qg2 if cfg.get("rotate_batched", True) else 1
     LAST_LAUNCH["rotate"] = mod.rotate_query_kernel[(-(-bsz // seqs) * h, d // bc)](
         q, q.stride(0), q.stride(1), r, qr, bsz, h, qg,
-        D=d, M=rows, QG2=qg2 if seqs > 1 else rows, BC=bc, INTERP=interp, PDL=pdl, num_warps=4,
+        D=d, M=rows, QG2=rows // seqs, BC=bc, INTERP=interp, PDL=pdl, num_warps=4,
     )
     return qr
 
