@@ -13,9 +13,12 @@ On the GPU (default), in this order:
    first at 128K per batch size (the library default, the round-1 tuning, register cap, PDL,
    tiles, stages, programs per SM, KV heads per program); the best variant per batch size (the
    library default unless another is more than 3% faster) is then timed everywhere, plus the
-   paged layout at two sizes (the median of 3 alternating rounds); a profiler breakdown per
-   kernel (rotation, decode, merge) follows; on an H100 the table also compares with the timings of
-   OSCAR's own kernel given in issue 15;
+   paged layout at two sizes (the median of 3 alternating rounds); at batch 1, what each part
+   adds to a call (the call timed with the query rotation left out, the merge left out, both;
+   the rotation kernel alone; a graph of one trivial kernel, the floor of every timed call);
+   a profiler breakdown per kernel (rotation, decode, merge: their own durations, which overlap
+   under PDL) follows; on an H100 the table also compares with the timings of OSCAR's own kernel
+   given in issue 15;
 4. write-kernel throughput (rotate + clip + quantise + pack) on 128K tokens x 8 heads, general
    and plane-wise kernels.
 
@@ -39,6 +42,7 @@ Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out D
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -93,6 +97,7 @@ from oscar_calib.kernels import (
     quantize_kv_reference,
 )
 from oscar_calib.kernels import decode as decode_mod  # noqa: E402
+from oscar_calib.kernels._common import load_triton_module  # noqa: E402
 from oscar_calib.kernels import write as write_mod  # noqa: E402
 from oscar_calib.kernels.testing import (
     code_agreement,
@@ -472,6 +477,66 @@ def profile_decode(shape: dict, best: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def merge_left_out():
+    """Bench only: the decode call without its merge kernel (the launch becomes a no-op), to
+    time what the merge adds to the call."""
+    mod = load_triton_module("_decode_triton")
+    real = mod.decode_merge_kernel
+
+    class _Skip:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    mod.decode_merge_kernel = _Skip()
+    try:
+        yield
+    finally:
+        mod.decode_merge_kernel = real
+
+
+BREAKDOWN_PARTS = ("call", "prerotated", "no_merge", "decode_only", "rotation_only", "floor")
+
+
+def breakdown_decode(shape: dict, contexts: list[int], l2: int) -> list[dict]:
+    """Batch 1, where a call is short: the library default's call time with parts left out
+    (``prerotated``: the query given rotated, no rotation kernel; ``no_merge``; ``decode_only``:
+    both), the rotation kernel alone, and ``floor``: a graph of one trivial kernel (what every
+    timed call, SDPA's too, includes: graph launch and event timing). Differences give what each
+    part adds to the critical path; PDL overlaps part of each kernel with its neighbours."""
+    h, qh, d, g = shape["kv_heads"], shape["q_heads"], shape["head_dim"], shape["group_size"]
+    rows = []
+    for ctx in contexts:
+        if over_budget():
+            break
+        window = min(ctx, SINK + RECENT)
+        n2 = copies_for(int2_bytes(1, h, d, g, ctx - window, window), l2)
+        q = torch.randn(1, qh, d, device=DEV).to(torch.bfloat16)
+        rk = random_rotation(h, d, device=DEV)
+        caches = [random_int2_cache(1, h, d, g, ctx - window, window, device=DEV) for _ in range(n2)]
+        out = torch.empty(1, qh, d, device=DEV, dtype=torch.bfloat16)
+        row = {"context": ctx, "batch": 1}
+        for part in BREAKDOWN_PARTS:
+            kr = None if part in ("prerotated", "decode_only") else rk
+            if part == "rotation_only":
+                cfg = decode_mod.tuning(1, h)
+                mod = load_triton_module("_decode_triton")
+                fns = [lambda: decode_mod._rotate_query_triton(mod, q, rk, h, cfg, False)]
+            elif part == "floor":
+                fns = [lambda: out.fill_(1.0)]
+            else:
+                fns = [lambda c=c, kr=kr: decode_attention(q, c, k_rotation=kr, backend="triton", out=out,
+                                                           check_lengths=False) for c in caches]
+            with merge_left_out() if part in ("no_merge", "decode_only") else contextlib.nullcontext():
+                row[part + "_ms"] = timed_graphs(fns)
+        rows.append(row)
+        log(f"breakdown ctx={ctx} B=1 (us): " + ", ".join(f"{p} {row[p + '_ms'] * 1e3:.1f}" for p in BREAKDOWN_PARTS))
+        del caches
+        if GPU:
+            torch.cuda.empty_cache()
+    return rows
+
+
 def write_variants() -> list[tuple[str, dict, dict]]:
     if ARGS.quick:
         return [("rot+clip", {}, {"clip": True})]
@@ -736,6 +801,8 @@ def main():
                 + ", ".join(f"{r['paged_ms'] * 1e3:.1f}/{r['contiguous_ms'] * 1e3:.1f} us" for r in rounds))
         report["paged"].append(entry)
 
+    bd_contexts = list(dict.fromkeys(([512] if GPU else []) + contexts[:2] + contexts[-1:]))
+    report["breakdown"] = breakdown_decode(shape, bd_contexts, l2) if 1 in batches else []
     report["profile"] = profile_decode(shape, best) if GPU else {}
     report["write"] = time_write(shape, l2)
     report["write_profile"] = write_profile(report["write"])
@@ -802,6 +869,16 @@ def print_table(report: dict, bw: float) -> None:
                          + ", ".join(f"{(r['ratio'] - 1) * 100:+.1f}%" for r in rs)
                          + f"; last {rs[-1]['paged_ms'] * 1e3:.1f} vs {rs[-1]['contiguous_ms'] * 1e3:.1f} us)")
 
+    if report.get("breakdown"):
+        lines.append("batch 1, what each part adds (us; a graph of one trivial kernel is the floor every timed call "
+                     "includes):")
+        lines.append(f"{'ctx':>7} {'call':>7} {'rotation':>9} {'merge':>7} {'decode only':>12} {'rotation alone':>15} "
+                     f"{'floor':>7}")
+        for r in report["breakdown"]:
+            us = {k[:-3]: v * 1e3 for k, v in r.items() if k.endswith("_ms")}
+            lines.append(f"{r['context']:>7} {us['call']:>7.1f} {us['call'] - us['prerotated']:>+9.1f} "
+                         f"{us['call'] - us['no_merge']:>+7.1f} {us['decode_only']:>12.1f} {us['rotation_only']:>15.1f} "
+                         f"{us['floor']:>7.1f}")
     for w in report["write"]:
         if "ms" in w:
             lines.append(f"write {w['name']:<26} {w['tokens']} tok: {w['ms'] * 1e3:8.1f} us "

@@ -65,5 +65,10 @@ def test_bench_kernels_quick_run_writes_json_and_table(tmp_path):
     (paged,) = rep["paged"]
     assert len(paged["rounds"]) == 1 and paged["median_ratio"] == paged["rounds"][0]["ratio"] > 0
     assert [w["name"] for w in rep["write"] if "ms" in w] == ["rot+clip"]
+    # batch 1: the call with parts left out, each part alone, the floor
+    assert [r["context"] for r in rep["breakdown"]] == [360, 704]
+    assert all(r[p + "_ms"] > 0 for r in rep["breakdown"]
+               for p in ("call", "prerotated", "no_merge", "decode_only", "rotation_only", "floor"))
     out = res.stdout
+    assert "batch 1, what each part adds" in out
     assert "median of 1 rounds" in out and "write rot+clip" in out and "correctness: write codes differing" in out
