@@ -97,8 +97,8 @@ from oscar_calib.kernels import (
     quantize_kv_reference,
 )
 from oscar_calib.kernels import decode as decode_mod  # noqa: E402
-from oscar_calib.kernels._common import load_triton_module  # noqa: E402
 from oscar_calib.kernels import write as write_mod  # noqa: E402
+from oscar_calib.kernels._common import load_triton_module  # noqa: E402
 from oscar_calib.kernels.testing import (
     code_agreement,
     kv_rows,

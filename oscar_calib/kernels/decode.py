@@ -59,7 +59,8 @@ host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``
 ``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``l2_prefetch``, ``window_stages``, ``merge_two_pass``
 (the merge's two-pass loop even when all partials fit one block; for comparison), ``rotate_batched``
 (False: one sequence per rotation program; for comparison), ``rotate_cols`` (columns of ``R`` per
-rotation program, default 32).
+rotation program, default 32), ``value_pairs`` (False: value codes loaded as 32-bit words instead
+of 16-bit pairs; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
@@ -325,6 +326,14 @@ def decode_attention(
 # chunk/4: at 32K x 32, 64-token window chunks 320 against 333 us). Batch 1 keeps two stages:
 # there the 24 KB cap residency at 9 programs per SM, which keeps the 8-per-SM grid even; with
 # one stage up to 11 fit, the busiest SMs take more and 128K x 1 took 72 against 54 us.
+# Value codes as 16-bit pairs (round 2g, H100, alternating duplicates in one run;
+# scripts/results/bench_kernels_h100_value_pairs_{b1,b32}_round2g.json): each 32-bit register of
+# the bit operations stays one operand register of the value product, where 32-bit words came
+# back as four 16-bit values the compiler packed again (sm_90 history step: 946 against 1023
+# instructions at batch 1, 566 against 571 at batch 32; the value loads become 16-byte copies).
+# 8K x 1 16.5-16.6 against 17.1-17.2 us, 32K x 1 23.2-23.3 against 23.3-23.5, 128K x 1 53.5-53.7
+# against 54.1-54.4, 32K x 32 312.5-314.1 against 317.1-318.0, 128K x 32 1051.8-1056.2 against
+# 1067.9-1069.8. (config "value_pairs": False keeps the words, for comparison.)
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192,
@@ -502,7 +511,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
-        WS=wstages,
+        WS=wstages, V16=bool(cfg.get("value_pairs", True)),
         **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl_decode),
         num_warps=1, num_stages=num_stages, **launch,
     )

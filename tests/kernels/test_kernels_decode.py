@@ -131,6 +131,16 @@ def test_decode_heads_per_program_with_missing_heads(hp, device):
     _run(q, cache, rk, rv, config={**SMALL, "heads_per_program": hp})
 
 
+@pytest.mark.parametrize("pairs", [True, False])
+@pytest.mark.parametrize("d,page", [(128, None), (256, 16)])
+def test_decode_value_codes_as_pairs_or_words(pairs, d, page, device):
+    # value codes loaded as 16-bit pairs (default) or 32-bit words: the same attention, with two
+    # byte blocks per row (d=256), paged, and partial last steps
+    q, cache, rk, rv, _ = _case(batch=2, tokens=80, heads=2, qg=4, d=d, g=64, lengths=[80, 53], page=page,
+                                seed=50 + d + bool(page), device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "value_pairs": pairs, "BLOCK_N": 32})
+
+
 def test_decode_two_blocks_odd_group(device):
     # two byte blocks (d=256, G=32: eight groups) and 3 query heads per KV head
     q, cache, rk, rv, _ = _case(batch=2, tokens=44, heads=1, qg=3, d=256, g=32, lengths=[44, 27],
