@@ -55,23 +55,23 @@ Triton path (flash-decoding; three launches, all graph-capturable):
 The optional output un-rotation is one batched matmul in torch. Nothing reads lengths on the
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
 :data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
-``heads_per_program``, ``programs_per_sm``, ``split_tokens``, ``split_tokens16``,
+``heads_per_program``, ``programs_per_sm``, ``min_chunk``, ``split_tokens``, ``split_tokens16``,
 ``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``l2_prefetch``, ``window_stages``, ``merge_two_pass``
 (the merge's two-pass loop even when all partials fit one block; for comparison), ``rotate_batched``
 (False: one sequence per rotation program; for comparison), ``rotate_cols`` (columns of ``R`` per
 rotation program, default 32), ``value_pairs`` (False: value codes loaded as 32-bit words instead
-of 16-bit pairs; for comparison).
+of 16-bit pairs; for comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64
+bits even where 32 suffice; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
-tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed"): at 128K
-context, batch 1, 54 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47%
-of the 3.0 TB/s copy bandwidth end to end); batch 32, 1.07 ms against 5.51 ms (5.1x, 76%).
-The H200 gives about the same times (50 us, 1.05 ms). Nsight Compute finds the batch-32 decode
-kernel memory-bound on the H100 (71% of DRAM peak) and the batch-1 kernel (and the H200's)
-latency-bound (issue active ~50-62%, top stall "wait", i.e. fixed-latency dependencies). At
-batch 1 the rotation and merge kernels add ~12 us to the ~42 us decode kernel (PDL overlaps
-part of them); given an already rotated query the
-call is 2.5-3.6 us shorter at 8K-32K and no shorter at 128K.
+tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2g): at 128K
+context, batch 1, 54 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47% of
+the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
+gives 50 us and 0.83 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
+memory-bound on the H100 (81% of DRAM peak) and the batch-1 kernel (and the H200's) latency-bound
+(issue active ~50-56%). At batch 1 the query rotation adds 2.1-3.2 us and the merge 1.3-2.7 us
+to a call at 512-128K tokens (the call with each left out); a graph of one trivial kernel, which
+every timed call includes, takes ~4.8 us.
 """
 
 from __future__ import annotations
@@ -280,6 +280,7 @@ def decode_attention(
 #   BLOCK_N          history tokens per step of a one-warp program (BLOCK16: window tokens)
 #   heads_per_program KV heads per program, or "fill": enough for the key dot's N = 8 columns
 #   programs_per_sm  sets the split count (programs per SM over the whole grid)
+#   min_chunk        history tokens per program at least (fewer, longer programs at short contexts)
 #   prefetch         load the next step's token offsets and parameters one step ahead
 #   maxnreg          register cap per thread (0: none); 128 lets 16 one-warp programs share an SM
 #   pdl              programmatic dependent launch of the decode and merge kernels
@@ -334,6 +335,19 @@ def decode_attention(
 # 8K x 1 16.5-16.6 against 17.1-17.2 us, 32K x 1 23.2-23.3 against 23.3-23.5, 128K x 1 53.5-53.7
 # against 54.1-54.4, 32K x 32 312.5-314.1 against 317.1-318.0, 128K x 32 1051.8-1056.2 against
 # 1067.9-1069.8. (config "value_pairs": False keeps the words, for comparison.)
+# Batch 32 (round 2g, H100, scripts/results/bench_kernels_h100_sweep_b32_round2g.json): with the
+# value pairs, two KV heads per program (the key dot's 8 columns all real) and 64-token tiles
+# without a register cap beat one head, 32-token tiles and 128 registers: 32K x 32 274-280 against
+# 314-315 us, 64K x 32 504 against 563, 128K x 32 934-941 against 1066-1070 (Nsight Compute: 80% of
+# DRAM peak). Programs per SM: 40 (32K: 274 against 280 at 48, 283 at 32, 289 at 64); at 8K
+# fewer, longer programs win (24 per SM: 109 us, 40: 120), hence at least 320 tokens per program.
+# The paged regime takes the same choice: with 32-bit offsets and one block-table entry per step
+# (when a step lies in one page) it is within 2-4% of contiguous at batch 32 (32K: 276-282 against
+# 271 us; 128K: 929-936 against 937), 1% at 128K x 1 (54.0-54.2 against 53.5); 64-bit offsets
+# 280-286 / 939-947 / 54.8-55.0 (scripts/results/bench_kernels_h100_paged_round2g.json).
+_LARGE = {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
+          "programs_per_sm": 40, "min_chunk": 320, "prefetch": True, "maxnreg": 0, "pdl": True,
+          "l2_prefetch": 192, "window_stages": 2}
 TUNING = {
     "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
               "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192,
@@ -341,12 +355,8 @@ TUNING = {
     "small_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
                     "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True, "l2_prefetch": 192,
                     "window_stages": 2},
-    "large": {"mode": 1, "BLOCK_N": 32, "BLOCK16": 16, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 96, "prefetch": True, "maxnreg": 128, "pdl": True, "l2_prefetch": 192,
-              "window_stages": "auto"},
-    "large_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
-                    "programs_per_sm": 48, "prefetch": True, "maxnreg": 0, "pdl": True,
-                    "l2_prefetch": 192, "window_stages": 2},
+    "large": _LARGE,
+    "large_paged": dict(_LARGE),
 }
 SMALL_BATCH_HEADS = 64
 # the compiled kernels of the latest Triton launch (register/spill reports for benchmarks)
@@ -385,6 +395,13 @@ def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
     hist = cache.history_capacity * 2 * d * bits_per_element(cache.group_size) / 8
     window = cache.window_capacity * 2 * d * cache.k_bf16.element_size()
     return 1 if hist >= 8 * window else 2
+
+
+def _offsets32(cache: Int2KVCache, cfg: dict) -> bool:
+    """A paged cache whose code and parameter tensors hold fewer than 2^31 elements: the kernel's
+    per-step offsets stay 32-bit (``config={"offsets32": False}`` keeps them 64-bit, for comparison)."""
+    tensors = (cache.k_codes, cache.v_codes, cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset)
+    return bool(cache.paged and cfg.get("offsets32", True) and all(t.numel() < 2**31 for t in tensors))
 
 
 def _l2_warm_args(cfg: dict, chunk: int, d: int, g: int, page: int, paged: bool, pdl: bool) -> dict:
@@ -466,7 +483,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         chunk = int(cfg["split_tokens"])
     else:
         want = max(1, -(-target // (bsz * hgroups)))
-        chunk = -(-cap // want)
+        chunk = max(-(-cap // want), int(cfg.get("min_chunk", 0)))
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     s2 = -(-cap // chunk)
     ncap = cache.window_capacity
@@ -511,7 +528,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
-        WS=wstages, V16=bool(cfg.get("value_pairs", True)),
+        WS=wstages, V16=bool(cfg.get("value_pairs", True)), P32=_offsets32(cache, cfg),
         **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl_decode),
         num_warps=1, num_stages=num_stages, **launch,
     )
