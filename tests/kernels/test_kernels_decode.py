@@ -141,6 +141,17 @@ def test_decode_value_codes_as_pairs_or_words(pairs, d, page, device):
     _run(q, cache, rk, rv, config={**SMALL, "value_pairs": pairs, "BLOCK_N": 32})
 
 
+@pytest.mark.parametrize("page,block_n,off32", [(16, 16, True), (16, 16, False), (8, 16, True), (32, 16, False)])
+def test_decode_paged_step_entries_and_offsets(page, block_n, off32, device):
+    # a step inside one page takes one block-table entry (page % BLOCK_N == 0), otherwise one per
+    # token; offsets 32- or 64-bit; prefetched steps, a partial last step and an empty split
+    q, cache, rk, rv, _ = _case(batch=2, tokens=120, heads=2, qg=4, d=128, g=128, lengths=[120, 45], page=page,
+                                seed=70 + page + off32, device=device)
+    assert decode_mod._offsets32(cache, {"offsets32": off32}) == off32
+    _run(q, cache, rk, rv, config={**SMALL, "BLOCK_N": block_n, "prefetch": True, "offsets32": off32,
+                                   "split_tokens": 48})
+
+
 def test_decode_two_blocks_odd_group(device):
     # two byte blocks (d=256, G=32: eight groups) and 3 query heads per KV head
     q, cache, rk, rv, _ = _case(batch=2, tokens=44, heads=1, qg=3, d=256, g=32, lengths=[44, 27],
