@@ -47,7 +47,7 @@ Triton path (flash-decoding; three launches, all graph-capturable):
      short chunk (``l2_prefetch``) also prefetch all their codes and parameters into L2 before
      the wait, so DRAM is busy while the rotation kernel runs;
    * ``window_stages``: software-pipeline stages of the window loop. Its two-stage buffers set
-     the kernel's shared memory (16 KB at batch 32, 24 KB at batch 1) and with it how many
+     the kernel's shared memory (24 KB with 32-token window steps, 16 KB with 16) and with it how many
      one-warp programs fit an SM; one stage needs 9-10 KB.
 3. ``decode_merge_kernel``, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32
    output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``).
@@ -341,6 +341,7 @@ def decode_attention(
 # 314-315 us, 64K x 32 504 against 563, 128K x 32 934-941 against 1066-1070 (Nsight Compute: 80% of
 # DRAM peak). Programs per SM: 40 (32K: 274 against 280 at 48, 283 at 32, 289 at 64); at 8K
 # fewer, longer programs win (24 per SM: 109 us, 40: 120), hence at least 320 tokens per program.
+# These tiles keep two window stages ("auto" picked one: 32K x 32 305 against 277 us).
 # The paged regime takes the same choice: with 32-bit offsets and one block-table entry per step
 # (when a step lies in one page) it is within 2-4% of contiguous at batch 32 (32K: 276-282 against
 # 271 us; 128K: 929-936 against 937), 1% at 128K x 1 (54.0-54.2 against 53.5); 64-bit offsets
@@ -383,11 +384,12 @@ def _heads_per_program(qg: int, h: int, cfg: dict) -> int:
 
 def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
     """Pipeline stages of the 16-bit window loop: the configured number, or for ``"auto"`` one
-    stage when the INT2 history holds at least 8x the window's bytes (two otherwise). Without
-    the window's pipeline buffers the kernel needs 9 instead of 16 KB of shared memory at batch
-    32, so 16 one-warp programs fit an SM instead of 13; that pays where the history dominates
-    (128K x 32, H100: 1069-1075 against 1108-1111 us) and loses where the window's share is
-    large (8K x 32: 128-130 against 120 us)."""
+    stage when the INT2 history holds at least 8x the window's bytes (two otherwise). With the
+    round-2f batch-32 tiles (one head, 128 registers) the window's pipeline buffers made the
+    kernel need 16 instead of 9 KB of shared memory, so 13 one-warp programs fit an SM instead of
+    16; one stage paid where the history dominates (128K x 32, H100: 1069-1075 against 1108-1111
+    us) and lost where the window's share is large (8K x 32: 128-130 against 120 us). No regime
+    takes it since round 2g (its tiles are register-bound: two stages)."""
     ws = cfg["window_stages"]
     if ws != "auto":
         return int(ws)
