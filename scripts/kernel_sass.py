@@ -13,7 +13,8 @@ Kernels:
 
 * ``decode``: the history part of the decode kernel (``PARTS=1``) in the library's batch-1
   regime (``decode.TUNING["small"]``: 64-token steps, one KV head per program, prefetch, PDL,
-  the register cap), Qwen3-8B head shapes (d = 128, G = 128, 4 query heads per KV head);
+  the register cap), Qwen3-8B head shapes (d = 128, G = 128, 4 query heads per KV head); the
+  batch-32 regime is ``--set HP=2 --maxnreg 0``, a paged cache ``--set PAGED=1 --set PAGE=64``;
 * ``write``: the plane-wise write kernel with a rotation and the clip (the library default:
   a persistent program holding the rotation, one split product, tournament selection, codes by
   thresholds), 64 rows per block; its first loop is the one over row blocks, which holds the
