@@ -68,6 +68,10 @@ def parse_args():
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="sweep only: time these decode configs (a JSON list of config dicts, or a file holding "
                          "one) at every context x batch, no SDPA, no write kernel; writes sweep.json")
+    ap.add_argument("--write-variants", default=None, metavar="JSON",
+                    help="write kernel only: check these write configs (a JSON list of config dicts, or a file "
+                         "holding one) against the reference, then time each with rotation and clip on 128K "
+                         "tokens x 8 heads in alternating rounds; writes write_sweep.json")
     ap.add_argument("--flush", choices=["write", "read"], default="write",
                     help="how L2 is emptied before each timed call: write (triton's do_bench: zeroing a "
                          "256 MB buffer, which leaves L2 full of dirty lines that the timed call writes "
@@ -648,21 +652,21 @@ def int_list(text: str | None, flag: str) -> list[int]:
     return vals
 
 
-def parse_variants(text: str) -> list[dict]:
-    """``--variants``: a JSON list of config dicts, inline or in a file."""
+def parse_variants(text: str, flag: str = "--variants") -> list[dict]:
+    """``--variants`` / ``--write-variants``: a JSON list of config dicts, inline or in a file."""
     p = Path(text)
     if text.lstrip().startswith("["):
         raw = text
     elif p.is_file():
         raw = p.read_text()
     else:
-        sys.exit(f"error: --variants {text!r} is neither a JSON list nor a file")
+        sys.exit(f"error: {flag} {text!r} is neither a JSON list nor a file")
     try:
         val = json.loads(raw)
     except json.JSONDecodeError as e:
-        sys.exit(f"error: --variants is not JSON: {e}")
+        sys.exit(f"error: {flag} is not JSON: {e}")
     if not isinstance(val, list) or not all(isinstance(v, dict) for v in val):
-        sys.exit("error: --variants must be a JSON list of config objects")
+        sys.exit(f"error: {flag} must be a JSON list of config objects")
     return val
 
 
@@ -707,10 +711,100 @@ def sweep_variants(report: dict, shape: dict, contexts: list[int], batches: list
                 print(f"{ctx:>7} x {batch:<3} {r['int2_ms'] * 1e3:8.1f} us  {r['config']}")
 
 
+WRITE_ROUNDS = 3  # alternating rounds of a write sweep (each config timed once per round)
+
+
+def write_check_rows(h: int, d: int, gen) -> torch.Tensor:
+    """Rows for the write sweep's check: Qwen-like K rows, plus rows whose values are all equal
+    after the clip (some beyond it), all zero, or a few ulps apart around a large offset
+    (degenerate groups that exact kernels must handle like the reference), 1200 tokens x ``h``
+    heads."""
+    x = kv_rows((1200, h, d), torch.float32, generator=gen)
+    x[:60] = 3.0  # all equal after the clip, with values beyond it on one side or the other
+    x[:20, :, :5] = 50.0
+    x[20:40, :, 3:6] = -50.0
+    x[60:80] = 1000.0 + torch.randint(-3, 4, (20, h, d), generator=gen) * 6.1e-5
+    x[80:100] = 0.0
+    return x.to(torch.bfloat16)
+
+
+def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_dir: Path) -> None:
+    """``--write-variants``: each config's code agreement with the reference (rotation and clip),
+    then each timed on 128K tokens x 8 heads in ``WRITE_ROUNDS`` alternating rounds (median)."""
+    h, d, g = shape["kv_heads"], shape["head_dim"], shape["group_size"]
+    gen = torch.Generator().manual_seed(5)
+    xc = write_check_rows(h, d, gen)
+    rk = random_rotation(h, d, generator=gen)
+    clip = torch.full((h,), 0.96)
+    refs = {"rot": quantize_kv_reference(xc, rk, clip, g), "no rot": quantize_kv_reference(xc, None, clip, g)}
+    ok_cfgs, report["write_check"] = [], []
+    for cfg in configs:
+        row = {"config": cfg}
+        for name, rot in (("rot", rk), ("no rot", None)):
+            got = quantize_kv(xc.to(DEV), None if rot is None else rot.to(DEV), clip.to(DEV), g, backend="triton",
+                              config=cfg)
+            worst, frac = code_agreement(got, refs[name])
+            same_params = bool(torch.equal(got.scale.cpu(), refs[name].scale) and torch.equal(got.offset.cpu(), refs[name].offset))
+            row[name] = {"max_level_diff": worst, "codes_differing": frac, "params_identical": same_params}
+        # unrotated input must match exactly; rotated, by at most a rounding tie (one level, rare)
+        row["ok"] = (row["no rot"]["codes_differing"] == 0 and row["no rot"]["params_identical"]
+                     and row["rot"]["max_level_diff"] <= 1 and row["rot"]["codes_differing"] <= 1e-4)
+        report["write_check"].append(row)
+        log(f"check write {cfg}: rotated {row['rot']['codes_differing']:.2e} codes differ, unrotated "
+            f"{row['no rot']['codes_differing']:.2e} (params identical: {row['no rot']['params_identical']})"
+            f"{'' if row['ok'] else ' -- FAILED, not timed'}")
+        if row["ok"]:
+            ok_cfgs.append(cfg)
+    t = 131072 if GPU else 256
+    x = torch.randn(t, h, d, device=DEV).to(torch.bfloat16)
+    x[..., 7] = x[..., 7] * 20 + 5
+    rot = random_rotation(h, d, device=DEV)
+    clip_d = clip.to(DEV)
+    out = QuantizedKV(torch.empty(t, h, d // 4, dtype=torch.uint8, device=DEV),
+                      torch.empty(t, h, d // g, dtype=torch.float16, device=DEV),
+                      torch.empty(t, h, d // g, dtype=torch.float16, device=DEV), g)
+    nbytes = x.numel() * x.element_size() + out.codes.numel() + 2 * out.scale.numel() * 2
+    times: dict[int, list[float]] = {i: [] for i in range(len(ok_cfgs))}
+    regs: dict[int, object] = {}
+    for _ in range(WRITE_ROUNDS if GPU else 1):
+        for i, cfg in enumerate(ok_cfgs):
+            if over_budget():
+                break
+            fn = lambda cfg=cfg: quantize_kv(x, rot, clip_d, g, backend="triton", out=out, config=cfg)  # noqa: E731
+            times[i].append(timed_graphs([fn]))
+            regs[i] = kernel_info(write_mod.LAST_LAUNCH.get("write"))
+    report["write_sweep"] = []
+    for i, cfg in enumerate(ok_cfgs):
+        if not times[i]:
+            continue
+        ms = statistics.median(times[i])
+        report["write_sweep"].append({"config": cfg, "ms": ms, "runs_ms": times[i], "tokens": t, "bytes": nbytes,
+                                      "bytes_per_s": nbytes / (ms * 1e-3), "kernel": regs.get(i)})
+    report["ncu_decode"] = []
+    report["write_profile"] = [{"name": json.dumps(cfg), "config": cfg, "rot": True, "clip": True} for cfg in ok_cfgs]
+    report["elapsed_s"] = time.time() - T0
+    path = out_dir / "write_sweep.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    if ARGS.ncu and GPU:
+        report = run_ncu(path) or report
+    for n in report.get("ncu", []):
+        m = n["metrics"]
+        log(f"ncu {n['what']}: {(m.get('time') or 0) / 1e3:.1f} us, {m.get('warp_instructions') or 0:.3g} warp "
+            f"instructions, issue {m.get('issue_pct') or 0:.0f}%, DRAM {m.get('dram_pct') or 0:.0f}%, "
+            f"{m.get('registers')} registers -> {m['bound']}")
+    print(f"write, rotation and clip, {t} tokens x {h} heads (median of {WRITE_ROUNDS if GPU else 1} rounds):")
+    for r in sorted(report["write_sweep"], key=lambda r: r["ms"]):
+        runs = ", ".join(f"{m * 1e3:.1f}" for m in r["runs_ms"])
+        print(f"{r['ms'] * 1e3:8.1f} us  {r['bytes_per_s'] / bw * 100:4.0f}% of copy  ({runs})  {r['config']}")
+
+
 def main():
     global VARIANTS
+    write_cfgs = None
     if ARGS.variants is not None:  # bad input is refused before any work
         VARIANTS = parse_variants(ARGS.variants)
+    if ARGS.write_variants is not None:
+        write_cfgs = parse_variants(ARGS.write_variants, "--write-variants")
     contexts = int_list(ARGS.contexts, "--contexts") or ([360, 704] if ARGS.quick else [8192, 32768, 65536, 131072])
     batches = int_list(ARGS.batches, "--batches") or ([1, 2] if ARGS.quick else [1, 32])
     out_dir = Path(ARGS.out)
@@ -723,6 +817,9 @@ def main():
     report["copy"] = copy_bandwidth()
     bw = report["copy"]["bytes_per_s"]
     log(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    if write_cfgs is not None:
+        sweep_write(report, shape, write_cfgs, bw, out_dir)
+        return
     if ARGS.variants is not None:
         sweep_variants(report, shape, contexts, batches, l2, bw, out_dir)
         return

@@ -260,26 +260,34 @@ def _ce(x, y):
 
 
 @triton.jit
-def _mth_sorted4(a0, a1, a2, a3, m, LOWEST: tl.constexpr):
+def _mth_sorted4(a0, a1, a2, a3, m, LOWEST: tl.constexpr, TOP3: tl.constexpr = False):
     """``m`` rounds of a tournament over the ``W`` columns of each row: the four plane values of
     a column (held by one thread) are sorted once (five compare-exchanges); a round takes the
     row maximum of the column heads and pops the column(s) whose head it was. Without ties
     among the top ``m`` this is the ``m``-th largest value (the caller checks).
     Per round: one compare, four selects and one row reduction per column, against a
     compare, a select and a maximum per value (and four reductions) for
-    :func:`_max4_below`."""
+    :func:`_max4_below`. ``TOP3``: each column keeps its three largest values only (a column
+    holding four of the row's top ``m`` then yields a smaller value, which the caller's count
+    check refuses like a tie)."""
     s0, s1 = _ce(a0, a1)
     s2, s3 = _ce(a2, a3)
     s0, s2 = _ce(s0, s2)
-    s1, s3 = _ce(s1, s3)
+    if TOP3:
+        s1 = tl.maximum(s1, s3)
+    else:
+        s1, s3 = _ce(s1, s3)
     s1, s2 = _ce(s1, s2)
     v = tl.max(s0, axis=1)
     for _ in range(m - 1):
         pop = s0 == v[:, None]
         s0 = tl.where(pop, s1, s0)
         s1 = tl.where(pop, s2, s1)
-        s2 = tl.where(pop, s3, s2)
-        s3 = tl.where(pop, LOWEST, s3)
+        if TOP3:
+            s2 = tl.where(pop, LOWEST, s2)
+        else:
+            s2 = tl.where(pop, s3, s2)
+            s3 = tl.where(pop, LOWEST, s3)
         v = tl.max(s0, axis=1)
     return v
 
@@ -289,6 +297,25 @@ def _select4_sorted(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
     """:func:`_select4` with the tournament of :func:`_mth_sorted4` for the rounds; the same
     count check (exactly ``m`` values ``>= v``) and tie-aware fallback, so exact either way."""
     return _unless_tied(a0, a1, a2, a3, _mth_sorted4(a0, a1, a2, a3, m, float("-inf")), m, rmask, BT)
+
+
+@triton.jit
+def _mag(y, NEG: tl.constexpr):
+    """``|y|``, or ``-|y|`` where ``NEG``."""
+    a = tl.abs(y)
+    if NEG:
+        a = -a
+    return a
+
+
+@triton.jit
+def _select4_sorted_y(y0, y1, y2, y3, m, rmask, BT: tl.constexpr, NEG: tl.constexpr, TOP3: tl.constexpr):
+    """:func:`_select4_sorted` over the magnitudes of ``y`` (negated where ``NEG``)."""
+    a0 = _mag(y0, NEG)
+    a1 = _mag(y1, NEG)
+    a2 = _mag(y2, NEG)
+    a3 = _mag(y3, NEG)
+    return _unless_tied(a0, a1, a2, a3, _mth_sorted4(a0, a1, a2, a3, m, float("-inf"), TOP3), m, rmask, BT)
 
 
 @triton.jit
@@ -411,9 +438,33 @@ def _tplane(y, t1, t2, t3, P: tl.constexpr):
 
 
 @triton.jit
+def _tplane2(y, t1, t2, t3, P: tl.constexpr):
+    """:func:`_tplane` with two compares: the high bit is ``y >= T2``, the low bit ``y >= T3`` where
+    the high bit is set and ``y >= T1`` where not (``T1 <= T2 <= T3``)."""
+    hi = y >= t2[:, None]
+    lo = y >= tl.where(hi, t3[:, None], t1[:, None])
+    return tl.where(hi, 2 << (2 * P), 0) | tl.where(lo, 1 << (2 * P), 0)
+
+
+@triton.jit
 def _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3):
     """The byte of four planes' codes, each by IEEE division (:func:`_qplane`)."""
     return _qplane(y0, s0, z0) | (_qplane(y1, s1, z1) << 2) | (_qplane(y2, s2, z2) << 4) | (_qplane(y3, s3, z3) << 6)
+
+
+@triton.jit
+def _clip4(y0, y1, y2, y3, t):
+    tb = t[:, None]
+    return (tl.maximum(tl.minimum(y0, tb), -tb), tl.maximum(tl.minimum(y1, tb), -tb),
+            tl.maximum(tl.minimum(y2, tb), -tb), tl.maximum(tl.minimum(y3, tb), -tb))
+
+
+@triton.jit
+def _clip_free(t1, t3, lo, hi):
+    """Whether codes by thresholds need no clip in a group whose clipped extremes are ``lo, hi``:
+    a value above the clip (``> hi``) must get code 3 as ``hi`` does (``T3 <= hi``), one below it
+    (``< lo``) code 0 as ``lo`` does (``T1 > lo``). Fails only for groups of (nearly) equal values."""
+    return (t3 <= hi) & (t1 > lo)
 
 
 @triton.jit
@@ -440,7 +491,8 @@ def quantize_kv_planes_kernel(
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
     SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False, RES: tl.constexpr = False,
-    THRESH: tl.constexpr = False,
+    THRESH: tl.constexpr = False, LATE: tl.constexpr = False, BITS2: tl.constexpr = False,
+    TOP3: tl.constexpr = False,
 ):
     """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
     ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
@@ -464,11 +516,13 @@ def quantize_kv_planes_kernel(
         for blk in range(pid, tl.cdiv(T, BT), npg):
             _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
                          scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
-                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH)
+                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, BITS2,
+                         TOP3)
     else:
         _planes_rows(pid, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
                      scale_ptr, off_ptr, s_st, s_sh, T, 0, 0,
-                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH)
+                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, BITS2,
+                         TOP3)
 
 
 @triton.jit
@@ -476,7 +530,8 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                  scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
                  D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
                  ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr,
-                 SPLIT: tl.constexpr, SORTED: tl.constexpr, RES: tl.constexpr, THRESH: tl.constexpr):
+                 SPLIT: tl.constexpr, SORTED: tl.constexpr, RES: tl.constexpr, THRESH: tl.constexpr,
+                 LATE: tl.constexpr, BITS2: tl.constexpr, TOP3: tl.constexpr):
     """Row block ``blk`` of head ``h`` (see :func:`quantize_kv_planes_kernel`)."""
     rows = blk * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -534,66 +589,93 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                 t = _kth_keyed4(a0, a1, a2, a3, kq + 1, False, W)
         elif SORTED:
             if kq >= D // 2:
-                t = _select4_sorted(a0, a1, a2, a3, D - kq, rmask, BT)
+                t = _select4_sorted_y(y0, y1, y2, y3, D - kq, rmask, BT, False, TOP3)
             else:
-                t = -_select4_sorted(-a0, -a1, -a2, -a3, kq + 1, rmask, BT)
+                t = -_select4_sorted_y(y0, y1, y2, y3, kq + 1, rmask, BT, True, TOP3)
         elif kq >= D // 2:
             t = _select4(a0, a1, a2, a3, D - kq, rmask, BT)
         else:
             t = -_select4(-a0, -a1, -a2, -a3, kq + 1, rmask, BT)
-        tb = t[:, None]
-        y0 = tl.maximum(tl.minimum(y0, tb), -tb)
-        y1 = tl.maximum(tl.minimum(y1, tb), -tb)
-        y2 = tl.maximum(tl.minimum(y2, tb), -tb)
-        y3 = tl.maximum(tl.minimum(y3, tb), -tb)
+        if not (LATE and THRESH):  # (LATE: the clip enters only through the group statistics)
+            y0, y1, y2, y3 = _clip4(y0, y1, y2, y3, t)
 
     # group statistics: a group is 1, 2 or 4 planes (G = W, 2W or 4W)
+    # (planes of a group combined before the row reduction: one reduction's shuffles per group)
     GP: tl.constexpr = G // W
-    l0 = tl.min(y0, axis=1)
-    l1 = tl.min(y1, axis=1)
-    l2 = tl.min(y2, axis=1)
-    l3 = tl.min(y3, axis=1)
-    u0 = tl.max(y0, axis=1)
-    u1 = tl.max(y1, axis=1)
-    u2 = tl.max(y2, axis=1)
-    u3 = tl.max(y3, axis=1)
-    prow = rows.to(tl.int64) * s_st + h * s_sh
     if GP == 4:
-        s0, z0 = _group_params(tl.minimum(tl.minimum(l0, l1), tl.minimum(l2, l3)),
-                               tl.maximum(tl.maximum(u0, u1), tl.maximum(u2, u3)))
-        _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
+        l0 = tl.min(tl.minimum(tl.minimum(y0, y1), tl.minimum(y2, y3)), axis=1)
+        u0 = tl.max(tl.maximum(tl.maximum(y0, y1), tl.maximum(y2, y3)), axis=1)
+        l1, u1, l2, u2, l3, u3 = l0, u0, l0, u0, l0, u0
+    elif GP == 2:
+        l0 = tl.min(tl.minimum(y0, y1), axis=1)
+        u0 = tl.max(tl.maximum(y0, y1), axis=1)
+        l2 = tl.min(tl.minimum(y2, y3), axis=1)
+        u2 = tl.max(tl.maximum(y2, y3), axis=1)
+        l1, u1, l3, u3 = l0, u0, l2, u2
+    else:
+        l0 = tl.min(y0, axis=1)
+        l1 = tl.min(y1, axis=1)
+        l2 = tl.min(y2, axis=1)
+        l3 = tl.min(y3, axis=1)
+        u0 = tl.max(y0, axis=1)
+        u1 = tl.max(y1, axis=1)
+        u2 = tl.max(y2, axis=1)
+        u3 = tl.max(y3, axis=1)
+    if CLIP and LATE:  # clipping is monotone: the clipped group's extremes are the clipped extremes
+        l0 = tl.maximum(l0, -t)
+        u0 = tl.minimum(u0, t)
+        l1 = tl.maximum(l1, -t)
+        u1 = tl.minimum(u1, t)
+        l2 = tl.maximum(l2, -t)
+        u2 = tl.minimum(u2, t)
+        l3 = tl.maximum(l3, -t)
+        u3 = tl.minimum(u3, t)
+    prow = rows.to(tl.int64) * s_st + h * s_sh
+    s0, z0 = _group_params(l0, u0)
+    _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
+    if GP == 4:
         s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
     elif GP == 2:
-        s0, z0 = _group_params(tl.minimum(l0, l1), tl.maximum(u0, u1))
-        s2, z2 = _group_params(tl.minimum(l2, l3), tl.maximum(u2, u3))
-        _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
+        s2, z2 = _group_params(l2, u2)
         _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 1)
         s1, z1, s3, z3 = s0, z0, s2, z2
     else:
-        s0, z0 = _group_params(l0, u0)
         s1, z1 = _group_params(l1, u1)
         s2, z2 = _group_params(l2, u2)
         s3, z3 = _group_params(l3, u3)
-        _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
         _store_params(scale_ptr, off_ptr, prow, rmask, s1, z1, 1)
         _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 2)
         _store_params(scale_ptr, off_ptr, prow, rmask, s3, z3, 3)
     if THRESH:  # codes by thresholds (exact; a block whose thresholds fail their check divides)
         a1, a2, a3, ok = _thresholds(s0, z0)
+        if CLIP and LATE:
+            ok = ok & _clip_free(a1, a3, l0, u0)
         if GP == 4:
             b1, b2, b3, c1, c2, c3, d1, d2, d3 = a1, a2, a3, a1, a2, a3, a1, a2, a3
         elif GP == 2:
             c1, c2, c3, okc = _thresholds(s2, z2)
+            if CLIP and LATE:
+                okc = okc & _clip_free(c1, c3, l2, u2)
             b1, b2, b3, d1, d2, d3 = a1, a2, a3, c1, c2, c3
             ok = ok & okc
         else:
             b1, b2, b3, okb = _thresholds(s1, z1)
             c1, c2, c3, okc = _thresholds(s2, z2)
             d1, d2, d3, okd = _thresholds(s3, z3)
+            if CLIP and LATE:
+                okb = okb & _clip_free(b1, b3, l1, u1)
+                okc = okc & _clip_free(c1, c3, l2, u2)
+                okd = okd & _clip_free(d1, d3, l3, u3)
             ok = ok & okb & okc & okd
-        packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
-            | _tplane(y3, d1, d2, d3, 3)
+        if BITS2:
+            packed = _tplane2(y0, a1, a2, a3, 0) | _tplane2(y1, b1, b2, b3, 1) | _tplane2(y2, c1, c2, c3, 2) \
+                | _tplane2(y3, d1, d2, d3, 3)
+        else:
+            packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
+                | _tplane(y3, d1, d2, d3, 3)
         if tl.min((ok | (rmask == 0)).to(tl.int32), axis=0) == 0:
+            if CLIP and LATE:
+                y0, y1, y2, y3 = _clip4(y0, y1, y2, y3, t)
             packed = _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3)
     else:
         packed = _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3)

@@ -219,6 +219,13 @@ RESIDENT_BYTES = 64 * 1024
 RESIDENT_TILE = {"BT": 128, "num_warps": 8, "num_stages": 3}
 # plane-wise kernel: codes by three exact thresholds per group ("thresholds") or by division
 DEFAULT_QUANTIZE = "thresholds"
+# codes by thresholds from the unclipped values, the clip entering only through each group's
+# extremes (exact: a per-group check sends a block to the clipped division otherwise)
+DEFAULT_LATE_CLIP = True
+# codes by two compares (high bit, then the low bit's threshold chosen by it) instead of three
+DEFAULT_TWO_COMPARES = True
+# tournament columns keep their three largest values (the count check refuses the rare miss)
+DEFAULT_SELECT_TOP3 = True
 
 
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
@@ -282,7 +289,10 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         quantize = config.get("quantize", DEFAULT_QUANTIZE)
         if quantize not in ("thresholds", "divide"):
             raise InputError(f"config quantize must be 'thresholds' or 'divide', got {quantize!r}")
-        extra = {"SPLIT": split, "SORTED": select != "rounds", "THRESH": quantize == "thresholds"}
+        extra = {"SPLIT": split, "SORTED": select != "rounds", "THRESH": quantize == "thresholds",
+                 "LATE": bool(config.get("late_clip", DEFAULT_LATE_CLIP)),
+                 "BITS2": bool(config.get("two_compares", DEFAULT_TWO_COMPARES)),
+                 "TOP3": bool(config.get("select_top3", DEFAULT_SELECT_TOP3))}
         # resident rotation: a persistent grid of programs that load R once (16-bit rotations
         # whose parts fit 64 KB of shared memory, i.e. d <= 128)
         per_sm = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM))
@@ -294,6 +304,9 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         extra = {"FAST_DIV": bool(config.get("fast_div", False))}
     tile.update({k: int(config[k]) for k in tile if k in config})
     bt = tile["BT"]
+    # register cap per thread (0 or absent: none), e.g. 128 with one stage lets two 8-warp programs
+    # share an SM
+    launch = {"maxnreg": int(config["maxnreg"])} if int(config.get("maxnreg", 0) or 0) > 0 and not interpreting() else {}
     grid = (math.ceil(n_tok / bt), kvh)
     if extra.get("RES"):  # (the interpreter: two programs per head, so that each one loops)
         per_head = 2 if interpreting() or not x3.is_cuda else -(-per_sm * sm_count(x3.device) // kvh)
@@ -307,6 +320,6 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         D=d, G=group_size, W=w, BT=bt, KB=kb,
         ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
         KEYED=keyed,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra, **launch,
     )
     return out

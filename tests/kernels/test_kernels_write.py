@@ -26,6 +26,13 @@ KERNELS = {
     "planes_per_block": {"planes": True, "split": True, "select": "sorted", "programs_per_sm": 0},
     # codes by division instead of by the three exact thresholds per group
     "planes_divide": {"planes": True, "split": True, "select": "sorted", "quantize": "divide"},
+    # the default since round 2h: codes by thresholds of the unclipped values (the clip enters
+    # through the group extremes), by two compares, and a tournament over each column's three
+    # largest values; "planes_early" is round 2g's kernel (clip first, three compares, four values)
+    "planes_late": {"planes": True, "split": True, "select": "sorted", "late_clip": True, "two_compares": True,
+                    "select_top3": True},
+    "planes_early": {"planes": True, "split": True, "select": "sorted", "late_clip": False, "two_compares": False,
+                     "select_top3": False},
 }
 
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
@@ -91,7 +98,8 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide"])
+@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide", "planes_late",
+                                    "planes_early"])
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
@@ -110,6 +118,31 @@ def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
         for g in (16, 64):
             res = quantize_kv(xb, None, clip, g, backend="triton", config=cfg)
             _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), g), exact=True)
+
+
+@pytest.mark.parametrize("kernel", ["planes_late", "planes_early"])
+def test_write_kernel_degenerate_groups(kernel, device):
+    """Groups whose values are all equal, or differ by a few ulps around a large offset, after the
+    clip: codes by thresholds of unclipped values cannot stand in for the clipped ones there (the
+    kernel checks each group and divides the clipped values instead); exact either way."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 2, 64, generator=gen)
+    x[:8] = 3.0  # constant rows: every group degenerate
+    x[8:16] = 1000.0 + torch.randint(-3, 4, (8, 2, 64), generator=gen).float() * 6.1e-5
+    x[16:20] = 0.0
+    x[20:32] = 3.0  # equal values with a few beyond the clip on either side: clipped, all equal
+    x[20:24, :, :5] = 50.0
+    x[24:28, :, 3:6] = -50.0
+    x[28:32] *= -1
+    x[28:32, :, 60:] = 40.0
+    x[32:36, :, [2, 18, 34, 50]] = torch.tensor([30.0, 31.0, 32.0, 33.0])  # one column holds the top 4
+    cfg = {"BT": 16, **KERNELS[kernel]}
+    clip = torch.tensor([0.9, 0.5], device=device)
+    for dt in (torch.float32, torch.bfloat16):
+        xd = x.to(dt)
+        for g in (16, 64):
+            res = quantize_kv(xd.to(device), None, clip, g, backend="triton", config=cfg)
+            _check_close(res, quantize_kv_reference(xd, None, clip.cpu(), g), exact=True)
 
 
 def test_write_kernel_leading_dims_and_scalar_clip(device):
