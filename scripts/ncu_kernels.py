@@ -42,6 +42,11 @@ KEEP = {
     "launch__occupancy_limit_registers": "blocks_per_sm_by_registers",
     "smsp__inst_executed.sum": "warp_instructions",
     "launch__grid_size": "grid",
+    # busy fraction of the execution pipes: ALU (compares, min/max, selects, integer logic; 64 lanes
+    # per SM per cycle), FMA (fp32 add/multiply, IMAD; 128), tensor (the rotation products)
+    "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed": "alu_pipe_pct",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_elapsed": "fma_pipe_pct",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed": "tensor_pipe_pct",
 }
 
 
@@ -168,7 +173,14 @@ def merge(args) -> None:
         print(f"  {o['what']:<34} {o['kernel']:<26} {m.get('time') or 0:>9.0f} ns  DRAM {m.get('dram_pct') or 0:4.0f}%  "
               f"issue {m.get('issue_pct') or 0:4.0f}%  occ {m.get('occupancy_pct') or 0:4.0f}%  "
               f"regs {m.get('registers') or 0:.0f}  -> {m['bound']}; top stalls "
-              + ", ".join(f"{k} {v:.1f}" for k, v in top))
+              + ", ".join(f"{k} {v:.1f}" for k, v in top) + _pipes(m))
+
+
+def _pipes(m: dict) -> str:
+    """``; pipes ALU a% FMA f% tensor t%`` where Nsight Compute reported them."""
+    have = [(n, m.get(k)) for n, k in (("ALU", "alu_pipe_pct"), ("FMA", "fma_pipe_pct"), ("tensor", "tensor_pipe_pct"))
+            if m.get(k) is not None]
+    return ("; pipes " + " ".join(f"{n} {v:.0f}%" for n, v in have)) if have else ""
 
 
 def main():

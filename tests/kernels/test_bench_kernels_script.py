@@ -50,6 +50,29 @@ def test_bench_kernels_variant_sweep_quick(tmp_path):
 
 
 @pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
+def test_bench_kernels_write_sweep_quick(tmp_path):
+    # --write-variants: each write config checked against the reference (including degenerate
+    # rows), then timed; a config the kernel refuses fails its check and is not timed
+    cfg = '[{"late_clip": false, "select_top3": false}, {"quantize": "bogus"}]'
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--write-variants", cfg],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rep = json.loads((tmp_path / "write_sweep.json").read_text())
+    first, second = rep["write_check"]
+    assert first["ok"] and first["no rot"]["codes_differing"] == 0 and first["no rot"]["params_identical"]
+    assert not second["ok"] and "quantize" in second["error"]
+    assert [r["config"] for r in rep["write_sweep"]] == [{"late_clip": False, "select_top3": False}]
+    assert rep["write_sweep"][0]["ms"] > 0
+    assert "of copy" in res.stdout
+    out = tmp_path / "bad"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--write-variants", "{}"],
+                         capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode != 0 and len(lines) == 1 and "--write-variants" in lines[0], res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
 def test_bench_kernels_quick_run_writes_json_and_table(tmp_path):
     # the whole --quick run (CPU interpreter): correctness first, every decode shape, the paged
     # comparison in rounds, the write kernel; the JSON and the printed table agree
