@@ -71,7 +71,8 @@ def parse_args():
     ap.add_argument("--write-variants", default=None, metavar="JSON",
                     help="write kernel only: check these write configs (a JSON list of config dicts, or a file "
                          "holding one) against the reference, then time each with rotation and clip on 128K "
-                         "tokens x 8 heads in alternating rounds; writes write_sweep.json")
+                         "tokens x 8 heads in alternating rounds (an entry's \"rotation\": false / \"clip\": "
+                         "false times it without them); writes write_sweep.json")
     ap.add_argument("--flush", choices=["write", "read"], default="write",
                     help="how L2 is emptied before each timed call: write (triton's do_bench: zeroing a "
                          "256 MB buffer, which leaves L2 full of dirty lines that the timed call writes "
@@ -728,6 +729,13 @@ def write_check_rows(h: int, d: int, gen) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+def kernel_config(cfg: dict, rot, clip):
+    """A write-sweep entry's kernel config and its inputs: ``"rotation": false`` / ``"clip": false``
+    in the entry time it without them (all other keys go to the kernel)."""
+    kcfg = {k: v for k, v in cfg.items() if k not in ("rotation", "clip")}
+    return kcfg, (rot if cfg.get("rotation", True) else None), (clip if cfg.get("clip", True) else None)
+
+
 def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_dir: Path) -> None:
     """``--write-variants``: each config's code agreement with the reference (rotation and clip),
     then each timed on 128K tokens x 8 heads in ``WRITE_ROUNDS`` alternating rounds (median)."""
@@ -736,17 +744,19 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
     xc = write_check_rows(h, d, gen)
     rk = random_rotation(h, d, generator=gen)
     clip = torch.full((h,), 0.96)
-    refs = {"rot": quantize_kv_reference(xc, rk, clip, g), "no rot": quantize_kv_reference(xc, None, clip, g)}
+    refs = {(c, "rot"): quantize_kv_reference(xc, rk, cl, g) for c, cl in ((True, clip), (False, None))}
+    refs.update({(c, "no rot"): quantize_kv_reference(xc, None, cl, g) for c, cl in ((True, clip), (False, None))})
     ok_cfgs, report["write_check"] = [], []
     for cfg in configs:
         row = {"config": cfg}
         try:
+            kcfg, _, clip_i = kernel_config(cfg, None, clip)
             for name, rot in (("rot", rk), ("no rot", None)):
-                got = quantize_kv(xc.to(DEV), None if rot is None else rot.to(DEV), clip.to(DEV), g,
-                                  backend="triton", config=cfg)
-                worst, frac = code_agreement(got, refs[name])
-                same = bool(torch.equal(got.scale.cpu(), refs[name].scale)
-                            and torch.equal(got.offset.cpu(), refs[name].offset))
+                got = quantize_kv(xc.to(DEV), None if rot is None else rot.to(DEV),
+                                  None if clip_i is None else clip_i.to(DEV), g, backend="triton", config=kcfg)
+                ref = refs[(clip_i is not None, name)]
+                worst, frac = code_agreement(got, ref)
+                same = bool(torch.equal(got.scale.cpu(), ref.scale) and torch.equal(got.offset.cpu(), ref.offset))
                 row[name] = {"max_level_diff": worst, "codes_differing": frac, "params_identical": same}
         except Exception as e:  # noqa: BLE001 - a config the kernel refuses is a failed check, not a crash
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -777,7 +787,9 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
         for i, cfg in enumerate(ok_cfgs):
             if over_budget():
                 break
-            fn = lambda cfg=cfg: quantize_kv(x, rot, clip_d, g, backend="triton", out=out, config=cfg)  # noqa: E731
+            kcfg, r_i, c_i = kernel_config(cfg, rot, clip_d)
+            fn = lambda kcfg=kcfg, r_i=r_i, c_i=c_i: quantize_kv(x, r_i, c_i, g, backend="triton", out=out,  # noqa: E731
+                                                                  config=kcfg)
             times[i].append(timed_graphs([fn]))
             regs[i] = kernel_info(write_mod.LAST_LAUNCH.get("write"))
     report["write_sweep"] = []
@@ -788,7 +800,8 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
         report["write_sweep"].append({"config": cfg, "ms": ms, "runs_ms": times[i], "tokens": t, "bytes": nbytes,
                                       "bytes_per_s": nbytes / (ms * 1e-3), "kernel": regs.get(i)})
     report["ncu_decode"] = []
-    report["write_profile"] = [{"name": json.dumps(cfg), "config": cfg, "rot": True, "clip": True} for cfg in ok_cfgs]
+    report["write_profile"] = [{"name": json.dumps(cfg), "config": kernel_config(cfg, 0, 0)[0],
+                                "rot": cfg.get("rotation", True), "clip": cfg.get("clip", True)} for cfg in ok_cfgs]
     report["elapsed_s"] = time.time() - T0
     path = out_dir / "write_sweep.json"
     path.write_text(json.dumps(report, indent=2, default=str))
@@ -799,7 +812,8 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
         log(f"ncu {n['what']}: {(m.get('time') or 0) / 1e3:.1f} us, {m.get('warp_instructions') or 0:.3g} warp "
             f"instructions, issue {m.get('issue_pct') or 0:.0f}%, DRAM {m.get('dram_pct') or 0:.0f}%, ALU pipe "
             f"{m.get('alu_pipe_pct') or 0:.0f}%, {m.get('registers')} registers -> {m['bound']}")
-    print(f"write, rotation and clip, {t} tokens x {h} heads (median of {WRITE_ROUNDS if GPU else 1} rounds):")
+    print(f"write, {t} tokens x {h} heads, with rotation and clip unless the config says otherwise "
+          f"(median of {WRITE_ROUNDS if GPU else 1} rounds):")
     for r in sorted(report["write_sweep"], key=lambda r: r["ms"]):
         runs = ", ".join(f"{m * 1e3:.1f}" for m in r["runs_ms"])
         print(f"{r['ms'] * 1e3:8.1f} us  {r['bytes_per_s'] / bw * 100:4.0f}% of copy  ({runs})  {r['config']}")

@@ -407,23 +407,44 @@ def _level_value(y, s, z):
 
 
 @triton.jit
-def _level_threshold(u, s, z, k: tl.constexpr):
-    """(``T_k``, whether it checks out) per row, for ``u = U_k``."""
+def _finite(x):
+    return (x == x) & (tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def _level_threshold(u, s, z, k: tl.constexpr, CHECK: tl.constexpr):
+    """(``T_k``, whether it checks out) per row, for ``u = U_k``. ``CHECK``: by the reference's
+    arithmetic at ``T_k`` and its predecessor (two divisions); otherwise the derivation stands on
+    its own (see ``_thresholds``) and only a non-finite ``s``, ``z`` or ``T_k`` fails."""
     uu = tl.zeros_like(s) + u
     m, odd = _above_mid(uu)
     q = _f32_at_least(m - z.to(tl.float64), odd)
     m, odd = _above_mid(q)
     t = _f32_at_least(m * s.to(tl.float64), odd)
-    ok = (_level_value(t, s, z) >= k) & (_level_value(_f32_pred(t), s, z) < k)
+    if CHECK:
+        ok = (_level_value(t, s, z) >= k) & (_level_value(_f32_pred(t), s, z) < k)
+    else:
+        ok = _finite(t) & _finite(s) & (tl.abs(z) < 1125899906842624.0)  # |z| < 2^50 (and not NaN)
     return t, ok
 
 
 @triton.jit
-def _thresholds(s, z):
-    """``T_1, T_2, T_3`` per row of a group (``s, z`` float32 [BT]) and whether all check out."""
-    t1, ok1 = _level_threshold(U1, s, z, 1)
-    t2, ok2 = _level_threshold(1.5, s, z, 2)
-    t3, ok3 = _level_threshold(2.5, s, z, 3)
+def _thresholds(s, z, CHECK: tl.constexpr = True):
+    """``T_1, T_2, T_3`` per row of a group (``s, z`` float32 [BT]) and whether all check out.
+
+    Why the derivation is exact without the check (``CHECK=False``), for finite ``s > 0`` and
+    ``z``: the float64 midpoint ``m`` of two adjacent floats has at most 25 significant bits, so
+    ``m * s`` (at most 49) is exact, and ``m - z`` is exact unless its bits span more than 53:
+    ``|z| >= 2^26`` or ``|z|`` below about ``2^-26``. Tiny ``z``: the exact value lies within
+    ``|z|`` of the midpoint ``m`` (``0.5..2.5``), so at least ~``2^-26`` from every float32, far
+    more than float64's rounding error. Large ``z``: the exact value lies ``m`` above ``-z``, a
+    float32, on a float32 grid at least 8 apart, so at least ~0.49 from every float32; float64's
+    error (``|z| * 2^-53``) stays below that for ``|z| < 2^50``, and larger ``|z|`` (only in groups of
+    nearly equal, huge values) fails the check, as do non-finite ones. ``tests`` checks both
+    variants against the reference arithmetic on random and extreme ``(s, z)``."""
+    t1, ok1 = _level_threshold(U1, s, z, 1, CHECK)
+    t2, ok2 = _level_threshold(1.5, s, z, 2, CHECK)
+    t3, ok3 = _level_threshold(2.5, s, z, 3, CHECK)
     return t1, t2, t3, ok1 & ok2 & ok3
 
 
@@ -435,15 +456,6 @@ def _tplane(y, t1, t2, t3, P: tl.constexpr):
     b3 = t3[:, None]
     return tl.where(y >= b2, tl.where(y >= b3, 3 << (2 * P), 2 << (2 * P)),
                     tl.where(y >= b1, 1 << (2 * P), 0))
-
-
-@triton.jit
-def _tplane2(y, t1, t2, t3, P: tl.constexpr):
-    """:func:`_tplane` with two compares: the high bit is ``y >= T2``, the low bit ``y >= T3`` where
-    the high bit is set and ``y >= T1`` where not (``T1 <= T2 <= T3``)."""
-    hi = y >= t2[:, None]
-    lo = y >= tl.where(hi, t3[:, None], t1[:, None])
-    return tl.where(hi, 2 << (2 * P), 0) | tl.where(lo, 1 << (2 * P), 0)
 
 
 @triton.jit
@@ -491,8 +503,8 @@ def quantize_kv_planes_kernel(
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
     SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False, RES: tl.constexpr = False,
-    THRESH: tl.constexpr = False, LATE: tl.constexpr = False, BITS2: tl.constexpr = False,
-    TOP3: tl.constexpr = False,
+    THRESH: tl.constexpr = False, LATE: tl.constexpr = False, TOP3: tl.constexpr = False,
+    CHECKT: tl.constexpr = True,
 ):
     """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
     ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
@@ -516,13 +528,11 @@ def quantize_kv_planes_kernel(
         for blk in range(pid, tl.cdiv(T, BT), npg):
             _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
                          scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
-                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, BITS2,
-                         TOP3)
+                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT)
     else:
         _planes_rows(pid, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
                      scale_ptr, off_ptr, s_st, s_sh, T, 0, 0,
-                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, BITS2,
-                         TOP3)
+                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT)
 
 
 @triton.jit
@@ -531,7 +541,7 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                  D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
                  ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr,
                  SPLIT: tl.constexpr, SORTED: tl.constexpr, RES: tl.constexpr, THRESH: tl.constexpr,
-                 LATE: tl.constexpr, BITS2: tl.constexpr, TOP3: tl.constexpr):
+                 LATE: tl.constexpr, TOP3: tl.constexpr, CHECKT: tl.constexpr):
     """Row block ``blk`` of head ``h`` (see :func:`quantize_kv_planes_kernel`)."""
     rows = blk * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -647,32 +657,28 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
         _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 2)
         _store_params(scale_ptr, off_ptr, prow, rmask, s3, z3, 3)
     if THRESH:  # codes by thresholds (exact; a block whose thresholds fail their check divides)
-        a1, a2, a3, ok = _thresholds(s0, z0)
+        a1, a2, a3, ok = _thresholds(s0, z0, CHECKT)
         if CLIP and LATE:
             ok = ok & _clip_free(a1, a3, l0, u0)
         if GP == 4:
             b1, b2, b3, c1, c2, c3, d1, d2, d3 = a1, a2, a3, a1, a2, a3, a1, a2, a3
         elif GP == 2:
-            c1, c2, c3, okc = _thresholds(s2, z2)
+            c1, c2, c3, okc = _thresholds(s2, z2, CHECKT)
             if CLIP and LATE:
                 okc = okc & _clip_free(c1, c3, l2, u2)
             b1, b2, b3, d1, d2, d3 = a1, a2, a3, c1, c2, c3
             ok = ok & okc
         else:
-            b1, b2, b3, okb = _thresholds(s1, z1)
-            c1, c2, c3, okc = _thresholds(s2, z2)
-            d1, d2, d3, okd = _thresholds(s3, z3)
+            b1, b2, b3, okb = _thresholds(s1, z1, CHECKT)
+            c1, c2, c3, okc = _thresholds(s2, z2, CHECKT)
+            d1, d2, d3, okd = _thresholds(s3, z3, CHECKT)
             if CLIP and LATE:
                 okb = okb & _clip_free(b1, b3, l1, u1)
                 okc = okc & _clip_free(c1, c3, l2, u2)
                 okd = okd & _clip_free(d1, d3, l3, u3)
             ok = ok & okb & okc & okd
-        if BITS2:
-            packed = _tplane2(y0, a1, a2, a3, 0) | _tplane2(y1, b1, b2, b3, 1) | _tplane2(y2, c1, c2, c3, 2) \
-                | _tplane2(y3, d1, d2, d3, 3)
-        else:
-            packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
-                | _tplane(y3, d1, d2, d3, 3)
+        packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
+            | _tplane(y3, d1, d2, d3, 3)
         if tl.min((ok | (rmask == 0)).to(tl.int32), axis=0) == 0:
             if CLIP and LATE:
                 y0, y1, y2, y3 = _clip4(y0, y1, y2, y3, t)

@@ -222,10 +222,12 @@ DEFAULT_QUANTIZE = "thresholds"
 # codes by thresholds from the unclipped values, the clip entering only through each group's
 # extremes (exact: a per-group check sends a block to the clipped division otherwise)
 DEFAULT_LATE_CLIP = True
-# codes by two compares (high bit, then the low bit's threshold chosen by it) instead of three
-DEFAULT_TWO_COMPARES = True
 # tournament columns keep their three largest values (the count check refuses the rare miss)
 DEFAULT_SELECT_TOP3 = True
+# each group's thresholds re-checked by the reference arithmetic (two divisions per threshold);
+# without, the derivation's exactness rests on its proof (``_write_triton._thresholds``), and only
+# non-finite values send a block to the division
+DEFAULT_CHECK_THRESHOLDS = False
 
 
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
@@ -291,8 +293,8 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
             raise InputError(f"config quantize must be 'thresholds' or 'divide', got {quantize!r}")
         extra = {"SPLIT": split, "SORTED": select != "rounds", "THRESH": quantize == "thresholds",
                  "LATE": bool(config.get("late_clip", DEFAULT_LATE_CLIP)),
-                 "BITS2": bool(config.get("two_compares", DEFAULT_TWO_COMPARES)),
-                 "TOP3": bool(config.get("select_top3", DEFAULT_SELECT_TOP3))}
+                 "TOP3": bool(config.get("select_top3", DEFAULT_SELECT_TOP3)),
+                 "CHECKT": bool(config.get("check_thresholds", DEFAULT_CHECK_THRESHOLDS))}
         # resident rotation: a persistent grid of programs that load R once (16-bit rotations
         # whose parts fit 64 KB of shared memory, i.e. d <= 128)
         per_sm = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM))

@@ -27,12 +27,12 @@ KERNELS = {
     # codes by division instead of by the three exact thresholds per group
     "planes_divide": {"planes": True, "split": True, "select": "sorted", "quantize": "divide"},
     # the default since round 2h: codes by thresholds of the unclipped values (the clip enters
-    # through the group extremes), by two compares, and a tournament over each column's three
-    # largest values; "planes_early" is round 2g's kernel (clip first, three compares, four values)
-    "planes_late": {"planes": True, "split": True, "select": "sorted", "late_clip": True, "two_compares": True,
-                    "select_top3": True},
-    "planes_early": {"planes": True, "split": True, "select": "sorted", "late_clip": False, "two_compares": False,
-                     "select_top3": False},
+    # through the group extremes) and a tournament over each column's three largest values;
+    # "planes_early" is round 2g's kernel (clip first, four values per column)
+    "planes_late": {"planes": True, "split": True, "select": "sorted", "late_clip": True, "select_top3": True},
+    "planes_early": {"planes": True, "split": True, "select": "sorted", "late_clip": False, "select_top3": False},
+    # thresholds trusted without re-checking them by the reference arithmetic
+    "planes_unchecked": {"planes": True, "split": True, "select": "sorted", "check_thresholds": False},
 }
 
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
@@ -99,7 +99,7 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
 
 
 @pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide", "planes_late",
-                                    "planes_early"])
+                                    "planes_early", "planes_unchecked"])
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
@@ -120,7 +120,7 @@ def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
             _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), g), exact=True)
 
 
-@pytest.mark.parametrize("kernel", ["planes_late", "planes_early"])
+@pytest.mark.parametrize("kernel", ["planes_late", "planes_early", "planes_unchecked"])
 def test_write_kernel_degenerate_groups(kernel, device):
     """Groups whose values are all equal, or differ by a few ulps around a large offset, after the
     clip: codes by thresholds of unclipped values cannot stand in for the clipped ones there (the
@@ -248,12 +248,12 @@ _THRESHOLDS = None
 
 
 @triton.jit
-def _thresholds_kernel(s_ptr, z_ptr, t_ptr, ok_ptr, N, BLOCK: tl.constexpr):
+def _thresholds_kernel(s_ptr, z_ptr, t_ptr, ok_ptr, N, BLOCK: tl.constexpr, CHECK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < N
     s = tl.load(s_ptr + i, mask=m, other=1.0)
     z = tl.load(z_ptr + i, mask=m, other=0.0)
-    t1, t2, t3, ok = _THRESHOLDS(s, z)
+    t1, t2, t3, ok = _THRESHOLDS(s, z, CHECK)
     tl.store(t_ptr + i * 3, t1, mask=m)
     tl.store(t_ptr + i * 3 + 1, t2, mask=m)
     tl.store(t_ptr + i * 3 + 2, t3, mask=m)
@@ -268,9 +268,11 @@ def _level_np(y, s, z):
     return np.floor(f(f(f(y) / f(s)) + f(z)) + f(0.5))
 
 
-def test_level_thresholds_are_exact(device):
+@pytest.mark.parametrize("check", [True, False])
+def test_level_thresholds_are_exact(check, device):
     """The write kernel's codes by thresholds: for every group ``T_k`` is the smallest float32 whose
-    level (the reference's arithmetic) reaches ``k``, and the kernel's own check agrees."""
+    level (the reference's arithmetic) reaches ``k``; with ``check`` the kernel's own verification
+    agrees, without it the derivation alone gets every finite case right (and refuses NaN)."""
     import numpy as np
 
     global _THRESHOLDS
@@ -283,19 +285,32 @@ def test_level_thresholds_are_exact(device):
         assert f32(u + f32(0.5)) >= k > f32(np.nextafter(u, f32(-1)) + f32(0.5))
 
     gen = torch.Generator().manual_seed(8)
-    n = 512
+    n = 4096
     s = torch.exp(torch.empty(n).uniform_(-18.4, 7.0, generator=gen))  # 1e-8 .. 1e3
-    z = torch.cat([torch.empty(n // 2).uniform_(0, 3, generator=gen),
-                   torch.empty(n // 4).uniform_(-40, 40, generator=gen),
-                   torch.randn(n // 4, generator=gen) * 1e6])
+    z = torch.cat([torch.empty(n // 4).uniform_(0, 3, generator=gen),
+                   torch.empty(n // 8).uniform_(-40, 40, generator=gen),
+                   torch.randn(n // 8, generator=gen) * 1e6,
+                   # where float64's m - z is inexact: |z| >= 2^26, or tiny
+                   torch.randn(n // 4, generator=gen) * 2.0 ** torch.empty(n // 4).uniform_(26, 60, generator=gen),
+                   torch.randn(n // 4, generator=gen) * 2.0 ** torch.empty(n // 4).uniform_(-90, -20, generator=gen)])
     s[:8] = torch.tensor([1.0, 1e-8, 3.0, 0.5, 1.0, 2.0 ** -20, 1.0, 1e-8])  # exact halves: ties
     z[:8] = torch.tensor([0.0, 0.0, 1.5, 1.0, 0.5, 3.0, 2.5, -5e8])
+    z[8:12] = torch.tensor([-0.0, 2.0 ** -149, -(2.0 ** -149), 2.0 ** 27 + 8])
+    s[12], z[13] = float("nan"), float("nan")
     t = torch.empty(n, 3, device=device)
     ok = torch.empty(n, dtype=torch.int32, device=device)
-    _thresholds_kernel[(1,)](s.to(device), z.to(device), t, ok, n, BLOCK=n)
-    assert ok.cpu().bool().all()
-    t, sn, zn = t.cpu().numpy(), s.numpy(), z.numpy()
-    for k in (1, 2, 3):
-        tk = t[:, k - 1]
-        assert (_level_np(tk, sn, zn) >= k).all()
-        assert (_level_np(np.nextafter(tk, f32(-np.inf)), sn, zn) < k).all()
+    _thresholds_kernel[(1,)](s.to(device), z.to(device), t, ok, n, BLOCK=n, CHECK=check)
+    ok = ok.cpu().bool().numpy()
+    zn = z.numpy()
+    assert not ok[12] and not ok[13]  # NaN
+    usual = np.abs(zn) < 2.0 ** 50  # (a group's z = -min/s exceeds that only if its values are huge and nearly equal)
+    usual[12:14] = False
+    assert ok[usual].all()
+    assert ok.sum() > n // 2
+    # wherever the kernel trusts its thresholds they are exact (elsewhere its block divides)
+    t, sn, zn = t.cpu().numpy()[ok], s.numpy()[ok], zn[ok]
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k in (1, 2, 3):
+            tk = t[:, k - 1]
+            assert (_level_np(tk, sn, zn) >= k).all()
+            assert (_level_np(np.nextafter(tk, f32(-np.inf)), sn, zn) < k).all()
