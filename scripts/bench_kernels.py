@@ -35,8 +35,16 @@ writes up to 50 MB back while it reads; that weighs more on a call that reads 76
 x 1) than on one that reads 537 MB (BF16). ``--flush read`` sums the buffer instead, leaving L2
 clean, as after the weight GEMM that precedes attention in a decode step; the JSON records it.
 
+Sweeps instead of the whole run: ``--variants JSON`` times decode configs at every context and
+batch (``sweep.json``); ``--write-variants JSON`` checks write-kernel configs against the reference
+(Qwen-like rows plus degenerate ones: equal after the clip, zero, a few ulps apart) and times
+those that pass, with rotation and clip unless an entry says ``"rotation": false`` or ``"clip":
+false``, in alternating rounds (``write_sweep.json``; with ``--ncu`` each one's instructions,
+issue rate and pipe use), e.g. ``--write-variants '[{}, {"check_thresholds": true}]'``.
+
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
-Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out DIR]``.
+Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out DIR]
+[--variants JSON | --write-variants JSON]``.
 """
 
 from __future__ import annotations

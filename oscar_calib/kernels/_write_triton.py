@@ -19,9 +19,12 @@ then per round one row reduction over the column heads and a pop (:func:`_mth_so
 
 Quantisation: ``q = floor(y/s + z + 0.5)`` with IEEE division (``div_rn``) is the reference's
 arithmetic. The plane-wise kernel (``THRESH``) gets the same codes from three thresholds per
-group, checked against that arithmetic (see ``_thresholds``), and divides only in a block where a
-check fails. (Multiplying by ``1/s`` and redoing only blocks near a rounding tie was tried: on
-an H200 the block-wide tie check cost more than the division it saved.)
+group, derived exactly from that arithmetic (see ``_thresholds``; ``CHECKT`` re-checks them with
+it), and divides only in a block where a group fails (non-finite, or ``|z| >= 2^50``). With
+``LATE`` the codes are thresholds of the unclipped values: the clip only moves each group's
+extremes, and a per-group check (:func:`_clip_free`) sends a block whose clipped group is
+degenerate to the clipped division. (Multiplying by ``1/s`` and redoing only blocks near a
+rounding tie was tried: on an H200 the block-wide tie check cost more than the division it saved.)
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.numerics.
 
 The Triton kernel reproduces the reference's arithmetic: the clip threshold is selected
 exactly (ties included) and ``floor(y/s + z + 0.5)`` is evaluated with IEEE division (``div_rn``)
-or, equivalently, by thresholds checked against it, so codes agree bit for bit when the rotated
-values agree. The rotation is the one place the arithmetic differs: for 16-bit inputs the kernel splits ``R``
+or, equivalently, by thresholds derived from it exactly, so codes agree bit for bit when the
+rotated values agree. The rotation is the one place the arithmetic differs: for 16-bit inputs the kernel splits ``R``
 into a 16-bit high part and a 16-bit residual and runs two tensor-core products with fp32
 accumulation (``x @ R_hi + x @ R_lo``, about 1e-6 relative error, against the reference's fp32
 matmul); for fp32 inputs it runs one fp32 ("ieee") product. Different summation orders move
@@ -32,25 +32,32 @@ four ``[rows, d/4]`` tensors (one per bit plane), so the clip selection, the gro
 the packing need no data movement between threads. ``config={"planes": ...}`` picks one; by
 default the plane-wise kernel runs wherever it applies. With a rotation it takes one ``[rows, d]``
 product split into the planes (``"split": True``; four narrow products, ``False``, are slower).
-Its clip threshold comes from a tournament (``"select": "sorted"``): each column's four plane
-values are sorted once, and a round pops the row's largest column head. That is one compare,
-four selects and one row reduction per column per round, instead of a compare, a select and a
-maximum per value. It is exact: the same count check and tie-aware fallback. Unrotated 16-bit
-input always takes rounds over its unique integer keys (a tournament there measured slower: it
-needs 255 registers).
+Its clip threshold comes from a tournament (``"select": "sorted"``): each column's plane values
+are sorted once (its three largest: ``"select_top3"``), and a round pops the row's largest column
+head. That is one compare, three selects and one row reduction per column per round, instead of a
+compare, a select and a maximum per value. It is exact: the same count check and tie-aware
+fallback (which also catches a column holding four of the top ``m``). Unrotated 16-bit input
+always takes rounds over its unique integer keys (a tournament there measured slower: it needs
+255 registers).
 
 Codes come from three thresholds per group instead of a division per value (exact; see
-:mod:`._write_triton`), ``config={"quantize": "divide"}`` divides. With a 16-bit rotation at
-d <= 128 the grid is persistent: each program keeps R's two parts in shared memory and loops over
-row blocks (``programs_per_sm``, default 2; 0 for one program per 64-row block).
+:mod:`._write_triton`), ``config={"quantize": "divide"}`` divides. The thresholds are exact by
+their derivation (``_write_triton._thresholds``); ``config={"check_thresholds": True}`` re-checks
+each with the reference arithmetic (two divisions). With ``"late_clip"`` (default) the codes come
+from the unclipped values and the clip enters only through each group's extremes (clipping is
+monotone), checked per group: a block with a group that is degenerate after the clip clips and
+divides. With a 16-bit rotation at d <= 128 the grid is persistent: each program keeps R's two
+parts in shared memory and loops over row blocks (``programs_per_sm``, default 2; 0 for one
+program per 64-row block). ``maxnreg`` caps the registers per thread.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2e.json``):
-rotate + clip + quantise + pack 404 us (757 GB/s, 25% of copy; round 2d's 64-row tile 427 us in the
-same run); dividing instead of thresholds 481 us, one program per row block 456 us. Rotate without
-clip 263 us (39%). Without rotation: with clip 253 us (40%), neither 147 us (69%, memory-bound).
-Nsight Compute with rotation and clip: latency-bound at 42% issue, 162 M warp instructions for 1 M
-rows; the clip selection and the two 16-bit rotation products stand between it and 60%.
+``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2h.json``):
+rotate + clip + quantise + pack 353 us (868 GB/s, 29% of copy; 404 us in round 2g); dividing
+instead of thresholds 481 us, one program per row block 392 us. Rotate without clip 223 us (46%).
+Without rotation: with clip 218 us (47%), neither 143 us (71%; Nsight Compute: memory-bound, 76%
+of DRAM peak). With rotation and clip Nsight Compute finds 132 M warp instructions for 1 M rows at
+42% issue, the ALU pipe (compares, min/max, selects) 61% busy and 94% without the rotation: the
+clip selection, the codes and the two 16-bit rotation products stand between it and 60%.
 """
 
 from __future__ import annotations
