@@ -63,7 +63,7 @@ def defaults(kernel: str) -> tuple[dict, dict]:
     from oscar_calib.kernels.write import RESIDENT_TILE as tile
 
     const = dict(D=128, G=128, W=32, BT=tile["BT"], KB=64, ROT=1, CLIP=True, INTERP=False, KEYED=False, SPLIT=True,
-                 SORTED=True, RES=True, THRESH=True, LATE=True, TOP3=True, CHECKT=False)
+                 SORTED=True, RES=True, THRESH=True, LATE=True, TOP3=True, CHECKT=False, SIGNS=True)
     return const, {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"], "maxnreg": None}
 
 

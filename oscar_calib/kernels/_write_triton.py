@@ -210,8 +210,12 @@ def _max4_below(a0, a1, a2, a3, v):
 
 
 @triton.jit
-def _count4(a0, a1, a2, a3, v):
-    """Per row, how many values are ``>= v`` (one row reduction over the four planes' counts)."""
+def _count4(a0, a1, a2, a3, v, SIGNS: tl.constexpr = False):
+    """Per row, how many values are ``>= v`` (one row reduction over the four planes' counts);
+    ``SIGNS``: as ``> pred(v)`` by the signs of differences (:func:`_below`)."""
+    if SIGNS:
+        pb = _f32_pred(v)[:, None]
+        return -tl.sum(_below(pb, a0) + _below(pb, a1) + _below(pb, a2) + _below(pb, a3), axis=1)
     vb = v[:, None]
     ge = (a0 >= vb).to(tl.int32) + (a1 >= vb).to(tl.int32) + (a2 >= vb).to(tl.int32) + (a3 >= vb).to(tl.int32)
     return tl.sum(ge, axis=1)
@@ -247,10 +251,10 @@ def _select4(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
 
 
 @triton.jit
-def _unless_tied(a0, a1, a2, a3, v, m, rmask, BT: tl.constexpr):
+def _unless_tied(a0, a1, a2, a3, v, m, rmask, BT: tl.constexpr, SIGNS: tl.constexpr = False):
     """``v`` where every row of the block has exactly ``m`` values ``>= v`` (no tie among its top
     ``m``: the fast paths' answer is exact), else the tie-aware selection for the block."""
-    ok = (_count4(a0, a1, a2, a3, v) == m) | (rmask == 0)
+    ok = (_count4(a0, a1, a2, a3, v, SIGNS) == m) | (rmask == 0)
     if tl.min(ok.to(tl.int32), axis=0) == 0:
         v = _kth_largest4(a0, a1, a2, a3, m, BT)
     return v
@@ -312,13 +316,14 @@ def _mag(y, NEG: tl.constexpr):
 
 
 @triton.jit
-def _select4_sorted_y(y0, y1, y2, y3, m, rmask, BT: tl.constexpr, NEG: tl.constexpr, TOP3: tl.constexpr):
+def _select4_sorted_y(y0, y1, y2, y3, m, rmask, BT: tl.constexpr, NEG: tl.constexpr, TOP3: tl.constexpr,
+                      SIGNS: tl.constexpr = False):
     """:func:`_select4_sorted` over the magnitudes of ``y`` (negated where ``NEG``)."""
     a0 = _mag(y0, NEG)
     a1 = _mag(y1, NEG)
     a2 = _mag(y2, NEG)
     a3 = _mag(y3, NEG)
-    return _unless_tied(a0, a1, a2, a3, _mth_sorted4(a0, a1, a2, a3, m, float("-inf"), TOP3), m, rmask, BT)
+    return _unless_tied(a0, a1, a2, a3, _mth_sorted4(a0, a1, a2, a3, m, float("-inf"), TOP3), m, rmask, BT, SIGNS)
 
 
 @triton.jit
@@ -462,6 +467,23 @@ def _tplane(y, t1, t2, t3, P: tl.constexpr):
 
 
 @triton.jit
+def _below(p, y):
+    """``-1`` where ``y > p``, else ``0`` (int32): the sign of ``p - y`` (a subtraction on the FMA
+    pipe and a shift, instead of a compare and a select on the ALU pipe). Exact: ``p - y`` is
+    negative exactly when ``y > p``, zero results are ``+0`` (``p`` is never ``-0``, see
+    :func:`_f32_pred`), and a result too small for a float keeps its sign when flushed."""
+    return (p - y).to(tl.int32, bitcast=True) >> 31
+
+
+@triton.jit
+def _tplane_signs(y, t1, t2, t3, P: tl.constexpr):
+    """:func:`_tplane` by signs: ``y >= T_k`` is ``y > pred(T_k)`` (``t_k`` here hold the
+    predecessors)."""
+    neg = _below(t1[:, None], y) + _below(t2[:, None], y) + _below(t3[:, None], y)
+    return neg * -(1 << (2 * P))
+
+
+@triton.jit
 def _pack_divided(y0, y1, y2, y3, s0, z0, s1, z1, s2, z2, s3, z3):
     """The byte of four planes' codes, each by IEEE division (:func:`_qplane`)."""
     return _qplane(y0, s0, z0) | (_qplane(y1, s1, z1) << 2) | (_qplane(y2, s2, z2) << 4) | (_qplane(y3, s3, z3) << 6)
@@ -507,7 +529,7 @@ def quantize_kv_planes_kernel(
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
     SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False, RES: tl.constexpr = False,
     THRESH: tl.constexpr = False, LATE: tl.constexpr = False, TOP3: tl.constexpr = False,
-    CHECKT: tl.constexpr = True,
+    CHECKT: tl.constexpr = True, SIGNS: tl.constexpr = False,
 ):
     """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
     ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
@@ -531,11 +553,11 @@ def quantize_kv_planes_kernel(
         for blk in range(pid, tl.cdiv(T, BT), npg):
             _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
                          scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
-                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT)
+                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT, SIGNS)
     else:
         _planes_rows(pid, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
                      scale_ptr, off_ptr, s_st, s_sh, T, 0, 0,
-                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT)
+                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT, SIGNS)
 
 
 @triton.jit
@@ -544,7 +566,8 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                  D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
                  ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr,
                  SPLIT: tl.constexpr, SORTED: tl.constexpr, RES: tl.constexpr, THRESH: tl.constexpr,
-                 LATE: tl.constexpr, TOP3: tl.constexpr, CHECKT: tl.constexpr):
+                 LATE: tl.constexpr, TOP3: tl.constexpr, CHECKT: tl.constexpr,
+                 SIGNS: tl.constexpr):
     """Row block ``blk`` of head ``h`` (see :func:`quantize_kv_planes_kernel`)."""
     rows = blk * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -602,9 +625,9 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                 t = _kth_keyed4(a0, a1, a2, a3, kq + 1, False, W)
         elif SORTED:
             if kq >= D // 2:
-                t = _select4_sorted_y(y0, y1, y2, y3, D - kq, rmask, BT, False, TOP3)
+                t = _select4_sorted_y(y0, y1, y2, y3, D - kq, rmask, BT, False, TOP3, SIGNS)
             else:
-                t = -_select4_sorted_y(y0, y1, y2, y3, kq + 1, rmask, BT, True, TOP3)
+                t = -_select4_sorted_y(y0, y1, y2, y3, kq + 1, rmask, BT, True, TOP3, SIGNS)
         elif kq >= D // 2:
             t = _select4(a0, a1, a2, a3, D - kq, rmask, BT)
         else:
@@ -680,8 +703,19 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                 okc = okc & _clip_free(c1, c3, l2, u2)
                 okd = okd & _clip_free(d1, d3, l3, u3)
             ok = ok & okb & okc & okd
-        packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
-            | _tplane(y3, d1, d2, d3, 3)
+        if SIGNS:
+            packed = _tplane_signs(y0, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 0)
+            if GP == 4:
+                packed += _tplane_signs(y1, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 1) \
+                    + _tplane_signs(y2, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 2) \
+                    + _tplane_signs(y3, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 3)
+            else:
+                packed += _tplane_signs(y1, _f32_pred(b1), _f32_pred(b2), _f32_pred(b3), 1) \
+                    + _tplane_signs(y2, _f32_pred(c1), _f32_pred(c2), _f32_pred(c3), 2) \
+                    + _tplane_signs(y3, _f32_pred(d1), _f32_pred(d2), _f32_pred(d3), 3)
+        else:
+            packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
+                | _tplane(y3, d1, d2, d3, 3)
         if tl.min((ok | (rmask == 0)).to(tl.int32), axis=0) == 0:
             if CLIP and LATE:
                 y0, y1, y2, y3 = _clip4(y0, y1, y2, y3, t)

@@ -235,6 +235,10 @@ DEFAULT_SELECT_TOP3 = True
 # without, the derivation's exactness rests on its proof (``_write_triton._thresholds``), and only
 # non-finite values send a block to the division
 DEFAULT_CHECK_THRESHOLDS = False
+# compares as the sign bit of a difference (``y >= T`` as ``pred(T) - y < 0``) in the codes and the
+# tie check: a subtraction on the FMA pipe and a shift instead of a compare and a select on the
+# busier ALU pipe
+DEFAULT_SIGN_BITS = True
 
 
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
@@ -301,7 +305,8 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         extra = {"SPLIT": split, "SORTED": select != "rounds", "THRESH": quantize == "thresholds",
                  "LATE": bool(config.get("late_clip", DEFAULT_LATE_CLIP)),
                  "TOP3": bool(config.get("select_top3", DEFAULT_SELECT_TOP3)),
-                 "CHECKT": bool(config.get("check_thresholds", DEFAULT_CHECK_THRESHOLDS))}
+                 "CHECKT": bool(config.get("check_thresholds", DEFAULT_CHECK_THRESHOLDS)),
+                 "SIGNS": bool(config.get("sign_bits", DEFAULT_SIGN_BITS))}
         # resident rotation: a persistent grid of programs that load R once (16-bit rotations
         # whose parts fit 64 KB of shared memory, i.e. d <= 128)
         per_sm = int(config.get("programs_per_sm", DEFAULT_PROGRAMS_PER_SM))

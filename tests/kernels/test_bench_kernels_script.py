@@ -53,7 +53,7 @@ def test_bench_kernels_variant_sweep_quick(tmp_path):
 def test_bench_kernels_write_sweep_quick(tmp_path):
     # --write-variants: each write config checked against the reference (including degenerate
     # rows), then timed; a config the kernel refuses fails its check and is not timed
-    cfg = '[{"late_clip": false, "select_top3": false}, {"quantize": "bogus"}]'
+    cfg = '[{"late_clip": false, "select_top3": false, "sign_bits": false}, {"quantize": "bogus"}]'
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--write-variants", cfg],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -61,7 +61,7 @@ def test_bench_kernels_write_sweep_quick(tmp_path):
     first, second = rep["write_check"]
     assert first["ok"] and first["no rot"]["codes_differing"] == 0 and first["no rot"]["params_identical"]
     assert not second["ok"] and "quantize" in second["error"]
-    assert [r["config"] for r in rep["write_sweep"]] == [{"late_clip": False, "select_top3": False}]
+    assert [r["config"] for r in rep["write_sweep"]] == [{"late_clip": False, "select_top3": False, "sign_bits": False}]
     assert rep["write_sweep"][0]["ms"] > 0
     assert "of copy" in res.stdout
     out = tmp_path / "bad"

@@ -28,10 +28,11 @@ KERNELS = {
     "planes_divide": {"planes": True, "split": True, "select": "sorted", "quantize": "divide"},
     # "planes_sorted" takes round 2h's defaults: codes by thresholds of the unclipped values (the
     # clip enters through the group extremes), a tournament over each column's three largest
-    # values, thresholds not re-checked by division; "planes_early" is round 2g's kernel (clip
-    # first, four values per column, thresholds re-checked)
+    # values, thresholds not re-checked by division, compares as signs of differences;
+    # "planes_early" is round 2g's kernel (clip first, four values per column, thresholds
+    # re-checked, compares and selects)
     "planes_early": {"planes": True, "split": True, "select": "sorted", "late_clip": False, "select_top3": False,
-                     "check_thresholds": True},
+                     "check_thresholds": True, "sign_bits": False},
 }
 
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
@@ -128,6 +129,7 @@ def test_write_kernel_degenerate_groups(kernel, device):
     x[:8] = 3.0  # constant rows: every group degenerate
     x[8:16] = 1000.0 + torch.randint(-3, 4, (8, 2, 64), generator=gen).float() * 6.1e-5
     x[16:20] = 0.0
+    x[18:20, :, ::2] = -0.0  # negative zeros: a threshold at +0 must take them as +0
     x[20:32] = 3.0  # equal values with a few beyond the clip on either side: clipped, all equal
     x[20:24, :, :5] = 50.0
     x[24:28, :, 3:6] = -50.0
