@@ -46,13 +46,16 @@ their derivation (``_write_triton._thresholds``); ``config={"check_thresholds": 
 each with the reference arithmetic (two divisions). With ``"late_clip"`` (default) the codes come
 from the unclipped values and the clip enters only through each group's extremes (clipping is
 monotone), checked per group: a block with a group that is degenerate after the clip clips and
-divides. With a 16-bit rotation at d <= 128 the grid is persistent: each program keeps R's two
+divides. ``"sign_bits"`` (default) takes ``y >= T`` as the sign of ``pred(T) - y``: a subtraction
+on the FMA pipe instead of a compare and a select on the ALU pipe, which bounds this kernel.
+With a 16-bit rotation at d <= 128 the grid is persistent: each program keeps R's two
 parts in shared memory and loops over row blocks (``programs_per_sm``, default 2; 0 for one
 program per 64-row block). ``maxnreg`` caps the registers per thread.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
 ``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2h.json``):
-rotate + clip + quantise + pack 353 us (868 GB/s, 29% of copy; 404 us in round 2g); dividing
+rotate + clip + quantise + pack 353 us (868 GB/s, 29% of copy; 404 us in round 2g; before the
+sign bits, which took 352 to 341 us on an H200, ``bench_kernels_h200_write_signs_round2h.json``); dividing
 instead of thresholds 481 us, one program per row block 392 us. Rotate without clip 223 us (46%).
 Without rotation: with clip 218 us (47%), neither 143 us (71%; Nsight Compute: memory-bound, 76%
 of DRAM peak). With rotation and clip Nsight Compute finds 132 M warp instructions for 1 M rows at
