@@ -236,7 +236,7 @@ DEFAULT_LATE_CLIP = True
 DEFAULT_SELECT_TOP3 = True
 # each group's thresholds re-checked by the reference arithmetic (two divisions per threshold);
 # without, the derivation's exactness rests on its proof (``_write_triton._thresholds``), and only
-# non-finite values send a block to the division
+# non-finite values or |z| >= 2^50 (groups of huge, nearly equal values) send a block to the division
 DEFAULT_CHECK_THRESHOLDS = False
 # compares as the sign bit of a difference (``y >= T`` as ``pred(T) - y < 0``) in the codes and the
 # tie check: a subtraction on the FMA pipe and a shift instead of a compare and a select on the
