@@ -609,8 +609,9 @@ def write_profile(rows: list[dict]) -> list[dict]:
     return out
 
 
-def time_write(shape: dict, l2: int) -> list[dict]:
-    h, d, g = shape["kv_heads"], shape["head_dim"], shape["group_size"]
+def write_inputs(h: int, d: int, g: int):
+    """The timed write's inputs: 128K tokens (256 under --quick) x ``h`` heads of bf16 rows with
+    an outlier channel, a random rotation, clip ratios 0.96, and the output buffers."""
     t = 131072 if GPU else 256
     x = torch.randn(t, h, d, device=DEV).to(torch.bfloat16)
     x[..., 7] = x[..., 7] * 20 + 5
@@ -619,6 +620,13 @@ def time_write(shape: dict, l2: int) -> list[dict]:
     out = QuantizedKV(torch.empty(t, h, d // 4, dtype=torch.uint8, device=DEV),
                       torch.empty(t, h, d // g, dtype=torch.float16, device=DEV),
                       torch.empty(t, h, d // g, dtype=torch.float16, device=DEV), g)
+    return x, rk, clip, out
+
+
+def time_write(shape: dict, l2: int) -> list[dict]:
+    h, d, g = shape["kv_heads"], shape["head_dim"], shape["group_size"]
+    x, rk, clip, out = write_inputs(h, d, g)
+    t = x.shape[0]
     x32 = None
     rows = []
     for name, cfg, opt in write_variants():
@@ -780,14 +788,8 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
             f"{'' if row['ok'] else ' -- FAILED, not timed'}")
         if row["ok"]:
             ok_cfgs.append(cfg)
-    t = 131072 if GPU else 256
-    x = torch.randn(t, h, d, device=DEV).to(torch.bfloat16)
-    x[..., 7] = x[..., 7] * 20 + 5
-    rot = random_rotation(h, d, device=DEV)
-    clip_d = clip.to(DEV)
-    out = QuantizedKV(torch.empty(t, h, d // 4, dtype=torch.uint8, device=DEV),
-                      torch.empty(t, h, d // g, dtype=torch.float16, device=DEV),
-                      torch.empty(t, h, d // g, dtype=torch.float16, device=DEV), g)
+    x, rot, clip_d, out = write_inputs(h, d, g)
+    t = x.shape[0]
     nbytes = x.numel() * x.element_size() + out.codes.numel() + 2 * out.scale.numel() * 2
     times: dict[int, list[float]] = {i: [] for i in range(len(ok_cfgs))}
     regs: dict[int, object] = {}

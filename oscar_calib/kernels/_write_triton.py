@@ -300,13 +300,6 @@ def _mth_sorted4(a0, a1, a2, a3, m, LOWEST: tl.constexpr, TOP3: tl.constexpr = F
 
 
 @triton.jit
-def _select4_sorted(a0, a1, a2, a3, m, rmask, BT: tl.constexpr):
-    """:func:`_select4` with the tournament of :func:`_mth_sorted4` for the rounds; the same
-    count check (exactly ``m`` values ``>= v``) and tie-aware fallback, so exact either way."""
-    return _unless_tied(a0, a1, a2, a3, _mth_sorted4(a0, a1, a2, a3, m, float("-inf")), m, rmask, BT)
-
-
-@triton.jit
 def _mag(y, NEG: tl.constexpr):
     """``|y|``, or ``-|y|`` where ``NEG``."""
     a = tl.abs(y)
@@ -318,7 +311,9 @@ def _mag(y, NEG: tl.constexpr):
 @triton.jit
 def _select4_sorted_y(y0, y1, y2, y3, m, rmask, BT: tl.constexpr, NEG: tl.constexpr, TOP3: tl.constexpr,
                       SIGNS: tl.constexpr = False):
-    """:func:`_select4_sorted` over the magnitudes of ``y`` (negated where ``NEG``)."""
+    """:func:`_select4` with the tournament of :func:`_mth_sorted4` for the rounds, over the
+    magnitudes of ``y`` (negated where ``NEG``); the same count check (exactly ``m`` values
+    ``>= v``) and tie-aware fallback, so exact either way."""
     a0 = _mag(y0, NEG)
     a1 = _mag(y1, NEG)
     a2 = _mag(y2, NEG)
@@ -477,9 +472,9 @@ def _below(p, y):
 
 @triton.jit
 def _tplane_signs(y, t1, t2, t3, P: tl.constexpr):
-    """:func:`_tplane` by signs: ``y >= T_k`` is ``y > pred(T_k)`` (``t_k`` here hold the
-    predecessors)."""
-    neg = _below(t1[:, None], y) + _below(t2[:, None], y) + _below(t3[:, None], y)
+    """:func:`_tplane` by signs: ``y >= T_k`` is ``y > pred(T_k)``."""
+    neg = (_below(_f32_pred(t1)[:, None], y) + _below(_f32_pred(t2)[:, None], y)
+           + _below(_f32_pred(t3)[:, None], y))
     return neg * -(1 << (2 * P))
 
 
@@ -704,15 +699,8 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
                 okd = okd & _clip_free(d1, d3, l3, u3)
             ok = ok & okb & okc & okd
         if SIGNS:
-            packed = _tplane_signs(y0, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 0)
-            if GP == 4:
-                packed += _tplane_signs(y1, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 1) \
-                    + _tplane_signs(y2, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 2) \
-                    + _tplane_signs(y3, _f32_pred(a1), _f32_pred(a2), _f32_pred(a3), 3)
-            else:
-                packed += _tplane_signs(y1, _f32_pred(b1), _f32_pred(b2), _f32_pred(b3), 1) \
-                    + _tplane_signs(y2, _f32_pred(c1), _f32_pred(c2), _f32_pred(c3), 2) \
-                    + _tplane_signs(y3, _f32_pred(d1), _f32_pred(d2), _f32_pred(d3), 3)
+            packed = _tplane_signs(y0, a1, a2, a3, 0) + _tplane_signs(y1, b1, b2, b3, 1) \
+                + _tplane_signs(y2, c1, c2, c3, 2) + _tplane_signs(y3, d1, d2, d3, 3)
         else:
             packed = _tplane(y0, a1, a2, a3, 0) | _tplane(y1, b1, b2, b3, 1) | _tplane(y2, c1, c2, c3, 2) \
                 | _tplane(y3, d1, d2, d3, 3)
