@@ -20,7 +20,9 @@ On the GPU (default), in this order:
    under PDL) follows; on an H100 the table also compares with the timings of OSCAR's own kernel
    given in issue 15;
 4. write-kernel throughput (rotate + clip + quantise + pack) on 128K tokens x 8 heads, general
-   and plane-wise kernels.
+   and plane-wise kernels. The clip ratios are the bundled zoo's (the 8 heads take the octile
+   midpoints of its K and V ratios: 0.88-0.95), since the clip selection's cost grows with the
+   number of values above the clip; "rot+clip 0.96" is the ratio of earlier rounds' tables.
 
 Each kernel's bound (memory / instruction issue / latency) comes from Nsight Compute through
 ``scripts/ncu_kernels.py``, which reads this script's JSON (``ncu_decode``, ``write_profile``);
@@ -39,7 +41,7 @@ Sweeps instead of the whole run: ``--variants JSON`` times decode configs at eve
 batch (``sweep.json``); ``--write-variants JSON`` checks write-kernel configs against the reference
 (Qwen-like rows plus degenerate ones: equal after the clip, zero, a few ulps apart) and times
 those that pass, with rotation and clip unless an entry says ``"rotation": false`` or ``"clip":
-false``, in alternating rounds (``write_sweep.json``; with ``--ncu`` each one's instructions,
+false`` (``"clip_ratio"``: a number, or one per head, instead of the zoo's), in alternating rounds (``write_sweep.json``; with ``--ncu`` each one's instructions,
 issue rate and pipe use), e.g. ``--write-variants '[{}, {"check_thresholds": true}]'``.
 
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
@@ -563,6 +565,9 @@ def write_variants() -> list[tuple[str, dict, dict]]:
     blocks = {"programs_per_sm": 0, "num_stages": 3}  # one program per 64-row block (round 2c)
     tile2d = {"BT": 64, "num_warps": 4, "num_stages": 2}  # round 2d's tile of the persistent grid
     cfgs = [("rot+clip", {}, clip),
+            ("rot+clip 0.96", {}, {"clip": True, "ratio": 0.96}),
+            ("rot+clip 0.96 top3", {"select_top3": True}, {"clip": True, "ratio": 0.96}),
+            ("rot+clip top3", {"select_top3": True}, clip),
             ("rot+clip divide", {"quantize": "divide"}, clip),
             ("rot+clip per block", blocks, clip),
             ("rot+clip per block divide", {**blocks, "quantize": "divide"}, clip),
@@ -588,10 +593,11 @@ def write_variants() -> list[tuple[str, dict, dict]]:
     return cfgs
 
 
-def write_profile(rows: list[dict]) -> list[dict]:
+def write_profile(rows: list[dict], h: int) -> list[dict]:
     """Write configurations for ``scripts/ncu_kernels.py``: the library defaults with clip (with
     and without rotation), the fastest rotated one with clip, the fastest without either."""
     opts = {n: o for n, _, o in write_variants()}
+    ratios = zoo_clip_ratios(h)
     timed = [r for r in rows if "ms" in r]
     picks = [r for r in timed if r["name"] in ("rot+clip", "no rot, clip")]
     clip_rows = [r for r in timed if opts[r["name"]]["clip"] and opts[r["name"]].get("rot", True)
@@ -605,18 +611,36 @@ def write_profile(rows: list[dict]) -> list[dict]:
         if r["name"] not in seen:
             seen.add(r["name"])
             o = opts[r["name"]]
-            out.append({"name": r["name"], "config": r["config"], "rot": o.get("rot", True), "clip": o["clip"]})
+            out.append({"name": r["name"], "config": r["config"], "rot": o.get("rot", True), "clip": o["clip"],
+                        "clip_ratio": o.get("ratio", ratios)})
     return out
+
+
+def zoo_clip_ratios(h: int) -> list[float]:
+    """``h`` clip ratios spread like the bundled zoo's K and V ratios: their quantiles at the
+    midpoints of ``h`` equal slices (0.92 each if the zoo cannot be read)."""
+    from safetensors import safe_open
+
+    vals = []
+    for f in sorted((Path(__file__).resolve().parents[1] / "zoo").glob("*/*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            vals += [fh.get_tensor(k).flatten() for k in fh.keys() if k.endswith(("k_clip", "v_clip"))]
+    if not vals:
+        return [0.92] * h
+    v = torch.cat(vals).double()
+    q = torch.quantile(v, torch.tensor([(i + 0.5) / h for i in range(h)], dtype=torch.float64))
+    return [round(float(c), 4) for c in q]
 
 
 def write_inputs(h: int, d: int, g: int):
     """The timed write's inputs: 128K tokens (256 under --quick) x ``h`` heads of bf16 rows with
-    an outlier channel, a random rotation, clip ratios 0.96, and the output buffers."""
+    an outlier channel, a random rotation, the zoo's clip ratios (:func:`zoo_clip_ratios`), and
+    the output buffers."""
     t = 131072 if GPU else 256
     x = torch.randn(t, h, d, device=DEV).to(torch.bfloat16)
     x[..., 7] = x[..., 7] * 20 + 5
     rk = random_rotation(h, d, device=DEV)
-    clip = torch.full((h,), 0.96, device=DEV)
+    clip = torch.tensor(zoo_clip_ratios(h), device=DEV)
     out = QuantizedKV(torch.empty(t, h, d // 4, dtype=torch.uint8, device=DEV),
                       torch.empty(t, h, d // g, dtype=torch.float16, device=DEV),
                       torch.empty(t, h, d // g, dtype=torch.float16, device=DEV), g)
@@ -635,6 +659,8 @@ def time_write(shape: dict, l2: int) -> list[dict]:
             continue
         rot = rk if opt.get("rot", True) else None
         cl = clip if opt["clip"] else None
+        if cl is not None and "ratio" in opt:
+            cl = torch.full_like(clip, opt["ratio"])
         if opt.get("fp32"):  # float32 rows: the float clip selection without a rotation
             x32 = x.float() if x32 is None else x32
         xin = x32 if opt.get("fp32") else x
@@ -745,11 +771,21 @@ def write_check_rows(h: int, d: int, gen) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+BENCH_KEYS = ("rotation", "clip", "clip_ratio")
+
+
 def kernel_config(cfg: dict, rot, clip):
     """A write-sweep entry's kernel config and its inputs: ``"rotation": false`` / ``"clip": false``
-    in the entry time it without them (all other keys go to the kernel)."""
-    kcfg = {k: v for k, v in cfg.items() if k not in ("rotation", "clip")}
-    return kcfg, (rot if cfg.get("rotation", True) else None), (clip if cfg.get("clip", True) else None)
+    in the entry time it without them, ``"clip_ratio"`` (a number, or one per KV head) with other
+    clip ratios than ``clip``'s (all other keys go to the kernel)."""
+    kcfg = {k: v for k, v in cfg.items() if k not in BENCH_KEYS}
+    if not cfg.get("clip", True):
+        return kcfg, (rot if cfg.get("rotation", True) else None), None
+    if "clip_ratio" in cfg and clip is not None:
+        ratio = cfg["clip_ratio"]
+        clip = torch.tensor(ratio if isinstance(ratio, list) else [ratio] * clip.numel(),
+                            dtype=clip.dtype, device=clip.device)
+    return kcfg, (rot if cfg.get("rotation", True) else None), clip
 
 
 def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_dir: Path) -> None:
@@ -759,7 +795,7 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
     gen = torch.Generator().manual_seed(5)
     xc = write_check_rows(h, d, gen)
     rk = random_rotation(h, d, generator=gen)
-    clip = torch.full((h,), 0.96)
+    clip = torch.tensor(zoo_clip_ratios(h))
     refs = {(c, "rot"): quantize_kv_reference(xc, rk, cl, g) for c, cl in ((True, clip), (False, None))}
     refs.update({(c, "no rot"): quantize_kv_reference(xc, None, cl, g) for c, cl in ((True, clip), (False, None))})
     ok_cfgs, report["write_check"] = [], []
@@ -767,10 +803,13 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
         row = {"config": cfg}
         try:
             kcfg, _, clip_i = kernel_config(cfg, None, clip)
+            if clip_i is not None and clip_i.numel() != h:
+                raise ValueError(f"clip_ratio needs one number or {h}, got {clip_i.numel()}")
             for name, rot in (("rot", rk), ("no rot", None)):
                 got = quantize_kv(xc.to(DEV), None if rot is None else rot.to(DEV),
                                   None if clip_i is None else clip_i.to(DEV), g, backend="triton", config=kcfg)
-                ref = refs[(clip_i is not None, name)]
+                ref = refs.get((clip_i is not None, name)) if "clip_ratio" not in cfg else \
+                    quantize_kv_reference(xc, rot, clip_i, g)
                 worst, frac = code_agreement(got, ref)
                 same = bool(torch.equal(got.scale.cpu(), ref.scale) and torch.equal(got.offset.cpu(), ref.offset))
                 row[name] = {"max_level_diff": worst, "codes_differing": frac, "params_identical": same}
@@ -810,8 +849,10 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
         report["write_sweep"].append({"config": cfg, "ms": ms, "runs_ms": times[i], "tokens": t, "bytes": nbytes,
                                       "bytes_per_s": nbytes / (ms * 1e-3), "kernel": regs.get(i)})
     report["ncu_decode"] = []
-    report["write_profile"] = [{"name": json.dumps(cfg), "config": kernel_config(cfg, 0, 0)[0],
-                                "rot": cfg.get("rotation", True), "clip": cfg.get("clip", True)} for cfg in ok_cfgs]
+    report["write_profile"] = [{"name": json.dumps(cfg), "config": kernel_config(cfg, None, None)[0],
+                                "rot": cfg.get("rotation", True), "clip": cfg.get("clip", True),
+                                "clip_ratio": cfg.get("clip_ratio", clip.tolist())}
+                               for cfg in ok_cfgs]
     report["elapsed_s"] = time.time() - T0
     path = out_dir / "write_sweep.json"
     path.write_text(json.dumps(report, indent=2, default=str))
@@ -933,7 +974,7 @@ def main():
     report["breakdown"] = breakdown_decode(shape, bd_contexts, l2) if 1 in batches else []
     report["profile"] = profile_decode(shape, best) if GPU else {}
     report["write"] = time_write(shape, l2)
-    report["write_profile"] = write_profile(report["write"])
+    report["write_profile"] = write_profile(report["write"], shape["kv_heads"])
     report["elapsed_s"] = time.time() - T0
     path = out_dir / "bench_kernels.json"
     path.write_text(json.dumps(report, indent=2, default=str))

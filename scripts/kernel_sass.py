@@ -60,10 +60,12 @@ def defaults(kernel: str) -> tuple[dict, dict]:
                      PAGED=False, PAGE=1, ASM=True, INTERP=False, PARTS=1, PF=bool(t["prefetch"]), PDL=bool(t["pdl"]), V16=True, P32=False,
                      L2T=0, L2CS=4, L2PS=64, WS=int(t["window_stages"]))
         return const, {"num_warps": 1, "num_stages": t["num_stages"], "maxnreg": t["maxnreg"] or None}
+    from oscar_calib.kernels import write
     from oscar_calib.kernels.write import RESIDENT_TILE as tile
 
     const = dict(D=128, G=128, W=32, BT=tile["BT"], KB=64, ROT=1, CLIP=True, INTERP=False, KEYED=False, SPLIT=True,
-                 SORTED=True, RES=True, THRESH=True, LATE=True, TOP3=True, CHECKT=False, SIGNS=True)
+                 SORTED=True, RES=True, THRESH=True, LATE=True, TOP3=write.DEFAULT_SELECT_TOP3,
+                 CHECKT=write.DEFAULT_CHECK_THRESHOLDS, SIGNS=write.DEFAULT_SIGN_BITS)
     return const, {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"], "maxnreg": None}
 
 

@@ -32,11 +32,14 @@ four ``[rows, d/4]`` tensors (one per bit plane), so the clip selection, the gro
 the packing need no data movement between threads. ``config={"planes": ...}`` picks one; by
 default the plane-wise kernel runs wherever it applies. With a rotation it takes one ``[rows, d]``
 product split into the planes (``"split": True``; four narrow products, ``False``, are slower).
-Its clip threshold comes from a tournament (``"select": "sorted"``): each column's plane values
-are sorted once (its three largest: ``"select_top3"``), and a round pops the row's largest column
-head. That is one compare, three selects and one row reduction per column per round, instead of a
-compare, a select and a maximum per value. It is exact: the same count check and tie-aware
-fallback (which also catches a column holding four of the top ``m``). Unrotated 16-bit input
+Its clip threshold comes from a tournament (``"select": "sorted"``): each column's four plane
+values are sorted once, and a round pops the row's largest column head. That is one compare, four
+selects and one row reduction per column per round, instead of a compare, a select and a maximum
+per value; a row needs ``m = d - floor(c*d)`` rounds (2-20 for the bundled zoo's clip ratios), so
+the clip's cost grows with ``m``. It is exact: a count check (exactly ``m`` values at least the
+answer) and a tie-aware fallback. ``"select_top3"`` keeps each column's three largest values only;
+the count check catches a column that held four of the top ``m``, which is common for large
+``m``, so it is off. Unrotated 16-bit input
 always takes rounds over its unique integer keys (a tournament there measured slower: it needs
 255 registers).
 
@@ -232,8 +235,13 @@ DEFAULT_QUANTIZE = "thresholds"
 # codes by thresholds from the unclipped values, the clip entering only through each group's
 # extremes (exact: a per-group check sends a block to the clipped division otherwise)
 DEFAULT_LATE_CLIP = True
-# tournament columns keep their three largest values (the count check refuses the rare miss)
-DEFAULT_SELECT_TOP3 = True
+# tournament columns keep their three largest values (the count check refuses a miss): off. It
+# paid only where a head's clip needs few rounds (m = d - floor(clip * d)): at the bench's former
+# clip 0.96 (m = 6) 333.6 against 339.7 us, but at the bundled zoo's ratios (0.85-0.99, median
+# 0.92: m = 2-20, median 11) a column often holds four of a row's top m and the block selects
+# again: 0.92 546.5 against 411.0 us, 0.88 1163.9 against 497.3, the zoo's spread 599.9 against
+# 430.5 (H200, scripts/results/bench_kernels_h200_write_clips_round2i.json)
+DEFAULT_SELECT_TOP3 = False
 # each group's thresholds re-checked by the reference arithmetic (two divisions per threshold);
 # without, the derivation's exactness rests on its proof (``_write_triton._thresholds``), and only
 # non-finite values or |z| >= 2^50 (groups of huge, nearly equal values) send a block to the division

@@ -26,13 +26,15 @@ KERNELS = {
     "planes_per_block": {"planes": True, "split": True, "select": "sorted", "programs_per_sm": 0},
     # codes by division instead of by the three exact thresholds per group
     "planes_divide": {"planes": True, "split": True, "select": "sorted", "quantize": "divide"},
-    # "planes_sorted" takes round 2h's defaults: codes by thresholds of the unclipped values (the
-    # clip enters through the group extremes), a tournament over each column's three largest
-    # values, thresholds not re-checked by division, compares as signs of differences;
+    # "planes_sorted" takes the defaults: codes by thresholds of the unclipped values (the clip
+    # enters through the group extremes), a tournament over each column's four values, thresholds
+    # not re-checked by division, compares as signs of differences;
     # "planes_early" is round 2g's kernel (clip first, four values per column, thresholds
     # re-checked, compares and selects)
     "planes_early": {"planes": True, "split": True, "select": "sorted", "late_clip": False, "select_top3": False,
                      "check_thresholds": True, "sign_bits": False},
+    # the tournament over each column's three largest values only (round 2h's default)
+    "planes_top3": {"planes": True, "split": True, "select": "sorted", "select_top3": True},
 }
 
 # At most this fraction of codes may differ, by one level, where the kernel's rotation (another
@@ -98,7 +100,8 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide", "planes_early"])
+@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide", "planes_early",
+                                    "planes_top3"])
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
@@ -119,7 +122,7 @@ def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
             _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), g), exact=True)
 
 
-@pytest.mark.parametrize("kernel", ["planes_sorted", "planes_early"])
+@pytest.mark.parametrize("kernel", ["planes_sorted", "planes_early", "planes_top3"])
 def test_write_kernel_degenerate_groups(kernel, device):
     """Groups whose values are all equal, or differ by a few ulps around a large offset, after the
     clip: codes by thresholds of unclipped values cannot stand in for the clipped ones there (the
