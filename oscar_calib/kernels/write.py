@@ -56,10 +56,11 @@ parts in shared memory and loops over row blocks (``programs_per_sm``, default 2
 program per 64-row block). ``maxnreg`` caps the registers per thread.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2h.json``):
-rotate + clip + quantise + pack 353 us (868 GB/s, 29% of copy; 404 us in round 2g; before the
-sign bits, which took 352 to 341 us on an H200, ``bench_kernels_h200_write_signs_round2h.json``); dividing
-instead of thresholds 481 us, one program per row block 392 us. Rotate without clip 223 us (46%).
+``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2i.json``): rotate + clip +
+quantise + pack at the bundled zoo's clip ratios (0.88-0.95 over the heads: 7-16 tournament
+rounds) 441 us (695 GB/s, 23% of copy); at clip ratio 0.96 (6 rounds) 332 us (31%). Round 2h
+(``bench_kernels_h100_round2h.json``, 0.96, before the sign bits): 353 us; dividing instead of
+thresholds 481 us, one program per row block 392 us. Rotate without clip 223 us (46%).
 Without rotation: with clip 218 us (47%), neither 143 us (71%; Nsight Compute: memory-bound, 76%
 of DRAM peak). With rotation and clip Nsight Compute finds 132 M warp instructions for 1 M rows at
 42% issue, the ALU pipe (compares, min/max, selects) 61% busy and 94% without the rotation: the
