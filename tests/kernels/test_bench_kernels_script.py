@@ -53,16 +53,24 @@ def test_bench_kernels_variant_sweep_quick(tmp_path):
 def test_bench_kernels_write_sweep_quick(tmp_path):
     # --write-variants: each write config checked against the reference (including degenerate
     # rows), then timed; a config the kernel refuses fails its check and is not timed
-    cfg = '[{"late_clip": false, "select_top3": false, "sign_bits": false}, {"quantize": "bogus"}]'
+    # (entries may carry their own clip ratios: one number, or one per head; the quick shape has 2)
+    cfg = ('[{"late_clip": false, "select_top3": false, "sign_bits": false}, {"quantize": "bogus"}, '
+           '{"select_top3": true, "clip_ratio": [0.85, 0.95]}, {"clip_ratio": [0.9]}]')
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--write-variants", cfg],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rep = json.loads((tmp_path / "write_sweep.json").read_text())
-    first, second = rep["write_check"]
+    first, second, third, fourth = rep["write_check"]
     assert first["ok"] and first["no rot"]["codes_differing"] == 0 and first["no rot"]["params_identical"]
     assert not second["ok"] and "quantize" in second["error"]
-    assert [r["config"] for r in rep["write_sweep"]] == [{"late_clip": False, "select_top3": False, "sign_bits": False}]
-    assert rep["write_sweep"][0]["ms"] > 0
+    assert third["ok"] and third["no rot"]["codes_differing"] == 0 and third["no rot"]["params_identical"]
+    assert not fourth["ok"] and "clip_ratio" in fourth["error"]
+    assert [r["config"] for r in rep["write_sweep"]] == [{"late_clip": False, "select_top3": False, "sign_bits": False},
+                                                         {"select_top3": True, "clip_ratio": [0.85, 0.95]}]
+    assert all(r["ms"] > 0 for r in rep["write_sweep"])
+    # without "clip_ratio" the heads take the bundled zoo's ratios (spread, not all alike)
+    zoo, own = rep["write_profile"][0]["clip_ratio"], rep["write_profile"][1]["clip_ratio"]
+    assert len(zoo) == 2 and 0.85 <= zoo[0] < zoo[1] <= 0.99 and own == [0.85, 0.95]
     assert "of copy" in res.stdout
     out = tmp_path / "bad"
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--write-variants", "{}"],
