@@ -41,8 +41,9 @@ Sweeps instead of the whole run: ``--variants JSON`` times decode configs at eve
 batch (``sweep.json``); ``--write-variants JSON`` checks write-kernel configs against the reference
 (Qwen-like rows plus degenerate ones: equal after the clip, zero, a few ulps apart) and times
 those that pass, with rotation and clip unless an entry says ``"rotation": false`` or ``"clip":
-false`` (``"clip_ratio"``: a number, or one per head, instead of the zoo's), in alternating rounds (``write_sweep.json``; with ``--ncu`` each one's instructions,
-issue rate and pipe use), e.g. ``--write-variants '[{}, {"check_thresholds": true}]'``.
+false`` (``"clip_ratio"``: a number, or one per head, instead of the zoo's), in alternating rounds
+(``write_sweep.json``; with ``--ncu`` each one's instructions, issue rate and pipe use), e.g.
+``--write-variants '[{}, {"check_thresholds": true}]'``.
 
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
 Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out DIR]
