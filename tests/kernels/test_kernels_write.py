@@ -139,6 +139,8 @@ def test_write_kernel_degenerate_groups(kernel, device):
     x[28:32] *= -1
     x[28:32, :, 60:] = 40.0
     x[32:36, :, [2, 18, 34, 50]] = torch.tensor([30.0, 31.0, 32.0, 33.0])  # one column holds the top 4
+    # two columns hold the top 8
+    x[36:40, :, [2, 18, 34, 50, 10, 26, 42, 58]] = torch.arange(30.0, 38.0)
     cfg = {"BT": 16, **KERNELS[kernel]}
     clip = torch.tensor([0.9, 0.5], device=device)
     for dt in (torch.float32, torch.bfloat16):
