@@ -61,6 +61,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 
 QWEN = {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "group_size": 128}
@@ -617,7 +618,8 @@ def write_profile(rows: list[dict], h: int) -> list[dict]:
     return out
 
 
-def zoo_clip_ratios(h: int) -> list[float]:
+@lru_cache(maxsize=None)
+def zoo_clip_ratios(h: int) -> tuple[float, ...]:
     """``h`` clip ratios spread like the bundled zoo's K and V ratios: their quantiles at the
     midpoints of ``h`` equal slices (0.92 each if the zoo cannot be read)."""
     from safetensors import safe_open
@@ -627,10 +629,16 @@ def zoo_clip_ratios(h: int) -> list[float]:
         with safe_open(str(f), "pt") as fh:
             vals += [fh.get_tensor(k).flatten() for k in fh.keys() if k.endswith(("k_clip", "v_clip"))]
     if not vals:
-        return [0.92] * h
+        return (0.92,) * h
     v = torch.cat(vals).double()
     q = torch.quantile(v, torch.tensor([(i + 0.5) / h for i in range(h)], dtype=torch.float64))
-    return [round(float(c), 4) for c in q]
+    return tuple(round(float(c), 4) for c in q)
+
+
+def ratio_tensor(ratio, like: torch.Tensor) -> torch.Tensor:
+    """Clip ratios shaped like ``like``: one number for every head, or a list, one per head."""
+    vals = list(ratio) if isinstance(ratio, (list, tuple)) else [ratio] * like.numel()
+    return torch.tensor(vals, dtype=like.dtype, device=like.device)
 
 
 def write_inputs(h: int, d: int, g: int):
@@ -661,7 +669,7 @@ def time_write(shape: dict, l2: int) -> list[dict]:
         rot = rk if opt.get("rot", True) else None
         cl = clip if opt["clip"] else None
         if cl is not None and "ratio" in opt:
-            cl = torch.full_like(clip, opt["ratio"])
+            cl = ratio_tensor(opt["ratio"], clip)
         if opt.get("fp32"):  # float32 rows: the float clip selection without a rotation
             x32 = x.float() if x32 is None else x32
         xin = x32 if opt.get("fp32") else x
@@ -783,9 +791,7 @@ def kernel_config(cfg: dict, rot, clip):
     if not cfg.get("clip", True):
         return kcfg, (rot if cfg.get("rotation", True) else None), None
     if "clip_ratio" in cfg and clip is not None:
-        ratio = cfg["clip_ratio"]
-        clip = torch.tensor(ratio if isinstance(ratio, list) else [ratio] * clip.numel(),
-                            dtype=clip.dtype, device=clip.device)
+        clip = ratio_tensor(cfg["clip_ratio"], clip)
     return kcfg, (rot if cfg.get("rotation", True) else None), clip
 
 
@@ -809,7 +815,7 @@ def sweep_write(report: dict, shape: dict, configs: list[dict], bw: float, out_d
             for name, rot in (("rot", rk), ("no rot", None)):
                 got = quantize_kv(xc.to(DEV), None if rot is None else rot.to(DEV),
                                   None if clip_i is None else clip_i.to(DEV), g, backend="triton", config=kcfg)
-                ref = refs.get((clip_i is not None, name)) if "clip_ratio" not in cfg else \
+                ref = refs[(clip_i is not None, name)] if "clip_ratio" not in cfg else \
                     quantize_kv_reference(xc, rot, clip_i, g)
                 worst, frac = code_agreement(got, ref)
                 same = bool(torch.equal(got.scale.cpu(), ref.scale) and torch.equal(got.offset.cpu(), ref.offset))
