@@ -11,7 +11,8 @@
 For each: a plain forward over the calibration batches (no capture; the baseline), the streaming
 capture + accumulation (``collect_statistics``), and the whole ``calibrate`` (held-out capture,
 rotations, clips, artifact; no verify), timed alternately (medians of ``--repeats``), and the peak
-memory of every GPU beyond its weights. The overhead is capture / plain − 1, in the same run.
+memory of every GPU beyond its weights. The overhead is capture / plain − 1, in the same run. The
+spread model is then verified once (``oscar verify`` on a fresh artifact, INT2 kernels on the GPUs).
 Weights are random (normal, std 0.02; norms 1): speed and memory do not depend on their values.
 Calibration text is the embedded corpus through a byte tokenizer.
 
@@ -37,6 +38,14 @@ QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, n
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128)
 SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (the runs take minutes on a 32B model)."""
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def build(geo: dict, placement: str | dict):
@@ -125,16 +134,17 @@ def measure(lm, cfg, plan, repeats: int, gpus: list[int], ranks=None, shard=None
     """Medians of plain / capture / end to end, alternating, and peak memory of ``gpus`` beyond the weights."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import _forward, calibrate, collect_statistics
+    from oscar_calib.calibrate.pipeline import calibrate, collect_statistics
+    from oscar_calib.model.capture import capture_forward
     from oscar_calib.model.placement import input_device
 
     dev = input_device(lm.model)
     batches = [b.to(dev) for b in (shard or plan.batches(cfg.batch_size))]
 
-    def plain():
+    def plain():                                # the capture's own forward (last-position logits), no hooks
         with torch.no_grad():
             for b in batches:
-                _forward(lm.model, b)
+                capture_forward(lm.model, b)
 
     def capture():
         collect_statistics(lm, plan, cfg, ranks=ranks)
@@ -157,6 +167,7 @@ def measure(lm, cfg, plan, repeats: int, gpus: list[int], ranks=None, shard=None
             dt = time.perf_counter() - t0
             if ranks is not None:
                 dt = max(ranks.ctx.gather_objects(dt, "timing"))          # the job's time: its slowest rank
+            log(f"{'warm-up' if not rep else f'round {rep}'}: {name} {dt:.2f} s")
             if rep:
                 times[name].append(dt)
                 mem[name] = peaks(base)
@@ -170,13 +181,39 @@ def measure(lm, cfg, plan, repeats: int, gpus: list[int], ranks=None, shard=None
 def spread_main(args, geo) -> dict:
     t0 = time.perf_counter()
     lm, weights = build(geo, "spread")
+    log(f"spread: model built in {time.perf_counter() - t0:.1f} s, weights per device "
+        + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in sorted(weights.items())))
     cfg, plan = cfg_and_plan(args, "cuda" if args.device == "cuda" else "cpu")
     import torch
 
     gpus = list(range(torch.cuda.device_count())) if args.device == "cuda" else []
+    build_s = time.perf_counter() - t0
     res = measure(lm, cfg, plan, args.repeats, gpus)
-    return {"mode": "spread", "build_s": time.perf_counter() - t0, "weights_bytes": weights,
-            "device_map": sorted({str(v) for v in getattr(lm.model, "hf_device_map", {}).values()}), **res}
+    return {"mode": "spread", "build_s": build_s, "weights_bytes": weights,
+            "device_map": sorted({str(v) for v in getattr(lm.model, "hf_device_map", {}).values()}), **res,
+            "verify": verify_spread(lm, cfg, gpus, args)}
+
+
+def verify_spread(lm, cfg, gpus: list[int], args) -> dict:
+    """``oscar verify`` of a fresh artifact on the spread model (once, not in the timed rounds): its
+    captures stay on the CPU and each layer is checked on the device its inputs go to, with the
+    INT2 kernels where the device is a GPU."""
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.tools.verify import verify_artifact
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        calibrate(cfg, out, loaded=lm)
+        log("verify: artifact written")
+        base = reset_peaks(gpus)
+        t0 = time.perf_counter()
+        res = verify_artifact(out / "oscar.safetensors", loaded=lm, device=args.device,
+                              backend="triton" if args.device == "cuda" else "torch",
+                              depths=tuple(d for d in (512, 1024, 2048) if d < args.seq_len) or (args.seq_len // 2,),
+                              write=False, plot=False, quiet=True)
+        sync()
+        return {"seconds": time.perf_counter() - t0, "passed": res.passed, "settings": res.settings,
+                "summary": res.summary(), "peak_beyond_weights_bytes": peaks(base) if gpus else {}}
 
 
 def dp_worker(job: dict) -> None:
@@ -192,9 +229,11 @@ def dp_worker(job: dict) -> None:
         torch.cuda.set_device(dev)
     t0 = time.perf_counter()
     lm, weights = build(job["geo"], dev)
+    log(f"dp rank on {dev}: model built in {time.perf_counter() - t0:.1f} s")
     cfg, plan = cfg_and_plan(args, args.device)
     with data_parallel(args.device) as ranks:
         build_s = time.perf_counter() - t0
+        log(f"dp rank {ranks.rank} of {ranks.world_size} joined")
         res = measure(lm, cfg, plan, args.repeats, [local] if args.device == "cuda" else [], ranks=ranks,
                       shard=ranks.shard(plan.batches(cfg.batch_size)))
         everyone = ranks.ctx.gather_objects({"weights": weights, "peaks": res["peak_beyond_weights_bytes"],
@@ -234,13 +273,12 @@ def main() -> None:
     geo = SMALL if args.small else QWEN3_32B
     doc = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
            "gpus": torch.cuda.device_count(), "torch": torch.__version__, "geometry": geo, "runs": []}
-    if args.mode in ("both", "spread"):
-        doc["runs"].append(spread_main(args, geo))
-    if args.mode in ("both", "dp"):
-        doc["runs"].append(dp_main(args, geo))
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_scale.json").write_text(json.dumps(doc, indent=2))
+    for mode, run in (("spread", spread_main), ("dp", dp_main)):
+        if args.mode in ("both", mode):
+            doc["runs"].append(run(args, geo))
+            (out / "bench_scale.json").write_text(json.dumps(doc, indent=2))     # after each mode
     gib = 2**30
     print(f"\n{doc['device']} x{doc['gpus']}, random-init {'tiny' if args.small else 'Qwen3-32B'}-shaped model, "
           f"bf16, {args.tokens} tokens in sequences of {args.seq_len}")
@@ -251,6 +289,12 @@ def main() -> None:
         pk = ", ".join(f"{k} {v / gib:.2f}" for k, v in r["peak_beyond_weights_bytes"]["capture"].items()) or "–"
         print(f"{r['mode']:>7} {m['plain']:>8.3f} {m['capture']:>9.3f} {m['end_to_end']:>12.3f} "
               f"{r['overhead_capture']:>8.1%} {r['overhead_end_to_end']:>8.1%} {r['tokens_per_s_capture']:>8.0f}  {pk}")
+        if "verify" in r:
+            v = r["verify"]
+            pv = ", ".join(f"{k} {b / gib:.2f}" for k, b in v["peak_beyond_weights_bytes"].items()) or "–"
+            print(f"{'':>7} verify on the spread model: {v['seconds']:.1f} s, "
+                  f"{'PASS' if v['passed'] else 'FAIL'} (attention error {v['summary']['mean_attn_error']:.4f} "
+                  f"against Hadamard's {v['summary']['mean_attn_error_hadamard']:.4f}); peak beyond weights {pv}")
 
 
 if __name__ == "__main__":
