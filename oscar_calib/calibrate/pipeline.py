@@ -82,6 +82,7 @@ class StatsRun:
     batches_done: int = 0
     checkpointed: int = 0        # batches in the newest checkpoint (0: none)
     layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
+    fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see collect_statistics)
 
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):
@@ -125,6 +126,10 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
         stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, pilot, device=dev, approx=approx)
                for _ in range(geo.num_layers)],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
+        # the held-out fits (attention over every held-out row, a clip grid per head) are the
+        # largest cost after the capture: on the GPU that runs the model's first layer when there
+        # is one (a 64-layer, 64-head model: ~54 s on 32 CPU cores)
+        fit_device=str(dev) if dev.type == "cuda" else "cpu",
     )
     parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256(),
              **({} if approx else {"s_approx": False}), **ranks.key_parts()}
@@ -170,8 +175,10 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
 
 
 def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
+    """Layer ``layer``'s held-out rows (kept on the CPU), on the run's fitting device."""
     r, info = run.reservoir[layer], run.layer_info[layer]
-    return HeldoutLayer(r.q, r.k, r.v, r.o, info["scaling"], info["sliding_window"], info["softcap"])
+    held = HeldoutLayer(r.q, r.k, r.v, r.o, info["scaling"], info["sliding_window"], info["softcap"])
+    return held.to(run.fit_device)
 
 
 def spread(eig: torch.Tensor) -> float:
@@ -200,7 +207,7 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             if gk != gv:
                 raise InputError("--refine-steps needs one group size for K and V in every layer")
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
-            k_rot, v_rot, refined = refine_layer(held, k_rot, k_clip, v_rot, v_clip, gk, settings)
+            k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
             k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
         ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
         h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)

@@ -29,10 +29,10 @@ from .quant import clip_rows, fake_quant_int2
 CLIP_GRID = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.90, 0.88, 0.85, 0.80, 0.75)
 
 
-def causal_mask(t: int, sliding_window: int | None = None) -> torch.Tensor:
+def causal_mask(t: int, sliding_window: int | None = None, device=None) -> torch.Tensor:
     """[t, t] boolean: query i sees key j when j ≤ i (and i − j < ``sliding_window`` when given)."""
-    i = torch.arange(t).unsqueeze(1)
-    j = torch.arange(t).unsqueeze(0)
+    i = torch.arange(t, device=device).unsqueeze(1)
+    j = torch.arange(t, device=device).unsqueeze(0)
     m = j <= i
     if sliding_window:
         m &= j > i - sliding_window
@@ -56,11 +56,24 @@ class HeldoutLayer:
         self._probs: list[torch.Tensor] | None = None
 
     @property
+    def device(self) -> torch.device:
+        return self.q[0].device
+
+    def to(self, device) -> "HeldoutLayer":
+        """The same rows on ``device`` (this object where they already are); the fits and errors
+        below run where the rows are, with the rotations and covariances moved to them."""
+        if torch.device(device) == self.device:
+            return self
+        move = lambda xs: [x.to(device) for x in xs]  # noqa: E731
+        return HeldoutLayer(move(self.q), move(self.k), move(self.v), move(self.o), self.scaling,
+                            self.sliding_window, self.softcap)
+
+    @property
     def group(self) -> int:
         return self.q[0].shape[1] // self.k[0].shape[1]
 
     def mask(self, t: int) -> torch.Tensor:
-        return causal_mask(t, self.sliding_window)
+        return causal_mask(t, self.sliding_window, self.device)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """[Hq, T, T] scaled (and soft-capped) logits, GQA-expanded, unmasked."""
@@ -124,14 +137,14 @@ def fit_k_clip(k_rows: torch.Tensor, rot: torch.Tensor, cq: torch.Tensor, group_
     ``k_rows`` [N, h, d], ``rot`` [h, d, d], ``cq`` [h, d, d] (un-rotated C_Q).
     Returns the chosen ratios [h] and the error table [h, len(grid)]."""
     g = torch.tensor(grid, dtype=torch.float64)
-    h = k_rows.shape[1]
+    h, dev = k_rows.shape[1], k_rows.device
     best, table = torch.empty(h, dtype=torch.float64), torch.empty(h, len(grid), dtype=torch.float64)
     for i in range(h):
-        r = rot[i].double()
+        r = rot[i].double().to(dev)
         kr = k_rows[:, i].double() @ r
-        c = r.T @ cq[i].double() @ r
-        diff = _quant_grid(kr.float(), g, group_size) - kr
-        err = torch.einsum("gnd,de,gne->g", diff, c, diff) / kr.shape[0]
+        c = r.T @ cq[i].double().to(dev) @ r
+        diff = _quant_grid(kr.float(), g.to(dev), group_size) - kr
+        err = torch.einsum("gnd,de,gne->g", diff, c, diff).cpu() / kr.shape[0]
         table[i] = err
         best[i] = g[int(torch.argmin(err))]
     return best, table
@@ -141,18 +154,18 @@ def fit_v_clip(held: HeldoutLayer, rot: torch.Tensor, group_size: int,
                grid=CLIP_GRID) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-KV-head V clip minimising the attention-output error. Returns ratios [h], table."""
     g = torch.tensor(grid, dtype=torch.float64)
-    h = held.k[0].shape[1]
-    num = torch.zeros(h, len(grid), dtype=torch.float64)
-    den = torch.zeros(h, dtype=torch.float64)
+    h, dev = held.k[0].shape[1], held.device
+    num = torch.zeros(h, len(grid), dtype=torch.float64, device=dev)
+    den = torch.zeros(h, dtype=torch.float64, device=dev)
     for gram_p, v in zip(held.prob_grams(), held.v):
         for i in range(h):
             m = gram_p[i]                                           # Σ_j P_jᵀ P_j  [T, T]
-            vr = v[:, i].double() @ rot[i].double()                 # [T, d]
-            diff = _quant_grid(vr.float(), g, group_size) - vr       # [G, T, d]
+            vr = v[:, i].double() @ rot[i].double().to(dev)         # [T, d]
+            diff = _quant_grid(vr.float(), g.to(dev), group_size) - vr   # [G, T, d]
             # Σ_j ‖P_j D‖² = tr(Dᵀ M D)
             num[i] += ((m @ diff) * diff).sum((1, 2))
             den[i] += ((m @ vr) * vr).sum()
-    table = num / den.clamp(min=1e-300).unsqueeze(1)
+    table = (num / den.clamp(min=1e-300).unsqueeze(1)).cpu()
     return g[table.argmin(1)], table
 
 
@@ -179,7 +192,7 @@ def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size:
 
 def _dequant_heads(x: torch.Tensor, rot: torch.Tensor, clip: torch.Tensor, group_size: int) -> torch.Tensor:
     """Quantise [T, h, d] rows per head and return them un-rotated (float64)."""
-    r = rot.double()
+    r = rot.double().to(x.device)
     xr = torch.einsum("thd,hde->the", x.double(), r)
     out = torch.empty_like(xr)
     for i in range(x.shape[1]):
