@@ -66,3 +66,22 @@ def test_layer_granularity_repeats_one_rotation():
 def test_unknown_composition():
     with pytest.raises(InputError, match="composition"):
         compose(torch.eye(4, dtype=torch.float64).unsqueeze(0), "qr")
+
+
+def test_eig_desc_runs_on_few_threads_and_gives_the_threads_back(monkeypatch):
+    from oscar_calib.numerics import rotation
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 64, 64, generator=g, dtype=torch.float64)
+    cov = a @ a.transpose(1, 2)
+    seen, real = [], torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda x: (seen.append(torch.get_num_threads()), real(x))[1])
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(rotation.EIGH_THREADS + 2)
+        vals, vecs = eig_desc(cov)
+        assert torch.get_num_threads() == rotation.EIGH_THREADS + 2
+    finally:
+        torch.set_num_threads(old)
+    assert seen == [rotation.EIGH_THREADS]
+    torch.testing.assert_close(vecs @ torch.diag_embed(vals) @ vecs.transpose(1, 2), cov, rtol=1e-10, atol=1e-9)
