@@ -15,6 +15,7 @@ Starting ranks is :mod:`oscar_calib.calibrate.launch`; big models, :mod:`oscar_c
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -126,10 +127,7 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
         stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, pilot, device=dev, approx=approx)
                for _ in range(geo.num_layers)],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
-        # the held-out fits (attention over every held-out row, a clip grid per head) are the
-        # largest cost after the capture: on the GPU that runs the model's first layer when there
-        # is one (a 64-layer, 64-head model: ~54 s on 32 CPU cores)
-        fit_device=str(dev) if dev.type == "cuda" else "cpu",
+        fit_device=fit_device(dev),
     )
     parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256(),
              **({} if approx else {"s_approx": False}), **ranks.key_parts()}
@@ -172,6 +170,20 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     timing = {"statistics_s": t_stats, "gather_s": t1 - t_stats - t0, "heldout_s": time.perf_counter() - t1,
               "resumed": resumed, "batches": len(all_batches), **ranks.timing(batches)}
     return run, timing
+
+
+def fit_device(model_device: torch.device) -> str:
+    """Where the held-out fits run (attention over every held-out row, a clip grid per head: after
+    the capture the largest cost, ~54 s of a 64-layer, 64-head model on 32 CPU cores): the GPU that
+    runs the model's first layer when there is one, else the CPU; ``OSCAR_FIT_DEVICE`` (e.g.
+    ``cpu`` where the GPUs are full) overrides it."""
+    forced = os.environ.get("OSCAR_FIT_DEVICE", "").strip()
+    if forced:
+        try:
+            return str(torch.device(forced))
+        except RuntimeError:
+            raise InputError(f"OSCAR_FIT_DEVICE={forced!r} is not a device (e.g. cpu, cuda:0)") from None
+    return str(model_device) if model_device.type == "cuda" else "cpu"
 
 
 def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:

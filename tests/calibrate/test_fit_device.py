@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_calib.calibrate.pipeline import StatsRun, heldout_layer
+from oscar_calib.calibrate.pipeline import StatsRun, fit_device, heldout_layer
 from oscar_calib.calibrate.stats import Reservoir
+from oscar_calib.errors import InputError
 from oscar_calib.numerics.clip import (
     HeldoutLayer,
     fit_k_clip,
@@ -55,6 +56,16 @@ def test_heldout_layer_goes_to_the_runs_fitting_device():
     assert run.fit_device == "cpu" and heldout_layer(run, 0).device.type == "cpu"
     run.fit_device = "meta"
     assert heldout_layer(run, 0).device.type == "meta"
+
+
+def test_fit_device_follows_the_model_unless_told(monkeypatch):
+    monkeypatch.delenv("OSCAR_FIT_DEVICE", raising=False)
+    assert fit_device(torch.device("cuda:1")) == "cuda:1" and fit_device(torch.device("cpu")) == "cpu"
+    monkeypatch.setenv("OSCAR_FIT_DEVICE", "cpu")
+    assert fit_device(torch.device("cuda:1")) == "cpu"
+    monkeypatch.setenv("OSCAR_FIT_DEVICE", "gpu0")
+    with pytest.raises(InputError, match="OSCAR_FIT_DEVICE='gpu0' is not a device"):
+        fit_device(torch.device("cpu"))
 
 
 def test_fits_take_rotations_and_covariances_from_the_cpu():
