@@ -83,7 +83,7 @@ class StatsRun:
     batches_done: int = 0
     checkpointed: int = 0        # batches in the newest checkpoint (0: none)
     layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
-    fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see collect_statistics)
+    fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see fit_device)
 
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):
