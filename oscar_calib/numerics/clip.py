@@ -138,12 +138,13 @@ def fit_k_clip(k_rows: torch.Tensor, rot: torch.Tensor, cq: torch.Tensor, group_
     Returns the chosen ratios [h] and the error table [h, len(grid)]."""
     g = torch.tensor(grid, dtype=torch.float64)
     h, dev = k_rows.shape[1], k_rows.device
+    rot, cq, g_dev = rot.double().to(dev), cq.double().to(dev), g.to(dev)
     best, table = torch.empty(h, dtype=torch.float64), torch.empty(h, len(grid), dtype=torch.float64)
     for i in range(h):
-        r = rot[i].double().to(dev)
+        r = rot[i]
         kr = k_rows[:, i].double() @ r
-        c = r.T @ cq[i].double().to(dev) @ r
-        diff = _quant_grid(kr.float(), g.to(dev), group_size) - kr
+        c = r.T @ cq[i] @ r
+        diff = _quant_grid(kr.float(), g_dev, group_size) - kr
         err = torch.einsum("gnd,de,gne->g", diff, c, diff).cpu() / kr.shape[0]
         table[i] = err
         best[i] = g[int(torch.argmin(err))]
@@ -155,13 +156,14 @@ def fit_v_clip(held: HeldoutLayer, rot: torch.Tensor, group_size: int,
     """Per-KV-head V clip minimising the attention-output error. Returns ratios [h], table."""
     g = torch.tensor(grid, dtype=torch.float64)
     h, dev = held.k[0].shape[1], held.device
+    rot, g_dev = rot.double().to(dev), g.to(dev)
     num = torch.zeros(h, len(grid), dtype=torch.float64, device=dev)
     den = torch.zeros(h, dtype=torch.float64, device=dev)
     for gram_p, v in zip(held.prob_grams(), held.v):
         for i in range(h):
             m = gram_p[i]                                           # Σ_j P_jᵀ P_j  [T, T]
-            vr = v[:, i].double() @ rot[i].double().to(dev)         # [T, d]
-            diff = _quant_grid(vr.float(), g.to(dev), group_size) - vr   # [G, T, d]
+            vr = v[:, i].double() @ rot[i]                          # [T, d]
+            diff = _quant_grid(vr.float(), g_dev, group_size) - vr   # [G, T, d]
             # Σ_j ‖P_j D‖² = tr(Dᵀ M D)
             num[i] += ((m @ diff) * diff).sum((1, 2))
             den[i] += ((m @ vr) * vr).sum()
