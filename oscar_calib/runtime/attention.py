@@ -72,6 +72,18 @@ def new_token_rows(mask: torch.Tensor | None, batch: int, t: int):
     return [None if bool(row.all()) else row.nonzero().squeeze(1) for row in diag], m
 
 
+def decode_rows(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """For a call of one token per row: ``[B]`` bool on the mask's device, whether each row's token
+    is real (may attend to itself), or None without a mask. Nothing is read back to the host, so a
+    decode step does not wait for the GPU (and a CUDA graph can capture it)."""
+    if mask is None:
+        return None
+    m = mask[:, 0, -1, -1]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    return m.expand(batch)
+
+
 def _causal(t: int, window: int | None, device) -> torch.Tensor:
     i = torch.arange(t, device=device)
     ok = i.unsqueeze(1) >= i.unsqueeze(0)
@@ -100,14 +112,9 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
     bsz, _, t, d = query.shape
     scale = kwargs.get("scaling") or d ** -0.5
     softcap = kwargs.get("softcap")
-    valid, allowed = new_token_rows(mask, bsz, t)
     store = layer.store
-    if max(store.counts) == 0:
-        out, _ = _base_function("sdpa", module)(module, query, key, value, mask, **kwargs)
-        layer.write(key, value, valid)
-        return out, None
-    if t == 1 and all(v is None for v in valid):           # a decode step: write, then read the cache
-        write_step(store, key, value)
+    if t == 1 and max(store.counts) > 0:          # a decode step: write the token, then read the cache
+        write_step(store, key, value, decode_rows(mask, bsz))
         if kernel_decodes(layer, query, softcap):
             from ..kernels import decode_attention
 
@@ -118,6 +125,11 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
             return o.unsqueeze(1), None
         out = attend_cached(store, query, None, None, None, store.n.unsqueeze(1) - 1, store.n, scale, softcap)
         return out.to(query.dtype), None
+    valid, allowed = new_token_rows(mask, bsz, t)
+    if max(store.exact_counts()) == 0:
+        out, _ = _base_function("sdpa", module)(module, query, key, value, mask, **kwargs)
+        layer.write(key, value, valid)
+        return out, None
     counts = torch.tensor([t if v is None else len(v) for v in valid], device=query.device)
     if allowed is None:
         allowed = _causal(t, layer.sliding_window, query.device).expand(bsz, t, t)

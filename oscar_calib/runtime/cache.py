@@ -67,7 +67,7 @@ class _BatchOps:
                 raise CacheError(f"OscarCache cannot crop {remove} token(s) exactly: tokens that left the BF16 "
                                  "window are stored only as INT2 (crop is exact while the context fits in "
                                  "sink + recent)")
-            self.store.set_counts([max(0, c - remove) for c in self.store.counts])
+            self.store.set_counts([max(0, c - remove) for c in self.store.exact_counts()])
         self.seen = max(0, self.seen - remove)
 
 
@@ -236,12 +236,12 @@ class OscarCache(Cache):
             alloc += st.nbytes()
             per_slot = [t.element_size() * t[0, :, :, 0].numel() for t in (st.window.kv,) + st.hist.tensors()]
             hist_per_slot = sum(per_slot[1:])
-            for c in st.counts:
+            for c in st.exact_counts():
                 kept = min(c, st.hist.cap + st.plan.sink) if st.hist.ring else c
                 used += min(c, st.plan.sink + st.plan.recent) * per_slot[0] + max(0, kept - st.plan.sink) * hist_per_slot
                 bf16 += 2 * 2 * st.heads * st.d * kept
         first = self.layers[0].store
-        n = sum(first.counts) if first is not None else 0
+        n = sum(first.exact_counts()) if first is not None else 0
         return {"bytes": used, "allocated_bytes": alloc, "tokens": n, "bytes_per_token": used / n if n else 0.0,
                 "bf16_bytes": bf16, "compression": bf16 / used if used else 0.0,
                 "history_bits_per_element": self.scheme.bits_per_element}

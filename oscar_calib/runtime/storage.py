@@ -17,6 +17,12 @@ history ``scale``,  ``[B, 2, H, cap + 1, d/G]`` fp16                per-group sc
 counts ``n``        ``[B]`` int64 (device) and a host list          valid tokens stored per sequence
 ==================  =============================================  ===================================
 
+The host list is exact except after a decode step whose rows carried a mask: such a step writes
+each row only when its token is real (decided on the device, so the step never waits for the
+GPU and can be captured in a CUDA graph) and adds one to every host count, an upper bound, until
+:meth:`LayerStore.exact_counts` reads the device counts back (writes of several tokens, crop,
+batch reorders and ``memory()`` do).
+
 Token ``t`` of a sequence (``t`` counts its *valid* tokens, so left padding takes no room) goes to
 window slot ``t`` when ``t < S``, else to ring slot ``S + (t - S) % R``; every token ``t >= S`` is
 also quantised **once, when it arrives**, into history slot ``t - S`` (full-attention layers:
@@ -145,6 +151,8 @@ class LayerStore:
         self.hist = Int2Store(batch, heads, d, plan.group_size, cap, ring, device)
         self.n = torch.zeros(batch, dtype=torch.int64, device=device)
         self.counts = [0] * batch
+        self.counts_stale = False            # counts may exceed n (see the module docstring)
+        self.rows = torch.arange(batch, device=device)
         self.bf16_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.hist_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self._view = None
@@ -156,6 +164,7 @@ class LayerStore:
 
     def set_counts(self, counts: list[int]) -> None:
         self.counts = list(counts)
+        self.counts_stale = False
         self.n.copy_(torch.tensor(self.counts, dtype=torch.int64))
         self.sync_lens()
 
@@ -173,22 +182,32 @@ class LayerStore:
                                      self.window.kv[:, 0], self.window.kv[:, 1], self.bf16_lens, self.plan.group_size)
         return self._view
 
+    def exact_counts(self) -> list[int]:
+        """The host counts, read back from the device first when a masked decode step may have
+        left them above it (one wait for the GPU)."""
+        if self.counts_stale:
+            self.counts = self.n.tolist()
+            self.counts_stale = False
+        return self.counts
+
     def history_span(self) -> int:
-        """History slots that may hold a token (host bound over the batch)."""
+        """History slots that may hold a token (host bound over the batch; an upper bound)."""
         return max(0, min(self.hist.cap, max(self.counts) - self.plan.sink))
 
     def exact_after_removing(self) -> bool:
         """Whether the last tokens can be dropped exactly: no stored token has left the window yet."""
-        return max(self.counts) <= self.plan.sink + self.plan.recent
+        return max(self.exact_counts()) <= self.plan.sink + self.plan.recent
 
     def map_batch(self, fn, index: list[int]) -> None:
         """Apply ``fn`` to every per-sequence tensor (beam reorder, repeat, select); ``index``
         says which old sequence each new one comes from."""
         self.window.kv = fn(self.window.kv)
         self.hist.codes, self.hist.scale, self.hist.offset = (fn(t) for t in self.hist.tensors())
+        counts = self.exact_counts()
         self.n, self.bf16_lens, self.hist_lens = fn(self.n), fn(self.bf16_lens), fn(self.hist_lens)
-        self.counts = [self.counts[i] for i in index]
+        self.counts = [counts[i] for i in index]
         self.batch = len(index)
+        self.rows = torch.arange(self.batch, device=self.n.device)
         self._view = None
 
     def nbytes(self) -> int:
@@ -196,20 +215,28 @@ class LayerStore:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor) -> None:
-    """One new token per sequence, all real: ``k``/``v`` ``[B, H, 1, d]``. Graph-safe (device
-    ops only, slots computed from the device counts) while the history has room (:meth:`reserve`)."""
+def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    """One new token per sequence: ``k``/``v`` ``[B, H, 1, d]``; ``real`` (device bool ``[B]``,
+    None: all) says which rows store theirs (the others write to the scratch slots and keep their
+    count). Graph-safe (device ops only, slots computed from the device counts) while the history
+    has room (:meth:`reserve`)."""
     p = st.plan
     if max(st.counts) + 1 - p.sink > st.hist.cap:
         st.reserve(max(st.counts) + 1)
     rows = torch.stack([k[:, :, 0], v[:, :, 0]], 1).to(p.window_dtype)                 # [B, 2, H, d]
-    b = torch.arange(st.batch, device=rows.device)
-    st.window.kv[b, :, :, st.window.slots(st.n)] = p.rotate(rows).to(p.window_dtype)
+    ws, hs = st.window.slots(st.n), st.hist.slots(st.n - p.sink)
+    if real is not None:
+        ws = torch.where(real, ws, st.window.scratch)
+        hs = torch.where(real, hs, st.hist.cap)
+    st.window.kv[st.rows, :, :, ws] = p.rotate(rows).to(p.window_dtype)
     q = p.quantize(rows.view(st.batch, 2 * st.heads, st.d))
-    hs = st.hist.slots(st.n - p.sink)
     for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
-        dst[b, :, :, hs] = src.view(st.batch, 2, st.heads, -1)
-    st.n += 1
+        dst[st.rows, :, :, hs] = src.view(st.batch, 2, st.heads, -1)
+    if real is None:
+        st.n += 1
+    else:
+        st.n += real
+        st.counts_stale = True
     st.counts = [c + 1 for c in st.counts]
     st.sync_lens()
 
@@ -219,7 +246,7 @@ def write_tokens(st: LayerStore, k: torch.Tensor, v: torch.Tensor, valid: list[t
     (None: all ``T``). Only the tokens that end in the window are rotated into it; every token
     from the sink on is quantised into its history slot, :data:`WRITE_CHUNK` at a time."""
     p, s = st.plan, st.plan.sink
-    longest = max(c + (k.shape[2] if sel is None else len(sel)) for c, sel in zip(st.counts, valid))
+    longest = max(c + (k.shape[2] if sel is None else len(sel)) for c, sel in zip(st.exact_counts(), valid))
     if longest - s > st.hist.cap:                      # no reservation covers it: room for GROW_MIN more
         st.reserve(longest + GROW_MIN)
     counts = list(st.counts)

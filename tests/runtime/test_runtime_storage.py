@@ -139,3 +139,40 @@ def test_triton_decode_kernel_reads_the_store():
                            backend="triton")
     rel = (got - ref).norm() / ref.norm()
     assert rel < 2e-3                                   # the kernel's stated accuracy (tests/kernels)
+
+
+def test_masked_decode_step_writes_only_real_rows_and_counts_come_back():
+    st, g = make_store(batch=3, sink=2, recent=3)
+    k, v = torch.randn(3, H, 12, D, generator=g), torch.randn(3, H, 12, D, generator=g)
+    write_tokens(st, k[:, :, :8], v[:, :, :8], [None] * 3)
+    ref, _ = make_store(batch=3, sink=2, recent=3)
+    write_tokens(ref, k[:, :, :8], v[:, :, :8], [None] * 3)
+    real = torch.tensor([True, False, True])
+    for t in range(8, 12):
+        write_step(st, k[:, :, t:t + 1], v[:, :, t:t + 1], real)
+        write_step(ref, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert st.counts == [12, 12, 12] and st.counts_stale        # an upper bound, no wait for the device
+    assert st.n.tolist() == [12, 8, 12] and st.hist_lens.tolist() == [7, 3, 7]
+    assert st.exact_counts() == [12, 8, 12] and not st.counts_stale
+    scratch_w, scratch_h = st.window.scratch, st.hist.cap
+    for b in (0, 2):                                              # real rows: as if written without a mask
+        assert torch.equal(st.window.kv[b, :, :, :scratch_w], ref.window.kv[b, :, :, :scratch_w])
+        assert torch.equal(st.hist.codes[b, :, :, :10], ref.hist.codes[b, :, :, :10])
+    fresh, _ = make_store(batch=3, sink=2, recent=3)
+    write_tokens(fresh, k[:, :, :8], v[:, :, :8], [None] * 3)      # row 1: untouched but for scratch slots
+    assert torch.equal(st.window.kv[1, :, :, :scratch_w], fresh.window.kv[1, :, :, :scratch_w])
+    assert torch.equal(st.hist.codes[1, :, :, :scratch_h], fresh.hist.codes[1, :, :, :scratch_h])
+    write_tokens(st, k[:, :, :2], v[:, :, :2], [None] * 3)         # a later write starts from the exact counts
+    assert st.counts == [14, 10, 14] and st.n.tolist() == [14, 10, 14]
+
+
+def test_decode_rows_reads_the_new_tokens_own_entry_without_a_host_copy():
+    from oscar_calib.runtime.attention import decode_rows
+
+    assert decode_rows(None, 3) is None
+    m = torch.tensor([True, False]).view(2, 1, 1, 1)
+    assert decode_rows(m, 2).tolist() == [True, False]
+    f = torch.zeros(2, 1, 1, 1)
+    f[1] = torch.finfo(f.dtype).min
+    assert decode_rows(f, 2).tolist() == [True, False]
+    assert decode_rows(torch.ones(1, 1, 1, 1, dtype=torch.bool), 3).tolist() == [True] * 3
