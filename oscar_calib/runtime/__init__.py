@@ -7,6 +7,8 @@ name                        module                 what it is
                                                    the write kernel, decode steps through the INT2
                                                    decode kernel (``with cache.attach(model):``)
 :class:`OscarAttention`     :mod:`.attention`      the registered attention function's route
+:class:`DecodeGraph`        :mod:`.graph`          a decode step of the real cache replayed from a
+                                                   CUDA graph (no per-kernel host cost)
 :class:`SimulatedCache`     :mod:`.simulated`      accuracy simulation as a ``Cache`` (de-quantises
                                                    the history for the model's own attention)
 :class:`SimulatedKV`        :mod:`.simulate`       accuracy simulation per query position (ppl)
@@ -20,6 +22,7 @@ import transformers; its names load on first use.
 from __future__ import annotations
 
 _EXPORTS = {"KVScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
+            "DecodeGraph": ".graph",
             "SimulatedCache": ".simulated", "SimulatedLayer": ".simulated", "SimulatedKV": ".simulate",
             "SUPPORTED_TRANSFORMERS": ".compat", "check_transformers": ".compat"}
 

@@ -1,0 +1,115 @@
+"""Decode steps of the real cache replayed from a CUDA graph (:class:`DecodeGraph`).
+
+The replays are GPU only; they run on the GPU machine with the kernel tests. On the CPU: the
+refusals, and (in ``test_runtime_storage.py``) the masked step decided on the device that makes
+the step capturable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_calib.errors import CacheError, InputError
+from oscar_calib.runtime import DecodeGraph
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (GPU machine)")
+PROMPT = 500                                         # past sink + window: the INT2 history is in use
+
+
+def _model(device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.eval().requires_grad_(False)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _cache(model, reserve):
+    from oscar_calib.kernels.testing import random_rotation
+    from oscar_calib.runtime import KVScheme, OscarCache
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    n, h, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    rk = [random_rotation(h, d, generator=g) for _ in range(n)]
+    rv = [random_rotation(h, d, generator=g) for _ in range(n)]
+    cache = OscarCache(cfg, KVScheme("oscar", n, 128, rk, rv, [torch.full((h,), 0.95)] * n,
+                                     [torch.full((h,), 0.9)] * n))
+    cache.reserve(reserve)
+    return cache
+
+
+def _prefill(model, cache, prompt):
+    with cache.attach(model), torch.no_grad():
+        return model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:]
+
+
+@gpu
+def test_greedy_decode_from_the_graph_equals_eager_steps():
+    model = _model("cuda")
+    prompt = torch.randint(0, 512, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    steps = 6
+
+    eager = _cache(model, PROMPT + steps)
+    logits = _prefill(model, eager, prompt)
+    want = []
+    with eager.attach(model), torch.no_grad():
+        for i in range(steps):
+            tok = logits.argmax(-1)
+            logits = model(input_ids=tok, position_ids=torch.full((2, 1), PROMPT + i, device="cuda"),
+                           past_key_values=eager, use_cache=True).logits
+            want.append(logits.float().clone())
+
+    graphed = _cache(model, PROMPT + steps)
+    logits = _prefill(model, graphed, prompt)
+    with graphed.attach(model), torch.no_grad():
+        step = DecodeGraph(model, graphed)
+        assert step.room >= steps
+        got = []
+        for i in range(steps):
+            logits = step(logits.argmax(-1), torch.full((2, 1), PROMPT + i, device="cuda"))
+            got.append(logits.float().clone())
+    assert step.graph is not None                     # calls 2.. replayed the recorded step
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), (i, (g - w).abs().max().item())
+    for a, b in zip(graphed.layers, eager.layers):    # host bookkeeping as after eager steps
+        assert a.seen == b.seen == PROMPT + steps
+        assert a.store.exact_counts() == b.store.exact_counts() == [PROMPT + steps] * 2
+        assert torch.equal(a.store.hist.codes, b.store.hist.codes)
+    with graphed.attach(model), torch.no_grad():      # and eager steps may follow the replays
+        model(input_ids=torch.zeros(2, 1, dtype=torch.long, device="cuda"),
+              position_ids=torch.full((2, 1), PROMPT + steps, device="cuda"), past_key_values=graphed, use_cache=True)
+    assert graphed.layers[0].store.exact_counts() == [PROMPT + steps + 1] * 2
+
+
+@gpu
+def test_graph_refuses_to_run_past_the_reserved_history():
+    model = _model("cuda")
+    cache = _cache(model, PROMPT)
+    _prefill(model, cache, torch.randint(0, 512, (1, PROMPT), device="cuda"))
+    with cache.attach(model), torch.no_grad():
+        step = DecodeGraph(model, cache)
+        tok, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.full((1, 1), PROMPT, device="cuda")
+        for _ in range(step.room):
+            step(tok, pos)
+        with pytest.raises(CacheError, match="reserve"):
+            step(tok, pos)
+
+
+def test_graph_refuses_cpu_models_other_caches_and_empty_caches():
+    from transformers import DynamicCache
+
+    model = _model("cpu")
+    with pytest.raises(InputError, match="OscarCache"):
+        DecodeGraph(model, DynamicCache(config=model.config))
+    with pytest.raises(InputError, match="CUDA"):
+        DecodeGraph(model, _cache(model, 600))
+    if torch.cuda.is_available():
+        gpu_model = _model("cuda")
+        with pytest.raises(CacheError, match="prefilled"):
+            DecodeGraph(gpu_model, _cache(gpu_model, 600))
