@@ -13,7 +13,8 @@ of 16K / 64K / 128K tokens at batch 1 and 64K at batch 4 and 8, with
 Per run: decode tokens/s (wall, eager), peak ``max_memory_allocated`` during decode, GPU busy
 time per decode step (torch profiler: the sum of kernel times, i.e. what the step costs once host
 overhead is gone), and GPU time per step replayed from a CUDA graph (``oscar`` vs a
-``StaticCache`` + SDPA baseline, both with preallocated static buffers). Contexts for decode runs
+``StaticCache`` + SDPA baseline, both with preallocated static buffers; for ``oscar`` also the
+wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph`). Contexts for decode runs
 are filled with random K/V written through each cache's own write path (the prefill compute is
 the same for every cache and would cost minutes of device time); time to first token is measured
 separately with real prefills through ``generate(max_new_tokens=1)`` at batch 1. The largest
@@ -47,6 +48,7 @@ from bench_generate_runs import (  # noqa: E402
     build_model,
     busy_ms,
     decode,
+    graph_decode,
     graph_ms,
     make_cache,
     max_context,
@@ -89,7 +91,12 @@ def decode_record(model, kind, batch, tokens, args) -> dict:
 
 def graph_record(model, kind, batch, tokens, args) -> dict:
     cache = make_cache(kind, model, batch, tokens, 32, args)
-    return {"graph_ms": graph_ms(model, cache, batch, tokens)}
+    rec = {"graph_ms": graph_ms(model, cache, batch, tokens)}
+    if kind == "oscar":                                # what a user's loop gets: DecodeGraph, wall clock
+        del cache
+        gc.collect()
+        rec.update(graph_decode(model, batch, tokens, args.new, args))
+    return rec
 
 
 def parse(argv=None):
@@ -145,8 +152,8 @@ def main(argv=None) -> dict:
             return True
         return False
 
-    for batch, tokens in configs if "decode" in sections else []:
-        for kind in kinds:
+    for batch, tokens in configs if sections & {"decode", "graph"} else []:
+        for kind in kinds if "decode" in sections else ():
             if kind == "quantized" and batch * tokens > 16384 and not args.quick:
                 continue
             if late(f"decode {kind} {batch}x{tokens}"):
@@ -198,11 +205,13 @@ def table(data: dict) -> str:
              "| decode peak GiB |", "|---|---|---|---|---|---|---|"]
     for b, t in keys:
         for kind, graph in (("dynamic", "static+graph"), ("oscar", "oscar+graph"), ("quantized", None)):
-            r = runs.get((b, t, kind))
+            g = runs.get((b, t, graph), {}) if graph else {}
+            r = runs.get((b, t, kind), {} if g else None)     # (a graph-only run: the eager columns empty)
             if r is None:
                 continue
-            g = runs.get((b, t, graph), {}) if graph else {}
             gms = "OOM" if g.get("oom") else _fmt(g.get("graph_ms"), ".2f")
+            if g.get("graph_tok_s"):
+                gms += f" ({g['graph_tok_s']:.1f} tok/s with DecodeGraph)"
             if r.get("oom"):
                 lines.append(f"| {b} × {_ctx(t)} | {kind} | OOM | | | {gms} | |")
                 continue

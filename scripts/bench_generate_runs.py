@@ -167,6 +167,30 @@ def graph_ms(model, cache, batch: int, tokens: int, replays: int = 20) -> float 
     return a.elapsed_time(b) / replays
 
 
+def graph_decode(model, batch: int, tokens: int, new: int, args) -> dict:
+    """Wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph` (argmax and
+    host bookkeeping included; the first call runs eagerly, the second records, the rest replay)."""
+    from oscar_calib.runtime import DecodeGraph
+
+    dev = model.device
+    cache = make_cache("oscar", model, batch, tokens, new + 8, args)
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    pos = torch.full((batch, 1), tokens, dtype=torch.long, device=dev)
+    with _attached(cache, model), torch.no_grad():
+        step = DecodeGraph(model, cache)
+        for _ in range(2):                             # eager warm-up, then the recording
+            tok = step(tok, pos).argmax(-1)
+            pos += 1
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(new):
+            tok = step(tok, pos).argmax(-1)
+            pos += 1
+        _sync(dev)
+    wall = time.perf_counter() - t0
+    return {"graph_tok_s": batch * new / wall, "graph_wall_ms_per_step": 1e3 * wall / new}
+
+
 def ttft(model, kind: str, tokens: int, args) -> dict:
     """Real prefill of ``tokens`` random ids through ``generate(max_new_tokens=1)``, batch 1."""
     from transformers import DynamicCache
