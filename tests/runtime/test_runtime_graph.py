@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from oscar_calib.errors import CacheError, InputError
 from oscar_calib.runtime import DecodeGraph
@@ -17,16 +18,9 @@ PROMPT = 500                                         # past sink + window: the I
 
 
 def _model(device):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    model.eval().requires_grad_(False)
+    model = tiny_model("qwen3", head_dim=128)          # head_dim 128: the decode kernel's group of 128
     model.config._attn_implementation = "sdpa"
-    return model
+    return model.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
 
 
 def _cache(model, reserve):
@@ -52,7 +46,7 @@ def _prefill(model, cache, prompt):
 @gpu
 def test_greedy_decode_from_the_graph_equals_eager_steps():
     model = _model("cuda")
-    prompt = torch.randint(0, 512, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    prompt = torch.randint(0, 128, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     steps = 6
 
     eager = _cache(model, PROMPT + steps)
@@ -91,7 +85,7 @@ def test_greedy_decode_from_the_graph_equals_eager_steps():
 def test_graph_refuses_to_run_past_the_reserved_history():
     model = _model("cuda")
     cache = _cache(model, PROMPT)
-    _prefill(model, cache, torch.randint(0, 512, (1, PROMPT), device="cuda"))
+    _prefill(model, cache, torch.randint(0, 128, (1, PROMPT), device="cuda"))
     with cache.attach(model), torch.no_grad():
         step = DecodeGraph(model, cache)
         tok, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.full((1, 1), PROMPT, device="cuda")
