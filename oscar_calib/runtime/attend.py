@@ -33,6 +33,12 @@ CHUNK_ELEMENTS = 1 << 24          # scores per block: bounds the temporaries (64
 MIN_CHUNK = 64                    # history tokens per block at least
 
 
+def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A transformers attention mask as bool: True where attending is allowed (an additive mask
+    allows where it is not the dtype's minimum)."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None) -> torch.Tensor:
     """``softmax(q kᵀ · scale) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query heads per
     KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool)``.

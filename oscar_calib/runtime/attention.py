@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CacheError
 from ..model.capture import AttentionRoute, _base_function
-from .attend import attend_cached
+from .attend import allowed_mask, attend_cached
 from .storage import write_step
 
 ATTENTION_NAME = "oscar_int2"
@@ -62,10 +62,7 @@ def new_token_rows(mask: torch.Tensor | None, batch: int, t: int):
     plain causal)."""
     if mask is None:
         return [None] * batch, None
-    m = mask[..., -t:]
-    if m.dtype != torch.bool:
-        m = m > torch.finfo(m.dtype).min / 2
-    m = m[:, 0].expand(batch, t, t)
+    m = allowed_mask(mask[..., -t:])[:, 0].expand(batch, t, t)
     diag = m.diagonal(dim1=-2, dim2=-1)                                       # [B, T]: attends itself
     if bool(diag.all()):
         return [None] * batch, m
@@ -76,12 +73,7 @@ def decode_rows(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     """For a call of one token per row: ``[B]`` bool on the mask's device, whether each row's token
     is real (may attend to itself), or None without a mask. Nothing is read back to the host, so a
     decode step does not wait for the GPU (and a CUDA graph can capture it)."""
-    if mask is None:
-        return None
-    m = mask[:, 0, -1, -1]
-    if m.dtype != torch.bool:
-        m = m > torch.finfo(m.dtype).min / 2
-    return m.expand(batch)
+    return None if mask is None else allowed_mask(mask[:, 0, -1, -1]).expand(batch)
 
 
 def _causal(t: int, window: int | None, device) -> torch.Tensor:

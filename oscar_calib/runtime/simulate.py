@@ -28,6 +28,7 @@ import torch
 
 from ..errors import EvalError
 from ..model.capture import AttentionRoute
+from .attend import allowed_mask
 from .scheme import KVScheme
 
 SIM_NAME = "oscar_kv_sim"
@@ -79,9 +80,7 @@ class SimulatedKV(AttentionRoute):
             if window:
                 m &= qpos - kpos < window
             return m.view(1, 1, t, s)
-        if mask.dtype == torch.bool:
-            return mask[..., -s:]
-        return (mask > torch.finfo(mask.dtype).min / 2)[..., -s:]
+        return allowed_mask(mask[..., -s:])
 
     def attend(self, layer: int, q, k, v, mask, scaling: float, window: int | None, softcap) -> torch.Tensor:
         """q [B, Hq, T, d], k/v [B, Hkv, S, d] -> attention output [B, T, Hq, d] (float32).
