@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import Int2KVCache, dequantize_packed
+from ..kernels.append import append_token, history_slot, window_slot
 from ..kernels.pack import PARAM_DTYPE
 
 GROW_MIN = 1024          # tokens added to the history at least when it grows
@@ -67,9 +68,7 @@ class Window:
 
     def slots(self, t: torch.Tensor) -> torch.Tensor:
         """Window slot of token index ``t`` (any shape; int64)."""
-        s, r = self.sink, self.recent
-        ring = s + torch.remainder(t - s, r) if r else torch.full_like(t, self.scratch)
-        return torch.where(t < s, t, ring)
+        return window_slot(t, self.sink, self.recent)
 
     def slot_tokens(self, n: torch.Tensor) -> torch.Tensor:
         """``[B, S + R]``: the token index each slot holds for sequences of ``n`` tokens (-1: none)."""
@@ -117,8 +116,7 @@ class Int2Store:
 
     def slots(self, j: torch.Tensor) -> torch.Tensor:
         """History slot of history index ``j = t - S`` (negative: the scratch slot)."""
-        slot = torch.remainder(j, self.cap) if self.ring else j
-        return torch.where(j >= 0, slot, self.cap)
+        return history_slot(j, self.cap, self.ring)
 
     def slot_tokens(self, n: torch.Tensor, sink: int, start: int, length: int) -> torch.Tensor:
         """``[B, length]``: token index held by slots ``start ..`` for sequences of ``n`` tokens."""
@@ -152,7 +150,7 @@ class LayerStore:
         self.n = torch.zeros(batch, dtype=torch.int64, device=device)
         self.counts = [0] * batch
         self.counts_stale = False            # counts may exceed n (see the module docstring)
-        self.rows = torch.arange(batch, device=device)
+        self.ticket = torch.zeros(batch, dtype=torch.int32, device=device)    # the write kernel's, kept zero
         self.bf16_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.hist_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self._view = None
@@ -207,7 +205,7 @@ class LayerStore:
         self.n, self.bf16_lens, self.hist_lens = fn(self.n), fn(self.bf16_lens), fn(self.hist_lens)
         self.counts = [counts[i] for i in index]
         self.batch = len(index)
-        self.rows = torch.arange(self.batch, device=self.n.device)
+        self.ticket = torch.zeros(self.batch, dtype=torch.int32, device=self.n.device)
         self._view = None
 
     def nbytes(self) -> int:
@@ -218,27 +216,18 @@ class LayerStore:
 def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None) -> None:
     """One new token per sequence: ``k``/``v`` ``[B, H, 1, d]``; ``real`` (device bool ``[B]``,
     None: all) says which rows store theirs (the others write to the scratch slots and keep their
-    count). Graph-safe (device ops only, slots computed from the device counts) while the history
-    has room (:meth:`reserve`)."""
+    count). One launch of :func:`~oscar_calib.kernels.append.append_token` on CUDA (slots from the
+    device counts: no host sync, graph-safe while the history has room, :meth:`reserve`)."""
     p = st.plan
     if max(st.counts) + 1 - p.sink > st.hist.cap:
         st.reserve(max(st.counts) + 1)
-    rows = torch.stack([k[:, :, 0], v[:, :, 0]], 1).to(p.window_dtype)                 # [B, 2, H, d]
-    ws, hs = st.window.slots(st.n), st.hist.slots(st.n - p.sink)
+    codes, scale, offset = st.hist.tensors()
+    append_token(k[:, :, 0], v[:, :, 0], st.window.kv, codes, scale, offset, st.n, sink=p.sink, recent=p.recent,
+                 group_size=p.group_size, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring, real=real,
+                 lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, backend=p.backend)
     if real is not None:
-        ws = torch.where(real, ws, st.window.scratch)
-        hs = torch.where(real, hs, st.hist.cap)
-    st.window.kv[st.rows, :, :, ws] = p.rotate(rows).to(p.window_dtype)
-    q = p.quantize(rows.view(st.batch, 2 * st.heads, st.d))
-    for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
-        dst[st.rows, :, :, hs] = src.view(st.batch, 2, st.heads, -1)
-    if real is None:
-        st.n += 1
-    else:
-        st.n += real
         st.counts_stale = True
     st.counts = [c + 1 for c in st.counts]
-    st.sync_lens()
 
 
 def write_tokens(st: LayerStore, k: torch.Tensor, v: torch.Tensor, valid: list[torch.Tensor | None]) -> None:

@@ -1,0 +1,129 @@
+"""Triton kernel behind :func:`oscar_calib.kernels.append.append_token` (imported lazily).
+
+One program per (sequence, K/V head): load the new row, round it to the window's dtype, rotate it
+(float32 products on the CUDA cores), store it in its window slot, clip it (exact row quantile by
+a sort of ``|y|``), quantise it per group with the reference's arithmetic (IEEE division), pack
+it into its history slot, and update the sequence's lengths. The last program of a sequence to
+finish (a ticket counter) adds the token to the sequence's count, so every program reads the
+count as it was before the call.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._write_triton import _group_params
+
+
+@triton.jit
+def _rounded(y, WDT: tl.constexpr):
+    """float32 ``y`` rounded to ``WDT`` (to nearest, ties to even), as float32. bfloat16 by integer
+    arithmetic on the bits: Triton's CPU interpreter truncates in its own conversion."""
+    if WDT == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return y.to(WDT).to(tl.float32)
+
+
+@triton.jit
+def append_token_kernel(
+    k_ptr, v_ptr, s_kb, s_kh, s_vb, s_vh,
+    real_ptr, s_real,
+    n_ptr, ticket_ptr, wlen_ptr, hlen_ptr,
+    win_ptr, s_wb, s_wk, s_wh, s_ws,
+    codes_ptr, s_cb, s_ck, s_ch, s_cs,
+    scale_ptr, off_ptr, s_pb, s_pk, s_ph, s_ps,
+    r_ptr, kidx_ptr,
+    H, SINK, RECENT, CAP,
+    D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
+    ROT: tl.constexpr, CLIP: tl.constexpr, REAL: tl.constexpr, RING: tl.constexpr, LENS: tl.constexpr,
+):
+    """Grid ``(B, 2H)``. Program ``(b, kh)`` stores row ``kh`` (K heads first, then V) of
+    sequence ``b``: window slot and history slot from the count ``n[b]`` (scratch slots when the
+    row's token is not real), then ``n[b] += real`` by the last program of ``b``."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    nprog = tl.num_programs(1)
+    kv = kh // H
+    h = kh % H
+    n = tl.load(n_ptr + b)
+    if REAL:
+        real = tl.load(real_ptr + b * s_real) != 0
+    else:
+        real = n >= 0
+    cols = tl.arange(0, D)
+    kbase = k_ptr + b.to(tl.int64) * s_kb + h * s_kh
+    vbase = v_ptr + b.to(tl.int64) * s_vb + h * s_vh
+    wdt = win_ptr.dtype.element_ty
+
+    # the row in the window's dtype, rotated: y = x @ R[kh] (float32)
+    if ROT:
+        y = tl.zeros([D], dtype=tl.float32)
+        rows = tl.arange(0, KB)
+        for i0 in range(0, D, KB):
+            kvr = rows * 0 + kv
+            xi = (tl.load(kbase + i0 + rows, mask=kvr == 0, other=0.0)
+                  + tl.load(vbase + i0 + rows, mask=kvr == 1, other=0.0))
+            xi = _rounded(xi.to(tl.float32), wdt)
+            r = tl.load(r_ptr + kh.to(tl.int64) * D * D + (i0 + rows)[:, None] * D + cols[None, :])
+            y += tl.sum(xi[:, None] * r, axis=0)
+    else:
+        kvc = cols * 0 + kv
+        y = (tl.load(kbase + cols, mask=kvc == 0, other=0.0)
+             + tl.load(vbase + cols, mask=kvc == 1, other=0.0))
+        y = _rounded(y.to(tl.float32), wdt)
+
+    # window slot: sink slot t, else a ring slot of the recent window (scratch: not real)
+    scratch_w = SINK + RECENT
+    if RECENT > 0:
+        ring_w = SINK + (n - SINK) % RECENT
+    else:
+        ring_w = n * 0 + scratch_w
+    ws = tl.where(n < SINK, n, ring_w)
+    ws = tl.where(real, ws, scratch_w)
+    tl.store(win_ptr + b.to(tl.int64) * s_wb + kv * s_wk + h * s_wh + ws * s_ws + cols, _rounded(y, wdt).to(wdt))
+
+    # history slot t - S (a ring of CAP slots on sliding layers; scratch slot CAP before the sink ends)
+    j = n - SINK
+    if RING:
+        hs = j % CAP
+    else:
+        hs = j
+    hs = tl.where(real & (j >= 0), hs, CAP)
+
+    if CLIP:  # t = sorted(|y|)[k]: the exact row quantile
+        srt = tl.sort(tl.abs(y))
+        k = tl.load(kidx_ptr + kh)
+        t = tl.sum(tl.where(cols == k, srt, 0.0), axis=0)
+        y = tl.maximum(tl.minimum(y, t), -t)
+
+    NG: tl.constexpr = D // G
+    yg = tl.reshape(y, (NG, G))
+    s, z = _group_params(tl.min(yg, axis=1), tl.max(yg, axis=1))
+    qf = tl.floor(tl.math.div_rn(yg, tl.broadcast_to(s[:, None], yg.shape)) + z[:, None] + 0.5)
+    q = tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
+    # byte bb * W + i holds channels bb * 4W + p * W + i in bits 2p, 2p + 1
+    NB: tl.constexpr = D // (4 * W)
+    q3 = tl.reshape(q, (NB, 4, W))
+    shift = 2 * tl.arange(0, 4)
+    packed = tl.sum(q3 << shift[None, :, None], axis=1)
+    byte = tl.reshape(packed, (NB * W,)).to(tl.uint8)
+    hoff = b.to(tl.int64) * s_cb + kv * s_ck + h * s_ch + hs.to(tl.int64) * s_cs
+    tl.store(codes_ptr + hoff + tl.arange(0, NB * W), byte)
+    poff = b.to(tl.int64) * s_pb + kv * s_pk + h * s_ph + hs.to(tl.int64) * s_ps + tl.arange(0, NG)
+    off = -(z * s)
+    tl.store(scale_ptr + poff, tl.minimum(s, 65504.0).to(tl.float16))
+    tl.store(off_ptr + poff, tl.minimum(tl.maximum(off, -65504.0), 65504.0).to(tl.float16))
+
+    n_new = n + real.to(tl.int64)
+    if LENS:  # the decode kernel's lengths (every program of b stores the same values)
+        tl.store(wlen_ptr + b, tl.minimum(n_new, SINK + RECENT).to(tl.int32))
+        tl.store(hlen_ptr + b, tl.maximum(n_new - SINK - RECENT, 0).to(tl.int32))
+    # the last program of b to get here (all others have read n[b]) stores the new count
+    done = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel")
+    if done == nprog - 1:
+        tl.store(n_ptr + b, n_new)
+        tl.store(ticket_ptr + b, 0)

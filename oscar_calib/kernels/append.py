@@ -1,0 +1,159 @@
+"""One decode step's write into a K/V cache: the new token of every sequence, in one launch.
+
+:func:`append_token` stores one token per sequence into a cache whose K and V sit side by side
+(the layout of :class:`oscar_calib.runtime.storage.LayerStore`):
+
+==================  ======================================  =================================
+tensor              shape                                   written
+==================  ======================================  =================================
+``window``          ``[B, 2, H, S + R + 1, d]`` 16/32-bit    the rotated row ``x @ R``, in its
+                                                            window slot (:func:`window_slot`)
+``codes``           ``[B, 2, H, cap + 1, d/4]`` uint8        packed INT2 of ``clip(x @ R)``, in
+``scale``,          ``[B, 2, H, cap + 1, d/G]`` fp16         its history slot
+``offset``                                                  (:func:`history_slot`)
+``counts``          ``[B]`` int64                           ``+= real``
+``lens``            two ``[B]`` int32 (optional)            window and history lengths for the
+                                                            decode kernel
+==================  ======================================  =================================
+
+Token ``t = counts[b]`` goes to window slot ``t`` (``t < S``) or ``S + (t - S) % R``, and to history
+slot ``t - S`` (``(t - S) % cap`` for a ring), or to the scratch slots (window ``S + R``, history
+``cap``) before the sink ends or when ``real[b]`` is False (a padded row: its count stays).
+Rotation, clip and INT2 follow :mod:`oscar_calib.numerics.quant`, as in :func:`.quantize_kv`:
+the row is first rounded to the window's dtype, so the history holds the codes of the row the
+window holds (before its own rounding).
+
+The Triton kernel does all of it in one launch of ``B x 2H`` programs, reading the count on the
+device, so a decode step needs no host sync and can be captured in a CUDA graph. It replaces ~25
+small torch launches per layer and the general write kernel's 128-row tile (H200, Qwen3-8B
+shapes: ~78 us of the write path per layer and decode step, 24 us of it the write kernel). Its
+rotation is one float32 product on the CUDA cores (the reference's arithmetic up to summation
+order: a code can differ only at a rounding tie, as in :func:`.quantize_kv`); the clip threshold
+is exact (a sort of ``|y|``); codes by IEEE division.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+from ._common import check_tensor, derived, load_triton_module, resolve_backend
+from .write import quantize_kv_reference
+
+
+def window_slot(t: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Window slot of token index ``t`` (any shape, int64): ``t`` in the sink, else a ring slot of the
+    ``recent`` window (the scratch slot ``sink + recent`` when there is none)."""
+    ring = sink + torch.remainder(t - sink, recent) if recent else torch.full_like(t, sink + recent)
+    return torch.where(t < sink, t, ring)
+
+
+def history_slot(j: torch.Tensor, cap: int, ring: bool) -> torch.Tensor:
+    """History slot of history index ``j = t - sink`` (negative: the scratch slot ``cap``)."""
+    slot = torch.remainder(j, cap) if ring else j
+    return torch.where(j >= 0, slot, cap)
+
+
+def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size, sink, recent, real, lens):
+    b, h, d = k.shape if k.ndim == 3 else (None, None, None)
+    if b is None or tuple(v.shape) != tuple(k.shape):
+        raise InputError(f"k and v must both be [B, H, d], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if tuple(window.shape[:3]) != (b, 2, h) or window.ndim != 5 or window.shape[4] != d \
+            or window.shape[3] != sink + recent + 1:
+        raise InputError(f"window must be [B, 2, H, sink + recent + 1, d] = {[b, 2, h, sink + recent + 1, d]}, "
+                         f"got {list(window.shape)}")
+    if d % group_size or d % 4:
+        raise InputError(f"head_dim {d} must be a multiple of 4 and of the group size {group_size}")
+    cap = codes.shape[3] - 1 if codes.ndim == 5 else -1
+    want = {"codes": (codes, [b, 2, h, cap + 1, d // 4], torch.uint8),
+            "scale": (scale, [b, 2, h, cap + 1, d // group_size], torch.float16),
+            "offset": (offset, [b, 2, h, cap + 1, d // group_size], torch.float16)}
+    for name, (t, shape, dt) in want.items():
+        if list(t.shape) != shape or t.dtype != dt or cap < 1:
+            raise InputError(f"{name} must be {str(dt).replace('torch.', '')} {shape} (cap >= 1), "
+                             f"got {str(t.dtype).replace('torch.', '')} {list(t.shape)}")
+    check_tensor("counts", counts, ndim=1, dtypes=(torch.int64,), shape={0: b})
+    if real is not None:
+        check_tensor("real", real, ndim=1, dtypes=(torch.bool,), shape={0: b})
+    if lens is not None:
+        for name, t in zip(("window lengths", "history lengths"), lens):
+            check_tensor(name, t, ndim=1, dtypes=(torch.int32,), shape={0: b})
+    if rotation is not None:
+        check_tensor("rotation", rotation, dtypes=(torch.float32,), shape={0: 2 * h, 1: d, 2: d})
+    if clip is not None:
+        check_tensor("clip", clip, ndim=1, dtypes=(torch.float32, torch.float64), shape={0: 2 * h})
+    return b, h, d, cap
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: torch.Tensor,
+                 scale: torch.Tensor, offset: torch.Tensor, counts: torch.Tensor, *, sink: int, recent: int,
+                 group_size: int, rotation: torch.Tensor | None = None, clip: torch.Tensor | None = None,
+                 ring: bool = False, real: torch.Tensor | None = None,
+                 lens: tuple[torch.Tensor, torch.Tensor] | None = None, ticket: torch.Tensor | None = None,
+                 backend: str = "auto", config: dict | None = None) -> None:
+    """Store the new token ``k``/``v`` ``[B, H, d]`` of every sequence (see the module docstring).
+
+    ``rotation [2H, d, d]`` float32 (K heads, then V; None: identity), ``clip [2H]`` ratios (None:
+    no clip), ``real [B]`` bool (None: every row stores its token), ``lens`` the decode kernel's
+    ``(window, history)`` lengths to refresh, ``ticket [B]`` int32 zeros the kernel uses and leaves
+    zero (allocated per call when None). ``config``: ``num_warps``, ``KB`` (rows of ``R`` per
+    step of the product), for benchmarks. Writes in place; returns nothing."""
+    b, h, d, cap = _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size,
+                          sink, recent, real, lens)
+    supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and scale.stride() == offset.stride() \
+        else "the cache tensors must be contiguous in their last dimension"
+    if resolve_backend(backend, [k, v, window, codes, counts], supported) == "torch":
+        append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
+                               group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real, lens=lens)
+        return
+    mod = load_triton_module("_append_triton")
+    cfg = config or {}
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if ticket is None:
+        ticket = torch.zeros(b, dtype=torch.int32, device=counts.device)
+    kidx = torch.zeros(1, dtype=torch.int32, device=k.device) if clip is None else derived(
+        clip, ("kidx", d), lambda: torch.clamp(torch.floor(clip.to(torch.float64) * d), max=d - 1)
+        .to(torch.int32).contiguous())
+    r = rotation.contiguous() if rotation is not None else k
+    wl, hl = lens if lens is not None else (counts, counts)
+    real_u8 = real.view(torch.uint8) if real is not None else counts
+    mod.append_token_kernel[(b, 2 * h)](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        real_u8, real_u8.stride(0) if real is not None else 0,
+        counts, ticket, wl, hl,
+        window, window.stride(0), window.stride(1), window.stride(2), window.stride(3),
+        codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
+        scale, offset, scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(3),
+        r, kidx,
+        h, sink, recent, cap,
+        D=d, G=group_size, W=min(group_size, d // 4), KB=min(d, int(cfg.get("KB", 128))),
+        ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
+        LENS=lens is not None, num_warps=int(cfg.get("num_warps", 4)),
+    )
+
+
+def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: int, recent: int, group_size: int,
+                           rotation=None, clip=None, ring: bool = False, real=None, lens=None) -> None:
+    """Pure-torch :func:`append_token` (the same slots and values; torch ops only, no host sync)."""
+    b, h, d = k.shape
+    cap = codes.shape[3] - 1
+    rows_b = torch.arange(b, device=counts.device)
+    ws, hs = window_slot(counts, sink, recent), history_slot(counts - sink, cap, ring)
+    if real is not None:
+        ws = torch.where(real, ws, sink + recent)
+        hs = torch.where(real, hs, cap)
+    rows = torch.stack([k, v], 1).to(window.dtype)                                    # [B, 2, H, d]
+    y = rows.float()
+    if rotation is not None:
+        y = torch.einsum("bkhd,khde->bkhe", y, rotation.view(2, h, d, d))
+    window[rows_b, :, :, ws] = y.to(window.dtype)
+    q = quantize_kv_reference(rows.view(b, 2 * h, d), rotation, clip, group_size)
+    for dst, src in zip((codes, scale, offset), (q.codes, q.scale, q.offset)):
+        dst[rows_b, :, :, hs] = src.view(b, 2, h, -1)
+    counts += 1 if real is None else real
+    if lens is not None:
+        lens[0].copy_(counts.clamp(max=sink + recent))
+        lens[1].copy_((counts - sink - recent).clamp(min=0))

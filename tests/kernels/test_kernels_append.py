@@ -1,0 +1,150 @@
+"""The one-launch decode-step write (``kernels.append_token``) against its pure-torch reference:
+slots, codes, parameters, counts and lengths, on random inputs (CPU interpreter in CI, the real
+compiler on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_calib.errors import InputError
+from oscar_calib.kernels.append import (
+    append_token,
+    append_token_reference,
+    history_slot,
+    window_slot,
+)
+from oscar_calib.kernels.testing import random_rotation
+
+
+def signed_permutations(heads: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """Rotations whose products are exact in float32 (one signed entry per column)."""
+    r = torch.zeros(heads, d, d)
+    for i in range(heads):
+        p = torch.randperm(d, generator=g)
+        sign = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+        r[i, torch.arange(d), p] = sign
+    return r
+
+
+class Store:
+    def __init__(self, b, h, d, g_size, sink, recent, cap, dtype, device, counts):
+        self.window = torch.zeros(b, 2, h, sink + recent + 1, d, dtype=dtype, device=device)
+        self.codes = torch.zeros(b, 2, h, cap + 1, d // 4, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(b, 2, h, cap + 1, d // g_size, dtype=torch.float16, device=device)
+        self.offset = torch.zeros_like(self.scale)
+        self.counts = torch.tensor(counts, device=device)
+        self.lens = (torch.full((b,), -1, dtype=torch.int32, device=device),
+                     torch.full((b,), -1, dtype=torch.int32, device=device))
+        self.ticket = torch.zeros(b, dtype=torch.int32, device=device)
+
+    def tensors(self):
+        return self.window, self.codes, self.scale, self.offset, self.counts
+
+    def all(self):
+        return self.tensors() + self.lens
+
+
+def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=False, dtype=torch.bfloat16,
+              rotation="perm", clip=True, real=None, steps=4, counts=(0, 4, 9), seed=0, heads=2):
+    g = torch.Generator().manual_seed(seed)
+    b, h = len(counts), heads
+    if rotation == "perm":
+        rot = signed_permutations(2 * h, d, g)
+    elif rotation == "random":
+        rot = random_rotation(2 * h, d, generator=g)
+    else:
+        rot = None
+    rot = None if rot is None else rot.float()
+    clips = torch.rand(2 * h, generator=g).mul(0.2).add(0.8) if clip else None
+    if clip:
+        clips[0] = 1.0                                  # a head without clip beside clipped ones
+    ref = Store(b, h, d, group_size, sink, recent, cap, dtype, "cpu", list(counts))   # torch on CUDA divides by 3
+    tri = Store(b, h, d, group_size, sink, recent, cap, dtype, device, list(counts))  # as a product: CPU reference
+    for step in range(steps):
+        k = (torch.randn(b, h, 1, d, generator=g) * 2).to(torch.bfloat16)[:, :, 0]
+        v = torch.randn(b, h, 1, d, generator=g).to(torch.bfloat16)[:, :, 0]
+        if step == 1:
+            k[0, 0, :] = 0.5                            # a constant row: every group degenerate
+        kw = dict(sink=sink, recent=recent, group_size=group_size, rotation=rot, clip=clips, ring=ring,
+                  real=None if real is None else torch.tensor(real))
+        append_token_reference(k, v, *ref.tensors(), lens=ref.lens, **kw)
+        kw = {a: x.to(device) if isinstance(x, torch.Tensor) else x for a, x in kw.items()}
+        append_token(k.to(device), v.to(device), *tri.tensors(), lens=tri.lens, ticket=tri.ticket, backend="triton", **kw)
+    tri.__dict__.update({a: (x.cpu() if isinstance(x, torch.Tensor) else tuple(t.cpu() for t in x))
+                         for a, x in tri.__dict__.items()})
+    return ref, tri
+
+
+@pytest.mark.parametrize("group_size,d,dtype", [
+    (128, 128, torch.bfloat16), (128, 128, torch.float16), (128, 128, torch.float32),
+    (64, 128, torch.bfloat16), (32, 128, torch.bfloat16), (16, 64, torch.float16)])
+def test_append_token_equals_the_reference_bit_for_bit(device, group_size, d, dtype):
+    """Exact rotations (signed permutations): every slot, code, parameter, count and length is the
+    reference's, across the sink, the ring of the recent window and the history."""
+    ref, tri = run_steps(device, d=d, group_size=group_size, dtype=dtype, steps=5)
+    for a, b in zip(ref.all(), tri.all()):
+        assert torch.equal(a, b)
+    assert tri.counts.tolist() == [5, 9, 14] and tri.lens[1].tolist() == [0, 1, 6]
+    assert tri.ticket.tolist() == [0, 0, 0]               # left zero for the next call
+    assert tri.codes.any()
+
+
+def test_append_token_masked_rows_and_history_ring(device):
+    """Rows whose token is not real write scratch slots only and keep their count; a ring history
+    wraps (sliding layers)."""
+    ref, tri = run_steps(device, real=[True, False, True], ring=True, cap=4, steps=6, counts=(0, 6, 30), heads=4)
+    for a, b in zip(ref.all(), tri.all()):
+        assert torch.equal(a, b)
+    assert tri.counts.tolist() == [6, 6, 36]
+    fresh = Store(3, 4, 128, 128, 3, 5, 4, torch.bfloat16, "cpu", [0, 6, 30])
+    for got, untouched in zip(tri.tensors()[:4], fresh.tensors()[:4]):  # row 1: scratch slots only
+        assert torch.equal(got[1, :, :, :-1], untouched[1, :, :, :-1])
+        assert not torch.equal(got[1, :, :, -1], untouched[1, :, :, -1])
+
+
+def test_append_token_random_rotation_agrees_up_to_rounding_ties(device):
+    """Random rotations (float32 sums in another order): the window within one 16-bit rounding step
+    of the reference, codes equal but at rounding ties (a code that differs moves by one level, its parameters agree to 1e-3)."""
+    ref, tri = run_steps(device, rotation="random", steps=8, heads=4, counts=(0, 30, 100), cap=128)
+    w_ref, w_tri = ref.window.float(), tri.window.float()
+    ulp = w_ref.abs() * 2.0 ** -7                      # a bf16 step; 1e-5: cancellation near zero
+    assert ((w_ref - w_tri).abs() <= ulp + 1e-5).all() and (w_ref != w_tri).float().mean() < 1e-2
+    from oscar_calib.kernels import unpack_codes
+
+    cr, ct = unpack_codes(ref.codes, 128), unpack_codes(tri.codes, 128)
+    assert (cr.int() - ct.int()).abs().max() <= 1 and (cr != ct).float().mean() < 1e-3
+    assert torch.allclose(ref.scale.float(), tri.scale.float(), rtol=1e-3, atol=1e-6)
+    assert torch.equal(ref.counts, tri.counts) and all(torch.equal(a, b) for a, b in zip(ref.lens, tri.lens))
+
+
+def test_append_token_without_rotation_or_clip(device):
+    ref, tri = run_steps(device, rotation=None, clip=False, steps=3)
+    for a, b in zip(ref.all(), tri.all()):
+        assert torch.equal(a, b)
+
+
+def test_slot_rules():
+    t = torch.arange(12)
+    assert window_slot(t, 3, 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 3]
+    assert window_slot(t, 3, 0).tolist() == [0, 1, 2] + [3] * 9           # no recent window: scratch
+    assert history_slot(t - 3, 100, False).tolist() == [100, 100, 100] + list(range(9))
+    assert history_slot(t - 3, 4, True).tolist() == [4, 4, 4, 0, 1, 2, 3, 0, 1, 2, 3, 0]
+
+
+def test_append_token_refuses_bad_input(device):
+    st = Store(2, 2, 128, 128, 3, 5, 8, torch.bfloat16, device, [0, 0])
+    k = torch.zeros(2, 2, 128, dtype=torch.bfloat16, device=device)
+    kw = dict(sink=3, recent=5, group_size=128)
+    with pytest.raises(InputError, match="k and v"):
+        append_token(k, k[:, :1], *st.tensors(), **kw)
+    with pytest.raises(InputError, match="window"):
+        append_token(k, k, *st.tensors(), sink=4, recent=5, group_size=128)
+    with pytest.raises(InputError, match="scale"):
+        append_token(k, k, st.window, st.codes, st.scale[..., :0], st.offset, st.counts, **kw)
+    with pytest.raises(InputError, match="counts"):
+        append_token(k, k, *st.tensors()[:4], st.counts.int(), **kw)
+    with pytest.raises(InputError, match="rotation"):
+        append_token(k, k, *st.tensors(), rotation=torch.zeros(2, 128, 128, device=device), **kw)
+    with pytest.raises(InputError, match="real"):
+        append_token(k, k, *st.tensors(), real=torch.ones(2, device=device), **kw)
