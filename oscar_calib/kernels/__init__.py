@@ -9,6 +9,9 @@ function                           what it does
 :func:`quantize_kv`                K/V rows ``[..., H, d]`` -> :class:`QuantizedKV` (packed
                                    codes ``uint8 [..., H, d/4]``, fp16 scale/offset
                                    ``[..., H, d/G]``), with rotation and clip
+:func:`append_token`               one decode step's write: each sequence's new K/V row into
+                                   its window slot and INT2 history slot, slots from the
+                                   device counts (one launch)
 :func:`build_cache`                full K/V ``[B, T, H, d]`` + lengths -> :class:`Int2KVCache`
                                    (16-bit sink/recent window, INT2 history; contiguous or
                                    paged)
@@ -25,6 +28,7 @@ use. Storage format and packing order: :mod:`oscar_calib.kernels.pack`; cache la
 
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
 from ._common import BACKENDS, ENV_VAR
+from .append import append_token, append_token_reference
 from .cache import Int2KVCache, build_cache, split_lengths, to_paged
 from .decode import decode_attention, decode_attention_reference
 from .pack import (
@@ -43,6 +47,8 @@ __all__ = [
     "ENV_VAR",
     "Int2KVCache",
     "QuantizedKV",
+    "append_token",
+    "append_token_reference",
     "bits_per_element",
     "build_cache",
     "decode_attention",

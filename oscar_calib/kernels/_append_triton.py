@@ -86,12 +86,13 @@ def append_token_kernel(
     ws = tl.where(real, ws, scratch_w)
     tl.store(win_ptr + b.to(tl.int64) * s_wb + kv * s_wk + h * s_wh + ws * s_ws + cols, _rounded(y, wdt).to(wdt))
 
-    # history slot t - S (a ring of CAP slots on sliding layers; scratch slot CAP before the sink ends)
+    # history slot t - S (a ring of CAP slots on sliding layers); the scratch slot CAP before the
+    # sink ends, and past a full history (the caller reserves room: such a token is not stored)
     j = n - SINK
     if RING:
         hs = j % CAP
     else:
-        hs = j
+        hs = tl.where(j < CAP, j, CAP)
     hs = tl.where(real & (j >= 0), hs, CAP)
 
     if CLIP:  # t = sorted(|y|)[k]: the exact row quantile

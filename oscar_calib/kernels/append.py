@@ -18,7 +18,10 @@ tensor              shape                                   written
 
 Token ``t = counts[b]`` goes to window slot ``t`` (``t < S``) or ``S + (t - S) % R``, and to history
 slot ``t - S`` (``(t - S) % cap`` for a ring), or to the scratch slots (window ``S + R``, history
-``cap``) before the sink ends or when ``real[b]`` is False (a padded row: its count stays).
+``cap``) before the sink ends or when ``real[b]`` is False (a padded row: its count stays). The
+caller keeps room in the history (the counts live on the device, so nothing is checked on the host):
+a token past ``cap`` without a ring goes to the scratch slot, i.e. is not stored, but nothing is
+written out of bounds.
 Rotation, clip and INT2 follow :mod:`oscar_calib.numerics.quant`, as in :func:`.quantize_kv`:
 the row is first rounded to the window's dtype, so the history holds the codes of the row the
 window holds (before its own rounding).
@@ -49,8 +52,9 @@ def window_slot(t: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
 
 
 def history_slot(j: torch.Tensor, cap: int, ring: bool) -> torch.Tensor:
-    """History slot of history index ``j = t - sink`` (negative: the scratch slot ``cap``)."""
-    slot = torch.remainder(j, cap) if ring else j
+    """History slot of history index ``j = t - sink``: the scratch slot ``cap`` when negative, or
+    when ``j >= cap`` without a ring (a full history: the caller must have reserved room)."""
+    slot = torch.remainder(j, cap) if ring else torch.where(j < cap, j, cap)
     return torch.where(j >= 0, slot, cap)
 
 

@@ -1,8 +1,8 @@
 """Storage of one decoder layer of the real cache (:class:`~oscar_calib.runtime.cache.OscarCache`).
 
 Everything is kept in the kernels' layout (:mod:`oscar_calib.kernels.cache`, head-major,
-contiguous), with K and V side by side in one buffer so a decode step writes both with one
-launch per tensor; ``buf[:, 0]`` is K and ``buf[:, 1]`` is V, views the decode kernel reads
+contiguous), with K and V side by side in one buffer so a decode step writes everything with one
+launch (:func:`oscar_calib.kernels.append_token`); ``buf[:, 0]`` is K and ``buf[:, 1]`` is V, views the decode kernel reads
 directly (:meth:`LayerStore.kernel_view`).
 
 ==================  =============================================  ===================================

@@ -130,6 +130,17 @@ def test_slot_rules():
     assert window_slot(t, 3, 0).tolist() == [0, 1, 2] + [3] * 9           # no recent window: scratch
     assert history_slot(t - 3, 100, False).tolist() == [100, 100, 100] + list(range(9))
     assert history_slot(t - 3, 4, True).tolist() == [4, 4, 4, 0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert history_slot(t - 3, 6, False).tolist() == [6, 6, 6, 0, 1, 2, 3, 4, 5, 6, 6, 6]  # full: scratch
+
+
+def test_append_token_past_a_full_history_writes_nothing_out_of_bounds(device):
+    """Counts beyond the history's capacity (no reservation) land in the scratch slot, in the kernel
+    as in the reference, and the slots before it keep their tokens."""
+    ref, tri = run_steps(device, cap=6, counts=(8, 9, 40), steps=3)
+    for a, b in zip(ref.all(), tri.all()):
+        assert torch.equal(a, b)
+    assert tri.codes[0, :, :, 5].any() and tri.codes[2, :, :, :6].eq(0).all()     # row 2: only scratch
+    assert tri.codes[2, :, :, 6].any()
 
 
 def test_append_token_refuses_bad_input(device):
