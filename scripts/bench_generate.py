@@ -14,7 +14,9 @@ Per run: decode tokens/s (wall, eager), peak ``max_memory_allocated`` during dec
 time per decode step (torch profiler: the sum of kernel times, i.e. what the step costs once host
 overhead is gone), and GPU time per step replayed from a CUDA graph (``oscar`` vs a
 ``StaticCache`` + SDPA baseline, both with preallocated static buffers; for ``oscar`` also the
-wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph`). Contexts for decode runs
+wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph`), and decode
+tokens/s of ``generate()`` itself after a real prompt (section ``generate``: DynamicCache,
+OscarCache eager, OscarCache with ``custom_generate=graph_decoding``). Contexts for decode runs
 are filled with random K/V written through each cache's own write path (the prefill compute is
 the same for every cache and would cost minutes of device time); time to first token is measured
 separately with real prefills through ``generate(max_new_tokens=1)`` at batch 1. The largest
@@ -48,6 +50,7 @@ from bench_generate_runs import (  # noqa: E402
     build_model,
     busy_ms,
     decode,
+    generate_rate,
     graph_decode,
     graph_ms,
     make_cache,
@@ -107,7 +110,8 @@ def parse(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--fill-chunk", type=int, default=65536, help="tokens written per call when filling")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip what is left after this many seconds")
-    ap.add_argument("--sections", default="decode,graph,ttft,maxctx")
+    ap.add_argument("--sections", default="decode,graph,generate,ttft,maxctx",
+                    help="comma-separated: decode, graph, generate, ttft, maxctx")
     return ap.parse_args(argv)
 
 
@@ -120,9 +124,10 @@ def main(argv=None) -> dict:
     args.new = args.new or (8 if args.quick else 128)
     if args.quick:
         args.group_size = min(args.group_size, 64)
-        configs, ttfts = [(1, 400), (1, 900), (2, 600)], [400, 900]
+        configs, ttfts, gens = [(1, 400), (1, 900), (2, 600)], [400, 900], [(1, 400)]
     else:
         configs, ttfts = [(1, 16384), (1, 65536), (1, 131072), (4, 65536), (8, 65536)], [16384, 65536, 131072]
+        gens = [(1, 16384), (4, 4096)]
     model = build_model(args.quick, dev)
     meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
             "transformers": transformers.__version__, "model": "random-init Qwen3-8B shapes" if not args.quick
@@ -171,6 +176,15 @@ def main(argv=None) -> dict:
                                 lambda: graph_record(model, kind, batch, tokens, args)))
             res.add("runs", rec)
             print(json.dumps(rec), flush=True)
+    for batch, tokens in gens if "generate" in sections else []:
+        for method in ("dynamic", "oscar", "oscar+graph"):
+            if late(f"generate {method} {batch}x{tokens}"):
+                break
+            rec = {"batch": batch, "tokens": tokens, "method": method}
+            rec.update(_attempt(res, f"generate {method} {batch}x{tokens}",
+                                lambda: generate_rate(model, method, batch, tokens, args.new, args)))
+            res.add("generate", rec)
+            print(json.dumps(rec), flush=True)
     for tokens in ttfts if "ttft" in sections else []:
         for kind in ("dynamic", "oscar"):
             if late(f"ttft {kind} {tokens}"):
@@ -217,6 +231,10 @@ def table(data: dict) -> str:
                 continue
             lines.append(f"| {b} × {_ctx(t)} | {kind} | {_fmt(r.get('tok_s'))} | {_fmt(r.get('ms_per_step'))} | "
                          f"{_fmt(r.get('busy_ms'), '.2f')} | {gms} | {_fmt(r.get('peak_gib'), '.2f')} |")
+    for r in data.get("generate", []):
+        if "generate_wall_s" in r:
+            lines.append(f"| generate() {r['batch']} × {_ctx(r['tokens'])} | {r['method']} | "
+                         f"{_fmt(r['generate_tok_s'])} | | | | |")
     for r in data["ttft"]:
         if "ttft_s" in r:
             lines.append(f"| TTFT 1 × {_ctx(r['tokens'])} | {r['cache']} | {r['ttft_s']:.2f} s | | | | "

@@ -191,6 +191,39 @@ def graph_decode(model, batch: int, tokens: int, new: int, args) -> dict:
     return {"graph_tok_s": batch * new / wall, "graph_wall_ms_per_step": 1e3 * wall / new}
 
 
+def generate_rate(model, method: str, batch: int, tokens: int, new: int, args) -> dict:
+    """Decode tokens/s of ``model.generate()`` itself after a real prompt of ``tokens`` random ids:
+    ``dynamic`` (DynamicCache), ``oscar`` (OscarCache, eager steps) or ``oscar+graph``
+    (``custom_generate=graph_decoding``). After a warm-up call, two calls with ``max_new_tokens``
+    1 and ``1 + new``: ``new`` tokens over the difference of their wall times (what a call of ``new``
+    tokens gets beyond its prompt, the graph's recording included)."""
+    from transformers import DynamicCache
+
+    from oscar_calib.runtime import graph_decoding
+
+    dev = model.device
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=dev,
+                        generator=torch.Generator(dev.type).manual_seed(0))
+    extra = {"custom_generate": graph_decoding} if method == "oscar+graph" else {}
+    walls = []
+    for n in (1, 1, 1 + new):                          # (the first call warms up: compiles, allocates)
+        cache = (DynamicCache(config=model.config) if method == "dynamic"
+                 else make_cache("oscar", model, batch, 0, tokens + new + 8, args))
+        _sync(dev)
+        t0 = time.perf_counter()
+        with _attached(cache, model), torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 **extra)
+        _sync(dev)
+        walls.append(time.perf_counter() - t0)
+        assert out.shape == (batch, tokens + n)
+        del cache, out
+
+    dt = walls[2] - walls[1]                           # (not positive: too short to time against the noise)
+    return {"generate_tok_s": batch * new / dt if dt > 0 else None, "generate_wall_s": walls[2],
+            "prompt_wall_s": walls[1]}
+
+
 def ttft(model, kind: str, tokens: int, args) -> dict:
     """Real prefill of ``tokens`` random ids through ``generate(max_new_tokens=1)``, batch 1."""
     from transformers import DynamicCache
@@ -246,7 +279,8 @@ def max_context(model, kind: str, args) -> dict:
 
 class Results:
     def __init__(self, path: Path, meta: dict):
-        self.path, self.data = path, {"meta": meta, "runs": [], "ttft": [], "max_context": {}, "errors": []}
+        self.path, self.data = path, {"meta": meta, "runs": [], "generate": [], "ttft": [], "max_context": {},
+                                       "errors": []}
 
     def add(self, section: str, item) -> None:
         if isinstance(self.data[section], list):

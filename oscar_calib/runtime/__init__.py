@@ -9,6 +9,8 @@ name                        module                 what it is
 :class:`OscarAttention`     :mod:`.attention`      the registered attention function's route
 :class:`DecodeGraph`        :mod:`.graph`          a decode step of the real cache replayed from a
                                                    CUDA graph (no per-kernel host cost)
+:func:`graph_decoding`      :mod:`.graph`          ``generate(custom_generate=graph_decoding)``:
+                                                   greedy/sampling with the graph
 :class:`SimulatedCache`     :mod:`.simulated`      accuracy simulation as a ``Cache`` (de-quantises
                                                    the history for the model's own attention)
 :class:`SimulatedKV`        :mod:`.simulate`       accuracy simulation per query position (ppl)
@@ -22,7 +24,7 @@ import transformers; its names load on first use.
 from __future__ import annotations
 
 _EXPORTS = {"KVScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
-            "DecodeGraph": ".graph",
+            "DecodeGraph": ".graph", "graph_decoding": ".graph",
             "SimulatedCache": ".simulated", "SimulatedLayer": ".simulated", "SimulatedKV": ".simulate",
             "SUPPORTED_TRANSFORMERS": ".compat", "check_transformers": ".compat"}
 

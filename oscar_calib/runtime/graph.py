@@ -1,7 +1,8 @@
-"""Decode steps of the real cache replayed from a CUDA graph: :class:`DecodeGraph`.
+"""Decode steps of the real cache replayed from a CUDA graph: :class:`DecodeGraph`, and
+:func:`graph_decoding`, which runs ``model.generate()`` on it.
 
-An eager decode step launches ~100 small kernels per layer from Python, so on a small or
-mid-sized model it is bound by the host, not the GPU. The step is graph-safe (device ops only,
+An eager decode step launches ~60 kernels per layer from Python (as many as a ``DynamicCache``
+step), so on a small or mid-sized model it is bound by the host, not the GPU. The step is graph-safe (device ops only,
 slots from the device counts; a masked step decides on the device which rows store their token),
 so it can be recorded once and replayed per token.
 
@@ -16,9 +17,21 @@ so it can be recorded once and replayed per token.
 The first call runs eagerly (it compiles the kernels), the second records the step and replays
 it, every later call replays it; each call stores one token per sequence, as an eager step does.
 The returned logits live in the graph's output buffer: the next call overwrites them.
+
+``generate()`` itself, through the decoding-method hook of transformers (``custom_generate``
+takes a callable in 5.17 and later):
+
+>>> out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=256,
+...                      custom_generate=graph_decoding)
+
+runs greedy search or sampling with transformers' own logits processors and stopping criteria,
+the prompt eagerly and every new token from the graph (eager steps on the CPU, where there are no
+CUDA graphs).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -98,4 +111,115 @@ class DecodeGraph:
         return self._logits
 
 
-__all__ = ["DecodeGraph"]
+def _refusal(generation_config, model_kwargs, synced_gpus) -> str | None:
+    if synced_gpus:
+        return "synced_gpus is not supported"
+    if getattr(generation_config, "num_beams", 1) not in (None, 1):
+        return "it runs greedy search and sampling only (num_beams=1)"
+    for flag in ("output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            return f"{flag} is not supported (the graph keeps logits only)"
+    if model_kwargs.get("inputs_embeds") is not None:
+        return "it takes input_ids, not inputs_embeds"
+    return None
+
+
+def prompt_positions(mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """Position ids of a (left-padded) prompt: each row counts its real tokens from 0 (pads get 0;
+    the cache does not store them)."""
+    if mask is None:
+        return torch.arange(length, device=device).expand(batch, length)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
+                   synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """A decoding method for ``model.generate(..., custom_generate=graph_decoding)`` with
+    ``past_key_values=OscarCache(...)`` (see the module docstring): the prompt runs eagerly, every
+    new token from a :class:`DecodeGraph` on CUDA (eager steps on the CPU). Greedy search or
+    sampling (``do_sample``), with the logits processors and stopping criteria ``generate()``
+    built from its arguments; finished rows are padded as ``generate()`` pads them. Returns the
+    token ids ``[B, prompt + new]``, or with ``return_dict_in_generate`` a
+    ``GenerateDecoderOnlyOutput`` (``sequences``, and ``scores`` / ``logits`` when asked). The cache
+    is attached for the call if it is not yet, and reserved for ``max_length`` tokens."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from .cache import OscarCache
+
+    cache = model_kwargs.get("past_key_values")
+    if not isinstance(cache, OscarCache):
+        raise InputError("graph_decoding needs past_key_values=OscarCache(...) in the generate() call; got "
+                         f"{type(cache).__name__}")
+    why = _refusal(generation_config, model_kwargs, synced_gpus)
+    if why:
+        raise InputError(f"graph_decoding: {why}")
+    if any(layer.store is not None for layer in cache.layers):
+        raise CacheError("graph_decoding needs an empty OscarCache (it runs the prompt itself)")
+    batch, length = input_ids.shape
+    device = input_ids.device
+    mask = model_kwargs.get("attention_mask")
+    positions = prompt_positions(mask, batch, length, device)
+    real = mask.long().sum(-1) if mask is not None else torch.full((batch,), length, device=device)
+    cache.reserve(int(generation_config.max_length) + 1)
+    keep = {"logits_to_keep": 1} if model_kwargs.get("logits_to_keep") is not None else {}
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores_out, logits_out = [], []
+    pad = generation_config._pad_token_tensor
+    pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    if pads_finished and pad is None:
+        raise InputError("graph_decoding: an EOS stop needs a pad_token_id to fill finished rows")
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    # with only length limits the host knows when to stop: no wait for the GPU per token
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    host_stop = min(limits) if limits and len(limits) == len(stopping_criteria) else None
+    ids = input_ids
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    ctx = cache.attach(model) if not cache.layers[0].attached else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, **keep)
+        logits = out.logits[:, -1]
+        step = DecodeGraph(model, cache) if on_cuda else None
+        i = 0
+        while True:
+            raw = logits.to(device=device, dtype=torch.float32, copy=True)
+            scores = logits_processor(ids, raw)
+            if generation_config.do_sample:
+                nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                nxt = scores.argmax(-1)
+            if pads_finished:
+                nxt = torch.where(unfinished, nxt, pad.to(device))
+            ids = torch.cat([ids, nxt[:, None]], dim=-1)
+            if want_scores:
+                scores_out.append(scores)
+            if want_logits:
+                logits_out.append(raw)
+            if streamer is not None:
+                streamer.put(nxt.cpu())
+            if host_stop is not None:
+                if ids.shape[1] >= host_stop:
+                    break
+            else:
+                unfinished &= ~stopping_criteria(ids, scores)
+                if not bool(unfinished.any()):
+                    break
+            pos = (real + i)[:, None]
+            if step is not None:
+                logits = step(nxt[:, None], pos)[:, -1]
+            else:
+                logits = model(input_ids=nxt[:, None], position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+            i += 1
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores_out) if want_scores else None,
+                                         logits=tuple(logits_out) if want_logits else None,
+                                         past_key_values=cache)
+    return ids
+
+
+__all__ = ["DecodeGraph", "graph_decoding", "prompt_positions"]

@@ -107,3 +107,76 @@ def test_graph_refuses_cpu_models_other_caches_and_empty_caches():
         gpu_model = _model("cuda")
         with pytest.raises(CacheError, match="prefilled"):
             DecodeGraph(gpu_model, _cache(gpu_model, 600))
+
+
+def _padded_prompt(device, length=PROMPT, pads=37):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    ids[1, :pads], mask[1, :pads] = 0, 0                 # row 1 left-padded
+    return ids.to(device), mask.to(device)
+
+
+def _generate(model, cache, ids, mask, custom, **kw):
+    from oscar_calib.runtime import graph_decoding
+
+    extra = {"custom_generate": graph_decoding} if custom else {}
+    with cache.attach(model), torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, pad_token_id=0,
+                              **extra, **kw)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_graph_decoding_in_generate_equals_generate(sample):
+    """``generate(custom_generate=graph_decoding)`` gives generate()'s own tokens: greedy and seeded
+    sampling (top-k, temperature), a left-padded batch, a row stopped by EOS and padded (CPU: eager
+    steps; the GPU machine runs the graph in the test below)."""
+    model = _model("cpu")
+    ids, mask = _padded_prompt("cpu")
+    kw = dict(do_sample=True, top_k=20, temperature=0.7) if sample else dict(do_sample=False)
+    torch.manual_seed(5)
+    want = _generate(model, _cache(model, 600), ids, mask, False, **kw)
+    torch.manual_seed(5)
+    got = _generate(model, _cache(model, 600), ids, mask, True, **kw)
+    assert got.shape == (2, PROMPT + 8) and torch.equal(got, want)
+    eos = int(want[0, PROMPT + 2])                      # row 0 stops at its third new token
+    torch.manual_seed(5)
+    want = _generate(model, _cache(model, 600), ids, mask, False, eos_token_id=eos, **kw)
+    torch.manual_seed(5)
+    got = _generate(model, _cache(model, 600), ids, mask, True, eos_token_id=eos, **kw)
+    assert torch.equal(got, want) and (got[0, PROMPT + 3:] == 0).all()
+
+
+def test_graph_decoding_refusals():
+    from transformers import DynamicCache
+
+    from oscar_calib.runtime import graph_decoding
+
+    model = _model("cpu")
+    ids, mask = _padded_prompt("cpu", length=8, pads=0)
+    with torch.no_grad():
+        with pytest.raises(InputError, match="OscarCache"):
+            model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=2, pad_token_id=0,
+                           custom_generate=graph_decoding)
+        with pytest.raises(InputError, match="num_beams"):
+            model.generate(ids, past_key_values=_cache(model, 64), max_new_tokens=2, num_beams=2, pad_token_id=0,
+                           custom_generate=graph_decoding)
+    cache = _cache(model, 64)
+    _prefill(model, cache, ids)
+    with pytest.raises(CacheError, match="empty"):
+        _generate(model, cache, ids, mask, True)
+
+
+@gpu
+def test_graph_decoding_on_the_gpu_equals_eager_generate():
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    model = _model("cuda")
+    ids, mask = _padded_prompt("cuda")
+    want = _generate(model, _cache(model, 600), ids, mask, False, do_sample=False)
+    got = _generate(model, _cache(model, 600), ids, mask, True, do_sample=False)
+    assert torch.equal(got, want)
+    out = _generate(model, _cache(model, 600), ids, mask, True, do_sample=False, return_dict_in_generate=True,
+                    output_scores=True)
+    assert isinstance(out, GenerateDecoderOnlyOutput) and torch.equal(out.sequences, want)
+    assert len(out.scores) == 8 and out.scores[0].shape == (2, model.config.vocab_size)
