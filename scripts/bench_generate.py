@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
             res.add("runs", rec)
             print(json.dumps(rec), flush=True)
     for batch, tokens in gens if "generate" in sections else []:
-        for method in ("dynamic", "oscar", "oscar+graph"):
+        for method in ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos"):
             if late(f"generate {method} {batch}x{tokens}"):
                 break
             rec = {"batch": batch, "tokens": tokens, "method": method}
@@ -232,7 +232,7 @@ def table(data: dict) -> str:
             lines.append(f"| {b} × {_ctx(t)} | {kind} | {_fmt(r.get('tok_s'))} | {_fmt(r.get('ms_per_step'))} | "
                          f"{_fmt(r.get('busy_ms'), '.2f')} | {gms} | {_fmt(r.get('peak_gib'), '.2f')} |")
     for r in data.get("generate", []):
-        if "generate_wall_s" in r:
+        if "generate_tok_s" in r:
             lines.append(f"| generate() {r['batch']} × {_ctx(r['tokens'])} | {r['method']} | "
                          f"{_fmt(r['generate_tok_s'])} | | | | |")
     for r in data["ttft"]:

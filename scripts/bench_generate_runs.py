@@ -191,37 +191,48 @@ def graph_decode(model, batch: int, tokens: int, new: int, args) -> dict:
     return {"graph_tok_s": batch * new / wall, "graph_wall_ms_per_step": 1e3 * wall / new}
 
 
+class _Clock:
+    """A logits processor that waits for the GPU and reads the clock at its first call (the prompt's
+    logits are ready), and changes nothing."""
+
+    def __init__(self):
+        self.t0 = None
+
+    def __call__(self, input_ids, scores):
+        if self.t0 is None:
+            _sync(scores.device)
+            self.t0 = time.perf_counter()
+        return scores
+
+
 def generate_rate(model, method: str, batch: int, tokens: int, new: int, args) -> dict:
     """Decode tokens/s of ``model.generate()`` itself after a real prompt of ``tokens`` random ids:
-    ``dynamic`` (DynamicCache), ``oscar`` (OscarCache, eager steps) or ``oscar+graph``
-    (``custom_generate=graph_decoding``). After a warm-up call, two calls with ``max_new_tokens``
-    1 and ``1 + new``: ``new`` tokens over the difference of their wall times (what a call of ``new``
-    tokens gets beyond its prompt, the graph's recording included)."""
-    from transformers import DynamicCache
+    ``dynamic`` (DynamicCache), ``oscar`` (OscarCache, eager steps), ``oscar+graph``
+    (``custom_generate=graph_decoding``) or ``oscar+graph+eos`` (the same with an EOS stop that
+    ``min_new_tokens`` keeps from firing: the loop that decides stops on the device). After a
+    warm-up call, one call of ``new`` tokens, timed from the prompt's logits (a logits processor
+    waits for them) to its end: ``new - 1`` decode steps, the graph's recording included."""
+    from transformers import DynamicCache, LogitsProcessorList
 
     from oscar_calib.runtime import graph_decoding
 
     dev = model.device
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=dev,
                         generator=torch.Generator(dev.type).manual_seed(0))
-    extra = {"custom_generate": graph_decoding} if method == "oscar+graph" else {}
-    walls = []
-    for n in (1, 1, 1 + new):                          # (the first call warms up: compiles, allocates)
+    extra = {"custom_generate": graph_decoding} if method.startswith("oscar+graph") else {}
+    for n in (2, new):                                 # (the first call warms up: compiles, allocates)
         cache = (DynamicCache(config=model.config) if method == "dynamic"
                  else make_cache("oscar", model, batch, 0, tokens + new + 8, args))
-        _sync(dev)
-        t0 = time.perf_counter()
+        clock = _Clock()
+        stop = {"eos_token_id": 1, "min_new_tokens": n} if method.endswith("+eos") else {}   # an EOS stop, never hit
         with _attached(cache, model), torch.no_grad():
             out = model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 **extra)
+                                 logits_processor=LogitsProcessorList([clock]), **extra, **stop)
         _sync(dev)
-        walls.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - clock.t0
         assert out.shape == (batch, tokens + n)
         del cache, out
-
-    dt = walls[2] - walls[1]                           # (not positive: too short to time against the noise)
-    return {"generate_tok_s": batch * new / dt if dt > 0 else None, "generate_wall_s": walls[2],
-            "prompt_wall_s": walls[1]}
+    return {"generate_tok_s": batch * (new - 1) / wall, "decode_wall_s": wall}
 
 
 def ttft(model, kind: str, tokens: int, args) -> dict:

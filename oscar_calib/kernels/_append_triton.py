@@ -31,7 +31,7 @@ def _rounded(y, WDT: tl.constexpr):
 @triton.jit
 def append_token_kernel(
     k_ptr, v_ptr, s_kb, s_kh, s_vb, s_vh,
-    real_ptr, s_real,
+    real_ptr, s_real, gate_ptr,
     n_ptr, ticket_ptr, wlen_ptr, hlen_ptr,
     win_ptr, s_wb, s_wk, s_wh, s_ws,
     codes_ptr, s_cb, s_ck, s_ch, s_cs,
@@ -40,6 +40,7 @@ def append_token_kernel(
     H, SINK, RECENT, CAP,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, REAL: tl.constexpr, RING: tl.constexpr, LENS: tl.constexpr,
+    GATE: tl.constexpr = False,
 ):
     """Grid ``(B, 2H)``. Program ``(b, kh)`` stores row ``kh`` (K heads first, then V) of
     sequence ``b``: window slot and history slot from the count ``n[b]`` (scratch slots when the
@@ -54,6 +55,8 @@ def append_token_kernel(
         real = tl.load(real_ptr + b * s_real) != 0
     else:
         real = n >= 0
+    if GATE:  # a second condition (e.g. the row has not finished generating)
+        real = real & (tl.load(gate_ptr + b) != 0)
     cols = tl.arange(0, D)
     kbase = k_ptr + b.to(tl.int64) * s_kb + h * s_kh
     vbase = v_ptr + b.to(tl.int64) * s_vb + h * s_vh

@@ -58,7 +58,8 @@ def history_slot(j: torch.Tensor, cap: int, ring: bool) -> torch.Tensor:
     return torch.where(j >= 0, slot, cap)
 
 
-def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size, sink, recent, real, lens):
+def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size, sink, recent, real, lens,
+           gate=None):
     b, h, d = k.shape if k.ndim == 3 else (None, None, None)
     if b is None or tuple(v.shape) != tuple(k.shape):
         raise InputError(f"k and v must both be [B, H, d], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -77,8 +78,9 @@ def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_siz
             raise InputError(f"{name} must be {str(dt).replace('torch.', '')} {shape} (cap >= 1), "
                              f"got {str(t.dtype).replace('torch.', '')} {list(t.shape)}")
     check_tensor("counts", counts, ndim=1, dtypes=(torch.int64,), shape={0: b})
-    if real is not None:
-        check_tensor("real", real, ndim=1, dtypes=(torch.bool,), shape={0: b})
+    for name, t in (("real", real), ("gate", gate)):
+        if t is not None:
+            check_tensor(name, t, ndim=1, dtypes=(torch.bool,), shape={0: b})
     if lens is not None:
         for name, t in zip(("window lengths", "history lengths"), lens):
             check_tensor(name, t, ndim=1, dtypes=(torch.int32,), shape={0: b})
@@ -94,21 +96,23 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
                  group_size: int, rotation: torch.Tensor | None = None, clip: torch.Tensor | None = None,
                  ring: bool = False, real: torch.Tensor | None = None,
                  lens: tuple[torch.Tensor, torch.Tensor] | None = None, ticket: torch.Tensor | None = None,
-                 backend: str = "auto", config: dict | None = None) -> None:
+                 gate: torch.Tensor | None = None, backend: str = "auto", config: dict | None = None) -> None:
     """Store the new token ``k``/``v`` ``[B, H, d]`` of every sequence (see the module docstring).
 
     ``rotation [2H, d, d]`` float32 (K heads, then V; None: identity), ``clip [2H]`` ratios (None:
-    no clip), ``real [B]`` bool (None: every row stores its token), ``lens`` the decode kernel's
+    no clip), ``real [B]`` bool (None: every row stores its token) and ``gate [B]`` bool, a second
+    condition (a row stores its token when both hold), ``lens`` the decode kernel's
     ``(window, history)`` lengths to refresh, ``ticket [B]`` int32 zeros the kernel uses and leaves
     zero (allocated per call when None). ``config``: ``num_warps``, ``KB`` (rows of ``R`` per
     step of the product), for benchmarks. Writes in place; returns nothing."""
     b, h, d, cap = _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size,
-                          sink, recent, real, lens)
+                          sink, recent, real, lens, gate)
     supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and scale.stride() == offset.stride() \
         else "the cache tensors must be contiguous in their last dimension"
     if resolve_backend(backend, [k, v, window, codes, counts], supported) == "torch":
         append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
-                               group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real, lens=lens)
+                               group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real, lens=lens,
+                               gate=gate)
         return
     mod = load_triton_module("_append_triton")
     cfg = config or {}
@@ -126,7 +130,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     real_u8 = real.view(torch.uint8) if real is not None else counts
     mod.append_token_kernel[(b, 2 * h)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        real_u8, real_u8.stride(0) if real is not None else 0,
+        real_u8, real_u8.stride(0) if real is not None else 0, gate.view(torch.uint8) if gate is not None else counts,
         counts, ticket, wl, hl,
         window, window.stride(0), window.stride(1), window.stride(2), window.stride(3),
         codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
@@ -135,13 +139,15 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         h, sink, recent, cap,
         D=d, G=group_size, W=min(group_size, d // 4), KB=min(d, int(cfg.get("KB", 128))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
-        LENS=lens is not None, num_warps=int(cfg.get("num_warps", 4)),
+        LENS=lens is not None, GATE=gate is not None, num_warps=int(cfg.get("num_warps", 4)),
     )
 
 
 def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: int, recent: int, group_size: int,
-                           rotation=None, clip=None, ring: bool = False, real=None, lens=None) -> None:
+                           rotation=None, clip=None, ring: bool = False, real=None, lens=None, gate=None) -> None:
     """Pure-torch :func:`append_token` (the same slots and values; torch ops only, no host sync)."""
+    if gate is not None:
+        real = gate if real is None else real & gate
     b, h, d = k.shape
     cap = codes.shape[3] - 1
     rows_b = torch.arange(b, device=counts.device)

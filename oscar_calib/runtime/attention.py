@@ -106,7 +106,7 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
     softcap = kwargs.get("softcap")
     store = layer.store
     if t == 1 and max(store.counts) > 0:          # a decode step: write the token, then read the cache
-        write_step(store, key, value, decode_rows(mask, bsz))
+        write_step(store, key, value, decode_rows(mask, bsz), layer.gate)
         if kernel_decodes(layer, query, softcap):
             from ..kernels import decode_attention
 

@@ -139,6 +139,7 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
     def reset(self) -> None:
         self.store, self.pending, self.seen, self.is_initialized = None, None, 0, False
+        self.gate = None             # device bool [B] while a DecodeGraph step runs: rows that store
 
     def offload(self):            # the storage stays on its device
         return None

@@ -63,6 +63,7 @@ class DecodeGraph:
         self.calls = 0
         self.graph = None
         self._ids = self._pos = self._logits = None
+        self._gate = torch.ones(self.batch, dtype=torch.bool, device=device)   # rows that store their token
 
     def _step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True).logits
@@ -74,15 +75,33 @@ class DecodeGraph:
         for layer, (seen, counts, stale) in zip(self.cache.layers, state):
             layer.seen, layer.store.counts, layer.store.counts_stale, layer.pending = seen, counts, stale, None
 
-    def _advance_host(self) -> None:
+    def _advance_host(self, steps: int = 1) -> None:
         """What an eager step does on the host, which a replay skips: one more token per row."""
         for layer in self.cache.layers:
-            layer.seen += 1
-            layer.store.counts = [c + 1 for c in layer.store.counts]
+            layer.seen += steps
+            layer.store.counts = [c + steps for c in layer.store.counts]
             layer.store.counts_stale = True       # (a masked row may not have stored its token)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, 1, vocab]`` of the next tokens ``ids`` at ``positions`` (both ``[B, 1]``)."""
+    def retract(self) -> None:
+        """Take back the host bookkeeping of the last call, for a call whose rows stored nothing
+        (``store`` all False: a step run ahead of a stop decision)."""
+        self._advance_host(-1)
+        self.calls -= 1
+
+    def _gated(self, store: torch.Tensor | None, run):
+        self._gate.copy_(store) if store is not None else self._gate.fill_(True)
+        for layer in self.cache.layers:
+            layer.gate = self._gate
+        try:
+            return run()
+        finally:
+            for layer in self.cache.layers:
+                layer.gate = None
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, store: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, 1, vocab]`` of the next tokens ``ids`` at ``positions`` (both ``[B, 1]``);
+        ``store`` (device bool ``[B]``, None: all): the rows whose token is stored (the others keep
+        their count, e.g. rows that finished generating)."""
         want = (self.batch, 1)
         for name, t in (("ids", ids), ("positions", positions)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
@@ -91,21 +110,29 @@ class DecodeGraph:
         if self.calls >= self.room:
             raise CacheError(f"DecodeGraph: the reserved history is full after {self.calls} steps; "
                              "call cache.reserve(total tokens) before building the graph")
+        if store is not None and (not isinstance(store, torch.Tensor) or store.dtype != torch.bool
+                                  or tuple(store.shape) != (self.batch,)):
+            raise InputError(f"DecodeGraph: store must be a bool tensor of shape ({self.batch},)")
         self.calls += 1
         if self.calls == 1:                                   # eager: compiles and warms up
-            return self._step(ids.to(self.device), positions.to(self.device))
+            return self._gated(store, lambda: self._step(ids.to(self.device), positions.to(self.device)))
         if self.graph is None:
             self._ids = ids.to(self.device, torch.long).clone()
             self._pos = positions.to(self.device, torch.long).clone()
             torch.cuda.synchronize(self.device)
             before = self._host_state()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):               # recorded, not run
-                self._logits = self._step(self._ids, self._pos)
+
+            def record():
+                with torch.cuda.graph(self.graph):           # recorded, not run
+                    return self._step(self._ids, self._pos)
+
+            self._logits = self._gated(store, record)
             self._set_host_state(before)
         else:
             self._ids.copy_(ids)
             self._pos.copy_(positions)
+            self._gate.copy_(store) if store is not None else self._gate.fill_(True)
         self.graph.replay()
         self._advance_host()
         return self._logits
@@ -183,6 +210,10 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                     use_cache=True, **keep)
         logits = out.logits[:, -1]
         step = DecodeGraph(model, cache) if on_cuda else None
+        ahead = step is not None and streamer is None and host_stop is None      # (a streamer reads every token)
+        if ahead:
+            flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            done = torch.cuda.Event()
         i = 0
         while True:
             raw = logits.to(device=device, dtype=torch.float32, copy=True)
@@ -200,16 +231,29 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                 logits_out.append(raw)
             if streamer is not None:
                 streamer.put(nxt.cpu())
+            pos = (real + i)[:, None]
             if host_stop is not None:
                 if ids.shape[1] >= host_stop:
                     break
+            elif ahead:
+                # the stop decision of this token reaches the host while the next step runs; rows
+                # that finished store nothing, so a step run past the end leaves the cache as it was
+                unfinished &= ~stopping_criteria(ids, scores)
+                flag.copy_(unfinished.any(), non_blocking=True)
+                done.record()
+                logits = step(nxt[:, None], pos, store=unfinished)[:, -1]
+                done.synchronize()
+                if not bool(flag):
+                    step.retract()
+                    break
+                i += 1
+                continue
             else:
                 unfinished &= ~stopping_criteria(ids, scores)
                 if not bool(unfinished.any()):
                     break
-            pos = (real + i)[:, None]
             if step is not None:
-                logits = step(nxt[:, None], pos)[:, -1]
+                logits = step(nxt[:, None], pos, store=unfinished if pads_finished else None)[:, -1]
             else:
                 logits = model(input_ids=nxt[:, None], position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
             i += 1

@@ -213,10 +213,11 @@ class LayerStore:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None) -> None:
-    """One new token per sequence: ``k``/``v`` ``[B, H, 1, d]``; ``real`` (device bool ``[B]``,
-    None: all) says which rows store theirs (the others write to the scratch slots and keep their
-    count). One launch of :func:`~oscar_calib.kernels.append.append_token` on CUDA (slots from the
+def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None,
+               gate: torch.Tensor | None = None) -> None:
+    """One new token per sequence: ``k``/``v`` ``[B, H, 1, d]``; ``real`` and ``gate`` (device bool
+    ``[B]``, None: all) say which rows store theirs, both must hold (the others write to the scratch
+    slots and keep their count). One launch of :func:`~oscar_calib.kernels.append.append_token` on CUDA (slots from the
     device counts: no host sync, graph-safe while the history has room, :meth:`reserve`)."""
     p = st.plan
     if max(st.counts) + 1 - p.sink > st.hist.cap:
@@ -224,8 +225,8 @@ def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Ten
     codes, scale, offset = st.hist.tensors()
     append_token(k[:, :, 0], v[:, :, 0], st.window.kv, codes, scale, offset, st.n, sink=p.sink, recent=p.recent,
                  group_size=p.group_size, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring, real=real,
-                 lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, backend=p.backend)
-    if real is not None:
+                 lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, gate=gate, backend=p.backend)
+    if real is not None or gate is not None:
         st.counts_stale = True
     st.counts = [c + 1 for c in st.counts]
 

@@ -46,7 +46,7 @@ class Store:
 
 
 def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=False, dtype=torch.bfloat16,
-              rotation="perm", clip=True, real=None, steps=4, counts=(0, 4, 9), seed=0, heads=2):
+              rotation="perm", clip=True, real=None, steps=4, counts=(0, 4, 9), seed=0, heads=2, gate=None):
     g = torch.Generator().manual_seed(seed)
     b, h = len(counts), heads
     if rotation == "perm":
@@ -67,7 +67,7 @@ def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=F
         if step == 1:
             k[0, 0, :] = 0.5                            # a constant row: every group degenerate
         kw = dict(sink=sink, recent=recent, group_size=group_size, rotation=rot, clip=clips, ring=ring,
-                  real=None if real is None else torch.tensor(real))
+                  real=None if real is None else torch.tensor(real), gate=None if gate is None else torch.tensor(gate))
         append_token_reference(k, v, *ref.tensors(), lens=ref.lens, **kw)
         kw = {a: x.to(device) if isinstance(x, torch.Tensor) else x for a, x in kw.items()}
         append_token(k.to(device), v.to(device), *tri.tensors(), lens=tri.lens, ticket=tri.ticket, backend="triton", **kw)
@@ -101,6 +101,15 @@ def test_append_token_masked_rows_and_history_ring(device):
     for got, untouched in zip(tri.tensors()[:4], fresh.tensors()[:4]):  # row 1: scratch slots only
         assert torch.equal(got[1, :, :, :-1], untouched[1, :, :, :-1])
         assert not torch.equal(got[1, :, :, -1], untouched[1, :, :, -1])
+
+
+@pytest.mark.parametrize("real", [None, [True, True, False]])
+def test_append_token_gate_is_a_second_condition(device, real):
+    """``gate``: a row stores its token only when it is real and its gate is set."""
+    ref, tri = run_steps(device, real=real, gate=[False, True, True], steps=3)
+    for a, b in zip(ref.all(), tri.all()):
+        assert torch.equal(a, b)
+    assert tri.counts.tolist() == [0, 7, 12 if real is None else 9]
 
 
 def test_append_token_random_rotation_agrees_up_to_rounding_ties(device):

@@ -167,6 +167,14 @@ def test_graph_decoding_refusals():
         _generate(model, cache, ids, mask, True)
 
 
+def _stored(out, mask, stop):
+    """Tokens each row of a graph_decoding cache holds: its real prompt and the new tokens fed back
+    before its first stop token (a finished row stores nothing more)."""
+    new = out[:, PROMPT:].tolist()
+    fed = [next((k for k, t in enumerate(row) if t in stop), len(row) - 1) for row in new]
+    return [int(m) + f for m, f in zip(mask.sum(-1).tolist(), fed)]
+
+
 @gpu
 def test_graph_decoding_on_the_gpu_equals_eager_generate():
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -180,3 +188,21 @@ def test_graph_decoding_on_the_gpu_equals_eager_generate():
                     output_scores=True)
     assert isinstance(out, GenerateDecoderOnlyOutput) and torch.equal(out.sequences, want)
     assert len(out.scores) == 8 and out.scores[0].shape == (2, model.config.vocab_size)
+    # with an EOS stop the graph runs a step ahead of the stop decision; rows that finished store
+    # nothing, so the step past the end leaves the cache as it was
+    eos = int(want[0, PROMPT + 2])
+    eager, graphed = _cache(model, 600), _cache(model, 600)
+    want = _generate(model, eager, ids, mask, False, do_sample=False, eos_token_id=eos)
+    got = _generate(model, graphed, ids, mask, True, do_sample=False, eos_token_id=eos)
+    assert torch.equal(got, want) and (got[0, PROMPT + 3:] == 0).all()
+    for a, b in zip(graphed.layers, eager.layers):
+        assert a.seen == b.seen
+        assert a.store.exact_counts() == _stored(got, mask, [eos])
+    # both rows stop before max_new_tokens: the step run past the end is taken back
+    stop = [eos, int(want[1, PROMPT + 1])]
+    eager, graphed = _cache(model, 600), _cache(model, 600)
+    want = _generate(model, eager, ids, mask, False, do_sample=False, eos_token_id=stop)
+    got = _generate(model, graphed, ids, mask, True, do_sample=False, eos_token_id=stop)
+    assert torch.equal(got, want) and got.shape[1] <= PROMPT + 3   # row 1 stops by its 2nd token, row 0 by its 3rd
+    assert [a.seen for a in graphed.layers] == [b.seen for b in eager.layers]
+    assert graphed.layers[0].store.exact_counts() == _stored(got, mask, stop)
