@@ -89,14 +89,17 @@ class DecodeGraph:
         self.calls -= 1
 
     def _gated(self, store: torch.Tensor | None, run):
+        """``run()`` with the step's settings on every layer: the row gate, and the torch decode
+        path (sliding-window, soft-capped layers) reading the whole history, since a replay cannot
+        widen what the recording read."""
         self._gate.copy_(store) if store is not None else self._gate.fill_(True)
         for layer in self.cache.layers:
-            layer.gate = self._gate
+            layer.gate, layer.store.full_span = self._gate, True
         try:
             return run()
         finally:
             for layer in self.cache.layers:
-                layer.gate = None
+                layer.gate, layer.store.full_span = None, False
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, store: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, 1, vocab]`` of the next tokens ``ids`` at ``positions`` (both ``[B, 1]``);

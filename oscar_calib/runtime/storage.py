@@ -150,6 +150,7 @@ class LayerStore:
         self.n = torch.zeros(batch, dtype=torch.int64, device=device)
         self.counts = [0] * batch
         self.counts_stale = False            # counts may exceed n (see the module docstring)
+        self.full_span = False               # the torch decode path reads every history slot (graphs)
         self.ticket = torch.zeros(batch, dtype=torch.int32, device=device)    # the write kernel's, kept zero
         self.bf16_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.hist_lens = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -189,7 +190,11 @@ class LayerStore:
         return self.counts
 
     def history_span(self) -> int:
-        """History slots that may hold a token (host bound over the batch; an upper bound)."""
+        """History slots that may hold a token (host bound over the batch; an upper bound). Every
+        slot while ``full_span`` is set: a step recorded in a CUDA graph must read what later replays
+        will have written (the masks, from the device counts, leave out the slots not yet filled)."""
+        if self.full_span:
+            return self.hist.cap
         return max(0, min(self.hist.cap, max(self.counts) - self.plan.sink))
 
     def exact_after_removing(self) -> bool:

@@ -17,13 +17,13 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need
 PROMPT = 500                                         # past sink + window: the INT2 history is in use
 
 
-def _model(device):
-    model = tiny_model("qwen3", head_dim=128)          # head_dim 128: the decode kernel's group of 128
+def _model(device, kind="qwen3", **kw):
+    model = tiny_model(kind, head_dim=128, **kw)       # head_dim 128: the decode kernel's group of 128
     model.config._attn_implementation = "sdpa"
     return model.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
 
 
-def _cache(model, reserve):
+def _cache(model, reserve, backend="auto", **window):
     from oscar_calib.kernels.testing import random_rotation
     from oscar_calib.runtime import KVScheme, OscarCache
 
@@ -33,7 +33,7 @@ def _cache(model, reserve):
     rk = [random_rotation(h, d, generator=g) for _ in range(n)]
     rv = [random_rotation(h, d, generator=g) for _ in range(n)]
     cache = OscarCache(cfg, KVScheme("oscar", n, 128, rk, rv, [torch.full((h,), 0.95)] * n,
-                                     [torch.full((h,), 0.9)] * n))
+                                     [torch.full((h,), 0.9)] * n, **window), backend=backend)
     cache.reserve(reserve)
     return cache
 
@@ -79,6 +79,33 @@ def test_greedy_decode_from_the_graph_equals_eager_steps():
         model(input_ids=torch.zeros(2, 1, dtype=torch.long, device="cuda"),
               position_ids=torch.full((2, 1), PROMPT + steps, device="cuda"), past_key_values=graphed, use_cache=True)
     assert graphed.layers[0].store.exact_counts() == [PROMPT + steps + 1] * 2
+
+
+@gpu
+@pytest.mark.parametrize("kind,backend", [("gemma3", "auto"), ("qwen3", "torch")])
+def test_graph_replays_the_torch_decode_path_as_the_history_grows(kind, backend):
+    """Layers that decode in torch (a sliding layer whose ring is not full yet; every layer with
+    backend="torch") would read only the history slots the host counted at recording time, and miss
+    the tokens that leave the recent window after it; the recorded step reads every slot instead.
+    (A recent window of 16 tokens, so that 24 steps push tokens out of it.)"""
+    model = _model("cuda", kind, **({"sliding_window": 1024} if kind == "gemma3" else {}))
+    prompt = torch.randint(0, 128, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    steps = 24
+    runs = []
+    for graphed in (False, True):
+        cache = _cache(model, PROMPT + steps, backend, sink=4, recent=16)
+        logits = _prefill(model, cache, prompt)
+        out = []
+        with cache.attach(model), torch.no_grad():
+            step = DecodeGraph(model, cache) if graphed else None
+            for i in range(steps):
+                tok, pos = logits.argmax(-1), torch.full((2, 1), PROMPT + i, device="cuda")
+                logits = step(tok, pos) if graphed else model(input_ids=tok, position_ids=pos, past_key_values=cache,
+                                                               use_cache=True).logits
+                out.append(logits.float().clone())
+        runs.append(out)
+    rel = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(runs[1], runs[0])]
+    assert max(rel) < 2e-3, rel                         # the same logits up to summation order
 
 
 @gpu
