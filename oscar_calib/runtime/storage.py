@@ -17,9 +17,10 @@ history ``scale``,  ``[B, 2, H, cap + 1, d/G]`` fp16                per-group sc
 counts ``n``        ``[B]`` int64 (device) and a host list          valid tokens stored per sequence
 ==================  =============================================  ===================================
 
-The host list is exact except after a decode step whose rows carried a mask: such a step writes
-each row only when its token is real (decided on the device, so the step never waits for the
-GPU and can be captured in a CUDA graph) and adds one to every host count, an upper bound, until
+The host list is exact except after a decode step whose rows carried a mask or a gate (rows that
+finished generating, :class:`~oscar_calib.runtime.graph.DecodeGraph`): such a step writes each row
+only when its token is real and its gate is set (decided on the device, so the step never waits
+for the GPU and can be captured in a CUDA graph) and adds one to every host count, an upper bound, until
 :meth:`LayerStore.exact_counts` reads the device counts back (writes of several tokens, crop,
 batch reorders and ``memory()`` do).
 
