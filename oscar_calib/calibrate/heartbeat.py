@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import encodings.idna  # noqa: F401 - see below
 import itertools
 import os
 import signal
@@ -47,6 +48,11 @@ import threading
 import time
 
 from .ranks import STOPPED_EXIT, env_seconds
+
+# (encodings.idna: socket's name lookup imports this codec on first use, which can be while a peer
+# has just died and the launcher is stopping this rank; the import then failed, "unknown encoding:
+# idna", and the rank printed a traceback instead of its one line: seen under load in
+# tests/test_distributed.py)
 
 DEFAULT_TIMEOUT_S = 60.0
 DONE = 1 << 40
