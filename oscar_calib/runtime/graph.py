@@ -204,7 +204,7 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     from transformers.generation.stopping_criteria import MaxLengthCriteria
 
     limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
-    host_stop = min(limits) if limits and len(limits) == len(stopping_criteria) else None
+    host_stop = limits and len(limits) == len(stopping_criteria)          # no other stop
     ids = input_ids
     on_cuda = next(model.parameters()).device.type == "cuda"
     ctx = cache.attach(model) if not cache.layers[0].attached else contextlib.nullcontext()
@@ -213,7 +213,7 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                     use_cache=True, **keep)
         logits = out.logits[:, -1]
         step = DecodeGraph(model, cache) if on_cuda else None
-        ahead = step is not None and streamer is None and host_stop is None      # (a streamer reads every token)
+        ahead = step is not None and streamer is None and not host_stop          # (a streamer reads every token)
         if ahead:
             flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
             done = torch.cuda.Event()
@@ -235,9 +235,10 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
             if streamer is not None:
                 streamer.put(nxt.cpu())
             pos = (real + i)[:, None]
-            if host_stop is not None:
-                if ids.shape[1] >= host_stop:
-                    break
+            if limits and ids.shape[1] >= min(limits):      # the length limit, known on the host
+                break
+            if host_stop:
+                pass
             elif ahead:
                 # the stop decision of this token reaches the host while the next step runs; rows
                 # that finished store nothing, so a step run past the end leaves the cache as it was
