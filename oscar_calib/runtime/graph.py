@@ -25,8 +25,8 @@ takes a callable in 5.17 and later):
 ...                      custom_generate=graph_decoding)
 
 runs greedy search or sampling with transformers' own logits processors and stopping criteria,
-the prompt eagerly and every new token from the graph (eager steps on the CPU, where there are no
-CUDA graphs).
+the prompt eagerly and every new token from the graph (eager steps where there is no graph: on the
+CPU, and for a model spread over several devices or offloaded).
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ import contextlib
 import torch
 
 from ..errors import CacheError, InputError
+
+
+def graph_device(model) -> torch.device | None:
+    """The one CUDA device holding all of ``model``'s parameters, or None (a CPU model, or one spread
+    over several devices or offloaded: a CUDA graph records one device's work)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return device if device.type == "cuda" else None
 
 
 class DecodeGraph:
@@ -48,9 +58,10 @@ class DecodeGraph:
 
         if not isinstance(cache, OscarCache):
             raise InputError(f"DecodeGraph needs an OscarCache, got {type(cache).__name__}")
-        device = next(model.parameters()).device
-        if device.type != "cuda":
-            raise InputError(f"DecodeGraph needs a CUDA model (CUDA graphs); the model is on {device.type}")
+        device = graph_device(model)
+        if device is None:
+            where = ", ".join(sorted({str(p.device) for p in model.parameters()}))
+            raise InputError(f"DecodeGraph needs a CUDA model on one GPU (CUDA graphs); its parameters are on {where}")
         layers = cache.layers
         if not layers or any(layer.store is None for layer in layers):
             raise CacheError("DecodeGraph needs a prefilled cache: run the prompt through the model first")
@@ -166,7 +177,7 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                    synced_gpus: bool = False, streamer=None, **model_kwargs):
     """A decoding method for ``model.generate(..., custom_generate=graph_decoding)`` with
     ``past_key_values=OscarCache(...)`` (see the module docstring): the prompt runs eagerly, every
-    new token from a :class:`DecodeGraph` on CUDA (eager steps on the CPU). Greedy search or
+    new token from a :class:`DecodeGraph` on one GPU (eager steps otherwise). Greedy search or
     sampling (``do_sample``), with the logits processors and stopping criteria ``generate()``
     built from its arguments; finished rows are padded as ``generate()`` pads them. Returns the
     token ids ``[B, prompt + new]``, or with ``return_dict_in_generate`` a
@@ -206,7 +217,7 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
     host_stop = limits and len(limits) == len(stopping_criteria)          # no other stop
     ids = input_ids
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    on_cuda = graph_device(model) is not None       # (else eager steps: CPU, spread or offloaded models)
     ctx = cache.attach(model) if not cache.layers[0].attached else contextlib.nullcontext()
     with ctx, torch.no_grad():
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -270,4 +281,4 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     return ids
 
 
-__all__ = ["DecodeGraph", "graph_decoding", "prompt_positions"]
+__all__ = ["DecodeGraph", "graph_decoding", "graph_device", "prompt_positions"]

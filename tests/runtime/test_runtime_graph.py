@@ -122,6 +122,19 @@ def test_graph_refuses_to_run_past_the_reserved_history():
             step(tok, pos)
 
 
+def test_graph_device_is_one_gpu_or_none():
+    from oscar_calib.runtime.graph import graph_device
+
+    model = _model("cpu")
+    assert graph_device(model) is None
+    model.register_parameter("offloaded", torch.nn.Parameter(torch.zeros(1, device="meta")))
+    assert graph_device(model) is None                     # spread or offloaded: eager steps, no graph
+    with pytest.raises(InputError, match="cpu, meta"):
+        DecodeGraph(model, _cache(model, 600))
+    if torch.cuda.is_available():
+        assert graph_device(_model("cuda")) == torch.device("cuda", torch.cuda.current_device())
+
+
 def test_graph_refuses_cpu_models_other_caches_and_empty_caches():
     from transformers import DynamicCache
 
