@@ -179,7 +179,9 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     ``past_key_values=OscarCache(...)`` (see the module docstring): the prompt runs eagerly, every
     new token from a :class:`DecodeGraph` on one GPU (eager steps otherwise). Greedy search or
     sampling (``do_sample``), with the logits processors and stopping criteria ``generate()``
-    built from its arguments; finished rows are padded as ``generate()`` pads them. Returns the
+    built from its arguments; finished rows are padded as ``generate()`` pads them. A cache that
+    an earlier call filled goes on from there (the input starts with its tokens, as in
+    ``generate()``). Returns the
     token ids ``[B, prompt + new]``, or with ``return_dict_in_generate`` a
     ``GenerateDecoderOnlyOutput`` (``sequences``, and ``scores`` / ``logits`` when asked). The cache
     is attached for the call if it is not yet, and reserved for ``max_length`` tokens."""
@@ -194,9 +196,11 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     why = _refusal(generation_config, model_kwargs, synced_gpus)
     if why:
         raise InputError(f"graph_decoding: {why}")
-    if any(layer.store is not None for layer in cache.layers):
-        raise CacheError("graph_decoding needs an empty OscarCache (it runs the prompt itself)")
     batch, length = input_ids.shape
+    cached = cache.get_seq_length()                  # tokens an earlier call left (a conversation's turns)
+    if cached >= length:
+        raise InputError(f"graph_decoding: the cache holds {cached} tokens and the input {length}; the input "
+                         "must start with the cached tokens and add at least one")
     device = input_ids.device
     mask = model_kwargs.get("attention_mask")
     positions = prompt_positions(mask, batch, length, device)
@@ -220,8 +224,8 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     on_cuda = graph_device(model) is not None       # (else eager steps: CPU, spread or offloaded models)
     ctx = cache.attach(model) if not cache.layers[0].attached else contextlib.nullcontext()
     with ctx, torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, **keep)
+        out = model(input_ids=input_ids[:, cached:], attention_mask=mask, position_ids=positions[:, cached:],
+                    past_key_values=cache, use_cache=True, **keep)
         logits = out.logits[:, -1]
         step = DecodeGraph(model, cache) if on_cuda else None
         ahead = step is not None and streamer is None and not host_stop          # (a streamer reads every token)

@@ -203,8 +203,30 @@ def test_graph_decoding_refusals():
                            custom_generate=graph_decoding)
     cache = _cache(model, 64)
     _prefill(model, cache, ids)
-    with pytest.raises(CacheError, match="empty"):
+    with pytest.raises(InputError, match="cache holds 8 tokens and the input 8"):
         _generate(model, cache, ids, mask, True)
+
+
+def _two_turns(model, ids, mask, custom):
+    """A conversation: a prompt, then the answer and 50 more tokens on the same cache."""
+    cache = _cache(model, 700)
+    first = _generate(model, cache, ids, mask, custom, do_sample=False)
+    more = torch.randint(1, 128, (ids.shape[0], 50), generator=torch.Generator().manual_seed(9)).to(ids.device)
+    ids2 = torch.cat([first, more], 1)
+    mask2 = torch.cat([mask, torch.ones_like(ids2[:, mask.shape[1]:])], 1)
+    return first, _generate(model, cache, ids2, mask2, custom, do_sample=False), cache
+
+
+def test_graph_decoding_continues_a_conversation():
+    """A second generate() call on the same cache runs only the new tokens, as generate() does
+    (a left-padded batch)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = _model(device)
+    ids, mask = _padded_prompt(device)
+    want = _two_turns(model, ids, mask, False)
+    got = _two_turns(model, ids, mask, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2].layers[0].store.exact_counts() == want[2].layers[0].store.exact_counts()
 
 
 def _stored(out, mask, stop):
