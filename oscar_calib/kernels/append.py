@@ -104,7 +104,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     condition (a row stores its token when both hold), ``lens`` the decode kernel's
     ``(window, history)`` lengths to refresh, ``ticket [B]`` int32 zeros the kernel uses and leaves
     zero (allocated per call when None). ``config``: ``num_warps``, ``KB`` (rows of ``R`` per
-    step of the product), for benchmarks. Writes in place; returns nothing."""
+    step of the product; default ``16384 / d``: all of ``R`` at once for d = 128), for benchmarks. Writes in place; returns nothing."""
     b, h, d, cap = _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size,
                           sink, recent, real, lens, gate)
     supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and scale.stride() == offset.stride() \
@@ -130,14 +130,15 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     real_u8 = real.view(torch.uint8) if real is not None else counts
     mod.append_token_kernel[(b, 2 * h)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        real_u8, real_u8.stride(0) if real is not None else 0, gate.view(torch.uint8) if gate is not None else counts,
+        real_u8, real_u8.stride(0) if real is not None else 0,
+        gate.contiguous().view(torch.uint8) if gate is not None else counts,
         counts, ticket, wl, hl,
         window, window.stride(0), window.stride(1), window.stride(2), window.stride(3),
         codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
         scale, offset, scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(3),
         r, kidx,
         h, sink, recent, cap,
-        D=d, G=group_size, W=min(group_size, d // 4), KB=min(d, int(cfg.get("KB", 128))),
+        D=d, G=group_size, W=min(group_size, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
         LENS=lens is not None, GATE=gate is not None, num_warps=int(cfg.get("num_warps", 4)),
     )

@@ -78,7 +78,7 @@ def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=F
 
 @pytest.mark.parametrize("group_size,d,dtype", [
     (128, 128, torch.bfloat16), (128, 128, torch.float16), (128, 128, torch.float32),
-    (64, 128, torch.bfloat16), (32, 128, torch.bfloat16), (16, 64, torch.float16)])
+    (64, 128, torch.bfloat16), (32, 128, torch.bfloat16), (16, 64, torch.float16), (256, 256, torch.bfloat16)])
 def test_append_token_equals_the_reference_bit_for_bit(device, group_size, d, dtype):
     """Exact rotations (signed permutations): every slot, code, parameter, count and length is the
     reference's, across the sink, the ring of the recent window and the history."""
