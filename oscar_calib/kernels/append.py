@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ._common import check_tensor, derived, load_triton_module, resolve_backend
-from .write import quantize_kv_reference
+from ._common import check_tensor, load_triton_module, resolve_backend
+from .write import clip_indices, quantize_kv_reference
 
 
 def window_slot(t: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
@@ -56,6 +56,14 @@ def history_slot(j: torch.Tensor, cap: int, ring: bool) -> torch.Tensor:
     when ``j >= cap`` without a ring (a full history: the caller must have reserved room)."""
     slot = torch.remainder(j, cap) if ring else torch.where(j < cap, j, cap)
     return torch.where(j >= 0, slot, cap)
+
+
+def rotate_kv(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., 2, H, d]`` (K rows, then V) -> float32 ``x @ R`` per head, ``rotation [2H, d, d]``
+    (None: identity)."""
+    if rotation is None:
+        return x.float()
+    return torch.einsum("...khd,khde->...khe", x.float(), rotation.view(2, -1, *rotation.shape[-2:]))
 
 
 def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size, sink, recent, real, lens,
@@ -122,9 +130,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         v = v.contiguous()
     if ticket is None:
         ticket = torch.zeros(b, dtype=torch.int32, device=counts.device)
-    kidx = torch.zeros(1, dtype=torch.int32, device=k.device) if clip is None else derived(
-        clip, ("kidx", d), lambda: torch.clamp(torch.floor(clip.to(torch.float64) * d), max=d - 1)
-        .to(torch.int32).contiguous())
+    kidx = clip_indices(clip, d, k.device)
     r = rotation.contiguous() if rotation is not None else k
     wl, hl = lens if lens is not None else (counts, counts)
     real_u8 = real.view(torch.uint8) if real is not None else counts
@@ -157,10 +163,7 @@ def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: 
         ws = torch.where(real, ws, sink + recent)
         hs = torch.where(real, hs, cap)
     rows = torch.stack([k, v], 1).to(window.dtype)                                    # [B, 2, H, d]
-    y = rows.float()
-    if rotation is not None:
-        y = torch.einsum("bkhd,khde->bkhe", y, rotation.view(2, h, d, d))
-    window[rows_b, :, :, ws] = y.to(window.dtype)
+    window[rows_b, :, :, ws] = rotate_kv(rows, rotation).to(window.dtype)
     q = quantize_kv_reference(rows.view(b, 2 * h, d), rotation, clip, group_size)
     for dst, src in zip((codes, scale, offset), (q.codes, q.scale, q.offset)):
         dst[rows_b, :, :, hs] = src.view(b, 2, h, -1)

@@ -253,6 +253,15 @@ DEFAULT_CHECK_THRESHOLDS = False
 DEFAULT_SIGN_BITS = True
 
 
+def clip_indices(clip: torch.Tensor | None, d: int, device) -> torch.Tensor:
+    """Per head, the index ``min(floor(c * d), d - 1)`` of the clip threshold in the sorted ``|row|``
+    (int32, cached per clip tensor; one unused zero when there is no clip)."""
+    if clip is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return derived(clip, ("kidx", d), lambda: torch.clamp(
+        torch.floor(clip.to(torch.float64) * d), max=d - 1).to(torch.int32).contiguous())
+
+
 def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
     rf = rotation.float()
     if rot_mode == 2:
@@ -292,11 +301,7 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
     else:
         rot_mode = 2 if x3.dtype == torch.float32 else (3 if fast_rotation else 1)
         r1, r2 = derived(rotation, ("rot", x3.dtype, rot_mode), lambda: _split_rotation(rotation, x3.dtype, rot_mode))
-    if clip_t is not None:
-        kidx = derived(clip_t, ("kidx", d), lambda: torch.clamp(
-            torch.floor(clip_t.to(torch.float64) * d), max=d - 1).to(torch.int32).contiguous())
-    else:
-        kidx = torch.zeros(1, dtype=torch.int32, device=x.device)
+    kidx = clip_indices(clip_t, d, x.device)
     kb = min(d, int(config.get("KB", 64)))
     w = min(group_size, d // 4)
     planes = config.get("planes", "auto")

@@ -252,9 +252,7 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
             pos = (real + i)[:, None]
             if limits and ids.shape[1] >= min(limits):      # the length limit, known on the host
                 break
-            if host_stop:
-                pass
-            elif ahead:
+            if ahead:
                 # the stop decision of this token reaches the host while the next step runs; rows
                 # that finished store nothing, so a step run past the end leaves the cache as it was
                 unfinished &= ~stopping_criteria(ids, scores)
@@ -267,7 +265,7 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
                     break
                 i += 1
                 continue
-            else:
+            if not host_stop:
                 unfinished &= ~stopping_criteria(ids, scores)
                 if not bool(unfinished.any()):
                     break

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import QuantizedKV, quantize_kv
+from ..kernels.append import rotate_kv
 
 
 @dataclass
@@ -47,10 +48,7 @@ class LayerPlan:
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R`` per head."""
-        if self.rot2 is None:
-            return x.float()
-        r = self.rot2.view(2, -1, *self.rot2.shape[-2:])
-        return torch.einsum("...khd,khde->...khe", x.float(), r)
+        return rotate_kv(x, self.rot2)
 
     def quantize(self, x: torch.Tensor) -> QuantizedKV:
         """``x [N, 2H, d]`` -> packed INT2 of ``clip(x @ R)`` (the write kernel)."""
