@@ -37,17 +37,28 @@ def append_token_kernel(
     codes_ptr, s_cb, s_ck, s_ch, s_cs,
     scale_ptr, off_ptr, s_pb, s_pk, s_ph, s_ps,
     r_ptr, kidx_ptr,
+    q_ptr, s_qb, s_qh, qo_ptr,
     H, SINK, RECENT, CAP,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, REAL: tl.constexpr, RING: tl.constexpr, LENS: tl.constexpr,
     GATE: tl.constexpr = False,
+    QG: tl.constexpr = 0, QG2: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(B, 2H)``. Program ``(b, kh)`` stores row ``kh`` (K heads first, then V) of
     sequence ``b``: window slot and history slot from the count ``n[b]`` (scratch slots when the
-    row's token is not real), then ``n[b] += real`` by the last program of ``b``."""
+    row's token is not real), then ``n[b] += real`` by the last program of ``b``.
+
+    With ``QG > 0`` (and ``ROT``) the K program of head ``h`` also rotates the ``QG`` query heads
+    of its group with the ``R`` it holds: ``qo[b, h*QG + i] = q[b, h*QG + i] @ R[h]`` (float32,
+    ``qo`` contiguous ``[B, H*QG, D]``), so the decode kernel needs no rotation of its own. ``PDL``:
+    the next kernel (the decode kernel, launched with programmatic dependent launch) may start now;
+    it waits for this grid to end before it reads anything written here."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     nprog = tl.num_programs(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     kv = kh // H
     h = kh % H
     n = tl.load(n_ptr + b)
@@ -66,6 +77,9 @@ def append_token_kernel(
     if ROT:
         y = tl.zeros([D], dtype=tl.float32)
         rows = tl.arange(0, KB)
+        qi = tl.arange(0, QG2)
+        yq = tl.zeros([QG2, D], dtype=tl.float32)  # the query heads' rows, rotated (K programs)
+        qbase = q_ptr + b.to(tl.int64) * s_qb + (h * QG) * s_qh
         for i0 in range(0, D, KB):
             kvr = rows * 0 + kv
             xi = (tl.load(kbase + i0 + rows, mask=kvr == 0, other=0.0)
@@ -73,6 +87,15 @@ def append_token_kernel(
             xi = _rounded(xi.to(tl.float32), wdt)
             r = tl.load(r_ptr + kh.to(tl.int64) * D * D + (i0 + rows)[:, None] * D + cols[None, :])
             y += tl.sum(xi[:, None] * r, axis=0)
+            if QG > 0:
+                if kv == 0:
+                    for i in tl.static_range(QG):
+                        xq = tl.load(qbase + i * s_qh + i0 + rows).to(tl.float32)
+                        yq = tl.where(qi[:, None] == i, yq + tl.sum(xq[:, None] * r, axis=0)[None, :], yq)
+        if QG > 0:
+            if kv == 0:
+                qo = qo_ptr + (b.to(tl.int64) * H * QG + h * QG + qi[:, None]) * D + cols[None, :]
+                tl.store(qo, yq, mask=qi[:, None] < QG)
     else:
         kvc = cols * 0 + kv
         y = (tl.load(kbase + cols, mask=kvc == 0, other=0.0)

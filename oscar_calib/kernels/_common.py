@@ -126,6 +126,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (a CUDA device of
+    compute capability 9 or later, not the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@lru_cache(maxsize=None)
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -34,6 +34,8 @@ INT2 history (one warp per program, ``BN`` tokens per step):
   are 32-bit: the paged step is then 1539 against 1513 instructions of the contiguous one
   (batch-32 tiles, sm_90), against 1567 with per-token 64-bit offsets.
 * ``PDL``: grid-dependency control for programmatic dependent launch (see :mod:`.decode`).
+  ``LATE``: the kernel before wrote the lengths too (``append_token`` with the query), so the
+  history programs read them, and the first step's parameters, only after the wait.
 * ``L2T``: before that wait, prefetch (PTX ``prefetch.global.L2``) the code and parameter lines
   of the program's first ``L2T`` tokens (every ``L2CS``-th / ``L2PS``-th token: one per line).
 
@@ -621,7 +623,7 @@ def decode_kernel(
     PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
     PARTS: tl.constexpr = 3, PF: tl.constexpr = False, PDL: tl.constexpr = False,
     L2T: tl.constexpr = 0, L2CS: tl.constexpr = 4, L2PS: tl.constexpr = 64, WS: tl.constexpr = 1,
-    V16: tl.constexpr = True, P32: tl.constexpr = False,
+    V16: tl.constexpr = True, P32: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
     ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
@@ -661,19 +663,23 @@ def decode_kernel(
             vcw_ptr = vc_ptr.to(tl.pointer_type(tl.int16))
         else:
             vcw_ptr = vc_ptr.to(tl.pointer_type(tl.int32))
-        L = tl.load(hlen_ptr + b)
+        L = tl.load(hlen_ptr + b)  # (LATE: the length the kernel before may still change)
         lo = chunk * CHUNK
         hi = tl.minimum(lo + CHUNK, L)
-        nfull = tl.maximum(hi - lo, 0) // BN
-        if L2T > 0:  # while the query rotation runs (PDL), DRAM fetches this program's first tokens
+        if L2T > 0:  # while the kernel before runs (PDL), DRAM fetches this program's first tokens
             _warm_l2(lo, hi, b, tab_ptr, s_tb, kc_ptr, vc_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr, hoff_c, hoff_p,
                      s_cb, s_cn, s_pb, s_pn, L2T, L2CS, L2PS, PAGED, PAGE)
+        if LATE:  # the lengths may come from the kernel before: read them after it ends
+            tl.extra.cuda.gdc_wait()
+            L = tl.load(hlen_ptr + b)
+            hi = tl.minimum(lo + CHUNK, L)
+        nfull = tl.maximum(hi - lo, 0) // BN
         if PF:  # offsets and parameters of the first step
             tc, tw, tp = _tok_offsets(lo, hi, b, tab_ptr, s_tb, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
                                       BN, PAGED, PAGE, True, P32)
             pks, pko, pvs, pvo = _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp, hoff_p,
                                               lo + tl.arange(0, BN) < hi, 0)
-        if PDL:
+        if PDL and not LATE:
             tl.extra.cuda.gdc_wait()
         NW: tl.constexpr = W // 4
         NK: tl.constexpr = M2 * HP

@@ -33,6 +33,12 @@ shapes: ~78 us of the write path per layer and decode step, 24 us of it the writ
 rotation is one float32 product on the CUDA cores (the reference's arithmetic up to summation
 order: a code can differ only at a rounding tie, as in :func:`.quantize_kv`); the clip threshold
 is exact (a sort of ``|y|``); codes by IEEE division.
+
+With ``query=`` the K programs also rotate the step's query heads by the ``R_k`` they already hold
+and return them (float32), for :func:`~oscar_calib.kernels.decode_attention` with
+``k_rotation=None, pdl_input=True``: the decode step then has no query-rotation kernel, and the
+decode kernel launches while this one ends (H100, Qwen3-8B shapes, write + decode per layer:
+32.3 -> 27.6 us at 32K x 1, 54.3 -> 49.7 us at 128K x 1; ``scripts/bench_append.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ._common import check_tensor, load_triton_module, resolve_backend
+from ._common import (
+    check_tensor,
+    load_triton_module,
+    next_pow2,
+    pdl_capable,
+    resolve_backend,
+)
+from .decode import rotate_query
 from .write import clip_indices, quantize_kv_reference
 
 
@@ -104,24 +117,36 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
                  group_size: int, rotation: torch.Tensor | None = None, clip: torch.Tensor | None = None,
                  ring: bool = False, real: torch.Tensor | None = None,
                  lens: tuple[torch.Tensor, torch.Tensor] | None = None, ticket: torch.Tensor | None = None,
-                 gate: torch.Tensor | None = None, backend: str = "auto", config: dict | None = None) -> None:
+                 gate: torch.Tensor | None = None, query: torch.Tensor | None = None, backend: str = "auto",
+                 config: dict | None = None) -> torch.Tensor | None:
     """Store the new token ``k``/``v`` ``[B, H, d]`` of every sequence (see the module docstring).
+
+    ``query [B, Hq, d]`` (``Hq`` a multiple of ``H``): also return it in the keys' basis, float32
+    ``q @ R_k`` per KV head (the query for :func:`~oscar_calib.kernels.decode_attention` with
+    ``k_rotation=None``), computed by the K programs from the ``R`` they hold, so a decode step
+    needs no query-rotation kernel; the query as given when ``rotation`` is None. Pass
+    ``pdl_input=True`` to the decode call that follows directly: it then launches while this kernel
+    ends (Hopper and later).
 
     ``rotation [2H, d, d]`` float32 (K heads, then V; None: identity), ``clip [2H]`` ratios (None:
     no clip), ``real [B]`` bool (None: every row stores its token) and ``gate [B]`` bool, a second
     condition (a row stores its token when both hold), ``lens`` the decode kernel's
     ``(window, history)`` lengths to refresh, ``ticket [B]`` int32 zeros the kernel uses and leaves
     zero (allocated per call when None). ``config``: ``num_warps``, ``KB`` (rows of ``R`` per
-    step of the product; default ``16384 / d``: all of ``R`` at once for d = 128), for benchmarks. Writes in place; returns nothing."""
+    step of the product; default ``16384 / d``: all of ``R`` at once for d = 128), for benchmarks.
+    Writes in place; returns the rotated query, or None without ``query``."""
     b, h, d, cap = _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size,
                           sink, recent, real, lens, gate)
+    if query is not None:
+        check_tensor("query", query, ndim=3, shape={0: b, 2: d})
+        if query.shape[1] % h:
+            raise InputError(f"query has {query.shape[1]} heads, not a multiple of the {h} KV heads")
     supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and scale.stride() == offset.stride() \
         else "the cache tensors must be contiguous in their last dimension"
     if resolve_backend(backend, [k, v, window, codes, counts], supported) == "torch":
-        append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
-                               group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real, lens=lens,
-                               gate=gate)
-        return
+        return append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
+                                      group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real,
+                                      lens=lens, gate=gate, query=query)
     mod = load_triton_module("_append_triton")
     cfg = config or {}
     if k.stride(-1) != 1:
@@ -134,6 +159,12 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     r = rotation.contiguous() if rotation is not None else k
     wl, hl = lens if lens is not None else (counts, counts)
     real_u8 = real.view(torch.uint8) if real is not None else counts
+    qg = query.shape[1] // h if query is not None and rotation is not None else 0
+    if qg:
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        q_out = torch.empty(b, query.shape[1], d, dtype=torch.float32, device=query.device)
+    q_in = query if qg else k
     mod.append_token_kernel[(b, 2 * h)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         real_u8, real_u8.stride(0) if real is not None else 0,
@@ -143,15 +174,21 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
         scale, offset, scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(3),
         r, kidx,
+        q_in, q_in.stride(0), q_in.stride(1), q_out if qg else k,
         h, sink, recent, cap,
         D=d, G=group_size, W=min(group_size, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
-        LENS=lens is not None, GATE=gate is not None, num_warps=int(cfg.get("num_warps", 4)),
+        LENS=lens is not None, GATE=gate is not None, QG=qg, QG2=next_pow2(max(qg, 1)),
+        PDL=bool(qg) and pdl_capable(k.device), num_warps=int(cfg.get("num_warps", 4)),
     )
+    if query is None:
+        return None
+    return q_out if qg else query
 
 
 def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: int, recent: int, group_size: int,
-                           rotation=None, clip=None, ring: bool = False, real=None, lens=None, gate=None) -> None:
+                           rotation=None, clip=None, ring: bool = False, real=None, lens=None, gate=None,
+                           query=None) -> torch.Tensor | None:
     """Pure-torch :func:`append_token` (the same slots and values; torch ops only, no host sync)."""
     if gate is not None:
         real = gate if real is None else real & gate
@@ -171,3 +208,6 @@ def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: 
     if lens is not None:
         lens[0].copy_(counts.clamp(max=sink + recent))
         lens[1].copy_((counts - sink - recent).clamp(min=0))
+    if query is None or rotation is None:
+        return query
+    return rotate_query(query, rotation[:h], h)

@@ -77,7 +77,6 @@ every timed call includes, takes ~4.8 us.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
@@ -89,6 +88,7 @@ from ._common import (
     interpreting,
     load_triton_module,
     next_pow2,
+    pdl_capable,
     resolve_backend,
     same_device,
     sm_count,
@@ -210,15 +210,6 @@ def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     return None
 
 
-def _capability(dev: torch.device) -> int:
-    return _major(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-@lru_cache(maxsize=None)
-def _major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def decode_attention(
     q: torch.Tensor,
     cache: Int2KVCache,
@@ -231,6 +222,7 @@ def decode_attention(
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
     check_lengths: bool = True,
+    pdl_input: bool = False,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over an :class:`Int2KVCache`.
@@ -248,6 +240,11 @@ def decode_attention(
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
         check_lengths: validate the lengths against the capacities (a host synchronisation;
             turn off inside CUDA graphs).
+        pdl_input: the query and the cache's lengths may come from the kernel launched just before
+            (e.g. :func:`~oscar_calib.kernels.append_token` with ``query=``): the decode kernel
+            then launches while that kernel ends (programmatic dependent launch, Hopper and later)
+            and reads them only after it. Only with ``k_rotation=None`` (with a rotation the
+            rotation kernel comes first anyway).
         config: Triton tuning overrides (keys of :data:`TUNING`, ``split_tokens``,
             ``split_tokens16``); for benchmarks.
 
@@ -271,7 +268,8 @@ def decode_attention(
             return res
         out.copy_(res)
         return out
-    return _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config or {})
+    return _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config or {},
+                          pdl_input)
 
 
 # Tuning defaults (scripts/bench_kernels.py sweeps them; see the module docstring), per regime:
@@ -441,7 +439,7 @@ def _rotate_query_triton(mod, q, r, h: int, cfg: dict, pdl: bool) -> torch.Tenso
     return qr
 
 
-def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config):
+def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config, pdl_input=False):
     mod = load_triton_module("_decode_triton")
     bsz, hq, d = q.shape
     h = cache.num_kv_heads
@@ -463,7 +461,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     hgroups = -(-h // hp)
     # programmatic dependent launch (Hopper+): each kernel launches while the previous one runs
     # and waits (griddepcontrol) before reading its output; graph-capturable
-    pdl = bool(cfg["pdl"]) and q.is_cuda and not interp and _capability(dev) >= 9
+    pdl = bool(cfg["pdl"]) and pdl_capable(dev)
 
     # the query in the keys' basis: one small kernel (3xTF32 products, about fp32 accuracy)
     if q.stride(-1) != 1:
@@ -509,8 +507,10 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     kc = cache.k_codes
     ks = cache.k_scale
     w16 = cache.k_bf16
-    # the decode kernel overlaps the rotation kernel only when there is one to overlap
-    pdl_decode = pdl and k_rotation is not None
+    # the decode kernel overlaps the kernel before it: the rotation kernel, or (pdl_input) the one
+    # that wrote the query and the lengths, which are then read after the wait (LATE)
+    late = pdl_input and k_rotation is None
+    pdl_decode = pdl and (k_rotation is not None or late)
     launch = {}
     if pdl_decode:
         launch["launch_pdl"] = True
@@ -530,9 +530,9 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
-        WS=wstages, V16=bool(cfg.get("value_pairs", True)), P32=_offsets32(cache, cfg),
+        WS=wstages, V16=bool(cfg.get("value_pairs", True)), P32=_offsets32(cache, cfg), LATE=late and pdl_decode,
         **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl_decode),
-        num_warps=1, num_stages=num_stages, **launch,
+        num_warps=int(cfg.get("num_warps", 1)), num_stages=num_stages, **launch,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)
     if unrotate:

@@ -168,3 +168,74 @@ def test_append_token_refuses_bad_input(device):
         append_token(k, k, *st.tensors(), rotation=torch.zeros(2, 128, 128, device=device), **kw)
     with pytest.raises(InputError, match="real"):
         append_token(k, k, *st.tensors(), real=torch.ones(2, device=device), **kw)
+    with pytest.raises(InputError, match="not a multiple"):
+        append_token(k, k, *st.tensors(), query=torch.zeros(2, 3, 128, device=device), **kw)
+
+
+@pytest.mark.parametrize("qg,d,kb", [(4, 128, None), (3, 64, None), (1, 128, 32), (8, 256, None)])
+def test_append_token_rotates_the_query_with_the_keys_rotation(device, qg, d, kb):
+    """``query=``: the K programs return ``q @ R_k`` per KV head (float32, the decode kernel's
+    query) from the ``R`` they hold; the cache writes are unchanged by it. A strided query view
+    (the model's ``[B, Hq, 1, d]`` slice) and head counts that are not powers of two."""
+    g = torch.Generator().manual_seed(7)
+    b, h = 3, 2
+    rot = random_rotation(2 * h, d, generator=g).float().to(device)
+    clip = torch.full((2 * h,), 0.9, device=device)
+    k = torch.randn(b, h, d, generator=g).to(torch.bfloat16).to(device)
+    v = torch.randn(b, h, d, generator=g).to(torch.bfloat16).to(device)
+    q = torch.randn(b, h * qg, 2, d, generator=g).to(torch.bfloat16).to(device)[:, :, 1]   # strided
+    kw = dict(sink=3, recent=5, group_size=min(d, 128), rotation=rot, clip=clip,
+              config=None if kb is None else {"KB": kb}, backend="triton")
+    with_q = Store(b, h, d, min(d, 128), 3, 5, 8, torch.bfloat16, device, [0, 6, 20])
+    without = Store(b, h, d, min(d, 128), 3, 5, 8, torch.bfloat16, device, [0, 6, 20])
+    qr = append_token(k, v, *with_q.tensors(), lens=with_q.lens, query=q, **kw)
+    assert append_token(k, v, *without.tensors(), lens=without.lens, **kw) is None
+    for a, c in zip(with_q.all(), without.all()):
+        assert torch.equal(a, c)
+    want = torch.einsum("bhgd,hde->bhge", q.float().cpu().view(b, h, qg, d), rot[:h].cpu()).reshape(b, h * qg, d)
+    assert qr.dtype == torch.float32 and qr.shape == (b, h * qg, d)
+    assert torch.allclose(qr.cpu(), want, rtol=1e-5, atol=1e-5)
+    ref_kw = {a: x for a, x in kw.items() if a not in ("config", "backend", "rotation", "clip")}
+    ref = append_token_reference(k.cpu(), v.cpu(), *Store(b, h, d, min(d, 128), 3, 5, 8, torch.bfloat16, "cpu",
+                                                          [0, 6, 20]).tensors(),
+                                 rotation=rot.cpu(), clip=clip.cpu(), query=q.cpu(), **ref_kw)
+    assert torch.allclose(ref, want, rtol=1e-5, atol=1e-5)
+    kw.pop("rotation")
+    assert append_token(k, v, *without.tensors(), query=q, **kw) is q          # no rotation: the query as is
+
+
+def test_decode_after_append_reads_the_new_lengths(device):
+    """A decode step as the runtime runs it: ``append_token(query=)`` then ``decode_attention(qr,
+    k_rotation=None, pdl_input=True)``, the decode kernel launched while the write ends (on a
+    Hopper GPU). The token that leaves the window this step joins the history: the decode must read
+    the lengths the write left (equal to the reference over the cache after the write), for rows in
+    the sink, at the window's edge and well past it."""
+    from oscar_calib.kernels import (
+        Int2KVCache,
+        decode_attention,
+        decode_attention_reference,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    b, h, qg, d, sink, recent, cap = 3, 2, 4, 128, 4, 8, 160
+    counts = [2, sink + recent, 150]
+    rot = random_rotation(2 * h, d, generator=g).float().to(device)
+    st = Store(b, h, d, 128, sink, recent, cap, torch.bfloat16, device, counts)
+    for i in range(max(counts)):                      # fill the cache token by token, up to each row's count
+        k = torch.randn(b, h, d, generator=g).to(torch.bfloat16).to(device)
+        real = torch.tensor([i < c for c in counts], device=device)
+        append_token(k, k * 0.5, *st.tensors(), sink=sink, recent=recent, group_size=128, rotation=rot,
+                     real=real, lens=st.lens, ticket=st.ticket)
+        st.counts.copy_(torch.tensor([min(i + 1, c) for c in counts]))
+    view = Int2KVCache(st.codes[:, 0], st.scale[:, 0], st.offset[:, 0], st.codes[:, 1], st.scale[:, 1],
+                       st.offset[:, 1], st.lens[1], st.window[:, 0], st.window[:, 1], st.lens[0], 128)
+    for step in range(3):
+        k = torch.randn(b, h, d, generator=g).to(torch.bfloat16).to(device)
+        q = torch.randn(b, h * qg, d, generator=g).to(torch.bfloat16).to(device)
+        qr = append_token(k, -k, *st.tensors(), sink=sink, recent=recent, group_size=128, rotation=rot,
+                          lens=st.lens, ticket=st.ticket, query=q)
+        got = decode_attention(qr, view, k_rotation=None, pdl_input=True, check_lengths=False,
+                               out_dtype=torch.float32)
+        want = decode_attention_reference(q.float(), view, k_rotation=rot[:h], out_dtype=torch.float32)
+        assert torch.allclose(got, want, rtol=2e-3, atol=2e-3), (got - want).abs().max()
+    assert st.lens[1].tolist() == [0, 3, 141]
