@@ -220,21 +220,24 @@ class LayerStore:
 
 
 def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None,
-               gate: torch.Tensor | None = None) -> None:
+               gate: torch.Tensor | None = None, query: torch.Tensor | None = None) -> torch.Tensor | None:
     """One new token per sequence: ``k``/``v`` ``[B, H, 1, d]``; ``real`` and ``gate`` (device bool
     ``[B]``, None: all) say which rows store theirs, both must hold (the others write to the scratch
     slots and keep their count). One launch of :func:`~oscar_calib.kernels.append.append_token` on CUDA (slots from the
-    device counts: no host sync, graph-safe while the history has room, :meth:`reserve`)."""
+    device counts: no host sync, graph-safe while the history has room, :meth:`reserve`).
+    ``query [B, Hq, d]``: also returned in the keys' basis (float32), rotated in the same launch."""
     p = st.plan
     if max(st.counts) + 1 - p.sink > st.hist.cap:
         st.reserve(max(st.counts) + 1)
     codes, scale, offset = st.hist.tensors()
-    append_token(k[:, :, 0], v[:, :, 0], st.window.kv, codes, scale, offset, st.n, sink=p.sink, recent=p.recent,
-                 group_size=p.group_size, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring, real=real,
-                 lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, gate=gate, backend=p.backend)
+    qr = append_token(k[:, :, 0], v[:, :, 0], st.window.kv, codes, scale, offset, st.n, sink=p.sink,
+                      recent=p.recent, group_size=p.group_size, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring,
+                      real=real, lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, gate=gate, query=query,
+                      backend=p.backend)
     if real is not None or gate is not None:
         st.counts_stale = True
     st.counts = [c + 1 for c in st.counts]
+    return qr
 
 
 def write_tokens(st: LayerStore, k: torch.Tensor, v: torch.Tensor, valid: list[torch.Tensor | None]) -> None:
