@@ -8,7 +8,17 @@ buffers, and the median replay over 36 is the time per call (launch gaps include
 Variants: the defaults; without clip, without rotation, without both (the floor of a launch that
 moves the same bytes); other ``KB`` (rows of ``R`` per product step) and warp counts.
 
-    python scripts/bench_append.py --out scripts/results/bench_append_h200.json      # GPU, ~30 s
+The ``step`` section (``--sections step``) times a decode step's attention per layer, the write
+and the decode kernel together, over a filled cache of ``--contexts`` tokens (36 layers, each its
+own cache, so L2 holds none of it), with the query rotated three ways: by the decode call's own
+rotation kernel (``rotation kernel``: the runtime before), by ``append_token``'s K programs with
+the decode kernel launched while the write ends (``in append_token``: the runtime now,
+``pdl_input=True``), and the same without that overlap (``in append_token, no PDL``). Three
+alternating rounds, medians; the outputs of the three are compared. For scale, the same step
+with a static BF16 cache (``BF16 cache + SDPA``: the row written at a device position, then
+``scaled_dot_product_attention`` over the context; fewer layers where 36 would not fit).
+
+    python scripts/bench_append.py --out scripts/results/bench_append_h200.json      # GPU, ~1 min
     python scripts/bench_append.py --quick                                             # CPU check
 
 Prints a table (microseconds per call) and writes JSON with the device's name.
@@ -29,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oscar_calib.fsutil import atomic_write_text  # noqa: E402
+from oscar_calib.kernels import Int2KVCache, decode_attention  # noqa: E402
 from oscar_calib.kernels.append import append_token  # noqa: E402
 from oscar_calib.kernels.testing import random_rotation  # noqa: E402
 
@@ -85,6 +96,117 @@ def time_step(fn, reps: int, cuda: bool) -> float:
     return statistics.median(ts)
 
 
+STEP_METHODS = ("rotation kernel", "in append_token", "in append_token, no PDL")
+STEP_ROUNDS = 3
+
+
+def filled_layer(batch, heads, d, sink, recent, context, device, gen):
+    """One layer's buffers holding ``context`` tokens of random codes, parameters and window rows,
+    with room for the benchmark's steps, and the decode kernel's view of them."""
+    b = layer_buffers(batch, heads, d, sink, recent, context - sink + 1024, device)
+    b["codes"].random_(0, 256, generator=gen)
+    b["scale"].uniform_(0.01, 0.1, generator=gen)
+    b["offset"].uniform_(-0.2, 0.0, generator=gen)
+    b["window"].normal_(generator=gen)
+    b["counts"].fill_(context)
+    b["lens"][0].fill_(sink + recent)
+    b["lens"][1].fill_(context - sink - recent)
+    c, sc, of, w = b["codes"], b["scale"], b["offset"], b["window"]
+    b["view"] = Int2KVCache(c[:, 0], sc[:, 0], of[:, 0], c[:, 1], sc[:, 1], of[:, 1], b["lens"][1],
+                            w[:, 0], w[:, 1], b["lens"][0], d)
+    return b
+
+
+def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
+    """Write + decode per layer, the query rotated by the decode call or by ``append_token``."""
+    shapes = [(1, 32768), (1, 131072), (8, 131072), (32, 32768)] if cuda else [(1, 200)]
+    if a.contexts:
+        shapes = [(int(bs), int(c)) for bs, c in (x.split("x") for x in a.contexts.split(","))]
+    qg = 4
+    rk = rot[:heads].contiguous()
+    rows = []
+    for batch, ctx in shapes:
+        per_layer = batch * ctx * 2 * heads * (d // 4 + 4)
+        layers = max(2, min(a.layers, int(a.step_bytes // per_layer))) if cuda else 2
+        gen = torch.Generator(device=dev).manual_seed(0)
+        bufs = [filled_layer(batch, heads, d, sink, recent, ctx, dev, gen) for _ in range(layers)]
+        k = torch.randn(batch, heads, d, device=dev).to(torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads * qg, d, device=dev).to(torch.bfloat16)
+        outs = {m: [torch.empty(batch, heads * qg, d, dtype=torch.bfloat16, device=dev) for _ in bufs]
+                for m in STEP_METHODS}
+        kw = dict(sink=sink, recent=recent, group_size=d, rotation=rot, clip=clip, backend="triton")
+
+        def step(method, layers_=None):
+            for b, out in layers_ or zip(bufs, outs[method]):
+                if method == "rotation kernel":
+                    append_token(k, v, b["window"], b["codes"], b["scale"], b["offset"], b["counts"],
+                                 lens=b["lens"], ticket=b["ticket"], **kw)
+                    decode_attention(q, b["view"], k_rotation=rk, out=out, check_lengths=False, backend="triton")
+                else:
+                    qr = append_token(k, v, b["window"], b["codes"], b["scale"], b["offset"], b["counts"],
+                                      lens=b["lens"], ticket=b["ticket"], query=q, **kw)
+                    decode_attention(qr, b["view"], k_rotation=None, out=out, check_lengths=False, backend="triton",
+                                     pdl_input=method == "in append_token")
+
+        # the three agree: one step of each from copies of the same filled layer
+        got = {}
+        for m in STEP_METHODS:
+            b0 = {n: (tuple(t.clone() for t in x) if isinstance(x, tuple) else x.clone())
+                  for n, x in bufs[0].items() if n != "view"}
+            c, sc, of, w = b0["codes"], b0["scale"], b0["offset"], b0["window"]
+            b0["view"] = Int2KVCache(c[:, 0], sc[:, 0], of[:, 0], c[:, 1], sc[:, 1], of[:, 1], b0["lens"][1],
+                                     w[:, 0], w[:, 1], b0["lens"][0], d)
+            got[m] = torch.empty_like(outs[m][0])
+            step(m, [(b0, got[m])])
+        base = got[STEP_METHODS[0]].float()
+        times = {m: [] for m in STEP_METHODS}
+        for _ in range(STEP_ROUNDS if cuda else 1):
+            for m in STEP_METHODS:
+                times[m].append(1e6 * time_step(lambda m=m: step(m), a.reps, cuda) / layers)
+        for m in STEP_METHODS:
+            us = statistics.median(times[m])
+            err = ((got[m].float() - base).norm() / base.norm()).item()
+            rows.append({"batch": batch, "context": ctx, "method": m, "layers": layers, "us_per_layer": us,
+                         "rounds_us": times[m], "rel_diff_vs_rotation_kernel": err})
+            print(f"batch {batch:3d} x {ctx:6d}  {m:24s} {us:8.2f} us per layer (write + decode)  "
+                  f"rel diff {err:.1e}", flush=True)
+        bufs.clear()                                   # (free the layers before the next shape)
+        outs.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+        us, layers_bf = sdpa_step(a, batch, ctx, heads, qg, d, cuda, dev)
+        rows.append({"batch": batch, "context": ctx, "method": "BF16 cache + SDPA", "layers": layers_bf,
+                     "us_per_layer": us, "rel_diff_vs_rotation_kernel": None})
+        print(f"batch {batch:3d} x {ctx:6d}  {'BF16 cache + SDPA':24s} {us:8.2f} us per layer (write + attention)",
+              flush=True)
+    return rows
+
+
+def sdpa_step(a, batch, ctx, heads, qg, d, cuda, dev) -> tuple[float, int]:
+    """The same step with a static BF16 cache, as transformers' StaticCache + SDPA run it: the new
+    K/V row written at a device position (``index_copy_``), then SDPA over ``ctx`` cached tokens."""
+    per_layer = batch * heads * ctx * d * 2 * 2
+    layers = max(1, min(a.layers, int(a.step_bytes // per_layer))) if cuda else 2
+    caches = [(torch.randn(batch, heads, ctx + 8, d, device=dev).to(torch.bfloat16),
+               torch.randn(batch, heads, ctx + 8, d, device=dev).to(torch.bfloat16)) for _ in range(layers)]
+    k = torch.randn(batch, heads, 1, d, device=dev).to(torch.bfloat16)
+    q = torch.randn(batch, heads * qg, 1, d, device=dev).to(torch.bfloat16)
+    pos = torch.tensor([ctx - 1], device=dev)
+
+    def step():
+        for kc, vc in caches:
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, k)
+            torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :ctx], vc[:, :, :ctx], enable_gqa=True)
+
+    times = [1e6 * time_step(step, a.reps, cuda) / layers for _ in range(STEP_ROUNDS if cuda else 1)]
+    caches.clear()
+    if cuda:
+        torch.cuda.empty_cache()
+    return statistics.median(times), layers
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, 2 layers, batch 1 (checks the script)")
@@ -92,7 +214,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sections", default="append,step", help="comma-separated: append (the write alone), "
+                    "step (write + decode, the query rotated by the decode call or by append_token)")
+    ap.add_argument("--contexts", default="", help="step section: BATCHxCONTEXT list (default "
+                    "1x32768,1x131072,8x131072,32x32768)")
+    ap.add_argument("--step-bytes", type=float, default=16e9,
+                    help="step section: INT2 history bytes over all layers at most (fewer layers at large shapes)")
     a = ap.parse_args(argv)
+    sections = set(a.sections.split(","))
+    if not sections <= {"append", "step"}:
+        print(f"error: --sections takes append and step, got {a.sections!r}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available() and not a.quick:
         print("error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under "
               "the Triton interpreter)", file=sys.stderr)
@@ -108,7 +240,7 @@ def main(argv=None) -> int:
     rot = random_rotation(2 * heads, d, generator=torch.Generator().manual_seed(0)).float().to(dev)
     clip = torch.full((2 * heads,), 0.92, device=dev)
     rows = []
-    for batch in batches:
+    for batch in (batches if "append" in sections else []):
         bufs = [layer_buffers(batch, heads, d, sink, recent, 4096 if cuda else 64, dev) for _ in range(layers)]
         k = torch.randn(batch, heads, d, dtype=torch.bfloat16, device=dev)
         v = torch.randn_like(k)
@@ -124,8 +256,9 @@ def main(argv=None) -> int:
             us = 1e6 * time_step(step, reps, cuda) / layers
             rows.append({"batch": batch, "variant": variant, "us_per_call": us})
             print(f"batch {batch:3d}  {variant:16s} {us:8.2f} us per call", flush=True)
+    step_rows = step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) if "step" in sections else []
     res = {"device": name, "torch": torch.__version__, "layers": layers, "heads": heads, "head_dim": d,
-           "rows": rows}
+           "rows": rows, "step": step_rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(a.out, json.dumps(res, indent=1))
     print(f"wrote {a.out}")

@@ -33,3 +33,14 @@ def test_bench_append_quick_times_every_variant(tmp_path):
     variants = [r["variant"] for r in data["rows"]]
     assert variants[0] == "default" and "torch reference" in variants and len(variants) == len(set(variants))
     assert all(r["us_per_call"] > 0 for r in data["rows"])
+    methods = [r["method"] for r in data["step"]]
+    assert methods == ["rotation kernel", "in append_token", "in append_token, no PDL", "BF16 cache + SDPA"]
+    # the three ways of rotating the query give the same attention output
+    assert all(r["us_per_layer"] > 0 for r in data["step"])
+    assert all(r["rel_diff_vs_rotation_kernel"] < 1e-5 for r in data["step"][:3])
+
+
+def test_bench_append_refuses_unknown_sections(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--sections", "decode", "--out",
+                          str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--sections" in res.stderr and not (tmp_path / "b.json").exists()
