@@ -61,7 +61,8 @@ host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``
 (False: one sequence per rotation program; for comparison), ``rotate_cols`` (columns of ``R`` per
 rotation program, default 32), ``value_pairs`` (False: value codes loaded as 32-bit words instead
 of 16-bit pairs; for comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64
-bits even where 32 suffice; for comparison).
+bits even where 32 suffice; for comparison), ``num_warps`` (warps per decode program, default 1;
+2 and 4 were slower at every shape on an H200, round 2m).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2g): at 128K
