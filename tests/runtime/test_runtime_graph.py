@@ -6,6 +6,9 @@ the step capturable."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 from helpers import tiny_model
@@ -160,7 +163,10 @@ def _padded_prompt(device, length=PROMPT, pads=37):
 def _generate(model, cache, ids, mask, custom, **kw):
     from oscar_calib.runtime import graph_decoding
 
-    extra = {"custom_generate": graph_decoding} if custom else {}
+    if custom == "compile":        # the opt-in spelled as the README spells it
+        extra = {"custom_generate": functools.partial(graph_decoding, compile=True)}
+    else:
+        extra = {"custom_generate": graph_decoding} if custom else {}
     with cache.attach(model), torch.no_grad():
         return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, pad_token_id=0,
                               **extra, **kw)
@@ -185,6 +191,15 @@ def test_graph_decoding_in_generate_equals_generate(sample):
     torch.manual_seed(5)
     got = _generate(model, _cache(model, 600), ids, mask, True, eos_token_id=eos, **kw)
     assert torch.equal(got, want) and (got[0, PROMPT + 3:] == 0).all()
+
+
+def test_graph_decoding_takes_the_compile_option():
+    """``custom_generate=functools.partial(graph_decoding, compile=True)`` passes generate()'s own
+    argument checks (CPU: eager steps, where it changes nothing) and gives its tokens."""
+    model = _model("cpu")
+    ids, mask = _padded_prompt("cpu")
+    want = _generate(model, _cache(model, 600), ids, mask, False, do_sample=False)
+    assert torch.equal(_generate(model, _cache(model, 600), ids, mask, "compile", do_sample=False), want)
 
 
 def test_graph_decoding_refusals():
@@ -268,3 +283,57 @@ def test_graph_decoding_on_the_gpu_equals_eager_generate():
     assert torch.equal(got, want) and got.shape[1] <= PROMPT + 3   # row 1 stops by its 2nd token, row 0 by its 3rd
     assert [a.seen for a in graphed.layers] == [b.seen for b in eager.layers]
     assert graphed.layers[0].store.exact_counts() == _stored(got, mask, stop)
+
+
+@gpu
+def test_compiled_graph_steps_follow_eager_steps():
+    """``DecodeGraph(compile=True)``: the model's own ops between the cache update and the attention
+    compiled (torch.compile, per decoder layer), recorded and replayed; the logits follow eager
+    steps to bf16 rounding (fused kernels round differently), and the model is left as it was."""
+    model = _model("cuda")
+    prompt = torch.randint(0, model.config.vocab_size, (2, PROMPT), device="cuda", generator=None)
+    caches = [_cache(model, PROMPT + 16) for _ in range(2)]
+    first = [_prefill(model, c, prompt) for c in caches]
+    ids = first[0].argmax(-1)
+    pos = torch.full((2, 1), PROMPT, device="cuda")
+    eager, graph = [], []
+    with caches[0].attach(model), torch.no_grad():
+        for i in range(5):
+            eager.append(model(ids, past_key_values=caches[0], position_ids=pos + i, use_cache=True).logits.float())
+    with caches[1].attach(model), torch.no_grad():
+        step = DecodeGraph(model, caches[1], compile=True)
+        for i in range(5):
+            graph.append(step(ids, pos + i).float().clone())
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    for e, g in zip(eager, graph):
+        assert ((e - g).norm() / e.norm()).item() < 2e-2
+    assert step.graph is not None
+
+
+def test_compiled_layers_follow_eager_steps_on_cpu():
+    """The layers ``DecodeGraph(compile=True)`` records: each decoder layer through torch.compile
+    (one compiled code for all layers), the cache update and the attention left out of it; steps
+    through it give the eager steps' logits (float32 here) and the model is restored after."""
+    from oscar_calib.runtime.graph import _compiled_layers
+
+    torch.manual_seed(0)
+    model = _model("cpu")
+    prompt = torch.randint(0, model.config.vocab_size, (1, 300))
+
+    def steps(compiled: bool) -> torch.Tensor:
+        cache = _cache(model, 400)
+        logits = _prefill(model, cache, prompt)
+        outs = []
+        with cache.attach(model), torch.no_grad():
+            ids, pos = logits.argmax(-1), torch.tensor([[300]])
+            for i in range(3):
+                with _compiled_layers(model, cache) if compiled else contextlib.nullcontext():
+                    out = model(ids, past_key_values=cache, position_ids=pos + i, use_cache=True).logits[:, -1:]
+                assert "update" not in cache.__dict__
+                outs.append(out.float())
+                ids = out.argmax(-1)
+        return torch.cat(outs)
+
+    ref, got = steps(False), steps(True)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
