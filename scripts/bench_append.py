@@ -230,6 +230,7 @@ def main(argv=None) -> int:
               "the Triton interpreter)", file=sys.stderr)
         return 2
     cuda = not a.quick
+    torch.manual_seed(0)
     if a.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = "cuda" if cuda else "cpu"

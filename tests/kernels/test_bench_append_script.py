@@ -35,9 +35,10 @@ def test_bench_append_quick_times_every_variant(tmp_path):
     assert all(r["us_per_call"] > 0 for r in data["rows"])
     methods = [r["method"] for r in data["step"]]
     assert methods == ["rotation kernel", "in append_token", "in append_token, no PDL", "BF16 cache + SDPA"]
-    # the three ways of rotating the query give the same attention output
+    # the three ways of rotating the query give the same attention output (bf16 outputs: up to their
+    # rounding; a wrong query would be off by order 1)
     assert all(r["us_per_layer"] > 0 for r in data["step"])
-    assert all(r["rel_diff_vs_rotation_kernel"] < 1e-5 for r in data["step"][:3])
+    assert all(r["rel_diff_vs_rotation_kernel"] < 1e-2 for r in data["step"][:3])
 
 
 def test_bench_append_refuses_unknown_sections(tmp_path):
