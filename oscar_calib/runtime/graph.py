@@ -57,9 +57,9 @@ class DecodeGraph:
     layer through ``torch.compile``, with the cache update and the attention left out of it, so the
     model's small ops between them fuse; the replays keep the compiled kernels, and the model is
     left as it was. The logits then follow the eager step up to the rounding of the fused kernels,
-    not bit for bit. H200, Qwen3-8B shapes, 36 layers: 7.96 -> 7.43 ms per replayed step at 1 x 16K,
-    8.95 -> 8.36 at 1 x 128K (the medians or latest of alternating rounds; the first compiled round
-    ran 6.93 and 7.89), for a few seconds of compiling on the first call."""
+    not bit for bit. H200, Qwen3-8B shapes, 36 layers, 1 x 16K: 8.00 -> 5.96-6.25 ms per replayed
+    step, for ~8 s of compiling in the first two calls. It raises torch._dynamo's recompile limit
+    for the process (one compile per layer of the attention module's first part)."""
 
     def __init__(self, model, cache, *, compile: bool = False):
         from .cache import OscarCache
@@ -82,8 +82,17 @@ class DecodeGraph:
         self.calls = 0
         self.graph = None
         self.compile = bool(compile)
-        if self.compile and _decoder_layers(model) is None:
-            raise InputError("DecodeGraph(compile=True) needs the model's decoder layers (model.get_decoder().layers)")
+        if self.compile:
+            found = _decoder_layers(model)
+            if found is None:
+                raise InputError("DecodeGraph(compile=True) needs the model's decoder layers "
+                                 "(model.get_decoder().layers)")
+            # the attention module's part before the cache update is compiled once per layer (its
+            # index, passed to the update, is a constant to torch.compile): room for every layer,
+            # where the default of 8 recompiles per function would leave the rest eager. Raised for
+            # the process (never lowered); set inside the compiling call it did not take effect.
+            dyn = torch._dynamo.config
+            dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(found) + 8)
         self._ids = self._pos = self._logits = None
         self._gate = torch.ones(self.batch, dtype=torch.bool, device=device)   # rows that store their token
 
