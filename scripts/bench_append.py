@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oscar_calib.fsutil import atomic_write_text  # noqa: E402
-from oscar_calib.kernels import Int2KVCache, decode_attention  # noqa: E402
-from oscar_calib.kernels.append import append_token  # noqa: E402
+from oscar_calib.kernels import decode_attention  # noqa: E402
+from oscar_calib.kernels.append import append_token, decode_view  # noqa: E402
 from oscar_calib.kernels.testing import random_rotation  # noqa: E402
 
 VARIANTS = {
@@ -111,9 +111,7 @@ def filled_layer(batch, heads, d, sink, recent, context, device, gen):
     b["counts"].fill_(context)
     b["lens"][0].fill_(sink + recent)
     b["lens"][1].fill_(context - sink - recent)
-    c, sc, of, w = b["codes"], b["scale"], b["offset"], b["window"]
-    b["view"] = Int2KVCache(c[:, 0], sc[:, 0], of[:, 0], c[:, 1], sc[:, 1], of[:, 1], b["lens"][1],
-                            w[:, 0], w[:, 1], b["lens"][0], d)
+    b["view"] = decode_view(b["window"], b["codes"], b["scale"], b["offset"], b["lens"], d)
     return b
 
 
@@ -154,9 +152,7 @@ def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
         for m in STEP_METHODS:
             b0 = {n: (tuple(t.clone() for t in x) if isinstance(x, tuple) else x.clone())
                   for n, x in bufs[0].items() if n != "view"}
-            c, sc, of, w = b0["codes"], b0["scale"], b0["offset"], b0["window"]
-            b0["view"] = Int2KVCache(c[:, 0], sc[:, 0], of[:, 0], c[:, 1], sc[:, 1], of[:, 1], b0["lens"][1],
-                                     w[:, 0], w[:, 1], b0["lens"][0], d)
+            b0["view"] = decode_view(b0["window"], b0["codes"], b0["scale"], b0["offset"], b0["lens"], d)
             got[m] = torch.empty_like(outs[m][0])
             step(m, [(b0, got[m])])
         base = got[STEP_METHODS[0]].float()

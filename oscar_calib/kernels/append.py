@@ -53,6 +53,7 @@ from ._common import (
     pdl_capable,
     resolve_backend,
 )
+from .cache import Int2KVCache
 from .decode import rotate_query
 from .write import clip_indices, quantize_kv_reference
 
@@ -69,6 +70,15 @@ def history_slot(j: torch.Tensor, cap: int, ring: bool) -> torch.Tensor:
     when ``j >= cap`` without a ring (a full history: the caller must have reserved room)."""
     slot = torch.remainder(j, cap) if ring else torch.where(j < cap, j, cap)
     return torch.where(j >= 0, slot, cap)
+
+
+def decode_view(window: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                lens: tuple[torch.Tensor, torch.Tensor], group_size: int) -> Int2KVCache:
+    """The decode kernel's :class:`~oscar_calib.kernels.cache.Int2KVCache` over the side-by-side K/V
+    tensors :func:`append_token` writes (views, no copies); ``lens`` = ``(window, history)``
+    lengths."""
+    return Int2KVCache(codes[:, 0], scale[:, 0], offset[:, 0], codes[:, 1], scale[:, 1], offset[:, 1], lens[1],
+                       window[:, 0], window[:, 1], lens[0], group_size)
 
 
 def rotate_kv(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:

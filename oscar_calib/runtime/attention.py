@@ -107,19 +107,18 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
     store = layer.store
     if t == 1 and max(store.counts) > 0:          # a decode step: write the token, then read the cache
         p = store.plan
-        if kernel_decodes(layer, query, softcap):
+        kernel = kernel_decodes(layer, query, softcap)
+        # for the kernel the write rotates the query too (its K programs hold R_k, in rot2): no
+        # rotation kernel, and the decode kernel launches while the write ends
+        rotate = kernel and p.k_rotation is not None
+        qr = write_step(store, key, value, decode_rows(mask, bsz), layer.gate, query=query[:, :, 0] if rotate else None)
+        if kernel:
             from ..kernels import decode_attention
 
-            # the write kernel rotates the query too (its K programs hold R_k): no rotation kernel,
-            # and the decode kernel launches while the write ends
-            rotate = p.k_rotation is not None and p.rot2 is not None
-            qr = write_step(store, key, value, decode_rows(mask, bsz), layer.gate,
-                            query=query[:, :, 0] if rotate else None)
             o = decode_attention(qr if rotate else query[:, :, 0], store.kernel_view(), k_rotation=None,
                                  v_rotation=p.v_rotation, unrotate=p.v_rotation is not None, sm_scale=scale,
                                  check_lengths=False, out_dtype=query.dtype, backend=p.backend, pdl_input=True)
             return o.unsqueeze(1), None
-        write_step(store, key, value, decode_rows(mask, bsz), layer.gate)
         out = attend_cached(store, query, None, None, None, store.n.unsqueeze(1) - 1, store.n, scale, softcap)
         return out.to(query.dtype), None
     valid, allowed = new_token_rows(mask, bsz, t)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import Int2KVCache, dequantize_packed
-from ..kernels.append import append_token, history_slot, window_slot
+from ..kernels.append import append_token, decode_view, history_slot, window_slot
 from ..kernels.pack import PARAM_DTYPE
 
 GROW_MIN = 1024          # tokens added to the history at least when it grows
@@ -177,9 +177,8 @@ class LayerStore:
     def kernel_view(self) -> Int2KVCache:
         """The layer as the decode kernel's contiguous :class:`Int2KVCache` (views, no copies)."""
         if self._view is None:
-            c, s, o = self.hist.tensors()
-            self._view = Int2KVCache(c[:, 0], s[:, 0], o[:, 0], c[:, 1], s[:, 1], o[:, 1], self.hist_lens,
-                                     self.window.kv[:, 0], self.window.kv[:, 1], self.bf16_lens, self.plan.group_size)
+            self._view = decode_view(self.window.kv, *self.hist.tensors(), (self.bf16_lens, self.hist_lens),
+                                     self.plan.group_size)
         return self._view
 
     def exact_counts(self) -> list[int]:

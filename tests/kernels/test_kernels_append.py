@@ -11,6 +11,7 @@ from oscar_calib.errors import InputError
 from oscar_calib.kernels.append import (
     append_token,
     append_token_reference,
+    decode_view,
     history_slot,
     window_slot,
 )
@@ -210,11 +211,7 @@ def test_decode_after_append_reads_the_new_lengths(device):
     Hopper GPU). The token that leaves the window this step joins the history: the decode must read
     the lengths the write left (equal to the reference over the cache after the write), for rows in
     the sink, at the window's edge and well past it."""
-    from oscar_calib.kernels import (
-        Int2KVCache,
-        decode_attention,
-        decode_attention_reference,
-    )
+    from oscar_calib.kernels import decode_attention, decode_attention_reference
 
     g = torch.Generator().manual_seed(3)
     b, h, qg, d, sink, recent, cap = 3, 2, 4, 128, 4, 8, 160
@@ -227,8 +224,7 @@ def test_decode_after_append_reads_the_new_lengths(device):
         append_token(k, k * 0.5, *st.tensors(), sink=sink, recent=recent, group_size=128, rotation=rot,
                      real=real, lens=st.lens, ticket=st.ticket)
         st.counts.copy_(torch.tensor([min(i + 1, c) for c in counts]))
-    view = Int2KVCache(st.codes[:, 0], st.scale[:, 0], st.offset[:, 0], st.codes[:, 1], st.scale[:, 1],
-                       st.offset[:, 1], st.lens[1], st.window[:, 0], st.window[:, 1], st.lens[0], 128)
+    view = decode_view(st.window, st.codes, st.scale, st.offset, st.lens, 128)
     for step in range(3):
         k = torch.randn(b, h, d, generator=g).to(torch.bfloat16).to(device)
         q = torch.randn(b, h * qg, d, generator=g).to(torch.bfloat16).to(device)
