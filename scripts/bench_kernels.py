@@ -79,7 +79,9 @@ def parse_args():
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="sweep only: time these decode configs (a JSON list of config dicts, or a file holding "
-                         "one) at every context x batch, no SDPA, no write kernel; writes sweep.json")
+                         "one) at every context x batch, no SDPA, no write kernel; writes sweep.json. Keys for the "
+                         "benchmark only: \"bench_prerotated\": true times the call with the query given rotated, "
+                         "\"bench_paged\": N on a paged cache of N-token pages (shuffled)")
     ap.add_argument("--write-variants", default=None, metavar="JSON",
                     help="write kernel only: check these write configs (a JSON list of config dicts, or a file "
                          "holding one) against the reference, then time each with rotation and clip on 128K "
@@ -748,7 +750,7 @@ def sweep_variants(report: dict, shape: dict, contexts: list[int], batches: list
             for ctx in contexts:
                 if over_budget():
                     break
-                row = safe_time_decode(ctx, batch, shape, cfg, l2, sdpa=False)
+                row = safe_time_decode(ctx, batch, shape, cfg, l2, sdpa=False, paged=cfg.get("bench_paged"))
                 report["variants"].append(row)
                 if "int2_ms" in row:
                     log(f"variant ctx={ctx} B={batch} {cfg}: {row['int2_ms'] * 1e3:.1f} us "

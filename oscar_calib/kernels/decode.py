@@ -62,7 +62,8 @@ host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``
 rotation program, default 32), ``value_pairs`` (False: value codes loaded as 32-bit words instead
 of 16-bit pairs; for comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64
 bits even where 32 suffice; for comparison), ``num_warps`` (warps per decode program, default 1;
-2 and 4 were slower at every shape on an H200, round 2m).
+2 and 4 were slower at every shape on an H200, round 2m), ``merge_cols`` / ``merge_warps`` (output
+channels and warps per merge program, default 32 / 4; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2g): at 128K
@@ -302,6 +303,13 @@ def decode_attention(
 # 65-87 us at 128K), longer programs (at least 512-2048 tokens each: 25-65 us at 32K), and the
 # merge inside the decode kernel (the last program of a head merging: 37 us at 32K, one warp
 # reads every partial).
+# Round 2n (H100, prerotated query; scripts/results/bench_kernels_h100_merge_{fused,shapes}_round2n.json):
+# the merge inside the decode kernel again, now spread over the last 16-64 programs of each head
+# to finish (a ticket counter; they wait until every program has stored its partial, then each
+# merges 8-32 channels of one query head; kept off main, branch exp/merge-fused): 32K x 1
+# 22.3-22.8 us against 21.0, 128K x 1 51.4-51.9 against 50.7-51.0 (the grid-end signal the merge
+# kernel waits on under PDL costs less than the atomics and the wait). Merge programs of 1 / 2 / 8
+# warps and 8 / 16 / 64 channels: 21.0-21.9 us against 20.9-21.0 at 32K x 1, none faster.
 #
 # Paged (round 2e, page 64, shuffled pages; shuffled and in-order pages time the same, so the
 # cost is in the kernel, not in DRAM locality): the parameter loads of step i+1 waited on the
@@ -545,12 +553,12 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     # merge: one program per (sequence, query head, 32-channel slice), all partials in one pass
     # when they fit (up to 256 splits)
     block_s = max(16, min(256, next_pow2(s_all)))
-    dc = d if interp else min(d, 32)
+    dc = d if interp else min(d, int(cfg.get("merge_cols", 32)))
     LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
         hq, qg, s_all,
         D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, ONE_PASS=s_all <= block_s and not cfg.get("merge_two_pass", False),
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        num_warps=int(cfg.get("merge_warps", 4)), **({"launch_pdl": True} if pdl else {}),
     )
     if not unrotate:
         return o_rot
