@@ -56,8 +56,9 @@ The optional output un-rotation is one batched matmul in torch. Nothing reads le
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
 :data:`TUNING` per regime): ``mode`` (1 inline PTX, 0 plain Triton), ``BLOCK_N``, ``BLOCK16``,
 ``heads_per_program``, ``programs_per_sm``, ``min_chunk``, ``split_tokens``, ``split_tokens16``,
-``num_stages``, ``prefetch``, ``maxnreg``, ``pdl``, ``l2_prefetch``, ``window_stages``, ``merge_two_pass``
-(the merge's two-pass loop even when all partials fit one block; for comparison), ``rotate_batched``
+``num_stages``, ``num_stages_long`` and ``long_chunk`` (the history loop's stages for programs of
+at least ``long_chunk`` tokens; 0 = ``num_stages``), ``prefetch``, ``maxnreg``, ``pdl``,
+``l2_prefetch``, ``window_stages``, ``merge_two_pass`` (the merge's two-pass loop even when all partials fit one block; for comparison), ``rotate_batched``
 (False: one sequence per rotation program; for comparison), ``rotate_cols`` (columns of ``R`` per
 rotation program, default 32), ``value_pairs`` (False: value codes loaded as 32-bit words instead
 of 16-bit pairs; for comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64
@@ -66,10 +67,10 @@ bits even where 32 suffice; for comparison), ``num_warps`` (warps per decode pro
 channels and warps per merge program, default 32 / 4; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
-tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2g): at 128K
-context, batch 1, 54 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.6x, 47% of
+tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2n): at 128K
+context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
-gives 50 us and 0.83 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
+gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
 memory-bound on the H100 (81% of DRAM peak) and the batch-1 kernel (and the H200's) latency-bound
 (issue active ~50-56%). At batch 1 the query rotation adds 2.1-3.2 us and the merge 1.3-2.7 us
 to a call at 512-128K tokens (the call with each left out); a graph of one trivial kernel, which
@@ -303,6 +304,16 @@ def decode_attention(
 # 65-87 us at 128K), longer programs (at least 512-2048 tokens each: 25-65 us at 32K), and the
 # merge inside the decode kernel (the last program of a head merging: 37 us at 32K, one warp
 # reads every partial).
+# History stages (round 2n; scripts/results/bench_kernels_{h100,h200}_b1_stages*_round2n.json): at
+# batch 1 a third stage (Triton prefetches the code bytes two steps ahead; 11 KB of shared memory
+# in the history part instead of 7, still under the window loop's 24 KB) helps programs of 8 steps
+# or more: H100 128K x 1 50.3-50.4 us against 53.6-53.7 (prerotated 47.4 against 50.7), 64K x 1
+# 32.9-33.0 against 35.0-35.1; H200 44.7-44.9 against 49.3-49.4, 29.9-30.0 against 32.1; paged
+# the same (H100 128K x 1 50.9-51.1 against 54.0-54.1). At 32K x 1 (4 steps per program) it gains
+# nothing and paged with the rotation kernel it lost (24.9-25.0 against 23.3-23.4 us), hence
+# "long_chunk". Four stages: 128K x 1 49.0 us. At batch 32 three stages were slower on the H200
+# (32K x 32 239.8-241.5 against 236.4-237.4 us; 128K x 32 827.4-851.6 against 832.2-837.4) and
+# even on the H100 (274-275 against 271-273; 929-936 against 937-940).
 # Round 2n (H100, prerotated query; scripts/results/bench_kernels_h100_merge_{fused,shapes}_round2n.json):
 # the merge inside the decode kernel again, now spread over the last 16-64 programs of each head
 # to finish (a ticket counter; they wait until every program has stored its partial, then each
@@ -357,12 +368,12 @@ _LARGE = {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_p
           "programs_per_sm": 40, "min_chunk": 320, "prefetch": True, "maxnreg": 0, "pdl": True,
           "l2_prefetch": 192, "window_stages": 2}
 TUNING = {
-    "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-              "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True, "l2_prefetch": 192,
-              "window_stages": 2},
-    "small_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": 1,
-                    "programs_per_sm": 8, "prefetch": True, "maxnreg": 0, "pdl": True, "l2_prefetch": 192,
-                    "window_stages": 2},
+    "small": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "num_stages_long": 3, "long_chunk": 512,
+              "heads_per_program": 1, "programs_per_sm": 8, "prefetch": True, "maxnreg": 184, "pdl": True,
+              "l2_prefetch": 192, "window_stages": 2},
+    "small_paged": {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "num_stages_long": 3,
+                    "long_chunk": 512, "heads_per_program": 1, "programs_per_sm": 8, "prefetch": True, "maxnreg": 0,
+                    "pdl": True, "l2_prefetch": 192, "window_stages": 2},
     "large": _LARGE,
     "large_paged": dict(_LARGE),
 }
@@ -404,6 +415,14 @@ def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
     hist = cache.history_capacity * 2 * d * bits_per_element(cache.group_size) / 8
     window = cache.window_capacity * 2 * d * cache.k_bf16.element_size()
     return 1 if hist >= 8 * window else 2
+
+
+def _history_stages(cfg: dict, chunk: int) -> int:
+    """Software-pipeline stages of the history loop (Triton's ``num_stages``): ``num_stages_long``
+    for programs of at least ``long_chunk`` tokens (0: ``num_stages`` for all)."""
+    if int(cfg.get("num_stages_long", 0)) and chunk >= int(cfg.get("long_chunk", 512)):
+        return int(cfg["num_stages_long"])
+    return int(cfg["num_stages"])
 
 
 def _offsets32(cache: Int2KVCache, cfg: dict) -> bool:
@@ -462,7 +481,6 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     asm = int(cfg["mode"]) == 1 and not interp
     block_n = int(cfg["BLOCK_N"])
     block16 = int(cfg["BLOCK16"])
-    num_stages = int(cfg["num_stages"])
     hp = _heads_per_program(qg, h, cfg)
     # software prefetch of the next step's offsets and parameters (one group per row only)
     pf = bool(cfg["prefetch"]) and d == g
@@ -494,6 +512,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         want = max(1, -(-target // (bsz * hgroups)))
         chunk = max(-(-cap // want), int(cfg.get("min_chunk", 0)))
     chunk = max(block_n, -(-chunk // block_n) * block_n)
+    num_stages = _history_stages(cfg, chunk)
     s2 = -(-cap // chunk)
     ncap = cache.window_capacity
     wstages = _window_stages(cfg, cache)

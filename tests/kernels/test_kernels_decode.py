@@ -218,6 +218,16 @@ def test_decode_library_tuning_of_every_regime(page, device, monkeypatch):
         want = ("small" if threshold > 4 else "large") + ("_paged" if page else "")
         assert regime == decode_mod.TUNING[want]
         _run(q, cache, rk, rv, config={"split_tokens": 32})
+        if threshold > 4:  # programs of at least long_chunk tokens take a third pipeline stage
+            _run(q, cache, rk, rv, config={"split_tokens": 32, "long_chunk": 32})
+
+
+def test_history_stages_follow_the_chunk():
+    small = decode_mod.TUNING["small"]
+    assert decode_mod._history_stages(small, 256) == 2
+    assert decode_mod._history_stages(small, 512) == 3
+    assert decode_mod._history_stages({**small, "num_stages_long": 0}, 4096) == 2
+    assert decode_mod._history_stages(decode_mod.TUNING["large"], 4096) == 2
 
 
 def test_decode_rotation_prepared_once(device):
