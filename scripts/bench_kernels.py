@@ -383,13 +383,15 @@ def kernel_info(k) -> dict:
 
 
 def random_paged(cache: Int2KVCache, page: int) -> Int2KVCache:
-    """The same random history laid out in shuffled pages (built directly, no copy loop)."""
+    """The same random history laid out in shuffled pages (built directly, no copy loop; a last
+    partial page is padded)."""
     b, h, lcap, _ = cache.k_codes.shape
-    per = lcap // page
+    per = -(-lcap // page)
     perm = torch.randperm(b * per, device=cache.k_codes.device)
     table = perm.view(b, per).to(torch.int32)
 
     def pool(t):  # [B, H, L, w] -> pages [B*per, H, page, w] placed at perm
+        t = F.pad(t, (0, 0, 0, per * page - lcap))
         src = t.view(b, h, per, page, t.shape[-1]).permute(0, 2, 1, 3, 4).reshape(b * per, h, page, t.shape[-1])
         out = torch.empty_like(src)
         out[perm] = src

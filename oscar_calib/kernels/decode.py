@@ -58,13 +58,14 @@ host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``
 ``heads_per_program``, ``programs_per_sm``, ``min_chunk``, ``split_tokens``, ``split_tokens16``,
 ``num_stages``, ``num_stages_long`` and ``long_chunk`` (the history loop's stages for programs of
 at least ``long_chunk`` tokens; 0 = ``num_stages``), ``prefetch``, ``maxnreg``, ``pdl``,
-``l2_prefetch``, ``window_stages``, ``merge_two_pass`` (the merge's two-pass loop even when all partials fit one block; for comparison), ``rotate_batched``
-(False: one sequence per rotation program; for comparison), ``rotate_cols`` (columns of ``R`` per
-rotation program, default 32), ``value_pairs`` (False: value codes loaded as 32-bit words instead
-of 16-bit pairs; for comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64
-bits even where 32 suffice; for comparison), ``num_warps`` (warps per decode program, default 1;
-2 and 4 were slower at every shape on an H200, round 2m), ``merge_cols`` / ``merge_warps`` (output
-channels and warps per merge program, default 32 / 4; for comparison).
+``l2_prefetch``, ``window_stages``, ``merge_two_pass`` (the merge's two-pass loop even when all
+partials fit one block; for comparison), ``rotate_batched`` (False: one sequence per rotation
+program; for comparison), ``rotate_cols`` (columns of ``R`` per rotation program, default 32),
+``value_pairs`` (False: value codes loaded as 32-bit words instead of 16-bit pairs; for
+comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64 bits even where 32
+suffice; for comparison), ``num_warps`` (warps per decode program, default 1; 2 and 4 were slower
+at every shape on an H200, round 2m), ``merge_cols`` / ``merge_warps`` (output channels and warps
+per merge program, default 32 / 4; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
 tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2n): at 128K
@@ -313,7 +314,7 @@ def decode_attention(
 # nothing and paged with the rotation kernel it lost (24.9-25.0 against 23.3-23.4 us), hence
 # "long_chunk". Four stages: 128K x 1 49.0 us. At batch 32 three stages were slower on the H200
 # (32K x 32 239.8-241.5 against 236.4-237.4 us; 128K x 32 827.4-851.6 against 832.2-837.4) and
-# even on the H100 (274-275 against 271-273; 929-936 against 937-940).
+# no better on the H100 (274-275 against 271-273; 929-936 against 937-940).
 # Round 2n (H100, prerotated query; scripts/results/bench_kernels_h100_merge_{fused,shapes}_round2n.json):
 # the merge inside the decode kernel again, now spread over the last 16-64 programs of each head
 # to finish (a ticket counter; they wait until every program has stored its partial, then each

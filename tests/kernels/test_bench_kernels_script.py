@@ -28,18 +28,21 @@ def test_bench_kernels_without_gpu_says_so_in_one_line(tmp_path):
 def test_bench_kernels_variant_sweep_quick(tmp_path):
     # --variants: each config checked against the reference, then timed at every shape (CPU
     # interpreter under --quick); bad input is one line and a non-zero exit, nothing written
-    cfg = '[{"mode": 0, "BLOCK_N": 16, "BLOCK16": 16, "programs_per_sm": 1}]'
+    # (the second config: the benchmark's keys for a prerotated query on a paged cache)
+    cfg = ('[{"mode": 0, "BLOCK_N": 16, "BLOCK16": 16, "programs_per_sm": 1}, '
+           '{"mode": 0, "BLOCK_N": 16, "BLOCK16": 16, "bench_paged": 16, "bench_prerotated": true}]')
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--variants", cfg,
                           "--contexts", "360,704", "--batches", "2"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rep = json.loads((tmp_path / "sweep.json").read_text())
-    assert rep["correctness"]["decode"][0]["ok"]
+    assert all(c["ok"] for c in rep["correctness"]["decode"])
     rows = [r for r in rep["variants"] if "int2_ms" in r]
-    assert {(r["context"], r["batch"]) for r in rows} == {(360, 2), (704, 2)}
+    assert {(r["context"], r["batch"], r["paged"]) for r in rows} == {
+        (360, 2, None), (704, 2, None), (360, 2, 16), (704, 2, 16)}
     for bad, why in ((["--variants", "[1, 2]"], "must be a JSON list of config objects"),
                      (["--variants", "[{"], "is not JSON"),
                      (["--variants", "no-such-file.json"], "is neither a JSON list nor a file"),
-                     (["--variants", cfg, "--batches", "1,x"], "--batches '1,x': expected comma-separated")):
+                     (["--variants", "[{}]", "--batches", "1,x"], "--batches '1,x': expected comma-separated")):
         out = tmp_path / "bad"
         res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), *bad],
                              capture_output=True, text=True, timeout=120)
