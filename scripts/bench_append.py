@@ -187,13 +187,14 @@ def sdpa_step(a, batch, ctx, heads, qg, d, cuda, dev) -> tuple[float, int]:
     caches = [(torch.randn(batch, heads, ctx + 8, d, device=dev).to(torch.bfloat16),
                torch.randn(batch, heads, ctx + 8, d, device=dev).to(torch.bfloat16)) for _ in range(layers)]
     k = torch.randn(batch, heads, 1, d, device=dev).to(torch.bfloat16)
+    v = torch.randn_like(k)
     q = torch.randn(batch, heads * qg, 1, d, device=dev).to(torch.bfloat16)
     pos = torch.tensor([ctx - 1], device=dev)
 
     def step():
         for kc, vc in caches:
             kc.index_copy_(2, pos, k)
-            vc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
             torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :ctx], vc[:, :, :ctx], enable_gqa=True)
 
     times = [1e6 * time_step(step, a.reps, cuda) / layers for _ in range(STEP_ROUNDS if cuda else 1)]
