@@ -322,6 +322,11 @@ def decode_attention(
 # 22.3-22.8 us against 21.0, 128K x 1 51.4-51.9 against 50.7-51.0 (the grid-end signal the merge
 # kernel waits on under PDL costs less than the atomics and the wait). Merge programs of 1 / 2 / 8
 # warps and 8 / 16 / 64 channels: 21.0-21.9 us against 20.9-21.0 at 32K x 1, none faster.
+# Round 2o (H100, prerotated; scripts/results/bench_kernels_h100_{b1_block128,b1_heads2,skew}_round2o.json):
+# at batch 1, 128-token steps without a cap (224 registers) 22.4 / 49.7 us at 32K / 128K x 1, two
+# KV heads per program 22.8 / 50.6, steps skewed so that one step's value product overlaps the
+# next step's key product (branch exp/skew) 22.1 / 47.8-48.2 (and 288 / 960 us at batch 32),
+# against 20.7-21.2 / 47.3-47.6 (267 / 934-936) for the default.
 #
 # Paged (round 2e, page 64, shuffled pages; shuffled and in-order pages time the same, so the
 # cost is in the kernel, not in DRAM locality): the parameter loads of step i+1 waited on the
