@@ -238,16 +238,20 @@ def test_decode_rotation_prepared_once(device):
     rt = rk.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, column-major
     assert not rt.is_contiguous()
     _run(q, cache, rt, rv)
-    # (entries of tensors that died keep their key until the cache is pruned; a new tensor can
-    # reuse such an id, so only live entries of rt count)
-    hit = [v for k, v in _common._DERIVED.items() if k[0] == id(rt) and v[0]() is rt]
+
+    def live():
+        # (entries of tensors that died keep their key until the cache is pruned; a new tensor can
+        # reuse such an id, so only live entries of rt count)
+        return [v for k, v in _common._DERIVED.items() if k[0] == id(rt) and v[0]() is rt]
+
+    hit = live()
     assert len(hit) == 1 and hit[0][2].is_contiguous()
     first = hit[0][2]
     _run(q, cache, rt, rv)
-    assert [v for k, v in _common._DERIVED.items() if k[0] == id(rt) and v[0]() is rt][0][2] is first
+    assert live()[0][2] is first
     rt.mul_(1.0)  # an in-place change invalidates the cached copy
     _run(q, cache, rt, rv)
-    assert [v for k, v in _common._DERIVED.items() if k[0] == id(rt)][0][2] is not first
+    assert live()[0][2] is not first
 
 
 def test_decode_unrotate_bf16_query_fp16_window(device):
