@@ -301,6 +301,44 @@ def test_bit_budget_writes_per_layer_group_sizes(tmp_path):
     assert "layer_group_sizes" not in plain.artifact.metadata and plain.artifact.metadata["group_size"] == "64"
 
 
+def test_bit_budget_reuses_the_tables_fits_exactly(tmp_path, monkeypatch):
+    """--bit-budget computes each layer's rotations once and takes the clips and held-out figures
+    the budget's tables fitted at the chosen sizes: the artifact and the report's rows equal a
+    from-scratch build_rotations at those sizes, and no clip is fitted outside the tables."""
+    from oscar_calib.calibrate import budget as budget_mod
+    from oscar_calib.calibrate import pipeline as pipeline_mod
+    from oscar_calib.model.geometry import geometry_of
+
+    fits = {"tables": 0, "outside": 0}
+    real_tables, real_fit = budget_mod.budget_tables, pipeline_mod.fit_clips
+
+    def counted_tables(*a, **k):
+        fits["tables"] += 1
+        return real_tables(*a, **k)
+
+    def counted_fit(*a, **k):
+        fits["outside"] += 1
+        return real_fit(*a, **k)
+
+    monkeypatch.setattr(budget_mod, "budget_tables", counted_tables)
+    monkeypatch.setattr(pipeline_mod, "fit_clips", counted_fit)
+    loaded = loaded_tiny("llama", head_dim=64, layers=3)
+    res = run_tiny(tmp_path / "b", loaded=loaded, bit_budget=2.7)
+    assert fits == {"tables": 1, "outside": 0}
+    cfg = CalibrationConfig(**{**TINY_FAST, "bit_budget": 2.7})
+    groups = [(r["k_group_size"], r["v_group_size"]) for r in res.report["layers"]]
+    assert sorted(g for g, _ in groups) == [32, 64, 64]
+    layers, rows = pipeline_mod.build_rotations(res.stats, cfg, geometry_of(loaded.model), 64, groups=groups)
+    assert fits["outside"] == 3
+    for got, want in zip(res.artifact.layers, layers):
+        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for got, want in zip(res.report["layers"], rows):
+        for scheme in ("oscar", "hadamard"):   # ("fork" is added later, by the shared clips)
+            assert got["heldout"][scheme] == want["heldout"][scheme]
+        assert got["clip_tables"] == want["clip_tables"]
+
+
 def test_bit_budget_settings_are_checked():
     for kw, msg in (({"bit_budget": 2.0}, "above 2"), ({"bit_budget": 2.5, "group_size": 32}, "leave out --group-size"),
                     ({"bit_budget": 2.5, "refine_steps": 2}, "cannot be combined")):

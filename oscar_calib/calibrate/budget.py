@@ -47,15 +47,33 @@ def candidate_sizes(head_dim: int, smallest: int = MIN_BUDGET_GROUP) -> tuple[in
 
 
 def error_table(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, clips: dict,
-                sizes: tuple[int, ...]) -> torch.Tensor:
+                sizes: tuple[int, ...], *, full: dict | None = None) -> torch.Tensor:
     """``[len(sizes), len(sizes)]``: held-out relative attention-output error (``attn``) of one layer
     with keys in groups of ``sizes[a]`` and values in groups of ``sizes[b]``. ``clips[("k", G)]`` /
-    ``clips[("v", G)]`` hold the per-KV-head clip ratios fitted for each size."""
+    ``clips[("v", G)]`` hold the per-KV-head clip ratios fitted for each size. ``full``: filled with
+    each pair's whole :func:`heldout_errors` record, keyed ``(G_K, G_V)``."""
     out = torch.empty(len(sizes), len(sizes), dtype=torch.float64)
     for a, gk in enumerate(sizes):
         for b, gv in enumerate(sizes):
-            out[a, b] = heldout_errors(held, k_rot, clips[("k", gk)], v_rot, clips[("v", gv)], gk, gv)["attn"]
+            res = heldout_errors(held, k_rot, clips[("k", gk)], v_rot, clips[("v", gv)], gk, gv)
+            if full is not None:
+                full[(gk, gv)] = res
+            out[a, b] = res["attn"]
     return out
+
+
+@dataclass
+class LayerFits:
+    """What the budget's tables fitted for one layer, kept for the artifact's own fits: per cache
+    and size ``fits[("k", G)] = (clip ratios, clip table or None)``, and per size pair the held-out
+    record (``errors[(G_K, G_V)]``)."""
+
+    fits: dict
+    errors: dict
+
+    def clips(self, gk: int, gv: int) -> tuple:
+        """``(k_clip, k_table, v_clip, v_table)`` as :func:`~oscar_calib.calibrate.pipeline.fit_clips` returns them."""
+        return (*self.fits[("k", gk)], *self.fits[("v", gv)])
 
 
 @dataclass
@@ -123,22 +141,27 @@ def allocate(tables: list[torch.Tensor], sizes: tuple[int, ...], budget: float, 
 
 
 def budget_tables(held_layers, rotations: list, covariances: list, cfg, heads: int,
-                  sizes: tuple[int, ...]) -> list[torch.Tensor]:
+                  sizes: tuple[int, ...], *, keep: list | None = None) -> list[torch.Tensor]:
     """:func:`error_table` of every layer. ``held_layers(i)`` gives layer ``i``'s held-out rows,
     ``rotations[i]`` its ``(k_rot, v_rot)``, ``covariances[i]`` its query covariance; clips are
-    fitted (or fixed) as ``cfg`` says, once per layer, cache and size."""
+    fitted (or fixed) as ``cfg`` says, once per layer, cache and size. ``keep``: a list that gets
+    each layer's :class:`LayerFits`."""
     from ..numerics.clip import fit_k_clip, fit_v_clip
 
     out = []
     for i, (k_rot, v_rot) in enumerate(rotations):
         held = held_layers(i)
-        clips = {}
+        fits = {}
         for g in sizes:
-            clips[("k", g)] = (fit_k_clip(held.k_rows(), k_rot, covariances[i], g)[0] if cfg.k_clip is None
-                               else torch.full((heads,), cfg.k_clip, dtype=torch.float64))
-            clips[("v", g)] = (fit_v_clip(held, v_rot, g)[0] if cfg.v_clip is None
-                               else torch.full((heads,), cfg.v_clip, dtype=torch.float64))
-        out.append(error_table(held, k_rot.double(), v_rot.double(), clips, sizes))
+            fits[("k", g)] = (fit_k_clip(held.k_rows(), k_rot, covariances[i], g) if cfg.k_clip is None
+                              else (torch.full((heads,), cfg.k_clip, dtype=torch.float64), None))
+            fits[("v", g)] = (fit_v_clip(held, v_rot, g) if cfg.v_clip is None
+                              else (torch.full((heads,), cfg.v_clip, dtype=torch.float64), None))
+        full = {} if keep is not None else None
+        out.append(error_table(held, k_rot.double(), v_rot.double(), {key: f[0] for key, f in fits.items()}, sizes,
+                               full=full))
+        if keep is not None:
+            keep.append(LayerFits(fits, full))
     return out
 
 
@@ -152,16 +175,18 @@ def closest_uniform(sizes: tuple[int, ...], budget: float) -> int:
     return min(within)
 
 
-def spend_budget(held_layers, stats: list, layers: list, layer_info: dict, cfg, geo) -> tuple[Allocation, dict]:
+def spend_budget(held_layers, stats: list, rotations: list, layer_info: dict, cfg, geo,
+                 keep: list | None = None) -> tuple[Allocation, dict]:
     """``oscar calibrate --bit-budget``: per-layer group sizes (K = V within a layer, so one kernel
     call per layer stores both) chosen by :func:`allocate` on the held-out tables of the layers'
-    rotations, within the mean and long-context bounds (full-attention layers: those without a
-    sliding window in ``layer_info``). Returns the allocation and its record for the report, with
-    the closest uniform size and both schemes' held-out attention errors (mean over layers)."""
+    rotations (``rotations[i] = (k_rot, v_rot)``), within the mean and long-context bounds
+    (full-attention layers: those without a sliding window in ``layer_info``). Returns the
+    allocation and its record for the report, with the closest uniform size and both schemes'
+    held-out attention errors (mean over layers). ``keep``: as in :func:`budget_tables`."""
     sizes = candidate_sizes(geo.head_dim)
-    tables = budget_tables(held_layers, [(lr.k_rotation, lr.v_rotation) for lr in layers],
-                           [s.covariance("q") for s in stats], cfg, geo.num_kv_heads, sizes)
-    longs = [i for i in range(len(layers)) if not (layer_info.get(i) or {}).get("sliding_window")]
+    tables = budget_tables(held_layers, rotations, [s.covariance("q") for s in stats], cfg, geo.num_kv_heads, sizes,
+                           keep=keep)
+    longs = [i for i in range(len(rotations)) if not (layer_info.get(i) or {}).get("sliding_window")]
     alloc = allocate(tables, sizes, cfg.bit_budget, tied=True, long_layers=longs)
     uniform = closest_uniform(sizes, cfg.bit_budget)
     u = sizes.index(uniform)

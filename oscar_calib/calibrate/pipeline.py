@@ -199,21 +199,38 @@ def spread(eig: torch.Tensor) -> float:
     return float((e[..., 0] / e.mean(-1).clamp(min=1e-300)).mean())
 
 
-def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int, *,
-                    progress: ProgressFn | None = None, groups: list | None = None) -> tuple[list, list]:
-    """Rotations, clips and per-layer report rows. ``groups``: per layer ``(K, V)`` group sizes
-    (a bit budget, :mod:`oscar_calib.calibrate.budget`) the clips are fitted for; default
-    ``group_size`` everywhere."""
-    layers, rows = [], []
-    tick = counter(progress, "rotations + clips", len(run.stats), "layers")
+def layer_rotations(run: StatsRun, cfg: CalibrationConfig) -> list[tuple]:
+    """Per layer ``(k_rot, k_eig, v_rot, v_eig)``: the eigenbases of the objectives' covariances,
+    composed as ``cfg`` says (float64)."""
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
+    out = []
     for i, s in enumerate(run.stats):
-        cq = s.covariance("q")
         k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, cfg.granularity, warn=(i == 0))
         v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, cfg.granularity, warn=False)
+        out.append((k_rot, k_eig, v_rot, v_eig))
+    return out
+
+
+def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int, *,
+                    progress: ProgressFn | None = None, groups: list | None = None,
+                    rotations: list | None = None, fitted: list | None = None) -> tuple[list, list]:
+    """Rotations, clips and per-layer report rows. ``groups``: per layer ``(K, V)`` group sizes
+    (a bit budget, :mod:`oscar_calib.calibrate.budget`) the clips are fitted for; default
+    ``group_size`` everywhere. ``rotations``: :func:`layer_rotations` already computed;
+    ``fitted``: per layer the budget's :class:`~oscar_calib.calibrate.budget.LayerFits`, whose
+    clips and held-out records for the layer's sizes are taken instead of fitting them again."""
+    layers, rows = [], []
+    tick = counter(progress, "rotations + clips", len(run.stats), "layers")
+    rotations = rotations if rotations is not None else layer_rotations(run, cfg)
+    for i, s in enumerate(run.stats):
+        cq = s.covariance("q")
+        k_rot, k_eig, v_rot, v_eig = rotations[i]
         held = heldout_layer(run, i)
         gk, gv = groups[i] if groups else (group_size, group_size)
-        k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
+        if fitted is not None:
+            k_clip, k_table, v_clip, v_table = fitted[i].clips(gk, gv)
+        else:
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
         refined = None
         if cfg.refine_steps:      # refine with the start's clips on the same held-out rows, then fit them again
             if gk != gv:
@@ -221,7 +238,10 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
             k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
             k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
-        ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
+        if fitted is not None and refined is None:
+            ours = fitted[i].errors[(gk, gv)]
+        else:
+            ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
         h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
         base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
                               torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
@@ -243,16 +263,19 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
     return layers, rows
 
 
-def _spend_budget(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, layers: list, progress) -> tuple:
-    """``--bit-budget``: per-layer group sizes from the held-out tables of ``layers``' rotations, the
-    rotations' clips refitted for them. Returns (layers, rows, the closest uniform group size, the
-    budget's report record)."""
+def _spend_budget(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, progress) -> tuple:
+    """``--bit-budget``: per-layer group sizes from the held-out tables of the layers' rotations,
+    whose clips and held-out figures at the chosen sizes the artifact then takes. Returns (layers,
+    rows, the closest uniform group size, the budget's report record)."""
     from .budget import spend_budget
 
+    rotations = layer_rotations(run, cfg)
+    fitted: list = []
     with step(progress, "bit budget"):
-        alloc, record = spend_budget(lambda i: heldout_layer(run, i), run.stats, layers, run.layer_info, cfg, geo)
+        alloc, record = spend_budget(lambda i: heldout_layer(run, i), run.stats,
+                                     [(r[0], r[2]) for r in rotations], run.layer_info, cfg, geo, keep=fitted)
     layers, rows = build_rotations(run, cfg, geo, record["uniform_group_size"], progress=progress,
-                                   groups=alloc.groups)
+                                   groups=alloc.groups, rotations=rotations, fitted=fitted)
     return layers, rows, record["uniform_group_size"], record
 
 
@@ -344,10 +367,11 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
                                          progress=progress if ranks.is_main else None, on_batch=on_batch, ranks=ranks)
         if ranks.is_main:
             t2 = time.perf_counter()
-            layers, rows = build_rotations(run, cfg, lm.geometry, group_size, progress=progress)
             budget = None
             if cfg.bit_budget:
-                layers, rows, group_size, budget = _spend_budget(run, cfg, lm.geometry, layers, progress)
+                layers, rows, group_size, budget = _spend_budget(run, cfg, lm.geometry, progress)
+            else:
+                layers, rows = build_rotations(run, cfg, lm.geometry, group_size, progress=progress)
             shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
                                       layers, rows, progress=progress)
             timing["rotations_and_clips_s"] = time.perf_counter() - t2
@@ -420,4 +444,5 @@ def _warn_beyond_context(lm: LoadedModel, seq_len: int) -> None:
 
 
 __all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics", "build_rotations",
-           "artifact_metadata", "StatsRun", "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME", "REPORT_NAME"]
+           "layer_rotations", "artifact_metadata", "StatsRun", "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME",
+           "REPORT_NAME"]
