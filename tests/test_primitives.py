@@ -100,6 +100,35 @@ def test_clip_rule_matches_design():
     assert torch.equal(clip_rows(row, 1.0), row)      # idx d-1 = max |x|: unchanged
 
 
+def test_clip_threshold_top_k_equals_the_sorted_rule():
+    """The top-k path returns the sorted row's element at the clip index, bit for bit: per-head
+    ratios (high ones take top-k, a 0.4 takes the sort), ties, zeros of both signs, infinities
+    and NaN, float32 and float64, a ratio tensor on the rows' device or not."""
+    g = torch.Generator().manual_seed(0)
+
+    def by_sort(x, ratio):
+        d = x.shape[-1]
+        idx = torch.clamp(torch.floor(torch.as_tensor(ratio, dtype=torch.float64) * d).long(), max=d - 1)
+        return x.abs().sort(dim=-1).values.gather(-1, idx.expand(x.shape[:-1]).unsqueeze(-1))
+
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(500, 4, 64, generator=g).to(dtype)
+        x[:50] = torch.round(x[:50] * 2) / 2                         # many ties
+        x[50, 0, :8] = 0.0
+        x[50, 0, 8:16] = -0.0
+        x[51, 1, 3] = float("inf")
+        x[52, 2, 5] = float("-inf")
+        x[53, 3, 7] = float("nan")
+        heads = torch.tensor([0.88, 0.95, 0.92, 0.99], dtype=torch.float64)
+        mixed = torch.tensor([0.9, 0.3, 0.92, 0.99], dtype=torch.float64)
+        for rows, ratio in ((x, 0.96), (x, 1.0), (x, 0.5), (x, 0.4), (x, heads), (x, mixed),
+                            (x.transpose(0, 1), heads.view(-1, 1)), (x.transpose(0, 1), mixed.view(-1, 1))):
+            got, want = clip_threshold(rows, ratio), by_sort(rows, ratio)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+            assert got.shape == want.shape == (*rows.shape[:-1], 1)
+
+
 def test_group_size_checks():
     assert default_group_size(64) == 64 and default_group_size(256) == 128 and default_group_size(96) == 32
     with pytest.raises(InputError, match="power of two"):

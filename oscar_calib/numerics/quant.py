@@ -51,13 +51,23 @@ LEVELS = 4  # 2 bits
 
 
 def clip_threshold(x: torch.Tensor, ratio: torch.Tensor | float) -> torch.Tensor:
-    """Per-row threshold ``t`` for clip ratio ``ratio`` (scalar, or broadcastable to ``x[..., 0]``)."""
+    """Per-row threshold ``t`` for clip ratio ``ratio`` (scalar, or broadcastable to ``x[..., 0]``):
+    ``sorted(|row|)[min(floor(ratio * d), d - 1)]``.
+
+    That is the ``m``-th largest ``|x|`` with ``m = d - idx``. Where the ratios are known on the
+    host (a number or a CPU tensor) and every ``m`` is at most ``d / 2`` (clip ratios of 0.5 and
+    up), it is taken from ``topk(max m)``: the same values as the sorted row's top, ~3x faster than
+    a sort on the CPU for the usual ratios. Otherwise (and for ratios on a GPU, where reading
+    ``max m`` would wait for the device) the row is sorted."""
     d = x.shape[-1]
-    ratio = torch.as_tensor(ratio, dtype=torch.float64, device=x.device)
-    idx = torch.clamp(torch.floor(ratio * d).long(), max=d - 1)
+    r = torch.as_tensor(ratio, dtype=torch.float64)
+    idx = torch.clamp(torch.floor(r * d).long(), max=d - 1)
+    if r.device.type == "cpu" and idx.numel() and int(idx.min()) >= d - d // 2:
+        k = d - int(idx.min())
+        top = x.abs().topk(k, dim=-1, largest=True, sorted=True).values      # |x|, largest first
+        return top.gather(-1, (d - 1 - idx).to(x.device).expand(x.shape[:-1]).unsqueeze(-1))
     srt = x.abs().sort(dim=-1).values
-    idx = idx.expand(x.shape[:-1]).unsqueeze(-1)
-    return srt.gather(-1, idx)
+    return srt.gather(-1, idx.to(x.device).expand(x.shape[:-1]).unsqueeze(-1))
 
 
 def clip_rows(x: torch.Tensor, ratio: torch.Tensor | float) -> torch.Tensor:
