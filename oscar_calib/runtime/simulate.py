@@ -71,10 +71,11 @@ class SimulatedKV(AttentionRoute):
         return self._route("sdpa")
 
     @staticmethod
-    def _allowed(mask, b: int, t: int, s: int, window: int | None, device) -> torch.Tensor:
-        """Boolean [B|1, 1, T, S]: the model's mask, or causal (+ sliding window) when it is None."""
+    def _allowed(mask, b: int, t: int, s: int, window: int | None, device, qpos=None) -> torch.Tensor:
+        """Boolean [B|1, 1, T, S]: the model's mask, or causal (+ sliding window) when it is None
+        (``qpos [T, 1]``: the query rows' positions)."""
         if mask is None:
-            qpos = torch.arange(t, device=device).unsqueeze(1) + (s - t)
+            qpos = torch.arange(t, device=device).unsqueeze(1) + (s - t) if qpos is None else qpos
             kpos = torch.arange(s, device=device).unsqueeze(0)
             m = kpos <= qpos
             if window:
@@ -82,8 +83,11 @@ class SimulatedKV(AttentionRoute):
             return m.view(1, 1, t, s)
         return allowed_mask(mask[..., -s:])
 
-    def attend(self, layer: int, q, k, v, mask, scaling: float, window: int | None, softcap) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, mask, scaling: float, window: int | None, softcap,
+               positions=None) -> torch.Tensor:
         """q [B, Hq, T, d], k/v [B, Hkv, S, d] -> attention output [B, T, Hq, d] (float32).
+        ``positions``: the query rows' positions among the keys (a sequence of ``T`` ints; default
+        the last ``T``), with ``mask`` None: row ``i`` reads the keys up to its position.
 
         Exact per-(i, j) selection with one attention call: the keys are the INT2 version
         followed by the BF16 version (oscar's quantiser: the INT2 keys rotated back, ``K̂Rᵀ``, so
@@ -96,12 +100,15 @@ class SimulatedKV(AttentionRoute):
         b, hq, t, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
         grp = hq // hkv
-        allowed = self._allowed(mask, b, t, s, window, q.device)                          # [B|1, 1, T, S]
+        if positions is not None and mask is not None:
+            raise ValueError("attend(positions=...) takes no mask")
+        qpos = (torch.arange(t, device=q.device) + (s - t) if positions is None
+                else torch.as_tensor(positions, device=q.device)).unsqueeze(1)                   # [T, 1]
+        allowed = self._allowed(mask, b, t, s, window, q.device, qpos)                    # [B|1, 1, T, S]
         rows = {"oscar": oscar_rows, "codebook": codebook_rows, "codebook-std": codebook_rows}.get(sch.quantizer,
                                                                                                   fork_rows)
         qf, keys, values, k_lo, v_lo, back = rows(sch, layer, q, k, v)
         if k_lo is not None:
-            qpos = torch.arange(t, device=q.device).unsqueeze(1) + (s - t)
             kpos = torch.arange(s, device=q.device).unsqueeze(0)
             hi = (kpos < sch.sink) | (qpos - kpos < sch.recent)                             # [T, S]
             keys = torch.cat([k_lo, keys], dim=2)

@@ -193,19 +193,19 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
 def _fork_layer_errors(caps: dict, samples, scheme, layer: int, scaling: float, window: int | None) -> dict:
     """Relative attention-output error of the fork's scheme for one layer, pooled like ``attn``: each
     sample's query reads its cache through :class:`~oscar_calib.runtime.simulate.SimulatedKV` (BF16
-    sink and window by absolute position, the rest INT2 the fork's way)."""
+    sink and window by absolute position, the rest INT2 the fork's way). One call covers every
+    sample: the keys up to the last end, each query row masked to its own prefix (the fork stores
+    every token alone, so a prefix's rows are the longer prefix's)."""
     from ..runtime.simulate import SimulatedKV
 
-    sim = SimulatedKV(None, scheme)
-    num = den = 0.0
-    for e in sorted({e for _, e in samples}):
-        q = caps["q"][:, caps["at"][e - 1]].unsqueeze(2)                 # [B, Hq, 1, d]
-        k, v = caps["k"][:, :e].transpose(1, 2), caps["v"][:, :e].transpose(1, 2)
-        o = sim.attend(layer, q, k, v, None, scaling, window, None)[:, 0]   # [B, Hq, d]
-        ref = caps["o"][:, caps["at"][e - 1]].float()
-        num += float((o - ref).pow(2).sum())
-        den += float(ref.pow(2).sum())
-    return {"attn": math.sqrt(num / max(den, 1e-300))}
+    ends = sorted({e for _, e in samples})
+    rows = [caps["at"][e - 1] for e in ends]
+    q = caps["q"][:, rows].transpose(1, 2)                                  # [B, Hq, T, d]
+    k, v = caps["k"][:, :ends[-1]].transpose(1, 2), caps["v"][:, :ends[-1]].transpose(1, 2)
+    o = SimulatedKV(None, scheme).attend(layer, q, k, v, None, scaling, window, None,
+                                         positions=[e - 1 for e in ends])    # [B, T, Hq, d]
+    ref = caps["o"][:, rows].float()
+    return {"attn": math.sqrt(float((o - ref).pow(2).sum()) / max(float(ref.pow(2).sum()), 1e-300))}
 
 
 def _fork_scheme(art):

@@ -90,6 +90,26 @@ def test_fork_simulation_matches_the_explicit_data_path(quantizer, g):
     assert torch.allclose(got, _reference(q, k, v, sch, 0.25), atol=1e-5, rtol=0)   # measured: equal
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_attend_at_positions_equals_one_call_per_prefix(window):
+    """``attend(positions=...)``: query rows at chosen positions over the longest prefix give each
+    row what a call over its own prefix gives (what verify's fork figures take, one call per layer):
+    sink, window and INT2 history by absolute position, a sliding window, two sequences."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 6, 50, 16, generator=g), 3 * torch.randn(2, 2, 50, 16, generator=g),
+               torch.randn(2, 2, 50, 16, generator=g))
+    sim = SimulatedKV(None, fork_scheme(1, 2, 16, 8))
+    ends = [12, 31, 44, 50]
+    got = sim.attend(0, q[:, :, [e - 1 for e in ends]], k, v, None, 0.25, window, None, positions=[e - 1 for e in ends])
+    for j, e in enumerate(ends):
+        one = sim.attend(0, q[:, :, e - 1:e], k[:, :, :e], v[:, :, :e], None, 0.25, window, None)[:, 0]
+        assert torch.allclose(got[:, j], one, atol=1e-6, rtol=1e-5), e
+    last = sim.attend(0, q, k, v, None, 0.25, window, None)            # the default: the last T positions
+    assert torch.allclose(got[:, -1], last[:, -1], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="takes no mask"):
+        sim.attend(0, q, k, v, torch.ones(1, 1, 50, 50, dtype=torch.bool), 0.25, None, None, positions=range(50))
+
+
 def test_fork_and_oscar_quantisers_differ_only_by_storage():
     """Without BF16 rounding the fork's rotated-basis path and oscar's rotate-back path read the same
     history; they differ only by the fork's float32 scale/zero against our fp16 scale/offset."""
