@@ -71,11 +71,10 @@ class SimulatedKV(AttentionRoute):
         return self._route("sdpa")
 
     @staticmethod
-    def _allowed(mask, b: int, t: int, s: int, window: int | None, device, qpos=None) -> torch.Tensor:
+    def _allowed(mask, b: int, t: int, s: int, window: int | None, device, qpos: torch.Tensor) -> torch.Tensor:
         """Boolean [B|1, 1, T, S]: the model's mask, or causal (+ sliding window) when it is None
         (``qpos [T, 1]``: the query rows' positions)."""
         if mask is None:
-            qpos = torch.arange(t, device=device).unsqueeze(1) + (s - t) if qpos is None else qpos
             kpos = torch.arange(s, device=device).unsqueeze(0)
             m = kpos <= qpos
             if window:
