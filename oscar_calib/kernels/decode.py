@@ -290,6 +290,7 @@ def decode_attention(
 #                    all into L2 (DRAM works while the query rotation runs); 0 = never
 #   window_stages    pipeline stages of the 16-bit window loop, or "auto" (see _window_stages)
 #
+# Round by round, with what was not adopted: docs/kernel-rounds.md.
 # Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py sweeps, CUDA-graph
 # replays; scripts/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
 # 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not
