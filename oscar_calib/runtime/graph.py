@@ -82,8 +82,9 @@ class DecodeGraph:
         self.calls = 0
         self.graph = None
         self.compile = bool(compile)
+        self._layers = None
         if self.compile:
-            found = _decoder_layers(model)
+            found = self._layers = _decoder_layers(model)
             if found is None:
                 raise InputError("DecodeGraph(compile=True) needs the model's decoder layers "
                                  "(model.get_decoder().layers)")
@@ -97,7 +98,7 @@ class DecodeGraph:
         self._gate = torch.ones(self.batch, dtype=torch.bool, device=device)   # rows that store their token
 
     def _step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with _compiled_layers(self.model, self.cache) if self.compile else contextlib.nullcontext():
+        with _compiled_layers(self._layers, self.cache) if self.compile else contextlib.nullcontext():
             return self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
                               use_cache=True).logits
 
@@ -181,16 +182,16 @@ def _decoder_layers(model):
 
 
 @contextlib.contextmanager
-def _compiled_layers(model, cache):
-    """Each decoder layer's forward through ``torch.compile`` (one compiled code shared by the layers),
-    with the cache's update and the attention function left out of it (graph breaks), so the
-    model's own small ops between them (norms, RoPE, residual adds, the MLP's activation) fuse. The
-    model is as before on exit; a recorded step keeps the compiled kernels."""
+def _compiled_layers(layers, cache):
+    """Each of the decoder ``layers`` (found once, by :class:`DecodeGraph`) runs its forward through
+    ``torch.compile`` (one compiled code shared by the layers), with the cache's update and the
+    attention function left out of it (graph breaks), so the model's own small ops between them
+    (norms, RoPE, residual adds, the MLP's activation) fuse. The model is as before on exit; a
+    recorded step keeps the compiled kernels."""
     from transformers import AttentionInterface
 
     from .attention import ATTENTION_NAME, _registered_attention
 
-    layers = _decoder_layers(model)
     AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(_registered_attention))
     cache.update = torch.compiler.disable(type(cache).update.__get__(cache))
     for layer in layers:

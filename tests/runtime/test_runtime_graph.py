@@ -314,7 +314,7 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
     """The layers ``DecodeGraph(compile=True)`` records: each decoder layer through torch.compile
     (one compiled code for all layers), the cache update and the attention left out of it; steps
     through it give the eager steps' logits (float32 here) and the model is restored after."""
-    from oscar_calib.runtime.graph import _compiled_layers
+    from oscar_calib.runtime.graph import _compiled_layers, _decoder_layers
 
     torch.manual_seed(0)
     model = _model("cpu")
@@ -327,7 +327,7 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
         with cache.attach(model), torch.no_grad():
             ids, pos = logits.argmax(-1), torch.tensor([[300]])
             for i in range(3):
-                with _compiled_layers(model, cache) if compiled else contextlib.nullcontext():
+                with _compiled_layers(_decoder_layers(model), cache) if compiled else contextlib.nullcontext():
                     out = model(ids, past_key_values=cache, position_ids=pos + i, use_cache=True).logits[:, -1:]
                 assert "update" not in cache.__dict__
                 outs.append(out.float())
