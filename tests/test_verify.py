@@ -65,11 +65,15 @@ def test_a_refined_smollm2_artifact_validates_and_verifies(tmp_path, smollm2_loa
 
 
 def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
+    """Triton against torch: under the interpreter on the CPU; on a GPU machine with the model on the
+    GPU (the real compiler; a CPU model there would switch the whole process to the interpreter)."""
     assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
     lm = loaded_tiny("llama", head_dim=64, layers=2)
     out = tmp_path / "a"
     calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64, "sink_tokens": 4,
                                    "recent_tokens": 16}), out, loaded=lm)
+    if torch.cuda.is_available():
+        lm.model.to("cuda")
     kw = dict(loaded=lm, depths=(56, 72), sequences=1, positions=1, write=False)    # INT2 histories of 36 and 52
     t = verify_artifact(out, backend="triton", **kw)
     r = verify_artifact(out, backend="torch", **kw)
@@ -78,6 +82,27 @@ def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
         assert a["artifact"]["attn"] == pytest.approx(b["artifact"]["attn"], rel=2e-2, abs=1e-3)
         assert a["hadamard"]["logit"] == pytest.approx(b["hadamard"]["logit"], rel=2e-2, abs=1e-3)
         assert a["artifact"]["attn"] > 0          # the INT2 history really was quantised
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (GPU machine)")
+def test_verify_on_cuda_gives_the_cpu_figures(tmp_path):
+    """The same artifact verified with the model on a GPU: every layer's figures, the fork's
+    simulation (one call over the longest prefix, rows at their own positions) included, are the
+    CPU run's up to float32 summation order; the Triton kernels' too."""
+    lm = loaded_tiny("llama", head_dim=64, layers=2)
+    out = tmp_path / "a"
+    calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64, "sink_tokens": 4,
+                                   "recent_tokens": 16}), out, loaded=lm)
+    kw = dict(depths=(56, 72, 100), sequences=1, positions=3, write=False)
+    cpu = verify_artifact(out, loaded=lm, backend="torch", **kw)
+    lm.model.to("cuda")
+    for backend in ("torch", "triton"):
+        gpu = verify_artifact(out, loaded=lm, backend=backend, **kw)
+        assert gpu.settings["device"].startswith("cuda") and gpu.settings["backend"] == backend
+        for a, b in zip(gpu.layers, cpu.layers):
+            assert b["fork"]["attn"] > 0
+            for method in ("artifact", "hadamard", "fork"):       # (an INT2 code may flip at a rounding tie)
+                assert a[method]["attn"] == pytest.approx(b[method]["attn"], rel=2e-2, abs=1e-3), (backend, method)
 
 
 @pytest.fixture(scope="module")
