@@ -16,7 +16,8 @@ overhead is gone), and GPU time per step replayed from a CUDA graph (``oscar`` v
 ``StaticCache`` + SDPA baseline, both with preallocated static buffers; for ``oscar`` also the
 wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph`), and decode
 tokens/s of ``generate()`` itself after a real prompt (section ``generate``: DynamicCache,
-OscarCache eager, OscarCache with ``custom_generate=graph_decoding``). Contexts for decode runs
+OscarCache eager, OscarCache with ``custom_generate=graph_decoding``; with ``--compile`` also
+``DecodeGraph(compile=True)`` and ``graph_decoding`` with ``compile=True``). Contexts for decode runs
 are filled with random K/V written through each cache's own write path (the prefill compute is
 the same for every cache and would cost minutes of device time); time to first token is measured
 separately with real prefills through ``generate(max_new_tokens=1)`` at batch 1. The largest
@@ -99,6 +100,10 @@ def graph_record(model, kind, batch, tokens, args) -> dict:
         del cache
         gc.collect()
         rec.update(graph_decode(model, batch, tokens, args.new, args))
+        if args.compile:                               # the opt-in: the model's own ops through torch.compile
+            gc.collect()
+            rec.update({f"compiled_{k}": v for k, v in graph_decode(model, batch, tokens, args.new, args,
+                                                                     compile=True).items()})
     return rec
 
 
@@ -112,6 +117,9 @@ def parse(argv=None):
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip what is left after this many seconds")
     ap.add_argument("--sections", default="decode,graph,generate,ttft,maxctx",
                     help="comma-separated: decode, graph, generate, ttft, maxctx")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time DecodeGraph(compile=True) in the graph section and "
+                         "custom_generate=partial(graph_decoding, compile=True) in the generate section")
     return ap.parse_args(argv)
 
 
@@ -177,7 +185,7 @@ def main(argv=None) -> dict:
             res.add("runs", rec)
             print(json.dumps(rec), flush=True)
     for batch, tokens in gens if "generate" in sections else []:
-        for method in ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos"):
+        for method in ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos") + (("oscar+graph+compile",) * args.compile):
             if late(f"generate {method} {batch}x{tokens}"):
                 break
             rec = {"batch": batch, "tokens": tokens, "method": method}
@@ -225,7 +233,10 @@ def table(data: dict) -> str:
                 continue
             gms = "OOM" if g.get("oom") else _fmt(g.get("graph_ms"), ".2f")
             if g.get("graph_tok_s"):
-                gms += f" ({g['graph_tok_s']:.1f} tok/s with DecodeGraph)"
+                gms += f" ({g['graph_tok_s']:.1f} tok/s with DecodeGraph"
+                if g.get("compiled_graph_tok_s"):
+                    gms += f"; {g['compiled_graph_tok_s']:.1f} compiled, {g['compiled_graph_wall_ms_per_step']:.2f} ms/step"
+                gms += ")"
             if r.get("oom"):
                 lines.append(f"| {b} × {_ctx(t)} | {kind} | OOM | | | {gms} | |")
                 continue

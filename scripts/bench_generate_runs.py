@@ -4,6 +4,7 @@ token and the largest context that fits. Results are written after every measure
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -167,9 +168,10 @@ def graph_ms(model, cache, batch: int, tokens: int, replays: int = 20) -> float 
     return a.elapsed_time(b) / replays
 
 
-def graph_decode(model, batch: int, tokens: int, new: int, args) -> dict:
+def graph_decode(model, batch: int, tokens: int, new: int, args, compile: bool = False) -> dict:
     """Wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph` (argmax and
-    host bookkeeping included; the first call runs eagerly, the second records, the rest replay)."""
+    host bookkeeping included; the first call runs eagerly, the second records, the rest replay);
+    ``compile``: ``DecodeGraph(compile=True)``, whose first two calls also compile (``setup_s``)."""
     from oscar_calib.runtime import DecodeGraph
 
     dev = model.device
@@ -177,18 +179,20 @@ def graph_decode(model, batch: int, tokens: int, new: int, args) -> dict:
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     pos = torch.full((batch, 1), tokens, dtype=torch.long, device=dev)
     with _attached(cache, model), torch.no_grad():
-        step = DecodeGraph(model, cache)
+        step = DecodeGraph(model, cache, compile=compile)
+        t0 = time.perf_counter()
         for _ in range(2):                             # eager warm-up, then the recording
             tok = step(tok, pos).argmax(-1)
             pos += 1
         _sync(dev)
+        setup = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(new):
             tok = step(tok, pos).argmax(-1)
             pos += 1
         _sync(dev)
     wall = time.perf_counter() - t0
-    return {"graph_tok_s": batch * new / wall, "graph_wall_ms_per_step": 1e3 * wall / new}
+    return {"graph_tok_s": batch * new / wall, "graph_wall_ms_per_step": 1e3 * wall / new, "graph_setup_s": setup}
 
 
 class _Clock:
@@ -209,7 +213,8 @@ def generate_rate(model, method: str, batch: int, tokens: int, new: int, args) -
     """Decode tokens/s of ``model.generate()`` itself after a real prompt of ``tokens`` random ids:
     ``dynamic`` (DynamicCache), ``oscar`` (OscarCache, eager steps), ``oscar+graph``
     (``custom_generate=graph_decoding``) or ``oscar+graph+eos`` (the same with an EOS stop that
-    ``min_new_tokens`` keeps from firing: the loop that decides stops on the device). After a
+    ``min_new_tokens`` keeps from firing: the loop that decides stops on the device) or
+    ``oscar+graph+compile`` (``graph_decoding`` with ``compile=True``). After a
     warm-up call, one call of ``new`` tokens, timed from the prompt's logits (a logits processor
     waits for them) to its end: ``new - 1`` decode steps, the graph's recording included."""
     from transformers import DynamicCache, LogitsProcessorList
@@ -220,6 +225,8 @@ def generate_rate(model, method: str, batch: int, tokens: int, new: int, args) -
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=dev,
                         generator=torch.Generator(dev.type).manual_seed(0))
     extra = {"custom_generate": graph_decoding} if method.startswith("oscar+graph") else {}
+    if method.endswith("+compile"):
+        extra = {"custom_generate": functools.partial(graph_decoding, compile=True)}
     for n in (2, new):                                 # (the first call warms up: compiles, allocates)
         cache = (DynamicCache(config=model.config) if method == "dynamic"
                  else make_cache("oscar", model, batch, 0, tokens + new + 8, args))

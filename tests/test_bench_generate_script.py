@@ -10,8 +10,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_generate.py"
 
 def test_bench_generate_quick_runs_every_section(tmp_path):
     out = tmp_path / "g.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--compile", "--out", str(out)], capture_output=True,
+                         text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["errors"] == []
@@ -19,7 +19,7 @@ def test_bench_generate_quick_runs_every_section(tmp_path):
                                                                           (2, 600, "oscar")}
     assert all(r["tok_s"] > 0 for r in data["runs"])
     methods = [r["method"] for r in data["generate"]]
-    assert methods == ["dynamic", "oscar", "oscar+graph", "oscar+graph+eos"]
+    assert methods == ["dynamic", "oscar", "oscar+graph", "oscar+graph+eos", "oscar+graph+compile"]
     assert all("generate_tok_s" in r and r["decode_wall_s"] > 0 for r in data["generate"])
     assert [r["cache"] for r in data["ttft"]] == ["dynamic", "oscar"] * 2
     assert "| generate() 1 × 400 | oscar+graph |" in res.stdout
