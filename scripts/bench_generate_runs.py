@@ -171,7 +171,7 @@ def graph_ms(model, cache, batch: int, tokens: int, replays: int = 20) -> float 
 def graph_decode(model, batch: int, tokens: int, new: int, args, compile: bool = False) -> dict:
     """Wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph` (argmax and
     host bookkeeping included; the first call runs eagerly, the second records, the rest replay);
-    ``compile``: ``DecodeGraph(compile=True)``, whose first two calls also compile (``setup_s``)."""
+    ``compile``: ``DecodeGraph(compile=True)``, whose first two calls also compile (their time: ``graph_setup_s``)."""
     from oscar_calib.runtime import DecodeGraph
 
     dev = model.device
