@@ -224,9 +224,8 @@ def generate_rate(model, method: str, batch: int, tokens: int, new: int, args) -
     dev = model.device
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=dev,
                         generator=torch.Generator(dev.type).manual_seed(0))
-    extra = {"custom_generate": graph_decoding} if method.startswith("oscar+graph") else {}
-    if method.endswith("+compile"):
-        extra = {"custom_generate": functools.partial(graph_decoding, compile=True)}
+    decoding = functools.partial(graph_decoding, compile=True) if method.endswith("+compile") else graph_decoding
+    extra = {"custom_generate": decoding} if method.startswith("oscar+graph") else {}
     for n in (2, new):                                 # (the first call warms up: compiles, allocates)
         cache = (DynamicCache(config=model.config) if method == "dynamic"
                  else make_cache("oscar", model, batch, 0, tokens + new + 8, args))

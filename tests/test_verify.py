@@ -64,14 +64,21 @@ def test_a_refined_smollm2_artifact_validates_and_verifies(tmp_path, smollm2_loa
     assert v.summary()["mean_attn_error"] < v.summary()["mean_attn_error_hadamard"]
 
 
-def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
-    """Triton against torch: under the interpreter on the CPU; on a GPU machine with the model on the
-    GPU (the real compiler; a CPU model there would switch the whole process to the interpreter)."""
-    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+def _kernel_sized_artifact(tmp_path):
+    """A tiny Llama (head_dim 64, 2 layers, on the CPU) and its artifact with a short sink and
+    window, so that verify's depths leave an INT2 history for the kernels."""
     lm = loaded_tiny("llama", head_dim=64, layers=2)
     out = tmp_path / "a"
     calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64, "sink_tokens": 4,
                                    "recent_tokens": 16}), out, loaded=lm)
+    return lm, out
+
+
+def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
+    """Triton against torch: under the interpreter on the CPU; on a GPU machine with the model on the
+    GPU (the real compiler; a CPU model there would switch the whole process to the interpreter)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    lm, out = _kernel_sized_artifact(tmp_path)
     if torch.cuda.is_available():
         lm.model.to("cuda")
     kw = dict(loaded=lm, depths=(56, 72), sequences=1, positions=1, write=False)    # INT2 histories of 36 and 52
@@ -89,10 +96,7 @@ def test_verify_on_cuda_gives_the_cpu_figures(tmp_path):
     """The same artifact verified with the model on a GPU: every layer's figures, the fork's
     simulation (one call over the longest prefix, rows at their own positions) included, are the
     CPU run's up to float32 summation order; the Triton kernels' too."""
-    lm = loaded_tiny("llama", head_dim=64, layers=2)
-    out = tmp_path / "a"
-    calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64, "sink_tokens": 4,
-                                   "recent_tokens": 16}), out, loaded=lm)
+    lm, out = _kernel_sized_artifact(tmp_path)
     kw = dict(depths=(56, 72, 100), sequences=1, positions=3, write=False)
     cpu = verify_artifact(out, loaded=lm, backend="torch", **kw)
     lm.model.to("cuda")
