@@ -21,7 +21,7 @@ demo: setup
 	$(PYTHON) -m oscar_calib calibrate smollm2-135m --out runs/demo --overwrite --device cpu
 
 test: setup
-	$(PYTHON) scripts/run_hook.py oscar-validate zoo
+	$(PYTHON) scripts/dev/run_hook.py oscar-validate zoo
 	$(PYTHON) -m pytest -q tests
 	$(MAKE) test-low
 
@@ -41,19 +41,19 @@ test-low: $(LOW_VENV)/ok
 	PYTHONPATH=$(CURDIR) $(LOW_VENV)/bin/python -m pytest -q tests/runtime -p no:cacheprovider
 
 bench-calibrate: setup
-	$(PYTHON) scripts/bench_calibrate.py
+	$(PYTHON) scripts/bench/bench_calibrate.py
 
 bench-calibrate-gpu: setup
-	$(PYTHON) scripts/bench_calibrate.py --gpu
+	$(PYTHON) scripts/bench/bench_calibrate.py --gpu
 
 bench-scale: setup
-	$(PYTHON) scripts/bench_scale.py
+	$(PYTHON) scripts/bench/bench_scale.py
 
 bench-kernels: setup
-	$(PYTHON) scripts/bench_kernels.py $(if $(NCU),--ncu,) $(if $(QUICK),--quick,)
+	$(PYTHON) scripts/bench/bench_kernels.py $(if $(NCU),--ncu,) $(if $(QUICK),--quick,)
 
 bench-generate: setup
-	$(PYTHON) scripts/bench_generate.py
+	$(PYTHON) scripts/bench/bench_generate.py
 
 clean:
 	rm -rf $(STAMP) runs bench_out .pytest_cache

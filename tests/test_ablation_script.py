@@ -1,4 +1,4 @@
-"""scripts/ablation.py's table: a NIAH column attached from scripts/niah_gpu.py results (--niah, --render)."""
+"""scripts/experiments/ablation.py's table: a NIAH column attached from scripts/experiments/niah_gpu.py results (--niah, --render)."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ablation.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "ablation.py"
 
 
 def _module():
@@ -23,7 +23,7 @@ def _results():
                 "heldout_tokens": 32, "texts": ["embedded"]}
     rows = {"bf16": {"ppl": {"embedded": 8.0}, "bits_per_element": 16.0, "group_size": None},
             "default": {"ppl": {"embedded": 8.4}, "bits_per_element": 2.5, "group_size": 64}}
-    return {"settings": settings, "rows": rows, "command": "python scripts/ablation.py m"}
+    return {"settings": settings, "rows": rows, "command": "python scripts/experiments/ablation.py m"}
 
 
 def _niah(tmp_path, name="n.json", rates=(("bf16", 0.5), ("oscar", 0.25))):
@@ -68,7 +68,7 @@ def test_render_writes_the_table_without_a_model(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     md = out.with_suffix(".md").read_text()
-    assert "0.25 [0.15, 0.35] at 8192 (a)" in md and "NIAH attached with: `python scripts/ablation.py --render" in md
+    assert "0.25 [0.15, 0.35] at 8192 (a)" in md and "NIAH attached with: `python scripts/experiments/ablation.py --render" in md
     assert json.loads(out.read_text())["rows"]["default"]["niah"]["method"] == "oscar"
     bad = subprocess.run([sys.executable, str(SCRIPT), "--render", "--out", str(tmp_path / "none.json")],
                          capture_output=True, text=True, timeout=60)

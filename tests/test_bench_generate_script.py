@@ -1,11 +1,11 @@
-"""scripts/bench_generate.py --quick: every section runs on the CPU with a tiny model and writes its JSON."""
+"""scripts/bench/bench_generate.py --quick: every section runs on the CPU with a tiny model and writes its JSON."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_generate.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_generate.py"
 
 
 def test_bench_generate_quick_runs_every_section(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/bench_scale.py, dry-run on the CPU (a tiny geometry, two gloo ranks): both modes run
+"""scripts/bench/bench_scale.py, dry-run on the CPU (a tiny geometry, two gloo ranks): both modes run
 the whole pipeline, write their JSON and the spread model is verified. On the GPU machine the
 same script measures the Qwen3-32B-shaped model over two GPUs (README, "Scaling")."""
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_scale.py"
 
 
 def test_dry_run_on_the_cpu(tmp_path):

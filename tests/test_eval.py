@@ -258,7 +258,7 @@ def test_haystack_fingerprint_names_the_filler(monkeypatch):
 def test_niah_gpu_merge_refuses_other_filler(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("niah_gpu", Path(__file__).resolve().parents[1] / "scripts/niah_gpu.py")
+    spec = importlib.util.spec_from_file_location("niah_gpu", Path(__file__).resolve().parents[1] / "scripts/experiments/niah_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     base = {"methods": ["bf16"], "depths": [0.5], "samples": 1, "seed": 0, "haystack": "corpus", "sink": 4,

@@ -1,5 +1,5 @@
 """NIAH intervals and paired tests (oscar_calib/eval/stats.py), and where they show: the summary,
-``--json``, the text table, the recorded card, ``--prompts``; scripts/niah_gpu.py's merge and record."""
+``--json``, the text table, the recorded card, ``--prompts``; scripts/experiments/niah_gpu.py's merge and record."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_cli_prompts_and_interval_table(monkeypatch):
 
 
 def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "niah_gpu.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "niah_gpu.py"
     spec = importlib.util.spec_from_file_location("niah_gpu", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

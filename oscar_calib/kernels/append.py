@@ -38,7 +38,7 @@ With ``query=`` the K programs also rotate the step's query heads by the ``R_k``
 and return them (float32), for :func:`~oscar_calib.kernels.decode_attention` with
 ``k_rotation=None, pdl_input=True``: the decode step then has no query-rotation kernel, and the
 decode kernel launches while this one ends (H100, Qwen3-8B shapes, write + decode per layer:
-32.6 -> 27.8 us at 32K x 1, 54.3 -> 49.7 us at 128K x 1; ``scripts/bench_append.py``).
+32.6 -> 27.8 us at 32K x 1, 54.3 -> 49.7 us at 128K x 1; ``scripts/bench/bench_append.py``).
 """
 
 from __future__ import annotations

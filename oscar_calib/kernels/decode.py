@@ -68,7 +68,7 @@ at every shape on an H200, round 2m), ``merge_cols`` / ``merge_warps`` (output c
 per merge program, default 32 / 4; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
-tokens; ``scripts/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2n): at 128K
+tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2n): at 128K
 context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
 gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
@@ -276,7 +276,7 @@ def decode_attention(
                           pdl_input)
 
 
-# Tuning defaults (scripts/bench_kernels.py sweeps them; see the module docstring), per regime:
+# Tuning defaults (scripts/bench/bench_kernels.py sweeps them; see the module docstring), per regime:
 # "small" below SMALL_BATCH_HEADS (sequence, KV head) pairs, "large" from there on.
 #   mode             1 = bit operations as inline PTX (GPU), 0 = plain Triton ops (interpreter)
 #   BLOCK_N          history tokens per step of a one-warp program (BLOCK16: window tokens)
@@ -291,22 +291,22 @@ def decode_attention(
 #   window_stages    pipeline stages of the 16-bit window loop, or "auto" (see _window_stages)
 #
 # Round by round, with what was not adopted: docs/kernel-rounds.md.
-# Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench_kernels.py sweeps, CUDA-graph
-# replays; scripts/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
+# Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench/bench_kernels.py sweeps, CUDA-graph
+# replays; scripts/bench/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
 # 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not
 # raise the issue rate). Batch 32: one KV head per program, 32-token tiles, 128 registers and
 # 64 programs per SM 1131 us (48: 1155, 32: 1185, 24: 1198) against 1286 us for two heads per
 # program at 255 registers; on an H200 96 per SM 1067 us, 128: 1066, 64: 1090 (96 is the default). Paged caches at batch 32 keep two heads per program and 64-token
 # tiles ("large_paged": 355 us against 384 us for the contiguous choice at 32K x 32, page 64).
 #
-# Batch 1 (round 2c, scripts/results/bench_kernels_h100_sweep_round2c.json): a 184-register cap
+# Batch 1 (round 2c, scripts/bench/results/bench_kernels_h100_sweep_round2c.json): a 184-register cap
 # (8 programs per SM still) 23.4 us against 24.7 us at 32K, 54.2 against 54.3 at 128K; paged it
 # is slower (60.5 against 58.9 us at 128K), so "small_paged" keeps no cap. Not faster at batch 1:
 # more resident programs (9-12 per SM, with caps of 160-232 registers or one pipeline stage:
 # 65-87 us at 128K), longer programs (at least 512-2048 tokens each: 25-65 us at 32K), and the
 # merge inside the decode kernel (the last program of a head merging: 37 us at 32K, one warp
 # reads every partial).
-# History stages (round 2n; scripts/results/bench_kernels_{h100,h200}_b1_stages*_round2n.json): at
+# History stages (round 2n; scripts/bench/results/bench_kernels_{h100,h200}_b1_stages*_round2n.json): at
 # batch 1 a third stage (Triton prefetches the code bytes two steps ahead; 11 KB of shared memory
 # in the history part instead of 7, still under the window loop's 24 KB) helps programs of 8 steps
 # or more: H100 128K x 1 50.3-50.4 us against 53.6-53.7 (prerotated 47.4 against 50.7), 64K x 1
@@ -316,14 +316,14 @@ def decode_attention(
 # "long_chunk". Four stages: 128K x 1 49.0 us. At batch 32 three stages were slower on the H200
 # (32K x 32 239.8-241.5 against 236.4-237.4 us; 128K x 32 827.4-851.6 against 832.2-837.4) and
 # no better on the H100 (274-275 against 271-273; 929-936 against 937-940).
-# Round 2n (H100, prerotated query; scripts/results/bench_kernels_h100_merge_{fused,shapes}_round2n.json):
+# Round 2n (H100, prerotated query; scripts/bench/results/bench_kernels_h100_merge_{fused,shapes}_round2n.json):
 # the merge inside the decode kernel again, now spread over the last 16-64 programs of each head
 # to finish (a ticket counter; they wait until every program has stored its partial, then each
 # merges 8-32 channels of one query head; kept off main, branch exp/merge-fused): 32K x 1
 # 22.3-22.8 us against 21.0, 128K x 1 51.4-51.9 against 50.7-51.0 (the grid-end signal the merge
 # kernel waits on under PDL costs less than the atomics and the wait). Merge programs of 1 / 2 / 8
 # warps and 8 / 16 / 64 channels: 21.0-21.9 us against 20.9-21.0 at 32K x 1, none faster.
-# Round 2o (H100, prerotated; scripts/results/bench_kernels_h100_{b1_block128,b1_heads2,skew}_round2o.json):
+# Round 2o (H100, prerotated; scripts/bench/results/bench_kernels_h100_{b1_block128,b1_heads2,skew}_round2o.json):
 # at batch 1, 128-token steps without a cap (224 registers) 22.4 / 49.7 us at 32K / 128K x 1, two
 # KV heads per program 22.8 / 50.6, steps skewed so that one step's value product overlaps the
 # next step's key product (branch exp/skew) 22.1 / 47.8-48.2 (and 288 / 960 us at batch 32),
@@ -335,7 +335,7 @@ def decode_attention(
 # is 56.7 against 59.6 us (contiguous 54.2; a register cap is slower again: 60 us). 32K x 32:
 # 48 programs per SM 330.3-330.8 us against 350 us with 16 (32: 335, 64: 347; contiguous 330-331).
 #
-# L2 warm-up (round 2e, H100, scripts/results/bench_kernels_h100_sweep_round2e.json): 8K x 1
+# L2 warm-up (round 2e, H100, scripts/bench/results/bench_kernels_h100_sweep_round2e.json): 8K x 1
 # (64-token chunks) 17.3 against 18.3 us, 8K x 32 (160-token chunks) 124.3 against 127.8 us.
 # Longer chunks lose: warming 128 / 256 tokens of 32K x 1's 256-token chunks 23.8 / 25.9 against
 # 23.5 us (~19 MB of prefetches queue in front of the rotation kernel's own loads), 128K x 32
@@ -343,7 +343,7 @@ def decode_attention(
 # Not faster either: sums of p and p*offset kept per token and reduced after the loop (fewer
 # shuffles per step, more registers): 23.7 / 54.9 / 362.9 / 1238.9 against 23.5 / 54.3 / 331.6 /
 # 1123.1 us at 32K x 1, 128K x 1, 32K x 32, 128K x 32.
-# Window stages (round 2f, H100, scripts/results/bench_kernels_h100_sweep_round2f.json): at batch
+# Window stages (round 2f, H100, scripts/bench/results/bench_kernels_h100_sweep_round2f.json): at batch
 # 32 the window loop's two-stage buffers made the kernel need 16 KB of shared memory, so 13
 # one-warp programs fit an SM although 128 registers allow 16. One stage (9 KB) where the history
 # dominates: 32K x 32 317-320 against 325-328 us, 64K x 32 572 against 587-592, 128K x 32
@@ -353,14 +353,14 @@ def decode_attention(
 # there the 24 KB cap residency at 9 programs per SM, which keeps the 8-per-SM grid even; with
 # one stage up to 11 fit, the busiest SMs take more and 128K x 1 took 72 against 54 us.
 # Value codes as 16-bit pairs (round 2g, H100, alternating duplicates in one run;
-# scripts/results/bench_kernels_h100_value_pairs_{b1,b32}_round2g.json): each 32-bit register of
+# scripts/bench/results/bench_kernels_h100_value_pairs_{b1,b32}_round2g.json): each 32-bit register of
 # the bit operations stays one operand register of the value product, where 32-bit words came
 # back as four 16-bit values the compiler packed again (sm_90 history step: 946 against 1023
 # instructions at batch 1, 566 against 571 at batch 32; the value loads become 16-byte copies).
 # 8K x 1 16.5-16.6 against 17.1-17.2 us, 32K x 1 23.2-23.3 against 23.3-23.5, 128K x 1 53.5-53.7
 # against 54.1-54.4, 32K x 32 312.5-314.1 against 317.1-318.0, 128K x 32 1051.8-1056.2 against
 # 1067.9-1069.8. (config "value_pairs": False keeps the words, for comparison.)
-# Batch 32 (round 2g, H100, scripts/results/bench_kernels_h100_sweep_b32_round2g.json): with the
+# Batch 32 (round 2g, H100, scripts/bench/results/bench_kernels_h100_sweep_b32_round2g.json): with the
 # value pairs, two KV heads per program (the key dot's 8 columns all real) and 64-token tiles
 # without a register cap beat one head, 32-token tiles and 128 registers: 32K x 32 274-280 against
 # 314-315 us, 64K x 32 504 against 563, 128K x 32 934-941 against 1066-1070 (Nsight Compute: 80% of
@@ -370,7 +370,7 @@ def decode_attention(
 # The paged regime takes the same choice: with 32-bit offsets and one block-table entry per step
 # (when a step lies in one page) it is within 2-4% of contiguous at batch 32 (32K: 276-282 against
 # 271 us; 128K: 929-936 against 937), 1% at 128K x 1 (54.0-54.2 against 53.5); 64-bit offsets
-# 280-286 / 939-947 / 54.8-55.0 (scripts/results/bench_kernels_h100_paged_round2g.json).
+# 280-286 / 939-947 / 54.8-55.0 (scripts/bench/results/bench_kernels_h100_paged_round2g.json).
 _LARGE = {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
           "programs_per_sm": 40, "min_chunk": 320, "prefetch": True, "maxnreg": 0, "pdl": True,
           "l2_prefetch": 192, "window_stages": 2}

@@ -56,7 +56,7 @@ parts in shared memory and loops over row blocks (``programs_per_sm``, default 2
 program per 64-row block). ``maxnreg`` caps the registers per thread.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench_kernels.py``, ``scripts/results/bench_kernels_h100_round2i.json``): rotate + clip +
+``scripts/bench/bench_kernels.py``, ``scripts/bench/results/bench_kernels_h100_round2i.json``): rotate + clip +
 quantise + pack at the bundled zoo's clip ratios (0.88-0.95 over the heads: 7-16 tournament
 rounds) 441 us (695 GB/s, 23% of copy); at clip ratio 0.96 (6 rounds) 332 us (31%). Round 2h
 (``bench_kernels_h100_round2h.json``, 0.96, before the sign bits): 353 us; dividing instead of
@@ -242,7 +242,7 @@ DEFAULT_LATE_CLIP = True
 # clip 0.96 (m = 6) 333.6 against 339.7 us, but at the bundled zoo's ratios (0.85-0.99, median
 # 0.92: m = 2-20, median 11) a column often holds four of a row's top m and the block selects
 # again: 0.92 546.5 against 411.0 us, 0.88 1163.9 against 497.3, the zoo's spread 599.9 against
-# 430.5 (H200, scripts/results/bench_kernels_h200_write_clips_round2i.json)
+# 430.5 (H200, scripts/bench/results/bench_kernels_h200_write_clips_round2i.json)
 DEFAULT_SELECT_TOP3 = False
 # each group's thresholds re-checked by the reference arithmetic (two divisions per threshold);
 # without, the derivation's exactness rests on its proof (``_write_triton._thresholds``), and only

@@ -1,4 +1,4 @@
-"""scripts/bench_append.py: a CPU smoke run under --quick, one line and a non-zero exit without a GPU."""
+"""scripts/bench/bench_append.py: a CPU smoke run under --quick, one line and a non-zero exit without a GPU."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import torch
 
 from oscar_calib.kernels._common import interpreter_problem
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_append.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_append.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")

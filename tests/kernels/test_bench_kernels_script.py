@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py on a machine without a GPU: one line and a non-zero exit unless --quick."""
+"""scripts/bench/bench_kernels.py on a machine without a GPU: one line and a non-zero exit unless --quick."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import torch
 
 from oscar_calib.kernels._common import interpreter_problem
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_kernels.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")

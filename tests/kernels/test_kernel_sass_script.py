@@ -1,4 +1,4 @@
-"""scripts/kernel_sass.py: the kernels compile for sm_90 without a GPU and their SASS is counted."""
+"""scripts/dev/kernel_sass.py: the kernels compile for sm_90 without a GPU and their SASS is counted."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_sass.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "kernel_sass.py"
 
 
 def _bins_present() -> bool:

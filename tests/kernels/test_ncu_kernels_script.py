@@ -1,4 +1,4 @@
-"""scripts/ncu_kernels.py merge: Nsight Compute's raw CSV into per-kernel metrics and a bound."""
+"""scripts/dev/ncu_kernels.py merge: Nsight Compute's raw CSV into per-kernel metrics and a bound."""
 
 import csv
 import io
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ncu_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "ncu_kernels.py"
 
 
 def _csv(rows: list[dict]) -> str:

@@ -149,11 +149,11 @@ def test_the_hook_manifest():
     assert not any(pattern.search(p) for p in ("oscar.safetensors.bak", "my-oscar.safetensors", "zoo/README.md",
                                                "zoo/index.json5"))
     # the project's own CI (make test, which .ci/run calls) runs the same hook on zoo/
-    assert "scripts/run_hook.py oscar-validate zoo" in (REPO / "Makefile").read_text()
+    assert "scripts/dev/run_hook.py oscar-validate zoo" in (REPO / "Makefile").read_text()
 
 
 def run_hook(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "run_hook.py"), "oscar-validate"], cwd=root,
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "dev" / "run_hook.py"), "oscar-validate"], cwd=root,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
 
 

@@ -18,8 +18,8 @@ alternating rounds, medians; the outputs of the three are compared. For scale, t
 with a static BF16 cache (``BF16 cache + SDPA``: the row written at a device position, then
 ``scaled_dot_product_attention`` over the context; fewer layers where 36 would not fit).
 
-    python scripts/bench_append.py --out scripts/results/bench_append_h200.json      # GPU, ~1 min
-    python scripts/bench_append.py --quick                                             # CPU check
+    python scripts/bench/bench_append.py --out scripts/bench/results/bench_append_h200.json      # GPU, ~1 min
+    python scripts/bench/bench_append.py --quick                                             # CPU check
 
 Prints a table (microseconds per call) and writes JSON with the device's name.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from oscar_calib.fsutil import atomic_write_text  # noqa: E402
 from oscar_calib.kernels import decode_attention  # noqa: E402

@@ -1,4 +1,4 @@
-"""Measurements for ``scripts/bench_generate.py``: the model, the caches filled with random K/V,
+"""Measurements for ``scripts/bench/bench_generate.py``: the model, the caches filled with random K/V,
 eager decode through ``generate()``, GPU busy time (profiler), CUDA-graph replay, time to first
 token and the largest context that fits. Results are written after every measurement."""
 

@@ -24,7 +24,7 @@ Kernels:
 ``--num-stages`` / ``--num-warps`` the compile options. The numbers come from the local Triton,
 which may differ from the GPU machine's: compare variants under one Triton.
 
-Usage: ``python scripts/kernel_sass.py [decode|write] [--set BN=32] [--json]``.
+Usage: ``python scripts/dev/kernel_sass.py [decode|write] [--set BN=32] [--json]``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 POINTERS = {
     "decode": {"q_ptr": "*fp32", "kc_ptr": "*u8", "ks_ptr": "*fp16", "ko_ptr": "*fp16", "vc_ptr": "*u8",

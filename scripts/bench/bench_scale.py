@@ -16,9 +16,9 @@ spread model is then verified once (``oscar verify`` on a fresh artifact, INT2 k
 Weights are random (normal, std 0.02; norms 1): speed and memory do not depend on their values.
 Calibration text is the embedded corpus through a byte tokenizer.
 
-    python scripts/bench_scale.py                           # both, on the visible GPUs (2 expected)
-    python scripts/bench_scale.py --mode spread --tokens 32768 --seq-len 4096
-    python scripts/bench_scale.py --small --device cpu      # dry run on the CPU (tiny geometry, gloo)
+    python scripts/bench/bench_scale.py                           # both, on the visible GPUs (2 expected)
+    python scripts/bench/bench_scale.py --mode spread --tokens 32768 --seq-len 4096
+    python scripts/bench/bench_scale.py --small --device cpu      # dry run on the CPU (tiny geometry, gloo)
 
 Writes ``$OUT/bench_scale.json`` (default ./bench_out) and prints a table last.
 """
@@ -253,7 +253,7 @@ def dp_main(args, geo) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # run from a source tree too
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))      # run from a source tree too
     sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench_calibrate's ByteTokenizer
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("both", "spread", "dp"), default="both")

@@ -2,9 +2,9 @@
 """Calibration cost: capture+accumulate overhead vs a plain forward pass, and peak memory at two
 token budgets.
 
-    python scripts/bench_calibrate.py                      # SmolLM2-135M on the CPU, 8K vs 64K tokens
-    python scripts/bench_calibrate.py --budgets 4096,16384 --repeats 3
-    python scripts/bench_calibrate.py --gpu                # Qwen3-8B geometry, random init, bf16, on CUDA
+    python scripts/bench/bench_calibrate.py                      # SmolLM2-135M on the CPU, 8K vs 64K tokens
+    python scripts/bench/bench_calibrate.py --budgets 4096,16384 --repeats 3
+    python scripts/bench/bench_calibrate.py --gpu                # Qwen3-8B geometry, random init, bf16, on CUDA
 
 ``--gpu`` (see gpu_main): a random-init model with Qwen3-8B's geometry (36 layers, hidden 4096, 32/8
 heads, head_dim 128, intermediate 12288, vocab 151936) in bf16 with sdpa, on GPU 0; calibration text
@@ -95,7 +95,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # run from a source tree too
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # run from a source tree too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--budgets", default="8192,65536", help="comma-separated token budgets")

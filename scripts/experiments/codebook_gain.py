@@ -2,9 +2,9 @@
 """Why calibrated codebooks lose (README, "Calibrated 4-level codebooks"): energy and gain of the
 reconstruction on the rows the levels are fitted on, uniform INT2 against fitted levels.
 
-    python scripts/codebook_gain.py > scripts/results/codebook_gain_smollm2-135m.md
+    python scripts/experiments/codebook_gain.py > scripts/experiments/results/codebook_gain_smollm2-135m.md
 
-SmolLM2-135M, the default's rotations and clips from the statistics cached by ``scripts/ablation.py``
+SmolLM2-135M, the default's rotations and clips from the statistics cached by ``scripts/experiments/ablation.py``
 (run it first), held-out rows rotated and clipped per (layer, KV head); averages over layers and heads
 of ``E[x̂²]/E[x²]`` and ``E[x·x̂]/E[x²]`` (the gain: below 1, attention logits and outputs shrink).
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "experiments"))
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ separately with real prefills through ``generate(max_new_tokens=1)`` at batch 1.
 context that fits is probed by filling caches until an allocation fails (decode of 2 tokens; a
 prefill that long would need chunked prefill).
 
-    python scripts/bench_generate.py                 # GPU, writes bench_out/bench_generate.json
-    python scripts/bench_generate.py --quick         # tiny model on the CPU (checks the script)
+    python scripts/bench/bench_generate.py                 # GPU, writes bench_out/bench_generate.json
+    python scripts/bench/bench_generate.py --quick         # tiny model on the CPU (checks the script)
 
 Results go to ``--out`` as JSON after every measurement (a run cut short keeps what it had); the
 table printed last is what the README shows.
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate_runs import (  # noqa: E402

@@ -3,9 +3,9 @@
 ``oscar calibrate --quick`` with what it costs in accuracy. Optionally against another checkout
 (``--baseline DIR``, e.g. ``git worktree add /tmp/base main``) in the same run, alternating.
 
-    python scripts/bench_first_run.py --parts startup --repeats 5 --baseline /tmp/base
-    python scripts/bench_first_run.py --parts demo,quick --repeats 2 --baseline /tmp/base
-    python scripts/bench_first_run.py --parts accuracy
+    python scripts/bench/bench_first_run.py --parts startup --repeats 5 --baseline /tmp/base
+    python scripts/bench/bench_first_run.py --parts demo,quick --repeats 2 --baseline /tmp/base
+    python scripts/bench/bench_first_run.py --parts accuracy
 
 Parts:
 
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 
 
 def run(tree: Path, args: list[str], *, cwd: Path | None = None, extra_env: dict | None = None) -> dict:

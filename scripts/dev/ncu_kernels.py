@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """What bounds each INT2 kernel: run them under Nsight Compute and classify the result.
 
-Two steps, on the GPU machine, after ``scripts/bench_kernels.py`` has written its report:
+Two steps, on the GPU machine, after ``scripts/bench/bench_kernels.py`` has written its report:
 
 1. ``ncu --csv --page raw --clock-control none -k regex:'decode|quantize|rotate_query' \\
    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
    --section SchedulerStats --section InstructionStats \\
-   python scripts/ncu_kernels.py target --report R.json --labels L.json > ncu.csv``
+   python scripts/dev/ncu_kernels.py target --report R.json --labels L.json > ncu.csv``
    runs one decode call per configuration the report lists under ``ncu_decode`` (128K context;
    the round-1 tuning, the library default and the sweep's best per batch) and one write call
    per configuration under ``write_profile``; ``L.json`` lists the kernels launched, in launch order;
-2. ``python scripts/ncu_kernels.py merge --report R.json --labels L.json --csv ncu.csv`` adds
+2. ``python scripts/dev/ncu_kernels.py merge --report R.json --labels L.json --csv ncu.csv`` adds
    per-kernel metrics and a bound to the report and prints them.
 
 Bound: *memory* when DRAM throughput is at least 70% of its peak; *instruction issue* when the
@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 DRAM = "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
 ISSUE = ("smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__inst_issued.avg.pct_of_peak_sustained_active")

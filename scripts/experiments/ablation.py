@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Ablation of the calibration options, measured as held-out perplexity with a 2-bit KV cache.
 
-    python scripts/ablation.py smollm2-135m            # -> runs/ablation/smollm2-135m.json + a table
-    python scripts/ablation.py gemma3-270m
-    python scripts/ablation.py smollm2-135m --variants default,layer,clip-fixed --sequences 1
-    python scripts/ablation.py smollm2-135m --variants default,refine --threads 1 \
-        --out scripts/results/ablation_refine_smollm2-135m.json   # also writes the .md beside it
-    python scripts/ablation.py --render --out scripts/results/ablation_budget_gemma3-270m.json \
-        --niah budget=scripts/results/niah_gemma3-270m_budget_h100.json:oscar   # a NIAH column, no model
+    python scripts/experiments/ablation.py smollm2-135m            # -> runs/ablation/smollm2-135m.json + a table
+    python scripts/experiments/ablation.py gemma3-270m
+    python scripts/experiments/ablation.py smollm2-135m --variants default,layer,clip-fixed --sequences 1
+    python scripts/experiments/ablation.py smollm2-135m --variants default,refine --threads 1 \
+        --out scripts/experiments/results/ablation_refine_smollm2-135m.json   # also writes the .md beside it
+    python scripts/experiments/ablation.py --render --out scripts/experiments/results/ablation_budget_gemma3-270m.json \
+        --niah budget=scripts/experiments/results/niah_gemma3-270m_budget_h100.json:oscar   # a NIAH column, no model
 
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
@@ -79,7 +79,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--baselines", default="bf16,naive,hadamard", help="baseline methods (bf16 is always needed "
                     "for the relative columns)")
     ap.add_argument("--niah", action="append", default=[], metavar="VARIANT=RESULT.json:METHOD",
-                    help="attach NIAH at the largest length of METHOD in a scripts/niah_gpu.py result to the row "
+                    help="attach NIAH at the largest length of METHOD in a scripts/experiments/niah_gpu.py result to the row "
                          "VARIANT (repeatable; a NIAH column in the table)")
     ap.add_argument("--render", action="store_true",
                     help="only re-write --out's table (with --niah attached) from its JSON; loads no model")
@@ -184,7 +184,7 @@ def main() -> None:
         results = json.loads(args.out.read_text())
         attach_niah(results, args.niah)
         if args.niah:
-            results["render_command"] = "python scripts/ablation.py " + " ".join(sys.argv[1:])
+            results["render_command"] = "python scripts/experiments/ablation.py " + " ".join(sys.argv[1:])
         write_results(results, args.out)
         print(table(results))
         return
@@ -226,7 +226,7 @@ def main() -> None:
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
                            "threads": torch.get_num_threads()}
-    results["command"] = "python scripts/ablation.py " + " ".join(sys.argv[1:])
+    results["command"] = "python scripts/experiments/ablation.py " + " ".join(sys.argv[1:])
     attach_niah(results, args.niah)
 
     def save():
@@ -493,7 +493,7 @@ def table(results: dict) -> str:
     sources = sorted({(r["niah"]["source"], r["niah"].get("haystack_sha256") or "not recorded")
                       for r in rows.values() if "niah" in r})
     if sources:
-        lines += ["", "NIAH: exact match through the real cache (scripts/niah_gpu.py), from "
+        lines += ["", "NIAH: exact match through the real cache (scripts/experiments/niah_gpu.py), from "
                   + "; ".join(f"({label[src]}) `{src}` (filler sha256 {h})" for src, h in sources)
                   + ". Compare rates within one file, or across files whose filler fingerprints agree."]
     if results.get("render_command"):

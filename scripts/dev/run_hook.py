@@ -6,7 +6,7 @@ own ``entry`` and ``args`` on the files below DIR... that its ``files``/``exclud
 match (hidden directories skipped, paths relative to the working directory, sorted), with the
 same interpreter: a leading ``oscar`` becomes ``python -m oscar_calib``. Exit code: the hook's.
 
-    python scripts/run_hook.py oscar-validate zoo
+    python scripts/dev/run_hook.py oscar-validate zoo
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-MANIFEST = Path(__file__).resolve().parents[1] / ".pre-commit-hooks.yaml"
+MANIFEST = Path(__file__).resolve().parents[2] / ".pre-commit-hooks.yaml"
 
 
 def load_hook(hook_id: str, manifest: Path = MANIFEST) -> dict:

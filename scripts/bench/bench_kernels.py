@@ -25,7 +25,7 @@ On the GPU (default), in this order:
    number of values above the clip; "rot+clip 0.96" is the ratio of earlier rounds' tables.
 
 Each kernel's bound (memory / instruction issue / latency) comes from Nsight Compute through
-``scripts/ncu_kernels.py``, which reads this script's JSON (``ncu_decode``, ``write_profile``);
+``scripts/dev/ncu_kernels.py``, which reads this script's JSON (``ncu_decode``, ``write_profile``);
 ``--ncu`` runs it at the end of the same run and adds a ``bound`` line per kernel to the table.
 
 Timing: ``triton.testing.do_bench`` medians (it flushes L2 before every call) of CUDA-graph
@@ -46,7 +46,7 @@ false`` (``"clip_ratio"``: a number, or one per head, instead of the zoo's), in 
 ``--write-variants '[{}, {"check_thresholds": true}]'``.
 
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
-Usage: ``PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--ncu] [--out DIR]
+Usage: ``PYTHONPATH=. python scripts/bench/bench_kernels.py [--quick] [--ncu] [--out DIR]
 [--variants JSON | --write-variants JSON]``.
 """
 
@@ -92,7 +92,7 @@ def parse_args():
                          "256 MB buffer, which leaves L2 full of dirty lines that the timed call writes "
                          "back) or read (summing one, which leaves it clean, as after a weight GEMM)")
     ap.add_argument("--ncu", action="store_true",
-                    help="afterwards run each profiled kernel once under Nsight Compute (scripts/ncu_kernels.py) "
+                    help="afterwards run each profiled kernel once under Nsight Compute (scripts/dev/ncu_kernels.py) "
                          "and add its metrics and bound (memory / instruction issue / latency) to the JSON and table")
     return ap.parse_args()
 
@@ -104,7 +104,7 @@ if ARGS.quick:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from oscar_calib.kernels import (
     Int2KVCache,
     QuantizedKV,
@@ -600,7 +600,7 @@ def write_variants() -> list[tuple[str, dict, dict]]:
 
 
 def write_profile(rows: list[dict], h: int) -> list[dict]:
-    """Write configurations for ``scripts/ncu_kernels.py``: the library defaults with clip (with
+    """Write configurations for ``scripts/dev/ncu_kernels.py``: the library defaults with clip (with
     and without rotation), the fastest rotated one with clip, the fastest without either."""
     opts = {n: o for n, _, o in write_variants()}
     ratios = zoo_clip_ratios(h)
@@ -629,7 +629,7 @@ def zoo_clip_ratios(h: int) -> tuple[float, ...]:
     from safetensors import safe_open
 
     vals = []
-    for f in sorted((Path(__file__).resolve().parents[1] / "zoo").glob("*/*.safetensors")):
+    for f in sorted((Path(__file__).resolve().parents[2] / "zoo").glob("*/*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             vals += [fh.get_tensor(k).flatten() for k in fh.keys() if k.endswith(("k_clip", "v_clip"))]
     if not vals:
@@ -1007,13 +1007,13 @@ def run_ncu(path: Path) -> dict | None:
     if ncu is None:
         log("--ncu: Nsight Compute (ncu) not found; bounds not measured")
         return None
-    script = str(Path(__file__).resolve().parent / "ncu_kernels.py")
+    script = str(Path(__file__).resolve().parents[1] / "dev" / "ncu_kernels.py")
     labels, csv_path = path.with_name("ncu_labels.json"), path.with_name("ncu.csv")
     cmd = [ncu, "--csv", "--page", "raw", "--clock-control", "none", "-k", "regex:decode|quantize|rotate_query"]
     for sec in NCU_SECTIONS:
         cmd += ["--section", sec]
     cmd += [sys.executable, script, "target", "--report", str(path), "--labels", str(labels)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with open(csv_path, "w") as f:
         res = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, text=True, env=env)
     if res.returncode != 0:

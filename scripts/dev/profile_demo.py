@@ -2,9 +2,9 @@
 """Where a first run's time and memory go: ``oscar calibrate`` and ``oscar verify`` on the demo
 model (SmolLM2-135M, CPU), each profiled with cProfile in a process of its own.
 
-    python scripts/profile_demo.py               # the settings of `make demo`
-    python scripts/profile_demo.py --quick       # the settings of `oscar calibrate --quick`
-    python scripts/profile_demo.py --top 30 --out prof/
+    python scripts/dev/profile_demo.py               # the settings of `make demo`
+    python scripts/dev/profile_demo.py --quick       # the settings of `oscar calibrate --quick`
+    python scripts/dev/profile_demo.py --top 30 --out prof/
 
 For each part it records, from the library's own progress reports (``oscar_calib.progress``), the
 wall time of every stage and the peak resident memory reached during it (Linux ``VmHWM``, reset at
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _status(key: str) -> int:

@@ -8,11 +8,11 @@ bf16, hadamard, oscar and fork, one context length at a time, and writes one Eva
 length, so a run cut short keeps what it had. The table printed last is what the README shows.
 
     # on the GPU machine (GGUF files carried in parts and re-assembled; see --gguf)
-    python scripts/niah_gpu.py smollm2-135m zoo/smollm2-135m --gguf /root/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python scripts/experiments/niah_gpu.py smollm2-135m zoo/smollm2-135m --gguf /root/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --lengths 1024,2048,4096,8192 --prompts 50 --out $OUT/niah_smollm2-135m_h100.json
-    python scripts/niah_gpu.py --quick                     # CPU check of the whole script (tiny lengths)
-    python scripts/niah_gpu.py --merge OUT.json A.json B.json      # lengths run in separate calls
-    python scripts/niah_gpu.py --record scripts/results/niah_smollm2-135m_h100.json zoo/smollm2-135m
+    python scripts/experiments/niah_gpu.py --quick                     # CPU check of the whole script (tiny lengths)
+    python scripts/experiments/niah_gpu.py --merge OUT.json A.json B.json      # lengths run in separate calls
+    python scripts/experiments/niah_gpu.py --record scripts/experiments/results/niah_smollm2-135m_h100.json zoo/smollm2-135m
 
 Getting the models there: a run carries at most 64 MiB of working tree and the GPU machine has no
 network and no ``gguf`` package. Here: ``xz -6`` each GGUF (SmolLM2 98 -> 90 MB, Gemma 253 -> 238
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 METHODS = "bf16,hadamard,oscar,fork"
 DEPTHS = "0,0.25,0.5,0.75,1"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Does rotation refinement (``numerics.refine``) generalise beyond the rows it is fitted on?
 
-    python scripts/refine_generalisation.py one     # fit + choose on 1 sequence, measure on 2 others
-    python scripts/refine_generalisation.py split   # fit on 6, choose on 2, measure on 2 others
+    python scripts/experiments/refine_generalisation.py one     # fit + choose on 1 sequence, measure on 2 others
+    python scripts/experiments/refine_generalisation.py split   # fit on 6, choose on 2, measure on 2 others
 
 SmolLM2-135M, the default calibration (8192 tokens of the embedded calibration half, seed 0) with
 3 (``one``) or 10 (``split``) held-out sequences of 512 rows; layers 3, 12 and 24. For each KV head
@@ -17,9 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "experiments"))
 
 EXPERIMENTS = {
     # name: (held-out sequences, fit, choose (None: the fit rows), measure, heads per layer, (steps, lr) settings)
