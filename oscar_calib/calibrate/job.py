@@ -78,6 +78,12 @@ class DistContext:
         self._call(what, dist.all_gather_object, out, obj, group=self.ctrl)
         return out
 
+    def gather_to_main(self, obj, what: str) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0 (None elsewhere), through the control group."""
+        out = [None] * self.world_size if self.is_main else None
+        self._call(what, dist.gather_object, obj, out, dst=0, group=self.ctrl)
+        return out
+
     def barrier(self, what: str) -> None:
         self._call(what, dist.monitored_barrier, group=self.ctrl,
                    timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True)
