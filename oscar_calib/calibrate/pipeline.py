@@ -63,7 +63,7 @@ from .corpus import TokenPlan, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared, in_layer_order
-from .stats import LayerStats, Reservoir, check_finite, require_finite
+from .stats import LayerStats, Reservoir, check_finite, require_finite, rows_on
 
 
 def prepare_model(cfg: CalibrationConfig, *, device: str | None = None, placement: Placement | None = None,
@@ -188,10 +188,11 @@ def fit_device(model_device: torch.device) -> str:
 
 
 def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
-    """Layer ``layer``'s held-out rows (kept on the CPU), on the run's fitting device."""
+    """Layer ``layer``'s held-out rows (kept on the CPU), float32 on the run's fitting device."""
     r, info = run.reservoir[layer], run.layer_info[layer]
-    held = HeldoutLayer(r.q, r.k, r.v, r.o, info["scaling"], info["sliding_window"], info["softcap"])
-    return held.to(run.fit_device)
+    dev = run.fit_device
+    return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
+                        info["sliding_window"], info["softcap"])
 
 
 def spread(eig: torch.Tensor) -> float:
