@@ -405,6 +405,7 @@ def layouts(args, s: dict, work: Path) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {e}"
             log(f"{layout}: {row['error']}")
         rows.append(row)
+        (work / "layouts.rows.json").write_text(json.dumps(rows))      # what is done survives a timeout
     add_comparisons(rows)
     return rows
 
@@ -421,6 +422,7 @@ def dp_scaling(args, s: dict, work: Path) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {e}"
             log(f"dp-scaling {n}: {row['error']}")
         rows.append(row)
+        (work / "dp-scaling.rows.json").write_text(json.dumps(rows))
     add_comparisons(rows)
     base = next((r for r in rows if "median_s" in r), None)
     for r in rows:
@@ -442,8 +444,13 @@ def torchrun(args, s: dict, work: Path) -> list[dict]:
     """Two torchrun launchers on this host as two "nodes" (``torchrun_scenario``'s docstring)."""
     row = {"scenario": "torchrun", "name": f"2 nodes x {args.node_ranks}", "shape": "small" if args.small else "nodes",
            "nodes": 2, "ranks_per_node": args.node_ranks, "tokens": s["tokens"], "seq_len": s["seq_len"]}
+
+    def save(part: dict) -> None:                  # after every stage: what is done survives a timeout
+        row.update(part)
+        (work / "torchrun.rows.json").write_text(json.dumps([row]))
+
     try:
-        row.update(torchrun_scenario(args, s, work))
+        torchrun_scenario(args, s, work, save)
     except BaseException as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"
         log(f"torchrun: {row['error']}")
@@ -467,10 +474,11 @@ def save_model_dir(geo: dict, path: Path) -> None:
     tok.save_pretrained(path)
 
 
-def torchrun_scenario(args, s: dict, work: Path) -> dict:
+def torchrun_scenario(args, s: dict, work: Path, save) -> None:
     """The reference (one process), a clean 2 × K run, a run where the last rank is SIGKILLed after
     its ``die_at``-th batch while every other rank sleeps ``slow_s`` before each batch from then on,
-    and ``--resume``; artifacts compared byte for byte, the survivors' stop times and lines."""
+    and ``--resume``; artifacts compared byte for byte, the survivors' stop times and lines. Each
+    stage's results go to ``save`` as soon as it ends."""
     model = work / "nodes-model"
     save_model_dir(SHAPES["small" if args.small else "nodes"], model)
     k, world = args.node_ranks, 2 * args.node_ranks
@@ -495,6 +503,7 @@ def torchrun_scenario(args, s: dict, work: Path) -> dict:
     ref = (work / "ref" / "oscar.safetensors").read_bytes()
     out["reference_s"] = time.perf_counter() - t0
     log(f"torchrun: one-process reference in {out['reference_s']:.1f} s")
+    save(out)
 
     def nodes(name: str, dest: Path, *extra: str, faults: dict | None = None) -> list[dict]:
         """Both launchers; per node its exit code, when it exited (time.time()), its error lines."""
@@ -544,6 +553,7 @@ def torchrun_scenario(args, s: dict, work: Path) -> dict:
     got = work / "clean" / "oscar.safetensors"
     out["clean"]["artifact_bytes_equal_one_process"] = got.exists() and got.read_bytes() == ref
     log(f"torchrun: clean 2 x {k}: {[n['exit_code'] for n in clean]}, equal {out['clean']['artifact_bytes_equal_one_process']}")
+    save(out)
 
     mark, ends = work / "died", work / "ends"
     ends.mkdir()
@@ -579,6 +589,7 @@ def torchrun_scenario(args, s: dict, work: Path) -> dict:
                     "artifact_written": (dest / "oscar.safetensors").exists()}
     log(f"torchrun: fault run: exit codes {[n['exit_code'] for n in fault]}, stopped "
         f"{out['fault']['survivors_stopped_within_s']} s after the kill")
+    save(out)
 
     t0 = time.perf_counter()
     resumed = nodes("resume", dest, "--resume")
@@ -587,7 +598,7 @@ def torchrun_scenario(args, s: dict, work: Path) -> dict:
                      "artifact_bytes_equal_one_process": got.exists() and got.read_bytes() == ref,
                      "checkpoints_left": sorted(p.name for p in dest.glob(".oscar-checkpoint*.pt"))}
     log(f"torchrun: resume: {[n['exit_code'] for n in resumed]}, equal {out['resume']['artifact_bytes_equal_one_process']}")
-    return out
+    save(out)
 
 
 def free_port() -> int:
@@ -631,8 +642,9 @@ def run_scenario(args, name: str, work: Path) -> list[dict]:
     except subprocess.TimeoutExpired:
         stop_group(proc)
         logf.close()
-        return [{"scenario": name, "error": f"did not finish within {limit:.0f} s (stopped); "
-                                            f"{tail((work / f'{name}.log').read_text())}"}]
+        why = f"did not finish within {limit:.0f} s (stopped); {tail((work / f'{name}.log').read_text())}"
+        rows = json.loads(result.read_text()) if result.exists() else [{"scenario": name}]   # what it saved so far
+        return [dict(r, error=why, partial=True) for r in rows]
     logf.close()
     if not result.exists():
         return [{"scenario": name, "error": f"exit code {proc.returncode}: {tail((work / f'{name}.log').read_text())}"}]
