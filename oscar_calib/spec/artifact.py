@@ -49,6 +49,11 @@ SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
 # share it), when a bit budget gave layers different sizes (`oscar calibrate --bit-budget`). ``group_size``
 # then holds the closest uniform size within the same budget (what an engine with one size serves).
 LAYER_GROUPS_METADATA = "layer_group_sizes"
+# Optional metadata (toolkit 0.4): the values' INT2 group size of every layer, comma separated, when keys and
+# values use different sizes (`oscar calibrate --bit-budget B --split-kv`). ``layer_group_sizes`` (or, without
+# it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys' size:
+# more bits for the values, never fewer.
+LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
 
 REQUIRED_METADATA = (
     "format", "format_version", "model_id", "model_fingerprint", "num_layers",
@@ -121,8 +126,20 @@ class Artifact:
 
     @property
     def layer_group_sizes(self) -> list[int]:
-        """Every layer's INT2 group size: ``layer_group_sizes`` when stored, else ``group_size``."""
+        """Every layer's INT2 group size of the keys (and of the values unless ``layer_v_group_sizes``
+        says otherwise): ``layer_group_sizes`` when stored, else ``group_size``."""
         return layer_group_sizes(self.metadata) or [self.group_size] * self.num_layers
+
+    @property
+    def layer_v_group_sizes(self) -> list[int]:
+        """Every layer's INT2 group size of the values: ``layer_v_group_sizes`` when stored, else the
+        keys' (:attr:`layer_group_sizes`)."""
+        return layer_group_sizes(self.metadata, LAYER_V_GROUPS_METADATA) or self.layer_group_sizes
+
+    @property
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """``(G_K, G_V)`` of every layer."""
+        return list(zip(self.layer_group_sizes, self.layer_v_group_sizes))
 
     @property
     def granularity(self) -> str:
@@ -160,31 +177,36 @@ class Artifact:
         return out
 
 
-def layer_group_sizes(md: dict[str, str]) -> list[int] | None:
-    """The stored per-layer group sizes (None when absent); :class:`ArtifactError` when unreadable
-    or not one power of two dividing head_dim per layer (:func:`layer_group_problems`)."""
+def layer_group_sizes(md: dict[str, str], key: str = LAYER_GROUPS_METADATA) -> list[int] | None:
+    """The stored per-layer group sizes under ``key`` (``layer_group_sizes``: the keys', and the
+    values' unless ``layer_v_group_sizes`` is stored; None when absent); :class:`ArtifactError` when
+    unreadable or not one power of two dividing head_dim per layer (:func:`layer_group_problems`)."""
     problems = layer_group_problems(md)
     if problems:
         raise ArtifactError(problems[0])
-    raw = md.get(LAYER_GROUPS_METADATA)
+    raw = md.get(key)
     return None if raw is None else [int(x) for x in raw.split(",")]
 
 
 def layer_group_problems(md: dict[str, str]) -> list[str]:
-    """Why ``layer_group_sizes`` is unusable (empty when absent or fine)."""
-    raw = md.get(LAYER_GROUPS_METADATA)
-    if raw is None:
-        return []
-    parts = str(raw).split(",")
-    if not all(x.strip().isdigit() for x in parts):
-        return [f"metadata {LAYER_GROUPS_METADATA!r} is not comma-separated integers: {raw[:60]!r}"]
-    sizes, n, d = [int(x) for x in parts], str(md.get("num_layers", "")), str(md.get("head_dim", ""))
-    if n.isdigit() and len(sizes) != int(n):
-        return [f"metadata {LAYER_GROUPS_METADATA!r} has {len(sizes)} sizes for {n} layers"]
-    bad = [g for g in sizes if g <= 0 or g & (g - 1) or (d.isdigit() and int(d) % g)]
-    if bad:
-        return [f"metadata {LAYER_GROUPS_METADATA!r}: {bad[0]} is not a power of two dividing head_dim {d}"]
-    return []
+    """Why ``layer_group_sizes`` or ``layer_v_group_sizes`` is unusable (empty when absent or fine)."""
+    out = []
+    for key in (LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA):
+        raw = md.get(key)
+        if raw is None:
+            continue
+        parts = str(raw).split(",")
+        if not all(x.strip().isdigit() for x in parts):
+            out.append(f"metadata {key!r} is not comma-separated integers: {raw[:60]!r}")
+            continue
+        sizes, n, d = [int(x) for x in parts], str(md.get("num_layers", "")), str(md.get("head_dim", ""))
+        if n.isdigit() and len(sizes) != int(n):
+            out.append(f"metadata {key!r} has {len(sizes)} sizes for {n} layers")
+            continue
+        bad = [g for g in sizes if g <= 0 or g & (g - 1) or (d.isdigit() and int(d) % g)]
+        if bad:
+            out.append(f"metadata {key!r}: {bad[0]} is not a power of two dividing head_dim {d}")
+    return out
 
 
 # ----------------------------------------------------------------------------- bytes

@@ -19,7 +19,7 @@ EIGENVALUE_TOL = 1e-6        # relative to the head's largest |eigenvalue|
 
 def check_values(tensors: dict, md: dict[str, str]) -> dict[str, list[str]]:
     """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity, per-layer
-    group sizes (``layer_group_sizes``, when stored).
+    group sizes (``layer_group_sizes`` and ``layer_v_group_sizes``, when stored).
     Assumes :func:`check_structure` passed; ``tensors`` are numpy arrays or torch tensors (an
     in-memory artifact's, on any device). Returns problems per check name."""
     out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": [],
