@@ -58,6 +58,10 @@ variant            options
 ``budget-mean``,   the same bounded by the mean over layers only (over budget at long contexts
 ``budget-mean-     on a sliding-window model)
 split``
+``lever:*``        a lever on the INT2 error itself (``levers.py``: float8 group parameters,
+                   sparse corrections of the largest errors, INT3 in the layers with the
+                   largest held-out error within the budget, the logit-noise correction);
+                   ``budget-split+corr``: the correction on ``budget-split``
 =================  ========================================================================
 
 ``--baselines`` picks the baseline methods (``bf16,naive,hadamard``; bf16 is needed for the
@@ -81,6 +85,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # levers.py beside it
 
 VARIANTS = {
     "default": {},
@@ -117,6 +122,14 @@ VARIANTS = {
     "budget-split": {"groups": "budget-split"},
     "budget-mean": {"groups": "budget-mean"},
     "budget-mean-split": {"groups": "budget-mean-split"},
+    # levers on the INT2 error itself (scripts/experiments/levers.py; simulation), alone or on a budget variant
+    "lever:corr": {"lever": {"logit_correction": True}},
+    "lever:fp8": {"lever": {"params": "fp8"}},
+    "lever:fp8+sparse1": {"lever": {"params": "fp8", "sparse": 1}},
+    "lever:fp8+int3": {"lever": {"params": "fp8", "int3": True}},
+    "lever:fp8+sparse1+corr": {"lever": {"params": "fp8", "sparse": 1, "logit_correction": True}},
+    "lever:sparse4": {"lever": {"sparse": 4}},
+    "budget-split+corr": {"groups": "budget-split", "lever": {"logit_correction": True}},
 }
 BUDGET_BITS = 2.5
 TEXTS = ("embedded", "embedded-code")
@@ -301,6 +314,10 @@ def attach_niah(results: dict, specs: list[str]) -> None:
 def perplexity(model, seqs, scheme) -> float:
     from oscar_calib.eval.ppl import sequence_nll
 
+    if hasattr(scheme, "logit_correction"):          # a lever (levers.LeverScheme): its own simulation
+        import levers
+
+        sequence_nll = levers.sequence_nll  # noqa: F811
     nll = n = 0
     for s in seqs:
         a, b = sequence_nll(model, s.unsqueeze(0), scheme)
@@ -338,7 +355,8 @@ def variant_scheme(name, run, base, geo, g, opts):
     from oscar_calib.spec.artifact import Artifact
     from oscar_calib.spec.config import CalibrationConfig
 
-    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer", "fixed_ends", "groups")}
+    options = {k: v for k, v in VARIANTS[name].items()
+               if k not in ("group_size", "quantizer", "fixed_ends", "groups", "lever")}
     cfg = CalibrationConfig(**{**base.to_dict(), **options, "group_size": g}).validate()
     t1 = time.perf_counter()
     layers, rows = build_rotations(run, cfg, geo, g)
@@ -363,12 +381,37 @@ def variant_scheme(name, run, base, geo, g, opts):
     if quantizer:
         scheme, extra["codebook"] = with_codebooks(scheme, run, layers, g, quantizer,
                                                    VARIANTS[name].get("fixed_ends", False))
+    lever = VARIANTS[name].get("lever")
+    if lever:
+        scheme, extra["lever"] = with_lever(scheme, lever, rows, run, geo)
+        extra["bits_per_element"] = scheme.bits_per_element
+        if groups:
+            extra["long_bits_per_element"] = long_bits(scheme, run)
     if any("refine" in r for r in rows):
         reps = [h for r in rows for h in r["refine"]]
         extra["refine_objective"] = {"before": sum(h["before"] for h in reps) / len(reps),
                                      "after": sum(h["after"] for h in reps) / len(reps),
                                      "heads_moved": sum(h["best_step"] > 0 for h in reps), "heads": len(reps)}
     return scheme, extra
+
+
+def with_lever(scheme, lever: dict, rows, run, geo):
+    """``scheme`` with a lever of ``levers.py`` and its record; ``int3``: INT3 for the layers with the
+    largest held-out attention error (the default rows' ``heldout``) while the mean bits (and the
+    full-attention layers' mean) stay within :data:`BUDGET_BITS`."""
+    import levers
+
+    opts = {k: v for k, v in lever.items() if k != "int3"}
+    sch = levers.lever_scheme(scheme, geo.head_dim, **opts)
+    if lever.get("int3"):
+        order = sorted(range(len(rows)), key=lambda i: -rows[i]["heldout"]["oscar"]["attn"])
+        chosen: list[int] = []
+        for i in order:
+            trial = levers.lever_scheme(scheme, geo.head_dim, **opts, int3_layers=tuple(chosen + [i]))
+            if trial.bits_per_element <= BUDGET_BITS + 1e-9 and long_bits(trial, run) <= BUDGET_BITS + 1e-9:
+                chosen.append(i)
+        sch = levers.lever_scheme(scheme, geo.head_dim, **opts, int3_layers=tuple(sorted(chosen)))
+    return sch, {**opts, "int3_layers": list(sch.int3_layers)}
 
 
 def full_layers(run) -> list[int]:
