@@ -20,7 +20,8 @@ Calibration text is the embedded corpus through a byte tokenizer.
     python scripts/bench/bench_scale.py --mode spread --tokens 32768 --seq-len 4096
     python scripts/bench/bench_scale.py --small --device cpu      # dry run on the CPU (tiny geometry, gloo)
 
-Writes ``$OUT/bench_scale.json`` (default ./bench_out) and prints a table last.
+Writes ``scale-DEVICE.json`` (``harness.py``'s format) to ``--out`` (default ``$OUT`` or ./bench_out)
+after each mode, with ``--save`` also as the current result, and prints a table last.
 """
 
 from __future__ import annotations
@@ -252,9 +253,15 @@ def dp_main(args, geo) -> dict:
         return json.loads(Path(job["result"]).read_text())
 
 
-def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))      # run from a source tree too
-    sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench_calibrate's ByteTokenizer
+def main(argv=None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench_calibrate's ByteTokenizer, harness
+    from harness import (
+        add_output_args,
+        describe_device,
+        new_result,
+        out_dir,
+        write_result,
+    )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("both", "spread", "dp"), default="both")
     ap.add_argument("--tokens", type=int, default=16384)
@@ -263,7 +270,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny geometry (a dry run, e.g. on the CPU)")
     ap.add_argument("--dp-worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    add_output_args(ap)
+    args = ap.parse_args(argv)
     if args.dp_worker:
         return dp_worker(json.loads(args.dp_worker))
     import torch
@@ -271,20 +279,24 @@ def main() -> None:
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit("bench_scale needs 2 GPUs (or --small --device cpu for a dry run)")
     geo = SMALL if args.small else QWEN3_32B
-    doc = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-           "gpus": torch.cuda.device_count(), "torch": torch.__version__, "geometry": geo, "runs": []}
-    out = Path(os.environ.get("OUT", "bench_out"))
-    out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    settings = {"mode": args.mode, "tokens": args.tokens, "seq_len": args.seq_len, "repeats": args.repeats,
+                "small": args.small, "geometry": geo, "quick": args.device == "cpu"}
+    doc = new_result("scale", describe_device(cuda=args.device == "cuda", count=max(1, gpus)), script=__file__,
+                     argv=argv, settings=settings)
+    doc["gpus"] = gpus
     for mode, run in (("spread", spread_main), ("dp", dp_main)):
         if args.mode in ("both", mode):
-            doc["runs"].append(run(args, geo))
-            (out / "bench_scale.json").write_text(json.dumps(doc, indent=2))     # after each mode
+            doc["rows"].append(run(args, geo))
+            write_result(doc, save=False, out=out_dir(args))     # after each mode
+    if args.save:
+        print(f"current result: {write_result(doc, save=True, out=out_dir(args))}")
     gib = 2**30
-    print(f"\n{doc['device']} x{doc['gpus']}, random-init {'tiny' if args.small else 'Qwen3-32B'}-shaped model, "
+    print(f"\n{doc['device_name']} x{doc['gpus']}, random-init {'tiny' if args.small else 'Qwen3-32B'}-shaped model, "
           f"bf16, {args.tokens} tokens in sequences of {args.seq_len}")
     print(f"{'mode':>7} {'plain s':>8} {'capture s':>9} {'end-to-end s':>12} {'overhead':>9} {'e2e ovh':>8} "
           f"{'tok/s':>8}  peak beyond weights (GiB, capture)")
-    for r in doc["runs"]:
+    for r in doc["rows"]:
         m = r["median_s"]
         pk = ", ".join(f"{k} {v / gib:.2f}" for k, v in r["peak_beyond_weights_bytes"]["capture"].items()) or "–"
         print(f"{r['mode']:>7} {m['plain']:>8.3f} {m['capture']:>9.3f} {m['end_to_end']:>12.3f} "

@@ -151,7 +151,7 @@ def opcode(text: str) -> str:
     return text.split()[0].split(".")[0] if text else ""
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", nargs="?", default="decode", choices=["decode", "write"])
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=None)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     const, opts = defaults(args.kernel)
     for item in args.set:
         name, sep, val = item.partition("=")
