@@ -94,3 +94,13 @@ def load_script(relpath: str):
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def script_error(main, argv) -> str:
+    """The one-line error a script's ``main(argv)`` exits with (Python prints it on stderr, status 1)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str), e.value.code
+    return e.value.code

@@ -4,7 +4,7 @@ results (--niah, --render), in this process."""
 import json
 
 import pytest
-from helpers import load_script
+from helpers import load_script, script_error
 
 pytestmark = pytest.mark.script
 
@@ -64,6 +64,5 @@ def test_render_writes_the_table_without_a_model(tmp_path, capsys):
     assert "0.25 [0.15, 0.35] at 8192 (a)" in md and "NIAH attached with: `python scripts/experiments/ablation.py --render" in md
     assert json.loads(out.read_text())["rows"]["default"]["niah"]["method"] == "oscar"
     assert "0.25 [0.15, 0.35] at 8192 (a)" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e:
-        _module().main(["--render", "--out", str(tmp_path / "none.json")])
-    assert e.value.code == "error: --render needs --out naming an existing ablation JSON"
+    assert script_error(_module().main, ["--render", "--out", str(tmp_path / "none.json")]) == (
+        "error: --render needs --out naming an existing ablation JSON")

@@ -30,8 +30,8 @@ prefill that long would need chunked prefill).
 
 The result (``harness.py``'s format; sections ``rows`` (eager decode), ``graph``, ``generate``,
 ``ttft``, ``max_context``) is written to ``--out`` after every measurement (a run cut short keeps
-what it had), and with ``--save`` installed as the current result at the end; the table is printed
-last. ``StaticCache`` + SDPA is transformers' stock path for a static cache, slow at decode: it is
+what it had), and with ``--save`` installed as the current result at the end; the tables of
+docs/benchmarks.md (``report.py``) are printed last. ``StaticCache`` + SDPA is transformers' stock path for a static cache, slow at decode: it is
 a reference point, not a baseline for speed-ups.
 """
 
@@ -49,6 +49,7 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
     sys.path.append(str(Path(__file__).resolve().parent))
 
+import report  # noqa: E402
 from bench_generate_runs import (  # noqa: E402
     QWEN3_8B,
     build_model,
@@ -231,54 +232,8 @@ def main(argv=None) -> dict:
     res.add("max_context", {})                     # (writes the file with the elapsed time)
     if args.save:
         print(f"current result: {write_result(res.data, save=True, out=folder)}")
-    print(table(res.data))
+    print("\n".join(report.generate(res.data)))
     return res.data
-
-
-def _ctx(t: int) -> str:
-    return f"{t // 1024}K" if t >= 1024 else str(t)
-
-
-def _fmt(x, spec=".1f"):
-    return "–" if x is None else format(x, spec)
-
-
-def table(data: dict) -> str:
-    """One row per (batch, context) and cache: eager columns, and the CUDA-graph column (for
-    ``dynamic``: a ``StaticCache`` + SDPA graph, transformers' stock static path)."""
-    runs = {(r["batch"], r["tokens"], r["cache"]): r for r in data["rows"] + data["graph"]}
-    keys = sorted({(b, t) for b, t, _ in runs})
-    lines = ["| batch × context | cache | decode tok/s (eager) | ms/step wall | GPU busy ms/step | CUDA-graph ms/step "
-             "(dynamic: StaticCache + SDPA, transformers' stock path) | decode peak GiB |", "|---|---|---|---|---|---|---|"]
-    for b, t in keys:
-        for kind, graph in (("dynamic", "static+graph"), ("oscar", "oscar+graph"), ("quantized", None)):
-            g = runs.get((b, t, graph), {}) if graph else {}
-            r = runs.get((b, t, kind), {} if g else None)     # (a graph-only run: the eager columns empty)
-            if r is None:
-                continue
-            gms = "OOM" if g.get("oom") else _fmt(g.get("graph_ms"), ".2f")
-            if g.get("graph_tok_s"):
-                gms += f" ({g['graph_tok_s']:.1f} tok/s with DecodeGraph"
-                if g.get("compiled_graph_tok_s"):
-                    gms += f"; {g['compiled_graph_tok_s']:.1f} compiled, {g['compiled_graph_wall_ms_per_step']:.2f} ms/step"
-                gms += ")"
-            if r.get("oom"):
-                lines.append(f"| {b} × {_ctx(t)} | {kind} | OOM | | | {gms} | |")
-                continue
-            lines.append(f"| {b} × {_ctx(t)} | {kind} | {_fmt(r.get('tok_s'))} | {_fmt(r.get('ms_per_step'))} | "
-                         f"{_fmt(r.get('busy_ms'), '.2f')} | {gms} | {_fmt(r.get('peak_gib'), '.2f')} |")
-    for r in data.get("generate", []):
-        if "generate_tok_s" in r:
-            lines.append(f"| generate() {r['batch']} × {_ctx(r['tokens'])} | {r['method']} | "
-                         f"{_fmt(r['generate_tok_s'])} | | | | |")
-    for r in data["ttft"]:
-        if "ttft_s" in r:
-            lines.append(f"| TTFT 1 × {_ctx(r['tokens'])} | {r['cache']} | {r['ttft_s']:.2f} s | | | | "
-                         f"{_fmt(r.get('prefill_peak_gib'), '.2f')} (prefill) |")
-    for kind, r in data["max_context"].items():
-        if isinstance(r, dict) and r.get("max_tokens"):
-            lines.append(f"| max context, batch 1 | {kind} | {r['max_tokens']:,} tokens | | | | |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import load_script, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 
@@ -18,16 +18,9 @@ def bench():
     return load_script("bench/bench_append.py")
 
 
-def _refused(bench, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert isinstance(e.value.code, str)  # Python prints it as the one line on stderr, exit status 1
-    return e.value.code
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")
 def test_without_gpu_says_so_in_one_line(bench, tmp_path):
-    assert _refused(bench, ["--out", str(tmp_path)]) == (
+    assert script_error(bench.main, ["--out", str(tmp_path)]) == (
         "error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the Triton "
         "interpreter)")
     assert not any(tmp_path.iterdir())
@@ -36,7 +29,7 @@ def test_without_gpu_says_so_in_one_line(bench, tmp_path):
 @pytest.mark.parametrize("bad, why", [(["--sections", "decode"], "--sections takes append and step"),
                                       (["--save"], "--save accepts a GPU run only")])
 def test_bad_input_is_one_line(bench, tmp_path, bad, why):
-    assert why in _refused(bench, ["--quick", "--out", str(tmp_path / "out"), *bad])
+    assert why in script_error(bench.main, ["--quick", "--out", str(tmp_path / "out"), *bad])
     assert not (tmp_path / "out").exists()
 
 

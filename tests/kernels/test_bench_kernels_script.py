@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import load_script, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 
@@ -20,16 +20,9 @@ def bench():
     return load_script("bench/bench_kernels.py")
 
 
-def _refused(bench, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert isinstance(e.value.code, str)  # Python prints it as the one line on stderr, exit status 1
-    return e.value.code
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")
 def test_without_gpu_says_so_in_one_line(bench, tmp_path):
-    assert _refused(bench, ["--out", str(tmp_path)]) == (
+    assert script_error(bench.main, ["--out", str(tmp_path)]) == (
         "error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the Triton "
         "interpreter)")
     assert not any(tmp_path.iterdir())
@@ -45,7 +38,7 @@ def test_without_gpu_says_so_in_one_line(bench, tmp_path):
 ])
 def test_bad_input_is_one_line_before_any_work(bench, tmp_path, bad, why):
     out = tmp_path / "out"
-    msg = _refused(bench, ["--quick", "--out", str(out), *bad])
+    msg = script_error(bench.main, ["--quick", "--out", str(out), *bad])
     assert msg.startswith("error: ") and why in msg and "\n" not in msg
     assert not out.exists()
 

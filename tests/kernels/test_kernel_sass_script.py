@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import load_script, script_error
 
 pytestmark = pytest.mark.script
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "kernel_sass.py"
@@ -50,6 +50,5 @@ def test_kernel_sass_counts_the_decode_main_loop_and_the_write_kernel():
 
 
 def test_kernel_sass_refuses_an_unknown_constexpr_in_one_line():
-    with pytest.raises(SystemExit) as e:
-        load_script("dev/kernel_sass.py").main(["decode", "--set", "NOPE=1"])
-    assert str(e.value.code).startswith("error: --set 'NOPE=1': expected NAME=VALUE with NAME one of [")
+    msg = script_error(load_script("dev/kernel_sass.py").main, ["decode", "--set", "NOPE=1"])
+    assert msg.startswith("error: --set 'NOPE=1': expected NAME=VALUE with NAME one of [")
