@@ -194,7 +194,8 @@ NO_GPU = ("error: no CUDA device here; the benchmark needs a GPU (--quick runs a
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU, one small layer, batch 1, one timed call (checks the script)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU, one small layer, batch 1, one timed call (checks the script)")
     add_output_args(ap)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layers", type=int, default=36)

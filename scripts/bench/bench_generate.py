@@ -31,8 +31,8 @@ prefill that long would need chunked prefill).
 The result (``harness.py``'s format; sections ``rows`` (eager decode), ``graph``, ``generate``,
 ``ttft``, ``max_context``) is written to ``--out`` after every measurement (a run cut short keeps
 what it had), and with ``--save`` installed as the current result at the end; the tables of
-docs/benchmarks.md (``report.py``) are printed last. ``StaticCache`` + SDPA is transformers' stock path for a static cache, slow at decode: it is
-a reference point, not a baseline for speed-ups.
+docs/benchmarks.md (``report.py``) are printed last. ``StaticCache`` + SDPA is transformers' stock
+path for a static cache, slow at decode: a reference point, not a baseline for speed-ups.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def main(argv=None) -> dict:
             res.add("graph", rec)
             print(json.dumps(rec), flush=True)
     for batch, tokens in gens if "generate" in sections else []:
-        for method in ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos") + (("oscar+graph+compile",) * args.compile):
+        methods = ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos") + (("oscar+graph+compile",) * args.compile)
+        for method in methods:
             if late(f"generate {method} {batch}x{tokens}"):
                 break
             rec = {"batch": batch, "tokens": tokens, "method": method}

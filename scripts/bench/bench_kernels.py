@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     ctx = Ctx(args, describe_device(cuda=not args.quick), Clock(None if args.quick else args.budget_s),
               quick=args.quick, variants=variants or [])
     shape = dict(QUICK_SHAPE if args.quick else QWEN)
-    settings = {"shape": shape, "sink": ctx.sink, "recent": ctx.recent, "bits_per_element": bits_per_element(shape["group_size"]),
+    settings = {"shape": shape, "sink": ctx.sink, "recent": ctx.recent,
+                "bits_per_element": bits_per_element(shape["group_size"]),
                 "quick": args.quick, "flush": args.flush, "contexts": contexts, "batches": batches,
                 "no_sweep": args.no_sweep}
     report = new_result("kernels", ctx.device, script=__file__, argv=argv, settings=settings)
@@ -187,7 +188,7 @@ def copy_bandwidth(ctx) -> dict:
 def full_run(ctx, report: dict, shape: dict, contexts: list[int], batches: list[int], bw: float) -> None:
     """Correctness, the sweep, every shape against SDPA, paged, the breakdown, the profile, the write."""
     from kernels_decode import (
-        ROUND1,
+        FIRST_TUNING,
         breakdown_decode,
         check_correctness,
         decode_variants,
@@ -209,7 +210,7 @@ def full_run(ctx, report: dict, shape: dict, contexts: list[int], batches: list[
     report["best_config"] = {str(b): c for b, c in best.items()}
     report["ncu_decode"] = []
     for b in batches:
-        for name, cfg in (("first tuning", ROUND1["small" if small_regime(b, shape["kv_heads"]) else "large"]),
+        for name, cfg in (("first tuning", FIRST_TUNING["small" if small_regime(b, shape["kv_heads"]) else "large"]),
                           ("default", {}), ("best", best[b])):
             if not any(e["batch"] == b and e["config"] == cfg for e in report["ncu_decode"]):
                 report["ncu_decode"].append({"batch": b, "name": name, "config": cfg})

@@ -29,12 +29,12 @@ from oscar_calib.kernels.testing import (
 )
 
 # the first tuning of the decode kernel, per regime, timed in the same run for comparison
-ROUND1 = {"small": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": 1, "programs_per_sm": 8,
+FIRST_TUNING = {"small": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": 1, "programs_per_sm": 8,
                     "prefetch": False, "maxnreg": 0, "pdl": False},
           "large": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": "fill", "programs_per_sm": 16,
                     "prefetch": False, "maxnreg": 0, "pdl": False}}
 # the same with the prefetch of offsets and parameters, for comparison in the same run
-ROUND2 = {"small": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": 1, "programs_per_sm": 8,
+FIRST_TUNING_PREFETCH = {"small": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": 1, "programs_per_sm": 8,
                     "prefetch": True, "maxnreg": 0, "pdl": False},
           "large": {"BLOCK_N": 64, "BLOCK16": 32, "heads_per_program": "fill", "programs_per_sm": 16,
                     "prefetch": True, "maxnreg": 0, "pdl": False}}
@@ -64,7 +64,8 @@ def decode_variants(ctx: Ctx, batch: int | None = None) -> list[dict]:
             out += [v for v in decode_variants(ctx, b) if v not in out]
         return out
     small = small_regime(batch, 8)
-    out = [{}, ROUND1["small" if small else "large"], ROUND2["small" if small else "large"], {"pdl": False}]
+    regime = "small" if small else "large"
+    out = [{}, FIRST_TUNING[regime], FIRST_TUNING_PREFETCH[regime], {"pdl": False}]
     if small:
         out += [{"maxnreg": 0}, {"split_tokens16": 128}, {"merge_two_pass": True}]
     else:
@@ -312,7 +313,8 @@ def profile_decode(ctx: Ctx, shape: dict, best: dict) -> dict:
         if ctx.over_budget():
             break
         try:
-            cache = random_int2_cache(batch, h, d, g, 131072 - ctx.sink - ctx.recent, ctx.sink + ctx.recent, device=ctx.dev)
+            window = ctx.sink + ctx.recent
+            cache = random_int2_cache(batch, h, d, g, 131072 - window, window, device=ctx.dev)
             q = torch.randn(batch, qh, d, device=ctx.dev).to(torch.bfloat16)
             rk = random_rotation(h, d, device=ctx.dev)
 

@@ -125,7 +125,8 @@ def kernels(doc: dict) -> list[str]:
         if "int2_ms" not in r:
             continue
         rows.append([_ctx(r["context"]), r["batch"], _f(r["int2_ms"] * 1e3), _f(r["sdpa_ms"] * 1e3),
-                     f"**{r['speedup']:.2f}×**", f"{r['int2_bytes_per_s'] / bw:.0%}", f"{r['sdpa_bytes_per_s'] / bw:.0%}"])
+                     f"**{r['speedup']:.2f}×**", f"{r['int2_bytes_per_s'] / bw:.0%}",
+                     f"{r['sdpa_bytes_per_s'] / bw:.0%}"])
     out += _table(["context", "batch", "INT2 µs", "SDPA BF16 µs (baseline)", "speed-up vs SDPA", "INT2 % of copy",
                    "SDPA % of copy"], rows)
     sdpa = {(r["context"], r["batch"]): r["sdpa_ms"] for r in doc["rows"] if "sdpa_ms" in r}
@@ -139,7 +140,8 @@ def kernels(doc: dict) -> list[str]:
     for p in doc.get("paged", []):
         if "median_ratio" in p:
             extra.append(f"paged cache (page {p['page']}, shuffled) at {_ctx(p['context'])} × {p['batch']}: "
-                         f"{(p['median_ratio'] - 1) * 100:+.1f}% against contiguous (median of {len(p['rounds'])} rounds)")
+                         f"{(p['median_ratio'] - 1) * 100:+.1f}% against contiguous "
+                         f"(median of {len(p['rounds'])} rounds)")
     w = next((w for w in doc.get("write", []) if w.get("name") == "rot+clip" and "ms" in w), None)
     if w:
         extra.append(f"write kernel (rotate + clip + quantise + pack, {w['tokens'] // 1024}K tokens × "
@@ -252,7 +254,8 @@ def scale(doc: dict) -> list[str]:
         if "verify" in r:
             v = r["verify"]
             out += ["", f"`oscar verify` on the spread model: {v['seconds']:.1f} s, "
-                        f"{'passed' if v['passed'] else 'failed'} (attention error {v['summary']['mean_attn_error']:.3f} "
+                        f"{'passed' if v['passed'] else 'failed'} "
+                        f"(attention error {v['summary']['mean_attn_error']:.3f} "
                         f"against Hadamard's {v['summary']['mean_attn_error_hadamard']:.3f}, random weights)."]
     return out + [""]
 
@@ -275,12 +278,14 @@ def first_run(doc: dict) -> list[str]:
         out += ["`make demo`'s command (`calibrate smollm2-135m --device cpu`, verify included) and `--quick`:", ""]
         out += _table(["run", "wall s", "CPU s", "peak RSS MB", "load (1 min)"],
                       [[f"{r['part']}, {r['variant']}" + (f" #{r['repeat'] + 1}" if r["part"] == "demo" else ""),
-                        _f(r["wall_s"]), _f(r["cpu_s"]), _f(r["peak_rss_mb"], ".0f"), _f(r["load_1min"])] for r in runs])
+                        _f(r["wall_s"]), _f(r["cpu_s"]), _f(r["peak_rss_mb"], ".0f"), _f(r["load_1min"])]
+                       for r in runs])
         out.append("")
     if doc.get("accuracy"):
         out += ["Accuracy of the artifacts (verify's attention error; perplexity on the held-out text):", ""]
         out += _table(["artifact", "attention error", "Hadamard's", "ppl bf16", "ppl hadamard", "ppl oscar"],
-                      [[r["artifact"], f"{r['verify_mean_attn_error']:.4f}", f"{r['verify_mean_attn_error_hadamard']:.4f}",
+                      [[r["artifact"], f"{r['verify_mean_attn_error']:.4f}",
+                        f"{r['verify_mean_attn_error_hadamard']:.4f}",
                         f"{r['ppl']['bf16']:.3f}", f"{r['ppl']['hadamard']:.3f}", f"{r['ppl']['oscar']:.3f}"]
                        for r in doc["accuracy"]])
         out.append("")
@@ -290,7 +295,8 @@ def first_run(doc: dict) -> list[str]:
 def calibrate(doc: dict) -> list[str]:
     rows = [[r["tokens"], r.get("seq_len"), _f(r.get("median_plain_s", r.get("plain_s")), ".3f"),
              _f(r.get("median_capture_s", r.get("capture_s")), ".3f"), f"{r['overhead']:+.1%}"] for r in doc["rows"]]
-    return _table(["tokens", "seq len", "plain forward s (baseline)", "capture + accumulate s", "overhead"], rows) + [""]
+    head = ["tokens", "seq len", "plain forward s (baseline)", "capture + accumulate s", "overhead"]
+    return _table(head, rows) + [""]
 
 
 RENDER = {"kernels": kernels, "append": append, "generate": generate, "calibrate": calibrate, "scale": scale,

@@ -11,8 +11,9 @@ from helpers import load_script, script_error
 from oscar_calib.kernels._common import interpreter_problem
 
 pytestmark = pytest.mark.script
-QUICK = pytest.mark.skipif(torch.cuda.is_available() or interpreter_problem() is not None,
-                           reason=str(interpreter_problem() or "--quick is the CPU smoke run; a GPU runs the benchmark"))
+QUICK = pytest.mark.skipif(
+    torch.cuda.is_available() or interpreter_problem() is not None,
+    reason=str(interpreter_problem() or "--quick is the CPU smoke run; a GPU runs the benchmark"))
 
 
 @pytest.fixture(scope="module")
