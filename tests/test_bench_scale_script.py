@@ -12,13 +12,13 @@ pytestmark = [pytest.mark.script, pytest.mark.slow]
 
 
 def test_dry_run_on_the_cpu(tmp_path, capsys):
-    load_script("bench/bench_scale.py").main(["--small", "--device", "cpu", "--tokens", "1024", "--seq-len", "256",
+    load_script("bench/bench_scale.py").main(["--small", "--device", "cpu", "--tokens", "512", "--seq-len", "128",
                                               "--repeats", "1", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "scale-cpu.json").read_text())
-    assert doc["benchmark"] == "scale" and doc["device"] == "cpu" and doc["settings"]["tokens"] == 1024
+    assert doc["benchmark"] == "scale" and doc["device"] == "cpu" and doc["settings"]["tokens"] == 512
     assert [r["mode"] for r in doc["rows"]] == ["spread", "dp"]
     for r in doc["rows"]:
-        assert r["tokens"] == 1024 and set(r["median_s"]) == {"plain", "capture", "end_to_end"}
+        assert r["tokens"] == 512 and set(r["median_s"]) == {"plain", "capture", "end_to_end"}
         assert all(v > 0 for v in r["median_s"].values())
     assert doc["rows"][1]["world_size"] == 2
     verify = doc["rows"][0]["verify"]
