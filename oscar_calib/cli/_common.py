@@ -28,6 +28,24 @@ OffloadDirOpt = Annotated[Optional[Path], typer.Option(help="Folder for weights 
                                                        "(safetensors checkpoints are read in place without it).")]
 
 
+def next_step(text: str, *, json_out: bool = False) -> None:
+    """The one line that ends a command for people: ``next: ...``, what to run next (stderr, never
+    wrapped). Left out with ``--json`` (a program reads stdout and needs no advice) and when
+    ``OSCAR_PROGRESS=off`` (quiet stderr)."""
+    import os
+
+    if json_out or os.environ.get("OSCAR_PROGRESS", "").strip().lower() == "off":
+        return
+    console.print(f"next: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
+def quote(value) -> str:
+    """A path or name as a shell word, for a command line a person copies."""
+    import shlex
+
+    return shlex.quote(str(value))
+
+
 def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
