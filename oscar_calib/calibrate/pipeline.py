@@ -321,7 +321,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
         "k_objective": cfg.k_objective, "v_objective": cfg.v_objective, "composition": cfg.composition,
         "granularity": cfg.granularity, "calibration": json.dumps(calibration, sort_keys=True),
         "toolkit_version": __version__, "model_type": geo.model_type,
-        MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True),
+        **({MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True)} if lm.source.record() else {}),
     }
 
 

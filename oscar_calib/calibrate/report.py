@@ -49,7 +49,8 @@ def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, st
     geo = lm.geometry
     return {
         "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
-        "model_source": lm.source.record(), "model_load": load_hint(lm.source), "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
+        "model_source": lm.source.record(), "model_load": load_hint(lm.source),
+        "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
         "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
         "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(fork_clips),
     }

@@ -189,8 +189,9 @@ class StageClock:
         return "time: " + ", ".join(f"{name} {sec:.1f} s" for name, sec in parts) + f"; total {total:.1f} s"
 
     def to_dict(self) -> dict:
+        """``{"total_s", "stages": [[stage, seconds], ...] in the order they ran, "other_s"}``."""
         parts, total = self.breakdown()
-        return {"total_s": total, "stages_s": dict(parts[:-1]), "other_s": parts[-1][1]}
+        return {"total_s": total, "stages": [list(p) for p in parts[:-1]], "other_s": parts[-1][1]}
 
 
 def display_kind() -> str:

@@ -64,12 +64,14 @@ class ModelSource:
     kind: str = "local"       # alias | local | gguf | hub
     hub_id: str | None = None  # a local copy's hub id, when its files say which (see local_hub_id)
 
-    def record(self) -> dict[str, str]:
+    def record(self) -> dict[str, str] | None:
         """Where the model came from, as an artifact records it (``model_source``, see
         :mod:`oscar_calib.spec.artifact`): ``kind``; ``alias`` (the pip-shipped model's name) or
         ``path`` (the absolute directory or .gguf file, so tools find it from any working
         directory); ``hub_id`` when known (an alias's, a hub model's, or what a local copy's files
-        name)."""
+        name). None for a model built in memory (no path: a test's or a benchmark's)."""
+        if self.kind in ("local", "gguf") and not self.path:
+            return None
         out = {"kind": self.kind}
         if self.kind == "alias":
             out["alias"] = self.spec
@@ -90,7 +92,7 @@ def load_hint(source: ModelSource) -> dict[str, str]:
         return {"model": source.spec, "note": f"{source.model_id} de-quantised from the GGUF inside its wheel "
                 f"(`{ALIASES[source.spec]['pip']}`), no network needed; "
                 f'`from_pretrained("{source.model_id}")` would download it from the hub instead'}
-    if source.kind in ("local", "gguf"):
+    if source.kind in ("local", "gguf") and source.path:
         return {"model": source.record()["path"]}
     return {"model": source.model_id}
 

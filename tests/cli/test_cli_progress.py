@@ -90,8 +90,8 @@ def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, capsys,
     assert done == stages, cap.err
     # the JSON's time: every stage, and the rest as "other", adding up to the total in tenths
     t = doc["time"]
-    assert list(t["stages_s"]) == stages and t["other_s"] >= 0
-    assert round(sum(t["stages_s"].values()) * 10) + round(t["other_s"] * 10) == round(t["total_s"] * 10)
+    assert [name for name, _ in t["stages"]] == stages and t["other_s"] >= 0
+    assert sum(round(sec * 10) for _, sec in t["stages"]) + round(t["other_s"] * 10) == round(t["total_s"] * 10)
     assert "next:" not in cap.err                        # --json: no advice on stderr
 
 
@@ -118,6 +118,6 @@ def test_stage_clock_accounts_for_every_second(monkeypatch):
     parts, total = c.breakdown()
     assert dict(parts) == {"loading model": 3.1, "capture": 1.8, "verify": 0.8, "other": 1.8} and total == 7.5
     assert c.line() == "time: loading model 3.1 s, capture 1.8 s, verify 0.8 s, other 1.8 s; total 7.5 s"
-    assert c.to_dict() == {"total_s": 7.5, "stages_s": {"loading model": 3.1, "capture": 1.8, "verify": 0.8},
+    assert c.to_dict() == {"total_s": 7.5, "stages": [["loading model", 3.1], ["capture", 1.8], ["verify", 0.8]],
                            "other_s": 1.8}
     assert drawn[0] == ("loading model", 0, None, "") and len(drawn) == 9     # every report passed on
