@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_main
 
-from oscar_calib.cli import main
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
 from oscar_calib.spec.artifact import MODEL_SOURCE_METADATA, model_source, read_metadata
@@ -119,17 +118,6 @@ def test_export_serves_the_recorded_local_path_or_says_what_to_pass(tmp_path):
     assert path == str(d) and "pass --model-path (or set MODEL_PATH for launch.sh)" in note
     del art.metadata[MODEL_SOURCE_METADATA]
     assert default_model_path(art, folded=False) == ("HuggingFaceTB/SmolLM2-135M-Instruct", None)
-
-
-def run_main(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["oscar", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 @pytest.mark.slow

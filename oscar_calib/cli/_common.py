@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -32,8 +34,6 @@ def next_step(text: str, *, json_out: bool = False) -> None:
     """The one line that ends a command for people: ``next: ...``, what to run next (stderr, never
     wrapped). Left out with ``--json`` (a program reads stdout and needs no advice) and when
     ``OSCAR_PROGRESS=off`` (quiet stderr)."""
-    import os
-
     if json_out or os.environ.get("OSCAR_PROGRESS", "").strip().lower() == "off":
         return
     console.print(f"next: {text}", markup=False, highlight=False, soft_wrap=True)
@@ -41,8 +41,6 @@ def next_step(text: str, *, json_out: bool = False) -> None:
 
 def quote(value) -> str:
     """A path or name as a shell word, for a command line a person copies."""
-    import shlex
-
     return shlex.quote(str(value))
 
 

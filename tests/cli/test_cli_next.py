@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_main
 
 import oscar_calib.tools.publish as publish
-from oscar_calib.cli import main
 from oscar_calib.tools.sglang.export import FORK_INSTALL
 
 ZOO = Path(__file__).resolve().parents[2] / "zoo" / "smollm2-135m"
-
-
-def run_main(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["oscar", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def next_lines(err: str) -> list[str]:

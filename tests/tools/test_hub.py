@@ -4,28 +4,16 @@ clients retry for half a minute). Only loopback addresses are contacted."""
 from __future__ import annotations
 
 import socket
-import sys
 import time
 
 import pytest
+from helpers import run_main
 
 import oscar_calib.tools.hub as hub
 import oscar_calib.tools.publish as publish
-from oscar_calib.cli import main
 from oscar_calib.errors import PublishError
 
 PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy")
-
-
-def run_main(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["oscar", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 @pytest.fixture
