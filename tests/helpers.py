@@ -104,3 +104,20 @@ def script_error(main, argv) -> str:
         main(argv)
     assert isinstance(e.value.code, str), e.value.code
     return e.value.code
+
+
+def run_main(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """``oscar ARGS`` in this process through the console entry point (so library errors become
+    their one line and exit code): ``(exit code, stdout, stderr)``."""
+    import sys
+
+    from oscar_calib.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["oscar", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err

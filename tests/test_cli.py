@@ -127,3 +127,41 @@ def test_help_documents_every_option():
                 "--overwrite", "--json", "--dtype", "--device", "--trust-remote-code", "--split", "--text-field",
                 "--refine-steps", "--refine-lr"):
         assert opt in proc.stdout, opt
+
+
+@pytest.mark.parametrize("data", ["corpus.tx", "./corpus.txt", "texts/corpus.jsonl"])
+def test_a_missing_data_file_is_one_line_before_any_model_or_hub(monkeypatch, capsys, tmp_path, data):
+    """A --data value that looks like a path and is not there: "no such file", and neither the
+    tokenizer, the model nor the datasets hub was asked for anything."""
+    import datasets
+
+    import oscar_calib.calibrate.pipeline as pipeline
+
+    asked = []
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "texts").mkdir()
+    monkeypatch.setattr(pipeline, "load_tokenizer", lambda *a, **k: asked.append("tokenizer"))
+    monkeypatch.setattr(pipeline, "prepare_model", lambda *a, **k: asked.append("model"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: asked.append("hub"))
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", "--data", data, "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, f"no such file: {data} (--data takes embedded, embedded-code, ")
+    assert asked == [] and not (tmp_path / "o").exists()
+
+
+def test_too_little_data_is_found_before_the_weights_load(monkeypatch, capsys, tmp_path, tiny_dir):
+    """Counting tokens needs the tokenizer only: the weights are never read for a short file."""
+    import oscar_calib.calibrate.pipeline as pipeline
+
+    (tmp_path / "short.txt").write_text("only a few words here")
+    monkeypatch.setattr(pipeline, "prepare_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--data", str(tmp_path / "short.txt"),
+                            "--out", str(tmp_path / "o"), *FAST_ARGS)
+    assert_one_line_error(code, err, "need")
+    assert not (tmp_path / "o").exists()
+
+
+def test_hub_ids_are_not_mistaken_for_paths():
+    from oscar_calib.calibrate.corpus import looks_like_path
+
+    assert not any(map(looks_like_path, ["wikitext", "Salesforce/wikitext", "bigcode/the-stack-v1.2"]))
+    assert all(map(looks_like_path, ["corpus.tx", "./c", "~/c", "/data/c", "a/b/c", "a\\b"]))

@@ -9,7 +9,7 @@ from pathlib import Path
 from .. import FORMAT_VERSION, __version__
 from ..errors import OutputExistsError
 from ..fsutil import check_can_replace, check_writable, remove_stale_temps
-from ..model.load import LoadedModel
+from ..model.load import LoadedModel, load_hint
 from ..spec.artifact import Artifact, has_artifact, write_artifact_files
 from ..spec.config import CalibrationConfig
 
@@ -49,6 +49,7 @@ def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, st
     geo = lm.geometry
     return {
         "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
+        "model_source": lm.source.record(), "model_load": load_hint(lm.source),
         "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
         "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
         "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(fork_clips),

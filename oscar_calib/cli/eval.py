@@ -16,6 +16,8 @@ from ._common import (
     MaxMemoryOpt,
     OffloadDirOpt,
     emit_json,
+    next_step,
+    quote,
     stdout,
     table,
 )
@@ -51,7 +53,7 @@ def eval_command(
     plot: Annotated[Optional[Path], typer.Option(help="PNG to write (default: eval-MODEL-TASK.png in the working "
                                                  "directory, never inside the artifact, which `push` uploads).")]
     = None,
-    record: Annotated[bool, typer.Option(help="Store the results in ARTIFACT/calibration.json and its model card.")]
+    record: Annotated[bool, typer.Option("--record", help="Store the results in ARTIFACT/calibration.json and its model card.")]
     = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -100,6 +102,17 @@ def eval_command(
         record_eval(artifact, result)
         result.settings["recorded"] = str(artifact)
     render(result, json_out)
+    next_step(_next(model, artifact, record), json_out=json_out)
+
+
+def _next(model: str, artifact: Path | None, record: bool) -> str:
+    m = quote(model)
+    if artifact is None:
+        return f"oscar calibrate {m} --out {quote(Path('runs') / Path(model).name)} makes an artifact to compare"
+    if record:
+        return f"oscar push {quote(artifact)} --to hf:ORG/NAME --dry-run shows what a push would upload, card included"
+    return (f"add --record to store these results in {quote(artifact)}'s card; oscar export {quote(artifact)} --out "
+            f"{quote(Path('serve') / artifact.resolve().name)} prepares serving")
 
 
 def render(result, json_out: bool) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import JsonOpt, ModelOpt, TrustOpt, console, emit_json, stdout
+from ._common import JsonOpt, ModelOpt, TrustOpt, console, emit_json, next_step, quote, stdout
 
 EXPORT_EXAMPLES = """
     Examples:
@@ -47,9 +47,9 @@ def export_command(
     folded: Annotated[Optional[bool], typer.Option("--folded/--not-folded", help="Serve a checkpoint whose V rotation "
                                                    "is already folded by `oscar fold-weights` (identity V file); "
                                                    "default: the artifact's v_folded flag.")] = None,
-    prefill_backend: Annotated[str, typer.Option(help="launch.sh default prefill attention backend: fa3 (Hopper) "
-                                                 "or triton.")] = "fa3",
-    overwrite: Annotated[bool, typer.Option(help="Replace files already in --out.")] = False,
+    prefill_backend: Annotated[str, typer.Option(help="launch.sh's default prefill attention backend: fa3 "
+                                                 "(sm80-sm90 GPUs: A100, H100) or triton (any GPU).")] = "fa3",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace files already in --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export ARTIFACT for serving in the OSCAR SGLang fork: the K and V rotation files it loads,
@@ -60,6 +60,7 @@ def export_command(
     from ..spec.config import parse_clip
     from ..spec.defaults import choose
     from ..tools.sglang import export_sglang
+    from ..tools.sglang.export import FORK_INSTALL
 
     choose("--format", fmt_name, FORMATS)
     result = export_sglang(artifact, out, target=target, model_path=model_path, clip=parse_clip(clip), sink=sink,
@@ -77,6 +78,8 @@ def export_command(
     stdout.print(f"clips k={s.k_clip:g} v={s.v_clip:g} ({result.clip_source}); windows {s.sink} + {s.recent} BF16; "
                  f"group {s.group_size}; V {'identity (folded checkpoint)' if s.v_identity else 'absorbed at load' if s.absorb_v else 'rotated online'}")
     stdout.print(f"serve with: {result.out / 'launch.sh'}   (model: {s.model_path})")
+    next_step(f"{quote(result.out / 'launch.sh')} starts the server on a GPU with the OSCAR SGLang fork installed "
+              f"({FORK_INSTALL})")
 
 
 def import_command(
@@ -88,7 +91,7 @@ def import_command(
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens recorded in the artifact.")] = 64,
     recent: Annotated[int, typer.Option(help="BF16 recent-window tokens recorded in the artifact.")] = 256,
-    overwrite: Annotated[bool, typer.Option(help="Replace an artifact already in --out.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact already in --out.")] = False,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -111,6 +114,7 @@ def import_command(
                  f"{md['granularity']}, clips k={result.report['settings']['k_clip']} "
                  f"v={result.report['settings']['v_clip']}, eigenvalues K from {imp['k']['eigenvalues']}, "
                  f"V from {imp['v']['eigenvalues']}; artifact written to {result.out}")
+    next_step(f"oscar verify {quote(result.out)} measures the imported rotations with the INT2 kernels")
 
 
 export_command.__doc__ += EXPORT_EXAMPLES

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..progress import step
-from ._common import JsonOpt, console, emit_json, stdout, table
+from ._common import JsonOpt, console, emit_json, next_step, quote, stdout, table
 from ._progress import progress_display
 
 PUSH_EXAMPLES = """
@@ -40,14 +40,14 @@ def _size(n: int) -> str:
 def push_command(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     to: Annotated[str, typer.Option("--to", help="Target: hf:ORG/NAME or modelscope:ORG/NAME.")],
-    private: Annotated[bool, typer.Option(help="Create the repository private.")] = False,
+    private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
     revision: Annotated[Optional[str], typer.Option("--revision", "--branch", help="Branch to push to "
                                                     "(created if needed; default: main/master).")] = None,
     commit_message: Annotated[Optional[str], typer.Option(help="Commit message (default: names model and "
                                                           "method).")] = None,
-    force: Annotated[bool, typer.Option(help="Push even without a passing verify.json (never an invalid "
+    force: Annotated[bool, typer.Option("--force", help="Push even without a passing verify.json (never an invalid "
                                         "artifact).")] = False,
-    dry_run: Annotated[bool, typer.Option(help="Validate and list files, sizes and target; touch no network.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list files, sizes and target; touch no network.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate ARTIFACT and upload it, model card included, to the Hugging Face hub or ModelScope.
@@ -75,6 +75,7 @@ def push_command(
                      f"commit:   {plan.commit_message}\n"
                      f"verified: {'yes' if plan.verified else 'no (--force)'}\n"
                      "dry run: nothing was uploaded", highlight=False)
+        next_step(f"the same command without --dry-run uploads {len(plan.files)} files to {plan.target}")
         return
     with progress_display() as progress, step(progress, f"uploading to {plan.target}"):
         url = push(plan)
@@ -82,6 +83,7 @@ def push_command(
         emit_json(plan.to_dict() | {"dry_run": False, "url": url})
         return
     stdout.print(f"pushed {len(plan.files)} files ({_size(plan.total_bytes)}) to {url}")
+    next_step(f"anyone gets it with oscar pull {plan.target}{' --revision ' + quote(plan.revision) if plan.revision else ''}")
 
 
 def pull_command(
@@ -91,7 +93,7 @@ def pull_command(
                                                     "branch).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory to place the artifact in "
                                                 "(default: the zoo cache).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace the contents of a non-empty --out.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the contents of a non-empty --out.")] = False,
     tag: Annotated[Optional[str], typer.Option(help="rotationzoo: the calibration tag (seq<T>_prompt<N>_group<G>) "
                                                "or directory to take (default: the config's, else the only one).")]
     = None,
@@ -126,6 +128,7 @@ def pull_command(
     md = result.report.metadata
     stdout.print(f"pulled {result.target} ({md.get('model_id')}, {md.get('num_layers')} layers, "
                  f"{md.get('granularity')} granularity) into {result.path}; valid")
+    next_step(_verify_next(result.path))
 
 
 push_command.__doc__ += PUSH_EXAMPLES
@@ -145,3 +148,8 @@ def _pull_rotationzoo(source, revision, out, overwrite, tag, model, clip, json_o
     s = pulled.source
     stdout.print(f"pulled {source}: {s['repository']} {s['directory']} (tag {s['calibration_tag']}), clips "
                  f"{s['clips']}; imported into {pulled.out}; valid", highlight=False)
+    next_step(_verify_next(pulled.out))
+
+
+def _verify_next(path: Path) -> str:
+    return f"oscar verify {quote(path)} measures it on its model with the INT2 kernels (--model if not its own)"

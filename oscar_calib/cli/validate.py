@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import TrustOpt, console, emit_json, stdout, table
+from ._common import TrustOpt, console, emit_json, next_step, quote, stdout, table
 
 EXAMPLES = """
     Examples:
@@ -33,7 +33,7 @@ def validate_command(
              "folder that is removed afterwards.", metavar="PATH_OR_REPO...")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Also check fingerprint and shapes against "
                                                  "this model (alias, directory, .gguf or hub id).")] = None,
-    allow_empty: Annotated[bool, typer.Option(help="A directory without artifacts is not a problem.")] = False,
+    allow_empty: Annotated[bool, typer.Option("--allow-empty", help="A directory without artifacts is not a problem.")] = False,
     changed_files: Annotated[bool, typer.Option(
         "--changed-files", help="PATHs are the files a change touches (what the pre-commit hook passes): "
         ".safetensors files are validated, a zoo index.json stands for its whole zoo (every artifact below it, "
@@ -69,8 +69,21 @@ def validate_command(
             typer.echo(line)
     else:
         _render_text(reports, bad)
+        if reports and not bad and not changed_files:   # problems speak for themselves; a hook wants no advice
+            next_step(_next(reports))
     if bad:
         raise typer.Exit(1)
+
+
+def _next(reports) -> str:
+    one = reports[0].path
+    where = one.parent if one.suffix == ".safetensors" else one
+    if not where.exists():              # a hub repository: validated in a folder that is gone now
+        repo, _, rev = str(where).partition("@")
+        return (f"oscar pull {quote(repo)}{' --revision ' + quote(rev) if rev else ''} fetches it, then oscar verify "
+                "measures it on its model")
+    return (f"oscar verify {quote(where)} measures {'it' if len(reports) == 1 else 'each artifact'} on its model "
+            "with the INT2 kernels")
 
 
 def _render_text(reports, bad) -> None:

@@ -16,6 +16,8 @@ from ._common import (
     OffloadDirOpt,
     emit_json,
     fmt,
+    next_step,
+    quote,
     stdout,
     table,
 )
@@ -74,7 +76,20 @@ def verify_command(
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
                                  max_layer_error=max_layer_error, seed=seed, progress=progress, placement=placement)
     render(result, json_out)
+    next_step(_next(model, directory, result.passed), json_out=json_out)
     raise typer.Exit(0 if result.passed else 1)
+
+
+def _next(model: str | None, directory: Path, passed: bool) -> str:
+    from ..model.load import model_for_artifact
+    from ..spec.artifact import read_metadata
+
+    m, art = quote(model or model_for_artifact(read_metadata(directory))), quote(directory)
+    if not passed:
+        return (f"see the reasons above; more calibration text often helps: oscar calibrate {m} --tokens 32768 "
+                f"--out {art} --overwrite")
+    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard; oscar export {art} --out "
+            f"{quote(Path('serve') / directory.resolve().name)} prepares serving in the OSCAR SGLang fork")
 
 
 def render(result, json_out: bool) -> None:

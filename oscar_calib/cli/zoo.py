@@ -75,7 +75,7 @@ def _entry_row(e, eval_text) -> list:
 
 @zoo_app.command("index")
 def index_command(zoo: ZooOpt = None,
-                  check: Annotated[bool, typer.Option(help="Only check that index.json is current; exit 1 "
+                  check: Annotated[bool, typer.Option("--check", help="Only check that index.json is current; exit 1 "
                                                       "if not.")] = False,
                   json_out: JsonOpt = False) -> None:
     """Regenerate zoo/index.json from the committed artifacts (deterministic; --check for CI)."""

@@ -57,6 +57,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
     an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). Used by ``oscar eval``. ``legacy``: the pre-0.2
     keyword settings (``task=``, ``methods=``, ``sink=``, ...; deprecated)."""
+    from ..calibrate.corpus import check_data_path
     from ..model.load import load_model
     from ..spec.artifact import load_artifact, require_compatible
     from ..tools.validate import require_valid
@@ -68,6 +69,8 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
         art = load_artifact(Path(artifact_path))
     methods, notes = resolve_methods(opts.methods, art)
     opts = opts.replace(methods=methods)
+    if opts.task == "ppl":
+        check_data_path(opts.data)           # a mistyped --data file: one line before the model loads
     lm = loaded or load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)

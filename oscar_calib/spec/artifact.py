@@ -49,6 +49,13 @@ SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
 # share it), when a bit budget gave layers different sizes (`oscar calibrate --bit-budget`). ``group_size``
 # then holds the closest uniform size within the same budget (what an engine with one size serves).
 LAYER_GROUPS_METADATA = "layer_group_sizes"
+# Optional metadata (toolkit 0.3): where the model came from, a JSON object (``model_id`` stays the
+# model's name): ``kind`` (alias | local | gguf | hub); ``alias`` (a pip-shipped model's name) or
+# ``path`` (the absolute directory or .gguf file a local model was read from); ``hub_id`` when
+# known. Tools load the model from it (``model.load.model_for_artifact``); the card shows it.
+MODEL_SOURCE_METADATA = "model_source"
+MODEL_SOURCE_KINDS = ("alias", "local", "gguf", "hub")
+MODEL_SOURCE_FIELDS = ("kind", "alias", "path", "hub_id")
 
 REQUIRED_METADATA = (
     "format", "format_version", "model_id", "model_fingerprint", "num_layers",
@@ -168,6 +175,41 @@ def layer_group_sizes(md: dict[str, str]) -> list[int] | None:
         raise ArtifactError(problems[0])
     raw = md.get(LAYER_GROUPS_METADATA)
     return None if raw is None else [int(x) for x in raw.split(",")]
+
+
+def model_source(md: dict[str, str]) -> dict[str, str] | None:
+    """The ``model_source`` record (None when absent); :class:`ArtifactError` when malformed
+    (:func:`model_source_problems`)."""
+    problems = model_source_problems(md)
+    if problems:
+        raise ArtifactError(problems[0])
+    raw = md.get(MODEL_SOURCE_METADATA)
+    return None if raw is None else json.loads(raw)
+
+
+def model_source_problems(md: dict[str, str]) -> list[str]:
+    """Why ``model_source`` is unusable (empty when absent or fine): not a JSON object of strings,
+    an unknown field or kind, or no ``alias`` / ``path`` where its kind needs one."""
+    raw = md.get(MODEL_SOURCE_METADATA)
+    if raw is None:
+        return []
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        rec = None
+    key = MODEL_SOURCE_METADATA
+    if not isinstance(rec, dict) or not all(isinstance(v, str) and v for v in rec.values()):
+        return [f"metadata {key!r} is not a JSON object of non-empty strings: {str(raw)[:60]!r}"]
+    unknown = sorted(set(rec) - set(MODEL_SOURCE_FIELDS))
+    if unknown:
+        return [f"metadata {key!r} has unknown field(s) {', '.join(unknown)}"]
+    kind = rec.get("kind")
+    if kind not in MODEL_SOURCE_KINDS:
+        return [f"metadata {key!r} has kind {kind!r}, expected one of {', '.join(MODEL_SOURCE_KINDS)}"]
+    needs = {"alias": "alias", "local": "path", "gguf": "path", "hub": "hub_id"}[kind]
+    if needs not in rec:
+        return [f"metadata {key!r} of kind {kind!r} has no {needs!r}"]
+    return []
 
 
 def layer_group_problems(md: dict[str, str]) -> list[str]:

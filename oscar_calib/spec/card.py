@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def model_card(report: dict) -> str:
     s, g, cal, summ = report["settings"], report["geometry"], report["calibration"], report["summary"]
@@ -10,7 +12,7 @@ def model_card(report: dict) -> str:
         "---",
         "library_name: oscar",
         "tags: [kv-cache, quantization, int2, oscar]",
-        f"base_model: {report['model_id']}",
+        *([f"base_model: {hub_id(report)}"] if hub_id(report) else []),
         "---",
         "",
         f"# OSCAR rotations for {report['model_id']}",
@@ -20,7 +22,7 @@ def model_card(report: dict) -> str:
         "",
         "| setting | value |",
         "|---|---|",
-        f"| base model | `{report['model_id']}` (fingerprint `{report['model_fingerprint'][:16]}…`) |",
+        f"| base model | `{report['model_id']}`{_where(report)} (fingerprint `{report['model_fingerprint'][:16]}…`) |",
         f"| geometry | {g['num_layers']} layers, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']} |",
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
@@ -44,17 +46,65 @@ def model_card(report: dict) -> str:
         "",
     ]
     lines += _eval_section(report)
-    lines += [
+    lines += _use_section(report)
+    return "\n".join(lines)
+
+
+def hub_id(report: dict) -> str | None:
+    """The model's hub id, when known: the ``model_source`` record's, else a ``model_id`` of the
+    form ORG/NAME from an artifact without one. Never a local folder's name."""
+    src = report.get("model_source")
+    if isinstance(src, dict):
+        return src.get("hub_id")
+    model_id = str(report.get("model_id", ""))
+    return model_id if model_id.count("/") == 1 and not model_id.startswith((".", "/", "~")) else None
+
+
+def _where(report: dict) -> str:
+    """`` (local directory `/abs/path`, a copy of `org/name`)`` for a model read from disk."""
+    src = report.get("model_source")
+    if not isinstance(src, dict) or src.get("kind") not in ("local", "gguf"):
+        return ""
+    what = "GGUF file" if src["kind"] == "gguf" else "local directory"
+    copy = f", a copy of `{src['hub_id']}`" if src.get("hub_id") else ""
+    return f" ({what} `{src.get('path')}`{copy})"
+
+
+def _use_section(report: dict) -> list[str]:
+    """``## Use``: loading the base model and an ``OscarCache`` in Python (the MODEL argument that
+    loads it here: a pip-shipped model's alias, its path, or its hub id), the sink + recent rule,
+    and the command line."""
+    load = report.get("model_load") or {"model": report["model_id"]}
+    model = json.dumps(load["model"])                   # a Python string literal, double-quoted
+    s = report["settings"]
+    sink, recent = s["sink_tokens"], s["recent_tokens"]
+    return [
         "## Use",
         "",
+        *([f"The base model loads with `load_model({model})`: {load['note']}.", ""] if load.get("note") else []),
+        "```python",
+        "from oscar_calib.model.load import load_model",
+        "from oscar_calib.runtime import OscarCache",
+        "",
+        f"lm = load_model({model})",
+        'cache = OscarCache.from_artifact("<this directory>", lm.model)',
+        'ids = lm.tokenizer("The capital of France is", return_tensors="pt")',
+        "with cache.attach(lm.model):",
+        "    out = lm.model.generate(**ids, past_key_values=cache, max_new_tokens=32)",
+        "print(lm.tokenizer.decode(out[0]))",
         "```",
-        "oscar verify <this directory> --model <base model>",
-        "oscar fold-weights <base model> <this directory> --out folded/",
+        "",
+        f"Attention reads INT2 only for tokens outside the BF16 windows (the first {sink} tokens and the latest "
+        f"{recent}): a sequence of at most {sink} + {recent} = {sink + recent} tokens, prompt and generated tokens "
+        "together, never reaches INT2.",
+        "",
+        "```",
+        "oscar verify <this directory>",
+        f"oscar fold-weights {load['model']} <this directory> --out folded/",
         "oscar export <this directory> --out serve/      # the OSCAR SGLang fork: serve/launch.sh",
         "```",
         "",
     ]
-    return "\n".join(lines)
 
 
 _EVAL_LABELS = (("bf16", "BF16 KV cache"), ("naive", "naive INT2"), ("hadamard", "Hadamard (QuaRot-INT2), clips 0.96/0.92"),

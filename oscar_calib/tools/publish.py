@@ -37,7 +37,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 from huggingface_hub import get_token as hf_get_token
-from huggingface_hub import snapshot_download as hf_snapshot_download
+from huggingface_hub import snapshot_download as _hf_snapshot_download
 
 from ..errors import (
     ArtifactError,
@@ -47,6 +47,7 @@ from ..errors import (
 )
 from ..fsutil import staged_dir
 from ..spec.artifact import CARD_NAME, WEIGHTS_NAME
+from .hub import require_online
 from .validate import ModelReference, ValidationReport, require_valid, validate_artifact
 from .zoo import PULL_RECORD, VERIFY_NAME  # PULL_RECORD is a hidden file: never pushed
 
@@ -311,7 +312,16 @@ def download_snapshot(target: Target, revision: str | None, local_dir: Path, *,
                            f"or revision?): {first}") from None
 
 
+def hf_snapshot_download(**kwargs):
+    """huggingface_hub's ``snapshot_download``, once the hub answers (:func:`.hub.require_online`:
+    without a network, one line in seconds instead of its retries)."""
+    require_online("hf")
+    return _hf_snapshot_download(**kwargs)
+
+
 def modelscope_snapshot_download():
+    """ModelScope's ``snapshot_download``, once ModelScope answers (see :func:`hf_snapshot_download`)."""
+    require_online("modelscope")
     from modelscope.hub.snapshot_download import snapshot_download
 
     return snapshot_download

@@ -51,6 +51,9 @@ PREFERRED = ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt")
 def list_repo_files(repo_id: str, revision: str | None) -> list[str]:
     from huggingface_hub import HfApi
 
+    from .hub import require_online
+
+    require_online("hf")           # without a network: one line in seconds, not the client's retries
     return list(HfApi().list_repo_files(repo_id, repo_type="model", revision=revision))
 
 
@@ -196,7 +199,6 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
     """Fetch a model's K/V pair from OSCAR's RotationZoo and import it (module docstring)."""
     from ..model.load import cache_root
     from ..spec.artifact import PULL_RECORD
-    from .sglang import import_sglang
 
     name = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
     cfg = find_config(name)
@@ -234,6 +236,8 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
         except Exception as e:  # noqa: BLE001
             raise PublishError(f"cannot download {k_file} / {v_file} from hf:{rz.repo}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        from .sglang import import_sglang    # torch: only once the hub has answered
+
         result = import_sglang(k_path, v_path, target, out, clip=clips, group_size=group, sink_tokens=rz.sink,
                                recent_tokens=rz.recent, overwrite=overwrite or _in_cache(out), source=source)
     record = {"source": f"{PREFIX}{cfg.name}", "repository": f"hf:{rz.repo}", "revision": revision,

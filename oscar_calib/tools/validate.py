@@ -22,6 +22,8 @@ eigenvalues            descending along head_dim, up to 1e-6 of the head's large
 granularity            ``layer``: one rotation repeated for every KV head
 group_sizes            the optional ``layer_group_sizes`` (a bit budget): one power of two
                        dividing ``head_dim`` per layer
+model_source           the optional record of where the model came from: a JSON object with a
+                       known ``kind`` and the ``alias`` / ``path`` / ``hub_id`` it needs
 model (``--model``)    fingerprint, layers, query/KV heads and head_dim equal the model's
 =====================  ======================================================================
 
@@ -55,6 +57,7 @@ from ..spec.artifact import (
     WEIGHTS_NAME,
     check_structure,
     compatibility_problems,
+    model_source_problems,
 )
 from ..spec.defaults import COMPOSITIONS, GRANULARITIES, K_OBJECTIVES, V_OBJECTIVES
 from ..spec.stfile import read_header
@@ -255,6 +258,7 @@ def check_metadata_values(md: dict[str, str]) -> list[str]:
             problems.append(f"metadata {k!r} is {md[k]!r}, expected a clip ratio in (0, 1]")
     if md.get("v_folded", "false") not in ("true", "false"):
         problems.append(f"metadata 'v_folded' is {md.get('v_folded')!r}, expected 'true' or 'false'")
+    problems += model_source_problems(md)
     return problems
 
 

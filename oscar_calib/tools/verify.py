@@ -228,7 +228,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     A spread model's captures are kept on the CPU and checked one layer at a time on the device
     its inputs go to. The artifact is validated first (``oscar validate``'s rules: a NaN or a
     non-orthogonal rotation is refused with its line)."""
-    from ..calibrate.corpus import plan_tokens
+    from ..calibrate.corpus import load_texts, plan_tokens
     from ..model.capture import Capture, capture_forward
     from ..model.load import load_model
     from .validate import require_valid
@@ -244,10 +244,11 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         raise InputError("--depths must be integers ≥ 2")
     if not 0 < max_layer_error:
         raise InputError("--max-layer-error must be positive")
+    documents = load_texts(data)         # a bad --data is reported before the model loads
     if loaded is None:
-        from ..model.load import spec_for_model_id
+        from ..model.load import model_for_artifact
 
-        model = model or spec_for_model_id(art.metadata.get("model_id", ""))
+        model = model or model_for_artifact(art.metadata)
         loaded = load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     lm = loaded
     require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
@@ -258,7 +259,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     sink, recent, group_size = int(art.metadata["sink_tokens"]), int(art.metadata["recent_tokens"]), art.group_size
     max_depth = depths[-1]
     plan = plan_tokens(lm.tokenizer, data=data, tokens=max_depth, seq_len=max_depth, heldout_tokens=max_depth,
-                       heldout_seqs=sequences, seed=seed + 1, corpus_split="heldout")
+                       heldout_seqs=sequences, seed=seed + 1, corpus_split="heldout", documents=documents)
     ids = torch.stack(plan.heldout)                                    # [B, max_depth]
     caps: dict[int, dict] = {}
     info: dict[int, dict] = {}

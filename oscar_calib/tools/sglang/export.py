@@ -62,7 +62,18 @@ CLIPS_FILE = "clips.json"
 WINDOW_MULTIPLE = 8                          # the fork's page size N_Q = 4 × itemsize(bf16)
 ABSORB_MODEL_TYPES = ("qwen3", "glm4_moe")   # the fork folds R_v into qkv_proj at load for these
 SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
+# The fork's INT2 cache takes prefill fa3 or triton with triton decode (`_unified_mixed_kv_active` in
+# sglang-research/python/sglang/srt/server_args.py); its fa3 backend asserts an sm80-sm90 GPU
+# (`create_flashattention_v3_backend`, srt/layers/attention/attention_registry.py) and its kernels need
+# CUDA >= 12.3 (`is_fa3_supported`, sgl-kernel/python/sgl_kernel/flash_attn.py). FutureMLS-Lab/OSCAR
+# at commit 473ff3f9d29aac3e3730b27a2bbf97b062ec38e6.
 PREFILL_BACKENDS = ("fa3", "triton")
+FA3_COMPUTE_MAJORS = (8, 9)
+# How the fork is installed (the same repository and commit, README "Setup"): an editable install of its
+# SGLang tree; it brings the SGLANG_ENABLE_MIXED_KV_WINDOWS setting a stock sglang lacks.
+FORK_REPO = "https://github.com/FutureMLS-Lab/OSCAR"
+FORK_INSTALL = f"git clone --recursive {FORK_REPO} && pip install -e OSCAR/sglang-research/python"
+FORK_MARKER = "SGLANG_ENABLE_MIXED_KV_WINDOWS"      # defined in the fork's sglang/srt/environ.py only
 
 
 @dataclass
@@ -141,7 +152,10 @@ def export_sglang(artifact_path: Path, out: Path, *, target: str = "fork-main", 
     folded = md.get("v_folded") == "true" if folded is None else folded
     warnings = _warnings(art)
     k_rots, k_eigs = _rotations(art, "k", target, artifact_path)
-    settings = ServeSettings(target, model_path or _default_model_path(art, folded), g, sink, recent, k_clip,
+    if model_path is None:
+        model_path, note = default_model_path(art, folded)
+        warnings += [note] if note else []
+    settings = ServeSettings(target, model_path, g, sink, recent, k_clip,
                              v_clip, absorb_v=not folded and md.get("model_type") in ABSORB_MODEL_TYPES,
                              v_identity=folded, prefill_backend=prefill_backend)
     k_name = file_name("k", _objective(md, "k"))
@@ -241,10 +255,25 @@ def _objective(md: dict[str, str], which: str) -> str:
     return obj.replace("-", "_") + (f"_{comp}" if comp else "")
 
 
-def _default_model_path(art: Artifact, folded: bool) -> str:
+def default_model_path(art: Artifact, folded: bool) -> tuple[str, str | None]:
+    """The server's ``--model-path`` and, when it cannot be right here, one line saying what to
+    pass: the fold-weights checkpoint holding a folded artifact; else the local directory the
+    model was calibrated from (its ``model_source``) while it exists, its hub id otherwise; else
+    the ``model_id`` (a hub id, or a pip-shipped model's)."""
+    from ...spec.artifact import model_source
+
     if folded and art.path is not None and (Path(art.path).parent / "config.json").exists():
-        return str(Path(art.path).parent.resolve())          # the artifact copy inside a fold-weights checkpoint
-    return art.metadata.get("model_id", "")
+        return str(Path(art.path).parent.resolve()), None     # the artifact copy inside a fold-weights checkpoint
+    src = model_source(art.metadata) or {}
+    path = src.get("path")
+    if path and Path(path).exists():
+        return path, None
+    if src.get("hub_id"):
+        return src["hub_id"], None
+    if path:
+        return path, (f"the model was calibrated from {path}, which is not here: pass --model-path (or set "
+                      "MODEL_PATH for launch.sh) to where the server can read it")
+    return art.metadata.get("model_id", ""), None
 
 
 def _warnings(art: Artifact) -> list[str]:
@@ -304,20 +333,52 @@ def serve_env(env: dict[str, str], s: ServeSettings, art: Artifact, source: Path
 
 
 def launch_script(s: ServeSettings, k_name: str, v_name: str) -> str:
+    """``launch.sh``: checks that ``$PYTHON`` has the OSCAR fork of SGLang and that the prefill
+    backend suits the GPU (one line and exit 1 when not), then starts the fork's server."""
     flags = " ".join(shlex.quote(f) for f in s.server_flags())
+    majors = "|".join(str(m) for m in FA3_COMPUTE_MAJORS)
     return f"""#!/usr/bin/env bash
 # Start the OSCAR SGLang fork with these rotations (written by `oscar export`, oscar {__version__}).
 # Usage: ./launch.sh [more sglang.launch_server flags, e.g. --port 30000 --tensor-parallel-size 4]
-# Environment: MODEL_PATH (default below), PREFILL_BACKEND (fa3 on Hopper; triton elsewhere).
+# Needs the OSCAR fork of SGLang, not a stock sglang (which ignores these settings):
+#   {FORK_INSTALL}
+# Environment: MODEL_PATH (default below); PYTHON (default python); PREFILL_BACKEND (default
+# {s.prefill_backend}): fa3 is FlashAttention 3, which the fork runs on sm80-sm90 GPUs (A100, L40, H100)
+# with CUDA >= 12.3; elsewhere (e.g. Blackwell) use PREFILL_BACKEND=triton. The fork's INT2 cache
+# takes prefill fa3 or triton, with triton decode.
 set -euo pipefail
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+PYTHON="${{PYTHON:-python}}"
+PREFILL_BACKEND="${{PREFILL_BACKEND:-{s.prefill_backend}}}"
+fork=0
+"$PYTHON" -c 'import importlib.util as u, pathlib, sys
+s = u.find_spec("sglang")
+env = pathlib.Path(s.origin).parent / "srt" / "environ.py" if s and s.origin else None
+sys.exit(3 if env is None else 0 if env.is_file() and "{FORK_MARKER}" in env.read_text(errors="replace") else 4)' \\
+    2>/dev/null || fork=$?
+case $fork in
+    0) ;;
+    3) echo "launch.sh: $PYTHON has no sglang; install the OSCAR fork: {FORK_INSTALL}" >&2; exit 1 ;;
+    4) echo "launch.sh: the sglang of $PYTHON is not the OSCAR fork; install it: {FORK_INSTALL}" >&2; exit 1 ;;
+    *) echo "launch.sh: cannot run $PYTHON (set PYTHON to the interpreter that has the OSCAR fork)" >&2; exit 1 ;;
+esac
+case $PREFILL_BACKEND in
+    fa3)
+        cap="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true)"
+        case ${{cap%%.*}} in
+            ""|{majors}) ;;
+            *) echo "launch.sh: prefill backend fa3 needs an sm80-sm90 GPU (A100, L40, H100), this one has compute capability $cap; run PREFILL_BACKEND=triton $0" >&2; exit 1 ;;
+        esac ;;
+    triton) ;;
+    *) echo "launch.sh: PREFILL_BACKEND=$PREFILL_BACKEND: the fork's INT2 cache takes fa3 or triton" >&2; exit 1 ;;
+esac
 set -a
 . "$here/{ENV_FILE}"
 set +a
 export SGLANG_OSCAR_K_ROTATION_PATH="$here/{k_name}"
 export SGLANG_OSCAR_V_ROTATION_PATH="$here/{v_name}"
-MODEL_PATH="${{MODEL_PATH:-{s.model_path}}}"
-PREFILL_BACKEND="${{PREFILL_BACKEND:-{s.prefill_backend}}}"
-exec python -m sglang.launch_server --model-path "$MODEL_PATH" {flags} \\
+MODEL_PATH="${{MODEL_PATH:-}}"
+[ -n "$MODEL_PATH" ] || MODEL_PATH={shlex.quote(s.model_path)}
+exec "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" {flags} \\
     --prefill-attention-backend "$PREFILL_BACKEND" "$@"
 """

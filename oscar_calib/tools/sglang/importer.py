@@ -32,6 +32,7 @@ from ...errors import OutputExistsError
 from ...fsutil import staged_dir
 from ...spec.artifact import (
     FORMAT_NAME,
+    MODEL_SOURCE_METADATA,
     SHARED_CLIP_METADATA,
     WEIGHTS_NAME,
     Artifact,
@@ -64,12 +65,13 @@ class ModelTarget:
     head_dim: int
     layer_types: list[str] = field(default_factory=list)
     note: str = ""                     # e.g. "fingerprint from configs/qwen3-8b.yaml geometry"
+    source: dict | None = None         # where a loaded model came from (ModelSource.record)
 
     @classmethod
     def from_loaded(cls, lm) -> "ModelTarget":
         g = lm.geometry
         return cls(lm.source.model_id, g.model_type, lm.fingerprint, g.num_layers, g.num_attention_heads,
-                   g.num_kv_heads, g.head_dim, list(g.layer_types))
+                   g.num_kv_heads, g.head_dim, list(g.layer_types), source=lm.source.record())
 
     def geometry(self) -> dict:
         return {"model_type": self.model_type, "num_layers": self.num_layers,
@@ -147,10 +149,11 @@ def import_sglang(k_path: Path, v_path: Path, model, out: Path, *,
         "composition": IMPORTED, "granularity": granularity, "calibration": json.dumps(calibration, sort_keys=True),
         "toolkit_version": __version__, "model_type": target.model_type,
         **dict(zip(SHARED_CLIP_METADATA, (f"{k_clip:g}", f"{v_clip:g}"))),
+        **({MODEL_SOURCE_METADATA: json.dumps(target.source, sort_keys=True)} if target.source else {}),
     }
     artifact = Artifact(layers=layers, metadata=metadata)
     report = {"format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": target.model_id,
-              "model_fingerprint": target.fingerprint, "group_size": group_size, "calibration": calibration,
+              **({"model_source": target.source} if target.source else {}), "model_fingerprint": target.fingerprint, "group_size": group_size, "calibration": calibration,
               "geometry": target.geometry(), "imported": imported, "fingerprint_note": target.note,
               "settings": {"k_clip": k_clip, "v_clip": v_clip, "granularity": granularity,
                            "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}}
@@ -162,6 +165,8 @@ def import_sglang(k_path: Path, v_path: Path, model, out: Path, *,
 
 
 def import_card(report: dict) -> str:
+    from ...spec.card import hub_id
+
     g, s, imp = report["geometry"], report["settings"], report["imported"]
     src = imp.get("source") or {}
     notes = [f"{w.upper()}: {', '.join(str(x) for x in imp[w]['ignored_layers'])} ignored (beyond the model's layers)"
@@ -187,7 +192,7 @@ def import_card(report: dict) -> str:
     ]
     return "\n".join([
         "---", "library_name: oscar", "tags: [kv-cache, quantization, int2, oscar]",
-        f"base_model: {report['model_id']}", "---", "",
+        *([f"base_model: {hub_id(report)}"] if hub_id(report) else []), "---", "",
         f"# OSCAR rotations for {report['model_id']} (imported)", "",
         f"Imported by the `oscar` toolkit {report['toolkit_version']} from OSCAR SGLang-fork rotation files "
         f"(artifact format v{report['format_version']}).", "",
