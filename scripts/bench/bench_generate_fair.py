@@ -324,3 +324,111 @@ def agrees_with_dynamic(model, mode: str, batch: int, tokens: int, steps: int = 
             worst = max(worst, ((got - want).norm() / want.norm()).item())
             ids = want.argmax(-1)
     return worst
+
+
+def int2_kv_bytes(model, batch: int, tokens: int, group_size: int, sink: int = 64, recent: int = 256) -> int:
+    """Bytes of the OSCAR cache a decode step reads at ``tokens`` tokens per row: the BF16 sink and
+    recent window, and the INT2 history between them (2 bits per element plus an fp16 scale and
+    offset per group of ``group_size``)."""
+    c = model.config
+    d, h, n = c.head_dim, c.num_key_value_heads, c.num_hidden_layers
+    window = min(tokens, sink + recent)
+    per_row = window * d * 2 + (tokens - window) * (d // 4 + 4 * d // group_size)
+    return n * 2 * h * batch * per_row
+
+
+def fair_record(model, batch: int, tokens: int, args, bandwidth: float) -> dict:
+    """One row of the fair table: the BF16 baseline in both forms and the OSCAR cache through
+    ``DecodeGraph``, plain and compiled, with each step's bytes and roofline."""
+    from bench_generate_runs import graph_decode
+
+    wbytes = weight_bytes(model, batch)
+    bf16_kv = 2 * model.config.num_hidden_layers * batch * model.config.num_key_value_heads * tokens \
+        * model.config.head_dim * 2
+    int2_kv = int2_kv_bytes(model, batch, tokens, args.group_size)
+    rec = {"batch": batch, "tokens": tokens, "weight_bytes": wbytes, "bf16_kv_bytes": bf16_kv,
+           "int2_kv_bytes": int2_kv, "bf16_roofline_ms": roofline_ms(wbytes + bf16_kv, bandwidth),
+           "int2_roofline_ms": roofline_ms(wbytes + int2_kv, bandwidth)}
+    for compiled in (False, True):
+        tag = "compiled_" if compiled else ""
+        rec[f"{tag}bf16_sdpa_replay_ms"] = replay_ms(model, "sdpa", batch, tokens, compile=compiled)
+        flash = loop(model, batch, tokens, args.new, compile=compiled)
+        rec[f"{tag}bf16_flash_loop_ms"] = flash["wall_ms_per_step"]
+        int2 = graph_decode(model, batch, tokens, args.new, args, compile=compiled)
+        rec[f"{tag}int2_loop_ms"] = int2["graph_wall_ms_per_step"]
+        bf16 = min(rec[f"{tag}bf16_sdpa_replay_ms"], rec[f"{tag}bf16_flash_loop_ms"])
+        rec[f"{tag}bf16_ms"] = bf16
+        rec[f"{tag}speedup"] = bf16 / rec[f"{tag}int2_loop_ms"]
+        rec[f"{tag}bf16_roofline_pct"] = 100 * rec["bf16_roofline_ms"] / bf16
+        rec[f"{tag}int2_roofline_pct"] = 100 * rec["int2_roofline_ms"] / rec[f"{tag}int2_loop_ms"]
+        torch.cuda.empty_cache()
+    return rec
+
+
+def capacity(model, tokens: int, args) -> dict:
+    """How many sequences of ``tokens`` each cache holds on this GPU beside the weights (4 GiB kept
+    for activations and the graph), and the decode tokens/s at those batch sizes (plain graphs)."""
+    from bench_generate_runs import graph_decode
+
+    free = torch.cuda.mem_get_info()[0] - 4 * 2**30
+    c = model.config
+    bf16_row = 2 * c.num_hidden_layers * c.num_key_value_heads * (tokens + args.new + 8) * c.head_dim * 2
+    int2_row = int2_kv_bytes(model, 1, tokens + args.new + 8, args.group_size)
+    rec = {"tokens": tokens, "free_gib": free / 2**30, "bf16_batch": int(free // bf16_row),
+           "int2_batch": int(free // int2_row)}
+    if rec["bf16_batch"]:
+        rec["bf16_tok_s"] = loop(model, rec["bf16_batch"], tokens, args.new)["tok_s"]
+        torch.cuda.empty_cache()
+    for b in (rec["int2_batch"], int(rec["int2_batch"] * 0.9)):     # (the estimate ignores the kernels' scratch)
+        try:
+            rec["int2_tok_s"] = graph_decode(model, b, tokens, args.new, args)["graph_tok_s"]
+            rec["int2_batch"] = b
+            break
+        except torch.cuda.OutOfMemoryError:
+            rec.setdefault("int2_oom_at", []).append(b)
+        finally:
+            torch.cuda.empty_cache()
+    return rec
+
+
+def profile_record(model, batch: int, tokens: int, args) -> dict:
+    """Where a compiled decode step's time goes (kernel time by category, eager steps under the
+    profiler) for the OSCAR cache and the BF16 baseline (``sdpa``), beside the loop's wall time."""
+    from bench_generate_runs import make_cache
+
+    from oscar_calib.runtime.attention import ATTENTION_NAME, _registered_attention
+    from oscar_calib.runtime.graph import compiled_layers, decoder_layers
+
+    dev = model.device
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    pos = torch.full((batch, 1), tokens, dtype=torch.long, device=dev)
+    out = {"batch": batch, "tokens": tokens}
+    cache = make_cache("oscar", model, batch, tokens, 64, args)
+    with cache.attach(model), compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, _registered_attention), \
+            torch.no_grad():
+        out["int2"] = profile_step(lambda: _step(model, cache, ids, pos))
+    del cache
+    torch.cuda.empty_cache()
+    base = PrefixCache(model.config, "sdpa", batch, tokens + 64, dev).fill(tokens)
+    with base.attach(model), _compiled(model, base, True), torch.no_grad():
+        out["bf16"] = profile_step(lambda: _step(model, base, ids, pos))
+    return out
+
+
+def fair_table(rows: list, bandwidth: float | None) -> str:
+    bw = f"{bandwidth / 1e12:.2f} TB/s" if bandwidth else "?"
+    lines = [f"Fair BF16 baseline vs OSCAR INT2 (ms per decode step; roofline = bytes read / {bw} copy bandwidth)",
+             "| batch × context | compiled | BF16 SDPA replay | BF16 flash loop | INT2 DecodeGraph loop | "
+             "INT2 speed-up | BF16 % roofline | INT2 % roofline | BF16 / INT2 tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "speedup" not in r:
+            continue
+        ctx = f"{r['tokens'] // 1024}K"
+        for tag, label in (("", "no"), ("compiled_", "yes")):
+            b, i = r[f"{tag}bf16_ms"], r[f"{tag}int2_loop_ms"]
+            lines.append(f"| {r['batch']} × {ctx} | {label} | {r[f'{tag}bf16_sdpa_replay_ms']:.2f} | "
+                         f"{r[f'{tag}bf16_flash_loop_ms']:.2f} | {i:.2f} | {r[f'{tag}speedup']:.2f}x | "
+                         f"{r[f'{tag}bf16_roofline_pct']:.0f}% | {r[f'{tag}int2_roofline_pct']:.0f}% | "
+                         f"{1e3 * r['batch'] / b:.1f} / {1e3 * r['batch'] / i:.1f} |")
+    return "\n".join(lines)

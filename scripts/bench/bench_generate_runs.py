@@ -296,8 +296,8 @@ def max_context(model, kind: str, args) -> dict:
 
 class Results:
     def __init__(self, path: Path, meta: dict):
-        self.path, self.data = path, {"meta": meta, "runs": [], "generate": [], "ttft": [], "max_context": {},
-                                       "errors": []}
+        self.path, self.data = path, {"meta": meta, "fair": [], "profile": [], "capacity": [], "runs": [],
+                                       "generate": [], "ttft": [], "max_context": {}, "errors": []}
 
     def add(self, section: str, item) -> None:
         if isinstance(self.data[section], list):
