@@ -59,7 +59,7 @@ class DecodeGraph:
     left as it was. The logits then follow the eager step up to the rounding of the fused kernels,
     not bit for bit. H200, Qwen3-8B shapes, 36 layers, 1 x 16K: 8.00 -> 5.96-6.25 ms per replayed
     step, for ~8 s of compiling in the first two calls. It raises torch._dynamo's recompile limit
-    for the process (one compile per layer of the attention module's first part)."""
+    for the process (each batch size compiles again)."""
 
     def __init__(self, model, cache, *, compile: bool = False):
         from .cache import OscarCache
@@ -88,10 +88,10 @@ class DecodeGraph:
             if found is None:
                 raise InputError("DecodeGraph(compile=True) needs the model's decoder layers "
                                  "(model.get_decoder().layers)")
-            # the attention module's part before the cache update is compiled once per layer (its
-            # index, passed to the update, is a constant to torch.compile): room for every layer,
-            # where the default of 8 recompiles per function would leave the rest eager. Raised for
-            # the process (never lowered); set inside the compiling call it did not take effect.
+            # each batch size (and each cache a process decodes with) compiles the layers' code
+            # again: room for them, where the default of 8 recompiles per function would leave
+            # the rest eager. Raised for the process (never lowered); set inside the compiling
+            # call it did not take effect.
             dyn = torch._dynamo.config
             dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(found) + 8)
         self._ids = self._pos = self._logits = None
@@ -200,7 +200,10 @@ def compiled_layers(layers, cache, attention_name: str, attention):
     for layer in layers:
         layer.forward = _compiled_forward(type(layer)).__get__(layer)
     try:
-        yield
+        # a layer's integer attributes (its index) as inputs, not constants: one compiled code for
+        # every layer instead of one per layer
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            yield
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
