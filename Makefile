@@ -6,7 +6,7 @@ STAMP := .make
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-low bench-calibrate bench-calibrate-gpu bench-scale bench-kernels bench-generate clean
+.PHONY: setup demo test test-low bench bench-report clean
 
 $(STAMP)/setup: pyproject.toml
 	@mkdir -p $(STAMP)
@@ -40,20 +40,16 @@ test-low: $(LOW_VENV)/ok
 	PYTHONPATH=$(CURDIR) $(LOW_VENV)/bin/python -c "import transformers as t; assert t.__version__ == '$(LOW_TRANSFORMERS)', t.__version__"
 	PYTHONPATH=$(CURDIR) $(LOW_VENV)/bin/python -m pytest -q tests/runtime -p no:cacheprovider
 
-bench-calibrate: setup
-	$(PYTHON) scripts/bench/bench_calibrate.py
+# One benchmark (scripts/bench/bench_$(B).py) with ARGS, e.g. make bench B=kernels ARGS="--quick";
+# ARGS=--save accepts the run as the current result in scripts/bench/results/ (docs/benchmarks.md).
+B ?=
+bench: setup
+	@test -n "$(B)" || { echo "error: name a benchmark: make bench B=kernels|append|generate|calibrate|scale|first_run [ARGS=...]"; exit 2; }
+	$(PYTHON) scripts/bench/run.py $(B) $(ARGS)
 
-bench-calibrate-gpu: setup
-	$(PYTHON) scripts/bench/bench_calibrate.py --gpu
-
-bench-scale: setup
-	$(PYTHON) scripts/bench/bench_scale.py
-
-bench-kernels: setup
-	$(PYTHON) scripts/bench/bench_kernels.py $(if $(NCU),--ncu,) $(if $(QUICK),--quick,)
-
-bench-generate: setup
-	$(PYTHON) scripts/bench/bench_generate.py
+# docs/benchmarks.md from the current results
+bench-report:
+	$(PYTHON) scripts/bench/report.py
 
 clean:
 	rm -rf $(STAMP) runs bench_out .pytest_cache

@@ -4,8 +4,9 @@
 Argument: a JSON job file ``{"cfg": {...}, "out": str, "work": str, "resume": bool,
 "model": {tiny_model kwargs}, "model_rank": {rank: kwargs}, "die": {rank: batch}}``. Every rank
 builds the same seeded tiny model (``model_rank`` changes one rank's), calls ``calibrate`` and
-writes into ``work``: ``batches.rank{r}`` (the local batch counts it saw), ``error.rank{r}`` (a
-typed error, then its exit code), and on rank 0 ``stats.pt`` (the all-reduced accumulators).
+writes into ``work``: ``batches.rank{r}`` (the local batch counts it saw), ``fitting.rank{r}`` (the
+layers it fitted), ``error.rank{r}`` (a typed error, then its exit code), and on rank 0 ``stats.pt``
+(the all-reduced accumulators).
 """
 
 import json
@@ -48,6 +49,7 @@ def main() -> None:
     except OscarError as e:
         (work / f"error.rank{rank}").write_text(f"{type(e).__name__}: {e}")
         sys.exit(e.exit_code)
+    (work / f"fitting.rank{rank}").write_text(json.dumps(res.stats.fitting))
     if rank == 0:
         torch.save({"stats": [s.state_dict() for s in res.stats.stats], "timings": res.report["timings"]},
                    work / "stats.pt")

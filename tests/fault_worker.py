@@ -3,8 +3,10 @@ alone): ``python tests/fault_worker.py calibrate ...``. Before each forward pass
 ``OSCAR_TEST_SLOW_FROM`` (default 0) it sleeps ``OSCAR_TEST_SLOW`` seconds; the rank
 ``OSCAR_TEST_DIE_RANK`` (``RANK``, 0 when unset) writes the time to ``OSCAR_TEST_MARK`` and kills
 itself with SIGKILL right after its ``OSCAR_TEST_DIE_AT``-th forward pass. ``OSCAR_TEST_SLOW_RANKS``
-(comma-separated) limits the sleeps to those ranks."""
+(comma-separated) limits the sleeps to those ranks. With ``OSCAR_TEST_ENDS`` (a folder) every rank
+that exits on its own (not killed) writes the time it exited to ``end.rank{RANK}`` there."""
 
+import atexit
 import os
 import signal
 import sys
@@ -34,7 +36,13 @@ def _forward(model, ids):
         time.sleep(float(_env("SLOW")))
 
 
+def _record_end() -> None:
+    Path(_env("ENDS"), f"end.rank{os.environ.get('RANK', '0')}").write_text(repr(time.time()))
+
+
 pipeline.capture_forward = _forward
+if _env("ENDS"):
+    atexit.register(_record_end)
 
 if __name__ == "__main__":
     from oscar_calib.cli import main

@@ -6,7 +6,13 @@ shadow each other under ``from conftest import ...``.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Small, fast calibration settings used by end-to-end tests.
 FAST = dict(tokens=1024, seq_len=256, batch_size=2, heldout_tokens=128, pilot_tokens=256, checkpoint_every=1,
@@ -72,3 +78,29 @@ def byte_tokenizer():
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+def load_script(relpath: str):
+    """The script ``scripts/<relpath>`` imported as a module (once per session), with its folder on
+    ``sys.path`` as when it runs, so its ``main(argv)`` can be called in the test's process."""
+    path = REPO / "scripts" / relpath
+    mod = sys.modules.get(path.stem)
+    if mod is not None and Path(getattr(mod, "__file__", "")).resolve() == path:
+        return mod
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def script_error(main, argv) -> str:
+    """The one-line error a script's ``main(argv)`` exits with (Python prints it on stderr, status 1)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str), e.value.code
+    return e.value.code

@@ -1,28 +1,129 @@
-"""scripts/bench/bench_scale.py, dry-run on the CPU (a tiny geometry, two gloo ranks): both modes run
-the whole pipeline, write their JSON and the spread model is verified. On the GPU machine the
-same script measures the Qwen3-32B-shaped model over two GPUs (README, "Scaling")."""
+"""scripts/bench/bench_scale.py: its helpers in-process, and a dry run of every scenario on the
+CPU (tiny geometries, gloo): the three layouts, two torchrun "nodes" with a rank killed and resumed,
+and data-parallel scaling, each writing its rows into one JSON. On the GPU machine the same script
+measures the Qwen3-32B- and 8B-shaped models (docs/guides/scaling.md)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import save_file
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_scale.py"
 
 
-def test_dry_run_on_the_cpu(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--small", "--device", "cpu", "--tokens", "2048",
-                           "--seq-len", "512", "--repeats", "1"], capture_output=True, text=True, env=env,
-                          timeout=600)
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_device_slugs_and_scenario_limits(bench):
+    assert bench.device_slug("NVIDIA H100 80GB HBM3", 4) == "h100x4"
+    assert bench.device_slug("NVIDIA H200", 1) == "h200"
+    assert bench.device_slug("NVIDIA H200", 2) == "h200x2"
+    assert bench.device_slug("cpu", 0) == "cpu"
+    assert bench.scenario_timeout("600", "torchrun") == 600
+    assert bench.scenario_timeout("layouts=300,torchrun=150", "torchrun") == 150
+    assert bench.scenario_timeout("layouts=300", "dp-scaling") == 900
+
+
+def test_the_same_weights_in_every_layout(bench):
+    """Each parameter's values depend on its name alone, not on which part of a device map (or which
+    device) materialises it: the layouts calibrate one model."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(**bench.SMALL, tie_word_embeddings=False)
+    whole, parts = (AutoModelForCausalLM.from_config(cfg) for _ in range(2))
+    bench.init_weights(whole)
+    for name in ("model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"):
+        bench.init_weights(parts.get_submodule(name), name)
+    a, b = dict(whole.named_parameters()), dict(parts.named_parameters())
+    for name in ("model.layers.1.self_attn.q_proj.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(a[name], b[name]), name
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], a["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_compare_says_bit_for_bit_or_how_far(bench, tmp_path):
+    def row(name, rot, acc):
+        art, accp = tmp_path / f"{name}.safetensors", tmp_path / f"{name}.acc.pt"
+        save_file({"layers.0.k_rotation": rot}, str(art), metadata={"format": "oscar-rotations"})
+        torch.save({"0.q": acc, "0.tokens": torch.tensor(7)}, accp)
+        import hashlib
+
+        return {"name": name, "artifact": str(art), "accumulators": str(accp),
+                "artifact_sha256": hashlib.sha256(art.read_bytes()).hexdigest()}
+
+    rot, acc = torch.eye(4), torch.rand(2, 4, 4, dtype=torch.float64) + 1
+    ref, same = row("ref", rot, acc), row("same", rot.clone(), acc.clone())
+    got = bench.compare(same, ref)
+    assert got["artifact_bytes_equal"] and got["accumulators_bit_equal"] and got["tokens_equal"]
+    assert got["accumulators_max_rel_diff"] == 0.0
+    moved = rot.clone()
+    moved[0, 1] = 2**-20
+    bumped = acc.clone()
+    bumped[0, 0, 0] *= 1 + 2**-40
+    got = bench.compare(row("off", moved, bumped), ref)
+    assert not got["artifact_bytes_equal"] and not got["accumulators_bit_equal"]
+    assert got["tensors_differing"] == 1 and got["max_abs_diff"] == 2**-20 and got["metadata_differing"] == []
+    assert 0 < got["accumulators_max_rel_diff"] < 1e-11
+
+
+def dry_run(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """The script on the CPU (tiny geometries, gloo, one thread a process): its JSON and stdout."""
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPT.parents[2]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--small", "--device", "cpu", "--threads", "1", *args],
+                          capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "bench_scale.json").read_text())
-    assert [r["mode"] for r in doc["runs"]] == ["spread", "dp"]
-    for r in doc["runs"]:
-        assert r["tokens"] == 2048 and set(r["median_s"]) == {"plain", "capture", "end_to_end"}
+    doc = json.loads((tmp_path / "scale-cpu.json").read_text())
+    assert doc["benchmark"] == "scale" and doc["device"] == "cpu"
+    assert {"commit", "date", "command", "versions", "settings"} <= set(doc)
+    assert not [r for r in doc["rows"] if "error" in r], [r["error"] for r in doc["rows"] if "error" in r]
+    return {(r["scenario"], r.get("name")): r for r in doc["rows"]}, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.script
+def test_dry_run_layouts_and_scaling(tmp_path):
+    rows, stdout = dry_run(tmp_path, "--mode", "layouts,dp-scaling", "--tokens", "1024", "--seq-len", "256",
+                           "--heldout-tokens", "64", "--scale-ranks", "1,2", "--scale-tokens", "1024")
+    # the layouts: the same model three ways; the artifacts and accumulators are the first's, bit for bit
+    for name, ranks in (("spread", 1), ("ranks-x-spread", 2), ("ranks", 2)):
+        r = rows[("layouts", name)]
+        assert r["ranks"] == ranks and set(r["median_s"]) == {"plain", "capture", "end_to_end"}
         assert all(v > 0 for v in r["median_s"].values())
-    assert doc["runs"][1]["world_size"] == 2
-    verify = doc["runs"][0]["verify"]
+        assert r["calibrate_timings"]["fitted_layers"] == 4 // ranks           # the fitting is split by layer
+        if name != "spread":
+            eq = r["equal_to_reference"]
+            assert eq["against"] == "spread" and eq["artifact_bytes_equal"] and eq["accumulators_bit_equal"]
+    verify = rows[("layouts", "ranks-x-spread")]["verify"]
     assert verify["seconds"] > 0 and isinstance(verify["passed"], bool) and verify["summary"]["mean_attn_error"] > 0
-    assert "round 1: end_to_end" in proc.stderr and "verify on the spread model" in proc.stdout
+    # scaling: 1 and 2 ranks, the same accumulators and artifact
+    two = rows[("dp-scaling", "2 rank(s)")]
+    assert two["equal_to_reference"]["artifact_bytes_equal"] and two["equal_to_reference"]["accumulators_bit_equal"]
+    assert set(two["speedup"]) == {"plain", "capture", "end_to_end"}
+    assert "verify: " in stdout and "dp-scaling" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.script
+def test_dry_run_torchrun_nodes(tmp_path):
+    """The script's torchrun scenario (the CLI's own behaviour is tests/test_multinode.py's)."""
+    rows, stdout = dry_run(tmp_path, "--mode", "torchrun", "--node-ranks", "1", "--node-tokens", "1024",
+                           "--node-seq-len", "128", "--die-at", "2", "--slow-s", "4", "--heartbeat", "2")
+    # two torchrun "nodes": the artifact of one process; a rank killed, the other stopped with one line; resumed
+    t = rows[("torchrun", "2 nodes x 1")]
+    assert t["clean"]["artifact_bytes_equal_one_process"] and t["resume"]["artifact_bytes_equal_one_process"]
+    f = t["fault"]
+    assert f["victim_rank"] == 1 and not f["artifact_written"] and len(f["checkpoints_kept"]) == 2
+    lines = f["error_lines_by_rank"]["0"]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: stopped: rank 1") and "--resume" in lines[0]
+    assert f["survivors_stopped_within_s"] is not None and t["resume"]["checkpoints_left"] == []
+    assert "torchrun" in stdout

@@ -1,7 +1,8 @@
 """Big models end to end on the CPU: ``oscar verify`` and ``oscar eval`` on a random-init model
 spread with a device map (accelerate: ~1.5 decoder layers in "CPU memory", the rest offloaded to
 disk and read from the checkpoint's safetensors), against the same model loaded whole. The GPU
-part (a Qwen3-32B-shaped model over 2 GPUs) is ``scripts/bench/bench_scale.py``."""
+part (a Qwen3-32B-shaped model spread, as ranks and as ranks each spread over GPUs) is
+``scripts/bench/bench_scale.py``."""
 
 import json
 

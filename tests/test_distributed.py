@@ -80,6 +80,18 @@ def assert_matches_reference(stats: list[dict], reference) -> None:
             assert float((dots - 1).abs().max()) < 1e-8, (layer, name)
 
 
+def assert_same_rows(rows: list[dict], ref_rows: list[dict]) -> None:
+    """calibration.json's per-layer rows: the same clips and clip tables, held-out figures (OSCAR's,
+    Hadamard's, the shared scheme's) equal to float64 summation order."""
+    assert [r["layer"] for r in rows] == [r["layer"] for r in ref_rows] == list(range(len(ref_rows)))
+    for got, want in zip(rows, ref_rows):
+        assert got["k_clip"] == want["k_clip"] and got["v_clip"] == want["v_clip"]
+        assert set(got["heldout"]) == set(want["heldout"]) == {"oscar", "hadamard", "fork"}
+        for scheme, figures in want["heldout"].items():
+            for name, value in figures.items():
+                assert got["heldout"][scheme][name] == pytest.approx(value, rel=1e-9), (got["layer"], scheme, name)
+
+
 def assert_same_rotations(out: Path, ref_out: Path) -> None:
     a, b = load_file(str(out / "oscar.safetensors")), load_file(str(ref_out / "oscar.safetensors"))
     assert a.keys() == b.keys()
@@ -87,16 +99,63 @@ def assert_same_rotations(out: Path, ref_out: Path) -> None:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
 
 
-def test_two_ranks_equal_one_process(tmp_path, reference):
+def fitted_alone(tmp_path: Path, cfg: dict, saved: list[dict], monkeypatch, **model) -> Path:
+    """One process (one thread, as every rank) that captures as usual, then takes a job's
+    all-reduced accumulators ``saved`` in place of its own and fits every layer itself: its
+    artifact is what the job's ranks, each fitting its share of the layers, must write byte for byte."""
+    from oscar_calib.calibrate import pipeline
+    from oscar_calib.calibrate.ranks import Ranks
+
+    class TakesTheJobsSums(Ranks):
+        def reduce(self, stats):
+            for s, state in zip(stats, saved):
+                s.load_state_dict(state)
+
+    monkeypatch.setattr(pipeline, "Ranks", TakesTheJobsSums)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return calibrate(CalibrationConfig(**cfg), tmp_path / "alone", loaded=loaded_tiny(**model)).out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_two_ranks_equal_one_process(tmp_path, reference, monkeypatch):
     code, work = run_job(tmp_path, "job")
     assert code == 0
     got = torch.load(work / "stats.pt", weights_only=True)
     assert_matches_reference(got["stats"], reference)
     assert got["timings"]["world_size"] == 2 and got["timings"]["rank_batches"] == 4
-    assert_same_rotations(tmp_path / "out", reference.out)
-    md = json.loads((tmp_path / "out" / "calibration.json").read_text())["calibration"]
-    assert md == reference.report["calibration"]               # same tokens (sha256), settings, pilot
-    assert not list((tmp_path / "out").glob(".oscar-checkpoint*"))
+    out = tmp_path / "out"
+    assert_same_rotations(out, reference.out)
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["calibration"] == reference.report["calibration"]      # same tokens (sha256), settings, pilot
+    assert_same_rows(report["layers"], reference.report["layers"])
+    assert not list(out.glob(".oscar-checkpoint*"))
+    # the fitting after the capture is split by layer: each rank fits one of the two layers, and
+    # together they write what one process fits from the same accumulators
+    assert [json.loads((work / f"fitting.rank{r}").read_text()) for r in (0, 1)] == [[0], [1]]
+    assert got["timings"]["fitted_layers"] == 1
+    alone = fitted_alone(tmp_path, CFG, got["stats"], monkeypatch)
+    assert (out / "oscar.safetensors").read_bytes() == (alone / "oscar.safetensors").read_bytes()
+    assert report["layers"] == json.loads((alone / "calibration.json").read_text())["layers"]
+
+
+def test_two_ranks_split_a_bit_budget_as_one_process(tmp_path, monkeypatch):
+    """--bit-budget under 2 ranks: each rank builds the error tables of its layers (0 and 2, or 1),
+    the ranks exchange them and allocate alike; the artifact, per-layer group sizes included, is
+    the one one process fits from the same accumulators."""
+    cfg, model = dict(CFG, bit_budget=2.7, v_objective="sst"), {"head_dim": 64, "layers": 3}
+    code, work = run_job(tmp_path, "job", cfg=cfg, model=model)
+    assert code == 0
+    assert [json.loads((work / f"fitting.rank{r}").read_text()) for r in (0, 1)] == [[0, 2], [1]]
+    out = tmp_path / "out"
+    alone = fitted_alone(tmp_path, cfg, torch.load(work / "stats.pt", weights_only=True)["stats"], monkeypatch,
+                         **model)
+    assert (out / "oscar.safetensors").read_bytes() == (alone / "oscar.safetensors").read_bytes()
+    report, want = (json.loads((d / "calibration.json").read_text()) for d in (out, alone))
+    assert report["bit_budget"] == want["bit_budget"] and len(set(report["bit_budget"]["layer_group_sizes"])) == 2
+    assert report["layers"] == want["layers"]
 
 
 def test_dead_rank_is_named_and_resume_continues(tmp_path, reference):

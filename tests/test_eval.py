@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CharTokenizer, loaded_tiny, tiny_model
+from helpers import CharTokenizer, load_script, loaded_tiny, tiny_model
 from typer.testing import CliRunner
 
 from oscar_calib.errors import ArtifactError, InputError
@@ -256,11 +256,7 @@ def test_haystack_fingerprint_names_the_filler(monkeypatch):
 
 
 def test_niah_gpu_merge_refuses_other_filler(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("niah_gpu", Path(__file__).resolve().parents[1] / "scripts/experiments/niah_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("experiments/niah_gpu.py")
     base = {"methods": ["bf16"], "depths": [0.5], "samples": 1, "seed": 0, "haystack": "corpus", "sink": 4,
             "recent": 8, "lengths": [512], "haystack_sha256": "a" * 16}
     row = {"method": "bf16", "length": 512, "tokens": 512, "depth": 0.5, "seed": 0, "score": 1, "bits_per_element": 16.0}

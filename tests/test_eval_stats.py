@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 from oscar_calib.errors import InputError
 from oscar_calib.eval import EvalOptions, EvalResult, eval_text, record_eval
@@ -136,11 +135,7 @@ def test_cli_prompts_and_interval_table(monkeypatch):
 
 
 def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "niah_gpu.py"
-    spec = importlib.util.spec_from_file_location("niah_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/niah_gpu.py")
 
 
 def test_niah_gpu_script_merges_and_records(demo_artifact, tmp_path, capsys):

@@ -55,15 +55,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(tiny_dir: Path, out: Path, logs: Path, *extra: str, env: dict | None = None) -> list:
-    """Two torchrun processes, --nnodes 2 --node-rank 0/1, meeting at a c10d rendezvous on localhost."""
+def start_nodes(tiny_dir: Path, out: Path, logs: Path, *extra: str, env: dict | None = None, per_node: int = 1) -> list:
+    """Two torchrun processes, --nnodes 2 --node-rank 0/1, meeting at a c10d rendezvous on localhost,
+    each starting ``per_node`` ranks."""
     port = free_port()
-    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1",
-                OSCAR_DIST_HEARTBEAT="2", **(env or {}))
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), "OMP_NUM_THREADS": "1",
+            "OSCAR_DIST_HEARTBEAT": "2", **(env or {})}
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", f"oscar-test-{port}", "--monitor-interval", "0.1", str(WORKER),
                "calibrate", str(tiny_dir), "--out", str(out), *ARGS, *extra]
         log = open(logs / f"node{node}.log", "w")
@@ -132,6 +133,29 @@ def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path,
     assert (out / "oscar.safetensors").read_bytes() == reference
 
 
+@pytest.mark.slow
+def test_the_other_machine_names_the_rank_that_died_not_the_one_its_launcher_stopped(tmp_path, tiny_dir):
+    """2 machines x 2 ranks; rank 3 is SIGKILLed, the others are slowed. Its own machine's launcher
+    stops rank 2 at once; rank 2 finds rank 3's door closed and says so in the job's store, so ranks
+    0 and 1 on the other machine name rank 3 (before, their watch saw rank 2 fall silent after rank 3
+    and named rank 2, which had died of nothing)."""
+    out, mark, ends = tmp_path / "out", tmp_path / "died", tmp_path / "ends"
+    ends.mkdir()
+    faults = {"OSCAR_TEST_DIE_RANK": "3", "OSCAR_TEST_DIE_AT": "2", "OSCAR_TEST_MARK": str(mark),
+              "OSCAR_TEST_SLOW": "4", "OSCAR_TEST_SLOW_FROM": "2", "OSCAR_TEST_SLOW_RANKS": "0,1,2",
+              "OSCAR_TEST_ENDS": str(ends), "OSCAR_DIST_HEARTBEAT": "6"}
+    wait_all(start_nodes(tiny_dir, out, tmp_path, env=faults, per_node=2))
+    text = "\n".join((tmp_path / f"node{i}.log").read_text() for i in (0, 1))
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"^error: rank (\d): .*$", text, re.MULTILINE)}
+    assert sorted(lines) == [0, 1, 2], text
+    for r in (0, 1, 2):
+        assert re.match(rf"error: rank {r}: stopped: rank 3 \(.*\) is gone", lines[r]), lines
+    # told, not timed out: the other machine's ranks stop well before the 6 s heartbeat would fire
+    died = float(mark.read_text())
+    stopped = {f.name: float(f.read_text()) - died for f in ends.glob("end.rank*")}
+    assert stopped.keys() == {"end.rank0", "end.rank1", "end.rank2"} and max(stopped.values()) < 6, stopped
+
+
 # ----------------------------------------------------------------------------- the heartbeat alone
 
 @pytest.fixture
@@ -195,6 +219,34 @@ def test_heartbeat_passes_on_a_failure_and_ignores_finished_ranks(store, sigterm
     finally:
         a.close()
         b.close()
+
+
+def test_a_rank_that_knows_why_it_stopped_tells_the_others(store, sigterm):
+    r0, r1 = Heartbeat(store, 0, 2, 5.0).start(), Heartbeat(store, 1, 2, 5.0).start()
+    try:
+        r1.tell("rank 2 (10.0.0.7:4000) is gone: its process no longer answers")
+        assert wait_for(lambda: r0.reason is not None, 15)
+        assert r0.reason == "rank 2 (10.0.0.7:4000) is gone: its process no longer answers"
+        assert r1.told() == r0.reason and r1.why() == r0.reason    # read at once, not at the next beat
+        r1.tell("a later reason")                              # the first reason stays
+        assert store.get("stop").decode() == r0.reason
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_neighbours_silent_since_the_same_beat_are_all_named(store, sigterm):
+    """Ranks 1 and 2 fall silent within one beat of rank 0's watch: it cannot tell which went
+    first, and names both instead of whichever it happens to check first."""
+    hb = Heartbeat(store, rank=0, world=3, timeout=0.6)
+    store.add("beat/1", 1)
+    store.add("beat/2", 1)
+    hb.start()
+    try:
+        assert wait_for(lambda: hb.reason is not None)
+        assert hb.reason.startswith("ranks 1, 2 stopped responding (no heartbeat for 0.6 s): they died")
+    finally:
+        hb.close()
 
 
 # ----------------------------------------------------------------------------- devices on the second machine

@@ -175,18 +175,15 @@ def closest_uniform(sizes: tuple[int, ...], budget: float) -> int:
     return min(within)
 
 
-def spend_budget(held_layers, stats: list, rotations: list, layer_info: dict, cfg, geo,
-                 keep: list | None = None) -> tuple[Allocation, dict]:
+def spend_budget(tables: list[torch.Tensor], layer_info: dict, cfg, geo) -> tuple[Allocation, dict]:
     """``oscar calibrate --bit-budget``: per-layer group sizes (K = V within a layer, so one kernel
-    call per layer stores both) chosen by :func:`allocate` on the held-out tables of the layers'
-    rotations (``rotations[i] = (k_rot, v_rot)``), within the mean and long-context bounds
-    (full-attention layers: those without a sliding window in ``layer_info``). Returns the
-    allocation and its record for the report, with the closest uniform size and both schemes'
-    held-out attention errors (mean over layers). ``keep``: as in :func:`budget_tables`."""
+    call per layer stores both) chosen by :func:`allocate` on every layer's held-out table
+    (:func:`budget_tables` over :func:`candidate_sizes` of the head dim), within the mean and
+    long-context bounds (full-attention layers: those without a sliding window in ``layer_info``).
+    Returns the allocation and its record for the report, with the closest uniform size and both
+    schemes' held-out attention errors (mean over layers)."""
     sizes = candidate_sizes(geo.head_dim)
-    tables = budget_tables(held_layers, rotations, [s.covariance("q") for s in stats], cfg, geo.num_kv_heads, sizes,
-                           keep=keep)
-    longs = [i for i in range(len(rotations)) if not (layer_info.get(i) or {}).get("sliding_window")]
+    longs = [i for i in range(len(tables)) if not (layer_info.get(i) or {}).get("sliding_window")]
     alloc = allocate(tables, sizes, cfg.bit_budget, tied=True, long_layers=longs)
     uniform = closest_uniform(sizes, cfg.bit_budget)
     u = sizes.index(uniform)

@@ -25,7 +25,10 @@ declared dead under ``stop``. Every rank checks ``stop`` at every beat; when it 
 store itself is gone for ``timeout``), the watcher interrupts the main thread with the reason
 (a :class:`~oscar_calib.errors.DistributedError` raised by the rank's SIGTERM handler), and if the
 main thread is stuck in native code it ends the process after another ``timeout`` seconds. A rank
-that fails on its own publishes why, so the others stop at once instead of at their next collective.
+that fails on its own publishes why, so the others stop at once instead of at their next collective;
+so does a rank stopped because of another one whose fate it knows (its launcher stopped it after a
+rank of its machine died, and the dead rank's door is closed): the ranks of the other machines then
+name the rank that died, not the one their watch saw fall silent after it.
 Each rank does four store operations per interval, whatever the world size.
 
 The heartbeat needs a few intervals to be sure; a launcher may be faster (torchrun stops the
@@ -162,6 +165,19 @@ class Heartbeat:
         """Knock on the watched neighbours' doors now (:meth:`Doors.knock`)."""
         return self.doors.knock()
 
+    def told(self) -> str | None:
+        """The reason to stop that a rank has already given under ``stop`` (None: none yet, or the store
+        is gone), read now rather than at the watch's next beat."""
+        try:
+            return self.store.get("stop").decode() or None if self.store.check(["stop"]) else None
+        except Exception:  # noqa: BLE001 - the store went away with its launcher
+            return None
+
+    def why(self) -> str | None:
+        """Why this rank is being stopped, as far as it can tell at once: the watch's reason, the one
+        another rank gave, or a watched neighbour whose process is gone."""
+        return self.reason or self.told() or self.gone()
+
     def finish(self) -> None:
         """This rank is done: its neighbours stop watching it."""
         self.close()
@@ -171,8 +187,14 @@ class Heartbeat:
     def fail(self, why: str) -> None:
         """This rank failed on its own: every other rank stops now, with ``why``."""
         self.close()
-        with contextlib.suppress(Exception):
-            self.store.compare_set("stop", "", f"rank {self.rank} failed ({why})")
+        self.tell(f"rank {self.rank} failed ({why})")
+
+    def tell(self, reason: str) -> None:
+        """Every rank stops, with ``reason``, unless a reason was already given. A rank stopped because
+        of another (its launcher's SIGTERM after a local rank died, a neighbour's closed door) says
+        so: otherwise the ranks of other machines would only see this rank fall silent and name it."""
+        with contextlib.suppress(Exception):      # the store may be gone with its launcher
+            self.store.compare_set("stop", "", reason)
 
     def close(self) -> None:
         """Stop the thread; after this it never interrupts the main thread."""
@@ -184,7 +206,7 @@ class Heartbeat:
         """Called by the main thread when a collective failed: a neighbour whose process is gone,
         else wait (at most ``2 * timeout``) until the watch can name why; None if it cannot."""
         self._main_waiting = True
-        if self.reason is None and (now := self.gone()):
+        if self.reason is None and (now := self.told() or self.gone()):
             return now
         self._tripped.wait(2 * self.timeout + 2 * self.interval)
         return self.reason
@@ -232,6 +254,7 @@ def _check(hb: Heartbeat, seen: dict) -> str | None:
         return reason
     hb.doors.learn()
     now = time.monotonic()
+    silent = []
     for p, (count, since) in seen.items():
         v = store.add(f"beat/{p}", 0)
         if v >= DONE:
@@ -240,8 +263,14 @@ def _check(hb: Heartbeat, seen: dict) -> str | None:
         if v != count:
             seen[p] = (v, now)
         elif now - since > hb.timeout:
-            reason = (f"rank {p} stopped responding (no heartbeat for {hb.timeout:g} s): it died or its "
-                      "machine is unreachable")
-            store.compare_set("stop", "", reason)
-            return store.get("stop").decode() or reason
-    return None
+            silent.append((since, p))
+    if not silent:
+        return None
+    # the neighbour silent the longest (all of them when the beats cannot tell them apart)
+    first = min(since for since, _ in silent)
+    who = sorted(p for since, p in silent if since == first)
+    names = f"rank {who[0]}" if len(who) == 1 else f"ranks {', '.join(map(str, who))}"
+    reason = (f"{names} stopped responding (no heartbeat for {hb.timeout:g} s): {'it' if len(who) == 1 else 'they'} "
+              f"died or {'its machine is' if len(who) == 1 else 'their machines are'} unreachable")
+    store.compare_set("stop", "", reason)
+    return store.get("stop").decode() or reason

@@ -66,6 +66,7 @@ class DistContext:
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several types
             reason = self.heartbeat.await_reason() if self.heartbeat is not None else None
             if reason:
+                self.heartbeat.tell(reason)
                 raise stopped(f"rank {self.rank}: stopped during {what}: {reason}; checkpoints are kept, "
                                        "rerun with --resume") from None
             first = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))[:200]
@@ -76,6 +77,12 @@ class DistContext:
     def gather_objects(self, obj, what: str) -> list:
         out = [None] * self.world_size
         self._call(what, dist.all_gather_object, out, obj, group=self.ctrl)
+        return out
+
+    def gather_to_main(self, obj, what: str) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0 (None elsewhere), through the control group."""
+        out = [None] * self.world_size if self.is_main else None
+        self._call(what, dist.gather_object, obj, out, dst=0, group=self.ctrl)
         return out
 
     def barrier(self, what: str) -> None:
@@ -176,7 +183,9 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
         ctx = DistContext(rank, world, local_rank, local_world, dev, backend, ctrl, timeout, hb)
 
         def _terminated(signum, frame):   # the launcher stops survivors with SIGTERM; so does the heartbeat
-            known = hb.reason or hb.gone() if hb is not None else None
+            known = hb.why() if hb is not None else None
+            if known:
+                hb.tell(known)       # the ranks of other machines stop now, with the root cause, not this rank's silence
             why = f"stopped: {known}" if known else "stopped by the launcher (another rank failed, see its message)"
             raise stopped(f"rank {rank}: {why}; checkpoints are kept, rerun with --resume")
 

@@ -37,7 +37,15 @@ Decisions:
   the global stream, ``P`` the fewest whose tokens reach ``pilot_tokens``. Each rank buffers the K/V
   rows of its own pilot batches; after them, every rank joins one all-reduce of its pilot query sums,
   so C̃_Q is the single-process pilot C̃_Q up to summation order, and every rank weights with it.
-* **Held-out rows, rotations, clips, artifact**: rank 0 only.
+* **Held-out rows, rotations, clips**: split by layer. After the all-reduce every rank holds the
+  same accumulators; rank ``r`` captures the held-out rows of layers ``r, r + world, ...`` (its own
+  forward over the held-out sequences, the same on every rank) and computes their
+  eigendecompositions, clip grids and held-out errors. What needs every layer (a bit budget's
+  allocation, the one global K/V clip pair) is decided on every rank from small per-layer tables
+  that the ranks exchange, in layer order, so each rank decides what one process decides. Rank 0
+  gathers the fitted layers (float32 tensors and report rows, pickled: no bit changes) and alone
+  writes the artifact. A layer is fitted by the same code on the same inputs wherever it runs, so
+  the artifact is byte-for-byte the one rank 0 would have fitted alone.
 * **Checkpoints**: per rank, ``<out>/.oscar-checkpoint.rank{r}-of-{world}.pt`` (this rank's partial
   sums over its own shard). ``--resume`` resumes each rank from its own file, with the same world
   size (another size is refused with the size to use). Files are kept when a rank dies, and removed
@@ -203,6 +211,16 @@ class DataParallel(Ranks):
 
     def reduce(self, stats: list) -> None:
         all_reduce_stats(stats, self.ctx)
+
+    def fit_share(self, layers: int) -> list[int]:
+        """Layer ``i`` goes to rank ``i % world_size``."""
+        return list(range(self.rank, layers, self.world_size))
+
+    def exchange(self, obj, what: str) -> list:
+        return self.ctx.gather_objects(obj, what)
+
+    def gather(self, obj, what: str) -> list | None:
+        return self.ctx.gather_to_main(obj, what)
 
     def timing(self, batches: Sequence) -> dict:
         return {"world_size": self.world_size, "rank_batches": len(batches),

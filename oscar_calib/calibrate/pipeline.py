@@ -62,8 +62,8 @@ from .checkpoint import (
 from .corpus import TokenPlan, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
-from .shared import fit_shared
-from .stats import LayerStats, Reservoir, check_finite, require_finite
+from .shared import fit_shared, in_layer_order
+from .stats import LayerStats, Reservoir, check_finite, require_finite, rows_on
 
 
 def prepare_model(cfg: CalibrationConfig, *, device: str | None = None, placement: Placement | None = None,
@@ -84,6 +84,7 @@ class StatsRun:
     checkpointed: int = 0        # batches in the newest checkpoint (0: none)
     layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
     fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see fit_device)
+    fitting: list[int] | None = None    # the layers whose held-out rows this process keeps (None: all)
 
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):
@@ -100,7 +101,7 @@ class StatsRun:
                 if torch.device(s.device) != q.device:          # a device map put this layer elsewhere: follow it
                     s.to(q.device)
                 s.update(q, k, v, o)              # finiteness: checked on the small sums (check_finite)
-            else:
+            elif self.fitting is None or layer in self.fitting:
                 require_finite(layer, {"k": k, "v": v, "q": q, "s": o})
                 self.reservoir[layer].add(q, k, v, o)
         return observe
@@ -114,8 +115,8 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     """Stream the calibration batches through the model, then capture the held-out rows.
 
     ``ranks`` (default: one process) supplies the data-parallel hooks: this process's share of the
-    batches, the sst-approx pilot exchange, the sum over ranks, and whether it captures the held-out
-    rows. The accumulators end on the CPU."""
+    batches, the sst-approx pilot exchange, the sum over ranks, and the layers whose held-out rows it
+    keeps (its share of the fitting, ``run.fitting``). The accumulators end on the CPU."""
     geo, model = lm.geometry, lm.model
     ranks = ranks or Ranks()
     dev = input_device(model)
@@ -128,6 +129,7 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
                for _ in range(geo.num_layers)],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
         fit_device=fit_device(dev),
+        fitting=ranks.fit_share(geo.num_layers),
     )
     parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256(),
              **({} if approx else {"s_approx": False}), **ranks.key_parts()}
@@ -163,10 +165,9 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     for s in run.stats:
         s.to("cpu")
     t1 = time.perf_counter()
-    if ranks.is_main:
-        with step(progress, "held-out rows"), torch.no_grad(), Capture(model, [run.observer("heldout")]):
-            for seq in plan.heldout:
-                capture_forward(model, seq.unsqueeze(0).to(dev))
+    with step(progress, "held-out rows"), torch.no_grad(), Capture(model, [run.observer("heldout")]):
+        for seq in plan.heldout:           # every rank: the rows of the layers it fits
+            capture_forward(model, seq.unsqueeze(0).to(dev))
     timing = {"statistics_s": t_stats, "gather_s": t1 - t_stats - t0, "heldout_s": time.perf_counter() - t1,
               "resumed": resumed, "batches": len(all_batches), **ranks.timing(batches)}
     return run, timing
@@ -187,10 +188,11 @@ def fit_device(model_device: torch.device) -> str:
 
 
 def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
-    """Layer ``layer``'s held-out rows (kept on the CPU), on the run's fitting device."""
+    """Layer ``layer``'s held-out rows (kept on the CPU), float32 on the run's fitting device."""
     r, info = run.reservoir[layer], run.layer_info[layer]
-    held = HeldoutLayer(r.q, r.k, r.v, r.o, info["scaling"], info["sliding_window"], info["softcap"])
-    return held.to(run.fit_device)
+    dev = run.fit_device
+    return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
+                        info["sliding_window"], info["softcap"])
 
 
 def spread(eig: torch.Tensor) -> float:
@@ -199,12 +201,13 @@ def spread(eig: torch.Tensor) -> float:
     return float((e[..., 0] / e.mean(-1).clamp(min=1e-300)).mean())
 
 
-def layer_rotations(run: StatsRun, cfg: CalibrationConfig) -> list[tuple]:
-    """Per layer ``(k_rot, k_eig, v_rot, v_eig)``: the eigenbases of the objectives' covariances,
-    composed as ``cfg`` says (float64)."""
+def layer_rotations(run: StatsRun, cfg: CalibrationConfig, only: list[int] | None = None) -> list[tuple]:
+    """Per layer (of ``only``, default all) ``(k_rot, k_eig, v_rot, v_eig)``: the eigenbases of the
+    objectives' covariances, composed as ``cfg`` says (float64)."""
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     out = []
-    for i, s in enumerate(run.stats):
+    for i in range(len(run.stats)) if only is None else only:
+        s = run.stats[i]
         k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, cfg.granularity, warn=(i == 0))
         v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, cfg.granularity, warn=False)
         out.append((k_rot, k_eig, v_rot, v_eig))
@@ -213,22 +216,26 @@ def layer_rotations(run: StatsRun, cfg: CalibrationConfig) -> list[tuple]:
 
 def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int, *,
                     progress: ProgressFn | None = None, groups: list | None = None,
-                    rotations: list | None = None, fitted: list | None = None) -> tuple[list, list]:
-    """Rotations, clips and per-layer report rows. ``groups``: per layer ``(K, V)`` group sizes
-    (a bit budget, :mod:`oscar_calib.calibrate.budget`) the clips are fitted for; default
-    ``group_size`` everywhere. ``rotations``: :func:`layer_rotations` already computed;
-    ``fitted``: per layer the budget's :class:`~oscar_calib.calibrate.budget.LayerFits`, whose
-    clips and held-out records for the layer's sizes are taken instead of fitting them again."""
+                    rotations: list | None = None, fitted: list | None = None,
+                    only: list[int] | None = None) -> tuple[list, list]:
+    """Rotations, clips and per-layer report rows of the layers ``only`` (default: every layer).
+    ``groups``: per layer ``(K, V)`` group sizes (a bit budget, :mod:`oscar_calib.calibrate.budget`)
+    the clips are fitted for; default ``group_size`` everywhere. ``rotations``: :func:`layer_rotations`
+    already computed (for ``only``); ``fitted``: per layer of ``only`` the budget's
+    :class:`~oscar_calib.calibrate.budget.LayerFits`, whose clips and held-out records for the
+    layer's sizes are taken instead of fitting them again."""
     layers, rows = [], []
-    tick = counter(progress, "rotations + clips", len(run.stats), "layers")
-    rotations = rotations if rotations is not None else layer_rotations(run, cfg)
-    for i, s in enumerate(run.stats):
+    only = list(range(len(run.stats))) if only is None else only
+    tick = counter(progress, "rotations + clips", len(only), "layers")
+    rotations = rotations if rotations is not None else layer_rotations(run, cfg, only)
+    for j, i in enumerate(only):
+        s = run.stats[i]
         cq = s.covariance("q")
-        k_rot, k_eig, v_rot, v_eig = rotations[i]
+        k_rot, k_eig, v_rot, v_eig = rotations[j]
         held = heldout_layer(run, i)
         gk, gv = groups[i] if groups else (group_size, group_size)
         if fitted is not None:
-            k_clip, k_table, v_clip, v_table = fitted[i].clips(gk, gv)
+            k_clip, k_table, v_clip, v_table = fitted[j].clips(gk, gv)
         else:
             k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
         refined = None
@@ -239,7 +246,7 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
             k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
         if fitted is not None and refined is None:
-            ours = fitted[i].errors[(gk, gv)]
+            ours = fitted[j].errors[(gk, gv)]
         else:
             ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
         h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
@@ -259,24 +266,53 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
                             "v": None if v_table is None else v_table.tolist()},
             **({} if refined is None else {"refine": refined}),
         })
-        tick(i + 1)
+        tick(j + 1)
     return layers, rows
 
 
-def _spend_budget(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, progress) -> tuple:
-    """``--bit-budget``: per-layer group sizes from the held-out tables of the layers' rotations,
-    whose clips and held-out figures at the chosen sizes the artifact then takes. Returns (layers,
-    rows, the closest uniform group size, the budget's report record)."""
-    from .budget import spend_budget
+@dataclass
+class Fitted:
+    """Every layer's rotations and clips (the artifact's layers), their report rows, the uniform
+    group size, the bit budget's record (or None) and the global K/V clip pair."""
 
-    rotations = layer_rotations(run, cfg)
-    fitted: list = []
-    with step(progress, "bit budget"):
-        alloc, record = spend_budget(lambda i: heldout_layer(run, i), run.stats,
-                                     [(r[0], r[2]) for r in rotations], run.layer_info, cfg, geo, keep=fitted)
-    layers, rows = build_rotations(run, cfg, geo, record["uniform_group_size"], progress=progress,
-                                   groups=alloc.groups, rotations=rotations, fitted=fitted)
-    return layers, rows, record["uniform_group_size"], record
+    layers: list[LayerRotations]
+    rows: list[dict]
+    group_size: int
+    budget: dict | None
+    shared_clips: tuple[float, float]
+
+
+def fit_layers(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size: int, *,
+               ranks: Ranks | None = None, progress: ProgressFn | None = None) -> Fitted | None:
+    """Everything after the capture: rotations (eigendecompositions), clip grids, held-out errors,
+    a bit budget's group sizes, the shared rotations and global clips. Under data parallelism each
+    rank fits its ``ranks.fit_share`` of the layers, the ranks exchange the small tables the global
+    decisions need, and rank 0 gets every layer (the other ranks get None)."""
+    ranks = ranks or Ranks()
+    mine = ranks.fit_share(len(run.stats))
+    budget = None
+    if cfg.bit_budget:
+        from .budget import budget_tables, candidate_sizes, spend_budget
+
+        rotations = layer_rotations(run, cfg, mine)
+        fitted: list = []
+        with step(progress, "bit budget"):
+            tables = budget_tables(lambda j: heldout_layer(run, mine[j]), [(r[0], r[2]) for r in rotations],
+                                   [run.stats[i].covariance("q") for i in mine], cfg, geo.num_kv_heads,
+                                   candidate_sizes(geo.head_dim), keep=fitted)
+            every = ranks.exchange((mine, tables), "the bit budget's tables")
+            alloc, budget = spend_budget(in_layer_order(every, 1), run.layer_info, cfg, geo)
+        group_size = budget["uniform_group_size"]
+        layers, rows = build_rotations(run, cfg, geo, group_size, progress=progress, groups=alloc.groups,
+                                       rotations=rotations, fitted=fitted, only=mine)
+    else:
+        layers, rows = build_rotations(run, cfg, geo, group_size, progress=progress, only=mine)
+    shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, geo, group_size, layers, rows,
+                              exchange=ranks.exchange, progress=progress)
+    parts = ranks.gather((mine, layers, rows), "the fitted layers")
+    if parts is None:
+        return None
+    return Fitted(in_layer_order(parts, 1), in_layer_order(parts, 2), group_size, budget, shared_clips)
 
 
 def fit_clips(held: HeldoutLayer, k_rot: torch.Tensor, v_rot: torch.Tensor, cq: torch.Tensor,
@@ -365,29 +401,24 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
     with failing_cleanly(out, ckpt, created):
         run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume,
                                          progress=progress if ranks.is_main else None, on_batch=on_batch, ranks=ranks)
-        if ranks.is_main:
-            t2 = time.perf_counter()
-            budget = None
-            if cfg.bit_budget:
-                layers, rows, group_size, budget = _spend_budget(run, cfg, lm.geometry, progress)
-            else:
-                layers, rows = build_rotations(run, cfg, lm.geometry, group_size, progress=progress)
-            shared_clips = fit_shared(run.stats, lambda i: heldout_layer(run, i), cfg, lm.geometry, group_size,
-                                      layers, rows, progress=progress)
-            timing["rotations_and_clips_s"] = time.perf_counter() - t2
+        t2 = time.perf_counter()
+        fitted = fit_layers(run, cfg, lm.geometry, group_size, ranks=ranks,
+                            progress=progress if ranks.is_main else None)
+        timing.update(rotations_and_clips_s=time.perf_counter() - t2, fitted_layers=len(run.fitting))
     if not ranks.is_main:
         ranks.barrier("rank 0 writing the artifact")     # keep this rank's checkpoint until the artifact exists
         ckpt.unlink(missing_ok=True)
         return CalibrationResult(out, None, None, lm, stats=run, rank=ranks.rank)
+    group_size, budget = fitted.group_size, fitted.budget
     metadata = artifact_metadata(cfg, lm, plan, group_size)
-    metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in shared_clips))))
+    metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in fitted.shared_clips))))
     if budget is not None:
         from .budget import budget_metadata
 
         metadata.update(budget_metadata(metadata, budget))
-    artifact = Artifact(layers=layers, metadata=metadata)
+    artifact = Artifact(layers=fitted.layers, metadata=metadata)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
-    report = build_report(cfg, lm, metadata, group_size, rows, timing, shared_clips)
+    report = build_report(cfg, lm, metadata, group_size, fitted.rows, timing, fitted.shared_clips)
     if budget is not None:
         report["bit_budget"] = budget
     with failing_cleanly(out, ckpt, created):
@@ -444,5 +475,5 @@ def _warn_beyond_context(lm: LoadedModel, seq_len: int) -> None:
 
 
 __all__ = ["calibrate", "CalibrationResult", "prepare_model", "LoadedModel", "collect_statistics", "build_rotations",
-           "layer_rotations", "artifact_metadata", "StatsRun", "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME",
+           "layer_rotations", "fit_layers", "Fitted", "artifact_metadata", "StatsRun", "check_output_dir", "CHECKPOINT_NAME", "WEIGHTS_NAME",
            "REPORT_NAME"]

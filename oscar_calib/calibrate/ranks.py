@@ -16,9 +16,18 @@ hook                   one process                             a data-parallel r
 ``plan_pilot``         ``pilot_tokens`` (frozen locally)       frozen by ``after_batch`` instead
 ``after_batch``        nothing                                 the sst-approx pilot exchange, once
 ``reduce``             nothing                                 all-reduce the accumulators
+``fit_share``          every layer                             layers ``rank, rank + world, ...``
+``exchange``           ``[obj]``                               every rank's ``obj``, in rank order
+``gather``             ``[obj]``                               the same, on rank 0 only (else None)
 ``timing``             nothing                                 world size, this rank's share
 ``barrier``            nothing                                 wait for every rank
 =====================  ======================================  =====================================
+
+After the reduction every rank holds the same accumulators, so the work that follows the capture
+(held-out rows, eigendecompositions, clip grids, held-out errors) is split by layer: each rank
+captures the held-out rows of its ``fit_share`` and fits those layers; the few decisions that need
+every layer (a bit budget's allocation, the global clips) ``exchange`` small tables, and rank 0
+``gather``s the fitted layers and writes the artifact.
 """
 
 from __future__ import annotations
@@ -114,6 +123,19 @@ class Ranks:
 
     def reduce(self, stats: list) -> None:
         """Sum the accumulators over ranks, in place."""
+
+    def fit_share(self, layers: int) -> list[int]:
+        """The layers (of ``layers``) whose held-out rows this process captures and whose rotations
+        and clips it fits."""
+        return list(range(layers))
+
+    def exchange(self, obj, what: str) -> list:
+        """Every rank's ``obj`` (picklable, small), in rank order, on every rank."""
+        return [obj]
+
+    def gather(self, obj, what: str) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0; None on the other ranks."""
+        return [obj]
 
     def timing(self, batches: Sequence) -> dict:
         """What the report's timings say about this process's share (``batches``: its batches)."""

@@ -26,27 +26,34 @@ from ..progress import ProgressFn, counter
 
 
 def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list, rows: list, *,
-               progress: ProgressFn | None = None) -> tuple[float, float]:
+               exchange=None, progress: ProgressFn | None = None) -> tuple[float, float]:
     """Add shared rotations to ``layers`` (when heads differ), fork-scheme held-out errors to
-    ``rows``, and return the global ``(k_clip, v_clip)``. ``held_layers(i)`` gives layer i's
-    :class:`~oscar_calib.numerics.clip.HeldoutLayer`."""
+    ``rows``, and return the global ``(k_clip, v_clip)``. ``layers`` and ``rows`` are the layers this
+    process fits (``rows[j]["layer"]`` is the index of ``layers[j]``; every layer in one process);
+    ``held_layers(i)`` gives layer i's :class:`~oscar_calib.numerics.clip.HeldoutLayer`.
+    ``exchange(obj, what)`` returns every process's ``obj`` (the ranks of a data-parallel job, each
+    fitting its own layers; default: this process alone): the per-layer clip tables are put back
+    in layer order, so the global clips are chosen from the same tables in the same order wherever
+    the layers were fitted."""
     h = geo.num_kv_heads
     shared_needed = cfg.granularity == "head" and h > 1
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     k_tables, v_tables = [], []
     rots = []
-    tick = counter(progress, "shared rotations", 2 * len(stats), "steps")
-    for i, s in enumerate(stats):
+    tick = counter(progress, "shared rotations", 2 * len(rows), "steps")
+    for j, row in enumerate(rows):
+        i = row["layer"]
+        s = stats[i]
         if shared_needed:
             k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, "layer", warn=False)
             v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, "layer", warn=False)
-            lr = layers[i]
+            lr = layers[j]
             lr.k_layer_rotation, lr.k_layer_eigenvalues = k_rot[0].float(), k_eig[0].float()
             lr.v_layer_rotation, lr.v_layer_eigenvalues = v_rot[0].float(), v_eig[0].float()
         else:
-            k_rot, v_rot = layers[i].k_rotation.double(), layers[i].v_rotation.double()
+            k_rot, v_rot = layers[j].k_rotation.double(), layers[j].v_rotation.double()
         rots.append((k_rot, v_rot))
-        tables = rows[i].get("clip_tables") or {}
+        tables = row.get("clip_tables") or {}
         held = None
         if cfg.k_clip is None:
             if not shared_needed and tables.get("k") is not None:
@@ -62,13 +69,22 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
                 held = held or held_layers(i)
                 _, vt = fit_v_clip(held, v_rot, group_size)
             v_tables.append(vt)
-        tick(i + 1)
-    k_fit, v_fit = choose_global_clips(k_tables, v_tables)
+        tick(j + 1)
+    mine = ([r["layer"] for r in rows], [t.cpu() for t in k_tables], [t.cpu() for t in v_tables])
+    every = exchange(mine, "the global clip tables") if exchange is not None else [mine]
+    k_fit, v_fit = choose_global_clips(*(in_layer_order(every, n) for n in (1, 2)))
     k_clip = cfg.k_clip if cfg.k_clip is not None else k_fit
     v_clip = cfg.v_clip if cfg.v_clip is not None else v_fit
-    for i, (k_rot, v_rot) in enumerate(rots):
+    for j, (k_rot, v_rot) in enumerate(rots):
         full = lambda c: torch.full((h,), float(c), dtype=torch.float64)  # noqa: E731
-        rows[i]["heldout"]["fork"] = heldout_errors(held_layers(i), k_rot, full(k_clip), v_rot, full(v_clip),
-                                                    group_size)
-        tick(len(stats) + i + 1)
+        rows[j]["heldout"]["fork"] = heldout_errors(held_layers(rows[j]["layer"]), k_rot, full(k_clip), v_rot,
+                                                    full(v_clip), group_size)
+        tick(len(rows) + j + 1)
     return float(k_clip), float(v_clip)
+
+
+def in_layer_order(parts: list, field: int) -> list:
+    """``parts[p] = (layer indices, values..., )`` from every process: ``field``'s values of all
+    layers, sorted by layer index."""
+    pairs = [(i, v) for part in parts for i, v in zip(part[0], part[field])]
+    return [v for _, v in sorted(pairs, key=lambda p: p[0])]

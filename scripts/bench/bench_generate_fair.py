@@ -417,22 +417,3 @@ def profile_record(model, batch: int, tokens: int, args) -> dict:
     with base.attach(model), _compiled(model, base, True), torch.no_grad():
         out["bf16"] = profile_step(lambda: _step(model, base, ids, pos))
     return out
-
-
-def fair_table(rows: list, bandwidth: float | None) -> str:
-    bw = f"{bandwidth / 1e12:.2f} TB/s" if bandwidth else "?"
-    lines = [f"Fair BF16 baseline vs OSCAR INT2 (ms per decode step; roofline = bytes read / {bw} copy bandwidth)",
-             "| batch × context | compiled | BF16 SDPA replay | BF16 flash loop | INT2 DecodeGraph loop | "
-             "INT2 speed-up | BF16 % roofline | INT2 % roofline | BF16 / INT2 tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "speedup" not in r:
-            continue
-        ctx = f"{r['tokens'] // 1024}K"
-        for tag, label in (("", "no"), ("compiled_", "yes")):
-            b, i = r[f"{tag}bf16_ms"], r[f"{tag}int2_loop_ms"]
-            lines.append(f"| {r['batch']} × {ctx} | {label} | {r[f'{tag}bf16_sdpa_replay_ms']:.2f} | "
-                         f"{r[f'{tag}bf16_flash_loop_ms']:.2f} | {i:.2f} | {r[f'{tag}speedup']:.2f}x | "
-                         f"{r[f'{tag}bf16_roofline_pct']:.0f}% | {r[f'{tag}int2_roofline_pct']:.0f}% | "
-                         f"{1e3 * r['batch'] / b:.1f} / {1e3 * r['batch'] / i:.1f} |")
-    return "\n".join(lines)

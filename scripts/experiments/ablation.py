@@ -158,7 +158,7 @@ def stats_run(lm, cfg, cache: Path):
     return run, timing
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -177,14 +177,15 @@ def main() -> None:
                          "VARIANT (repeatable; a NIAH column in the table)")
     ap.add_argument("--render", action="store_true",
                     help="only re-write --out's table (with --niah attached) from its JSON; loads no model")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.render:
         if args.out is None or not args.out.is_file():
             raise SystemExit("error: --render needs --out naming an existing ablation JSON")
         results = json.loads(args.out.read_text())
         attach_niah(results, args.niah)
         if args.niah:
-            results["render_command"] = "python scripts/experiments/ablation.py " + " ".join(sys.argv[1:])
+            results["render_command"] = "python scripts/experiments/ablation.py " + " ".join(argv)
         write_results(results, args.out)
         print(table(results))
         return
@@ -226,7 +227,7 @@ def main() -> None:
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
                            "threads": torch.get_num_threads()}
-    results["command"] = "python scripts/experiments/ablation.py " + " ".join(sys.argv[1:])
+    results["command"] = "python scripts/experiments/ablation.py " + " ".join(argv)
     attach_niah(results, args.niah)
 
     def save():

@@ -1,7 +1,7 @@
 """Light commands import nothing heavy: ``--help`` of every command, ``zoo``, ``validate`` without
 ``--model`` and ``export`` (torch only: it writes torch pickles). Each runs in a fresh interpreter
 that reports which heavy modules ended up in ``sys.modules``. The start-up times themselves are
-measured by ``scripts/bench_startup.py``, not asserted here."""
+measured by ``scripts/bench/bench_first_run.py --parts startup``, not asserted here."""
 
 from __future__ import annotations
 
