@@ -33,7 +33,7 @@ def test_quick_runs_every_section(bench, tmp_path, capsys):
     assert "| 1 × 96 | OscarCache |" in out
 
 
-@pytest.mark.parametrize("bad, why", [(["--sections", "decode,nope"], "--sections takes decode, graph"),
+@pytest.mark.parametrize("bad, why", [(["--sections", "decode,nope"], "--sections takes fair, profile, capacity, decode, graph"),
                                       (["--save"], "--save accepts a GPU run only")])
 def test_bad_input_is_one_line(bench, tmp_path, bad, why):
     assert why in script_error(bench.main, ["--quick", "--out", str(tmp_path / "out"), *bad])

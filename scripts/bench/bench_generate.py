@@ -64,7 +64,7 @@ from bench_generate_runs import (  # noqa: E402
 )
 from harness import add_output_args, describe_device, new_result, out_dir, write_result  # noqa: E402
 
-SECTIONS = {"decode": "rows", "graph": "graph", "generate": "generate", "ttft": "ttft", "maxctx": "max_context"}
+SECTIONS = {"fair": "fair", "profile": "profile", "capacity": "capacity", "decode": "rows", "graph": "graph", "generate": "generate", "ttft": "ttft", "maxctx": "max_context"}
 QUICK_WINDOW = (8, 16)  # --quick: sink, recent (contexts of ~100 tokens still reach the INT2 history)
 
 
@@ -137,8 +137,10 @@ def parse(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--fill-chunk", type=int, default=65536, help="tokens written per call when filling")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip what is left after this many seconds")
-    ap.add_argument("--sections", default="decode,graph,generate,ttft,maxctx",
-                    help="comma-separated: decode, graph, generate, ttft, maxctx")
+    ap.add_argument("--sections", default="fair,decode,graph,generate,ttft,maxctx",
+                    help="comma-separated: fair (the fair BF16 baseline and each step's roofline), capacity "
+                         "(sequences of 128K per GPU), profile (kernel time by category), decode, graph, "
+                         "generate, ttft, maxctx")
     ap.add_argument("--compile", action="store_true",
                     help="also time DecodeGraph(compile=True) in the graph section and "
                          "custom_generate=partial(graph_decoding, compile=True) in the generate section")
@@ -168,7 +170,7 @@ def main(argv=None) -> dict:
                 "group_size": args.group_size, "sink": args.window[0], "recent": args.window[1],
                 "sections": sorted(sections), "compile": args.compile, "quick": args.quick}
     doc = new_result("generate", describe_device(cuda=dev == "cuda"), script=__file__, argv=argv, settings=settings)
-    doc.update(graph=[], generate=[], ttft=[], max_context={}, errors=[],
+    doc.update(fair=[], profile=[], capacity=[], graph=[], generate=[], ttft=[], max_context={}, errors=[],
                not_measured=[key for sec, key in SECTIONS.items() if sec not in sections],
                weights_gib=torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None,
                gpu_total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30 if dev == "cuda" else None)
@@ -188,6 +190,26 @@ def main(argv=None) -> dict:
             return True
         return False
 
+    fair_configs = [(1, 16384), (1, 65536), (1, 131072), (4, 65536)]
+    if dev == "cuda" and sections & {"fair", "capacity", "profile"}:
+        from bench_generate_fair import capacity, copy_bandwidth, fair_record, profile_record
+
+        res.data["copy_bandwidth"] = copy_bandwidth()
+        for batch, tokens in fair_configs if "fair" in sections else []:
+            if late(f"fair {batch}x{tokens}"):
+                break
+            rec = {"batch": batch, "tokens": tokens}
+            rec.update(_attempt(res, f"fair {batch}x{tokens}",
+                                lambda: fair_record(model, batch, tokens, args, res.data["copy_bandwidth"])))
+            res.add("fair", rec)
+            print(json.dumps(rec), flush=True)
+        for batch, tokens in [(1, 16384), (1, 131072)] if "profile" in sections else []:
+            if late(f"profile {batch}x{tokens}"):
+                break
+            res.add("profile", _attempt(res, f"profile {batch}x{tokens}",
+                                        lambda: profile_record(model, batch, tokens, args)))
+        if "capacity" in sections and not late("capacity"):
+            res.add("capacity", _attempt(res, "capacity", lambda: capacity(model, 131072, args)))
     for batch, tokens in configs if sections & {"decode", "graph"} else []:
         for kind in kinds if "decode" in sections else ():
             if kind == "quantized" and batch * tokens > 16384 and not args.quick:
