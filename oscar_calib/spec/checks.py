@@ -45,6 +45,7 @@ from .layout import (
     tensor_shape,
 )
 from .values import check_metadata_values, check_values, metadata_int
+from .verification import Verification
 
 _ROTATION = re.compile(r"layers\.(\d{1,6})\.([kv])_rotation")
 
@@ -63,7 +64,7 @@ class ValidationReport:
     findings: list[tuple[str, str]] = field(default_factory=list)   # (check name, problem), as added
     warnings: list[str] = field(default_factory=list)
     content_sha256: str | None = None
-    verification: object | None = None
+    verification: Verification | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,7 +94,7 @@ class ValidationReport:
                 "num_kv_heads": md.get("num_kv_heads"), "head_dim": md.get("head_dim"),
                 "granularity": md.get("granularity"), "composition": md.get("composition"),
                 "content_sha256": self.content_sha256, "stored_content_sha256": md.get(DIGEST_KEY),
-                "verified": getattr(ver, "state", None), "verified_why": getattr(ver, "why", None)}
+                "verified": ver.state if ver else None, "verified_why": ver.why if ver else None}
 
 
 # ----------------------------------------------------------------------------- the checks
