@@ -15,7 +15,7 @@ import types
 import warnings
 
 MOVED = {
-    "artifact": ("spec.artifact", "fsutil"),
+    "artifact": ("spec.artifact", "spec.layout", "spec.checks", "fsutil"),
     "card": ("spec.card",),
     "config": ("spec.config", "spec.defaults"),
     "hadamard": ("numerics.hadamard", "spec.defaults"),
@@ -36,7 +36,7 @@ MOVED = {
     "verify": ("tools.verify",),
     "fold": ("tools.fold",),
     "interop": ("tools.sglang", "fsutil"),
-    "validate": ("tools.validate",),
+    "validate": ("tools.validate", "spec.checks", "spec.values", "spec.layout", "spec.stfile"),
     "publish": ("tools.publish", "errors"),
     "zoo": ("tools.zoo",),
 }

@@ -121,3 +121,32 @@ def run_main(monkeypatch, capsys, *args) -> tuple[int, str, str]:
         code = e.code if isinstance(e.code, int) else 1
     cap = capsys.readouterr()
     return code, cap.out, cap.err
+
+
+def small_artifact(out, *, layers: int = 2, kv: int = 2, heads: int = 4, d: int = 8, seed: int = 0,
+                   metadata: dict | None = None):
+    """A small hand-made format-v1 artifact in ``out`` (random orthogonal rotations, fitted-looking
+    clips and descending eigenvalues), written the toolkit's way: with its content digest, a card
+    and a report. Returns ``out``."""
+    import hashlib
+    import json
+
+    from oscar_calib.spec.artifact import Artifact, LayerRotations, write_artifact_files
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(layers):
+        q, r = torch.linalg.qr(torch.randn(2, kv, d, d, generator=gen, dtype=torch.float64))
+        rot = (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+        eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
+        rows.append(LayerRotations(rot[0], rot[1], torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone()))
+    md = {"format": "oscar-rotations", "format_version": "1", "model_id": "test/tiny",
+          "model_fingerprint": hashlib.sha256(b"not a real model").hexdigest(), "num_layers": str(layers),
+          "num_attention_heads": str(heads), "num_kv_heads": str(kv), "head_dim": str(d),
+          "group_size": str(min(d, 128)), "bits": "2", "sink_tokens": "64", "recent_tokens": "256",
+          "k_objective": "qqt", "v_objective": "sst", "composition": "u_h_pbr", "granularity": "head",
+          "calibration": json.dumps({"data": "test", "tokens": 0}), "toolkit_version": "0.1.0", "model_type": "llama",
+          **(metadata or {})}
+    out.mkdir(parents=True, exist_ok=True)
+    write_artifact_files(out, Artifact(layers=rows, metadata=md), "# test artifact\n", {})
+    return out

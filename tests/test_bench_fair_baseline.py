@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.script
 ROOT = Path(__file__).resolve().parents[1]

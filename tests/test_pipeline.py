@@ -26,13 +26,13 @@ from oscar_calib.errors import (
     OutputExistsError,
 )
 from oscar_calib.spec.artifact import (
-    REQUIRED_METADATA,
     SHARED_KINDS,
     TENSOR_KINDS,
     load_artifact,
     tensor_name,
 )
 from oscar_calib.spec.config import CalibrationConfig
+from oscar_calib.spec.layout import REQUIRED_METADATA
 
 TINY_FAST = dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64)
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import oscar_calib.tools.publish as publish
 from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
-from oscar_calib.spec.artifact import WEIGHTS_NAME
+from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata
 
 runner = CliRunner()
 FILES = ["README.md", "calibration.json", "oscar.safetensors", "verify.json"]
@@ -44,7 +44,9 @@ def fake_client():
 @pytest.fixture
 def artifact(tmp_path) -> Path:
     art = make_artifact(tmp_path / "art")
-    (art / "verify.json").write_text(json.dumps({"passed": True, "summary": {"max_rel_error": 0.01}}))
+    digest = read_metadata(art)["content_sha256"]                  # verify.json verified this content
+    (art / "verify.json").write_text(json.dumps({"passed": True, "content_sha256": digest,
+                                                  "summary": {"max_rel_error": 0.01}}))
     (art / ".oscar-checkpoint.pt").write_bytes(b"x")      # hidden: never pushed
     (art / "notes.tmp").write_text("scratch")             # temporary: never pushed
     return art

@@ -19,7 +19,7 @@ from oscar_calib.spec.artifact import (
     Artifact,
     LayerRotations,
     load_artifact,
-    serialize_safetensors,
+    serialize_artifact,
     write_artifact_files,
 )
 from oscar_calib.tools.validate import (
@@ -66,7 +66,7 @@ def make_artifact(out: Path, *, layers: int = 2, kv: int = 2, heads: int = 4, d:
     if mutate is not None:
         tensors = art.tensors()
         mutate(tensors)
-        (out / WEIGHTS_NAME).write_bytes(serialize_safetensors(tensors, md))
+        (out / WEIGHTS_NAME).write_bytes(serialize_artifact(tensors, md))
     return out
 
 
@@ -76,7 +76,7 @@ def test_demo_artifact_passes_every_check(demo_artifact):
     report = validate_artifact(demo_artifact)
     assert report.ok, report.problems
     assert set(report.checks) == {"file", "metadata", "shapes", "finite", "orthogonal", "clips", "eigenvalues",
-                                  "granularity", "group_sizes"}
+                                  "granularity", "group_sizes", "digest"}
     assert all(report.checks.values())
     result = runner.invoke(app, ["validate", str(demo_artifact), "--json"])
     assert result.exit_code == 0, result.output

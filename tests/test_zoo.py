@@ -12,7 +12,7 @@ from test_validate import make_artifact
 from typer.testing import CliRunner
 
 from oscar_calib.cli import app
-from oscar_calib.spec.artifact import WEIGHTS_NAME
+from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata
 from oscar_calib.tools import zoo
 
 runner = CliRunner()
@@ -48,8 +48,9 @@ def populated(demo_artifact, tmp_path, empty_cache) -> Path:
     root = tmp_path / "zoo"
     entry = root / "smollm2-135m"
     shutil.copytree(demo_artifact, entry)
-    (entry / "verify.json").write_text(json.dumps({"passed": True, "summary": {"max_abs_error": 0.002},
-                                                   "per_layer": [1, 2, 3]}))
+    digest = read_metadata(entry)["content_sha256"]                 # verify.json verified this content
+    (entry / "verify.json").write_text(json.dumps({"passed": True, "content_sha256": digest,
+                                                   "summary": {"max_abs_error": 0.002}, "per_layer": [1, 2, 3]}))
     report = json.loads((entry / "calibration.json").read_text())
     report["eval"] = {"wikitext2_ppl": 21.5, "wikitext2_ppl_bf16": 21.1, "note": "tiny run"}
     (entry / "calibration.json").write_text(json.dumps(report))
@@ -67,7 +68,8 @@ def test_list_populated_zoo_with_quality(populated, demo_artifact):
     assert mine.quality["layers_better_than_hadamard"] == summary["layers_better_than_hadamard"]
     assert (mine.model_id, mine.num_layers, mine.num_kv_heads, mine.head_dim) == \
         ("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 3, 64)
-    assert mine.verified is True and mine.verify == {"passed": True, "max_abs_error": 0.002}
+    assert mine.verified is True and mine.verification == "yes"
+    assert mine.verify == {"passed": True, "max_abs_error": 0.002, "content_sha256": mine.content_sha256}
     assert mine.eval["wikitext2_ppl"] == 21.5
     assert pulled.remote == "hf:some-org/tiny-oscar" and pulled.verified is None
     result = runner.invoke(app, ["zoo", "list", "--zoo", str(populated), "--json"])

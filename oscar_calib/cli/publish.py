@@ -45,23 +45,29 @@ def push_command(
                                                     "(created if needed; default: main/master).")] = None,
     commit_message: Annotated[Optional[str], typer.Option(help="Commit message (default: names model and "
                                                           "method).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Push even without a passing verify.json (never an invalid "
-                                        "artifact).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list files, sizes and target; touch no network.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Push even when verify.json is missing, failed or stale "
+                                        "(it verified other content). Never an invalid artifact, nor one "
+                                        "without a digest.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list files, sizes and target; touch no "
+                                          "network.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate ARTIFACT and upload it, model card included, to the Hugging Face hub or ModelScope.
 
-    Refuses an invalid artifact, and an unverified one (no verify.json with "passed": true from
-    `oscar verify`) unless --force. Tokens: HF_TOKEN or `hf auth login`; MODELSCOPE_API_TOKEN or
-    `modelscope login`.
+    Refuses an invalid artifact and one without a content digest (`oscar validate --fix-digest`
+    adds it). Refuses, unless --force, an artifact not verified on its current content: no
+    verify.json with "passed": true from `oscar verify`, or a stale one (it recorded another
+    content digest: the artifact changed after it was verified). Tokens: HF_TOKEN or
+    `hf auth login`; MODELSCOPE_API_TOKEN or `modelscope login`.
     """
     from ..tools.publish import parse_target, plan_push, push
 
     plan = plan_push(artifact, parse_target(to), revision=revision, private=private,
                      commit_message=commit_message, force=force)
     if not plan.verified:
-        console.print("[yellow]warning: artifact is not verified; continuing because of --force[/yellow]")
+        console.print(f"warning: --force skips the verification gate: {plan.verification.why}; the artifact was "
+                      "validated and carries its digest, but no passing verify.json vouches for this content", style="yellow",
+                      highlight=False, markup=False)
     if dry_run:
         if json_out:
             emit_json(plan.to_dict() | {"dry_run": True})
@@ -73,7 +79,8 @@ def push_command(
                      f"repo:     {'private' if plan.private else 'public'} model repository (created if missing)\n"
                      f"revision: {plan.revision or 'default branch'}\n"
                      f"commit:   {plan.commit_message}\n"
-                     f"verified: {'yes' if plan.verified else 'no (--force)'}\n"
+                     f"digest:   {plan.content_sha256}\n"
+                     f"verified: {'yes' if plan.verified else plan.verification.state + ' (--force)'}\n"
                      "dry run: nothing was uploaded", highlight=False)
         next_step(f"the same command without --dry-run uploads {len(plan.files)} files to {plan.target}")
         return

@@ -51,8 +51,9 @@ def verify_command(
     decode kernel at several depths and compares with full-precision attention, for the artifact
     and for a Hadamard baseline (clips 0.96/0.92). Passes (exit 0) when the artifact's mean error
     is below the baseline's and no layer exceeds --max-layer-error; otherwise exit 1. Writes
-    verify.json and verify.png into the artifact directory. The artifact is validated first
-    (oscar validate's rules).
+    verify.json and verify.png into the artifact directory; verify.json records the content
+    digest it verified, so a later change to the artifact makes it stale (`oscar push` then
+    refuses it). The artifact is validated first (oscar validate's rules, its digest included).
 
     Examples:
 

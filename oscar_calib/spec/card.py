@@ -28,6 +28,8 @@ def model_card(report: dict) -> str:
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
         f"| calibration data | {cal['data']}, {cal['tokens']} tokens in {cal['sequences']} sequences of ≤{cal['seq_len']}, seed {cal['seed']} |",
+        *([f"| content digest | `{report['content_sha256']}` (sha256 of the tensors and metadata; `verify.json` records "
+           "the digest it verified) |"] if report.get("content_sha256") else []),
         "",
         "## Measured quality (held-out rows, every token INT2)",
         "",

@@ -29,7 +29,11 @@ Pass when the artifact's mean ``attn`` error is below the baseline's and no laye
 error exceeds ``--max-layer-error`` (default 0.5). Measured on SmolLM2-135M at depths
 512/1024/2048: calibrated rotations give 0.04–0.35 per layer (mean ≈ 0.11), the Hadamard
 baseline 0.06–0.49 (mean ≈ 0.16); identity rotations without clipping fail on the mean.
-Writes ``verify.json`` and ``verify.png`` into the artifact directory.
+Writes ``verify.json`` and ``verify.png`` into the artifact directory. ``verify.json`` records what
+it measured (:func:`~oscar_calib.spec.verification.provenance`): the content digest of the artifact
+as it was read (``content_sha256``), the fingerprint of the model it ran and the toolkit version, so
+the verification holds for that content only (``oscar push``, ``oscar validate``: "verified: stale"
+once the artifact changes).
 """
 
 from __future__ import annotations
@@ -51,13 +55,14 @@ from ..numerics.hadamard import hadamard
 from ..progress import ProgressFn, counter, step
 from ..spec.artifact import LAYER_GROUPS_METADATA, load_artifact, require_compatible
 from ..spec.defaults import BASELINE_CLIPS
+from ..spec.layout import VERIFY_NAME
+from ..spec.verification import provenance
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
 # what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024
 QUICK_VERIFY = {"depths": (512, 1024), "sequences": 1}
 DEFAULT_MAX_LAYER_ERROR = 0.5
 POSITION_STRIDE = 7
-VERIFY_NAME = "verify.json"
 PLOT_NAME = "verify.png"
 
 
@@ -68,6 +73,7 @@ class VerifyResult:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)   # what was verified: content digest, model, toolkit
 
     def summary(self) -> dict:
         mean = lambda k, m: sum(r[m][k] for r in self.layers) / len(self.layers)  # noqa: E731
@@ -80,8 +86,8 @@ class VerifyResult:
         } | ({"mean_attn_error_fork": mean("attn", "fork")} if all("fork" in r for r in self.layers) else {})
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "summary": self.summary(), "settings": self.settings, "layers": self.layers,
-                "timings": self.timings}
+        return {"passed": self.passed, **self.provenance, "summary": self.summary(), "settings": self.settings,
+                "layers": self.layers, "timings": self.timings}
 
 
 def _backend(backend: str, device: torch.device) -> str:
@@ -231,14 +237,12 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     from ..calibrate.corpus import load_texts, plan_tokens
     from ..model.capture import Capture, capture_forward
     from ..model.load import load_model
-    from .validate import require_valid
 
     t0 = time.perf_counter()
     path = Path(path)
     if loaded is not None and not isinstance(loaded, LoadedModel):
         raise TypeError("verify_artifact(loaded=...) takes a LoadedModel (LoadedModel.wrap(model, tokenizer, source))")
-    require_valid(path)
-    art = load_artifact(path)
+    art = load_artifact(path)           # every check of oscar validate, the content digest included
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 2:
         raise InputError("--depths must be integers ≥ 2")
@@ -326,7 +330,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                             "sink_tokens": fork.sink, "recent_tokens": fork.recent,
                             "simulation": "pure torch: shared rotation in bf16, float32 scale/zero"}
     result = VerifyResult(rows, settings, not reasons, reasons,
-                          {"capture_s": t_capture, "total_s": time.perf_counter() - t0})
+                          {"capture_s": t_capture, "total_s": time.perf_counter() - t0},
+                          provenance(art.content_sha256, lm.fingerprint))
     if write:
         atomic_write_text(path / VERIFY_NAME, json.dumps(result.to_json(), indent=2, sort_keys=True) + "\n")
         if plot:

@@ -411,7 +411,7 @@ def profile_record(model, batch: int, tokens: int, args) -> dict:
     with cache.attach(model), compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, _registered_attention), \
             torch.no_grad():
         out["int2"] = profile_step(lambda: _step(model, cache, ids, pos))
-    del cache
+    cache = None                                     # (frees the INT2 cache before the BF16 one is built)
     torch.cuda.empty_cache()
     base = PrefixCache(model.config, "sdpa", batch, tokens + 64, dev).fill(tokens)
     with base.attach(model), _compiled(model, base, True), torch.no_grad():

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 import oscar_calib.tools.publish as publish
 from oscar_calib.cli import app
 from oscar_calib.errors import InputError
-from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata, serialize_safetensors
+from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata, serialize_artifact
 from oscar_calib.tools.validate_ci import (
     escape_data,
     escape_property,
@@ -124,7 +124,7 @@ def zoos(tmp_path_factory) -> dict[str, Path]:
         f = out[name] / "zoo" / "gemma3-270m" / WEIGHTS_NAME
         tensors, md = load_file(str(f)), read_metadata(f)
         tensors["layers.3.k_rotation"][0] *= 1.01
-        f.write_bytes(serialize_safetensors(tensors, md))
+        f.write_bytes(serialize_artifact(tensors, md))
     return out
 
 
@@ -257,7 +257,7 @@ def test_changed_files_zoo_index_stands_for_its_zoo(tmp_path, monkeypatch):
     # an artifact changed without `oscar zoo index`: its index is stale
     make_artifact(tmp_path / "zoo" / "b", seed=2)
     reports = validate_sources(["zoo/index.json"], changed_files=True)
-    assert [r.checks for r in reports][-1] == {"index": False}
+    assert [r.checks for r in reports][-1] == {"index": False, "zoo": True}
     # without --changed-files a zoo index is skipped and a non-zoo file is a problem (unchanged)
     assert [r.ok for r in validate_sources(["zoo/index.json", "site/index.json"])] == [False]
 

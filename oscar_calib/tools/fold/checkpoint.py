@@ -193,14 +193,11 @@ def fold_checkpoint(model_spec: str, artifact_path: Path, out: Path, *, dtype: s
     refused with its line). The input model and artifact are never written to; ``out`` appears
     only when the checkpoint is complete and has passed both checks.
     """
-    from ..validate import require_valid
-
     t0 = time.perf_counter()
     out, artifact_path = Path(out), Path(artifact_path)
     out_dtype = _resolve_dtype(dtype)
     shard_size = _parse_shard_size(shard_size)
-    require_valid(artifact_path)
-    artifact = load_artifact(artifact_path)
+    artifact = load_artifact(artifact_path)         # every check of oscar validate, the digest included
     refuse_folded_artifact(artifact)
     if loaded is None:
         from .fp8 import fold_fp8_checkpoint, fp8_checkpoint

@@ -45,7 +45,6 @@ from ...kernels.pack import bits_per_element
 from ...numerics.clip import choose_global_clips
 from ...spec.artifact import Artifact, load_artifact
 from ...spec.defaults import check_clip, is_power_of_two
-from ..validate import require_valid
 from .fileformat import (
     TARGETS,
     check_target,
@@ -141,8 +140,7 @@ def export_sglang(artifact_path: Path, out: Path, *, target: str = "fork-main", 
     check_target(target)
     if prefill_backend not in PREFILL_BACKENDS:
         raise InputError(f"unknown --prefill-backend {prefill_backend!r}; choose from {', '.join(PREFILL_BACKENDS)}")
-    require_valid(artifact_path)
-    art = load_artifact(artifact_path)
+    art = load_artifact(artifact_path)              # every check of oscar validate, the digest included
     md, d, g = art.metadata, art.head_dim, art.group_size
     _check_shapes(artifact_path, d, g)
     sink = int(md["sink_tokens"]) if sink is None else sink

@@ -31,12 +31,9 @@ from ... import FORMAT_VERSION, __version__
 from ...errors import OutputExistsError
 from ...fsutil import staged_dir
 from ...spec.artifact import (
-    FORMAT_NAME,
-    MODEL_SOURCE_METADATA,
-    SHARED_CLIP_METADATA,
-    WEIGHTS_NAME,
     Artifact,
     LayerRotations,
+    stamp_artifact,
     write_artifact_files,
 )
 from ...spec.defaults import (
@@ -48,7 +45,15 @@ from ...spec.defaults import (
     check_window,
     default_group_size,
 )
-from ..validate import IMPORTED, require_valid
+from ...spec.layout import (
+    DIGEST_KEY,
+    FORMAT_NAME,
+    IMPORTED,
+    MODEL_SOURCE_METADATA,
+    SHARED_CLIP_METADATA,
+    WEIGHTS_NAME,
+)
+from ..validate import require_valid
 from .fileformat import RotationFile, read_rotation_file
 
 
@@ -157,6 +162,7 @@ def import_sglang(k_path: Path, v_path: Path, model, out: Path, *,
               "geometry": target.geometry(), "imported": imported, "fingerprint_note": target.note,
               "settings": {"k_clip": k_clip, "v_clip": v_clip, "granularity": granularity,
                            "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}}
+    report[DIGEST_KEY] = stamp_artifact(artifact)          # what the card shows and the file stores
     with staged_dir(out, overwrite=overwrite, merge=True, last=WEIGHTS_NAME) as tmp:
         write_artifact_files(tmp, artifact, import_card(report), report)
         require_valid(tmp)
@@ -189,6 +195,8 @@ def import_card(report: dict) -> str:
         f"| eigenvalues | K: {imp['k']['eigenvalues']}, V: {imp['v']['eigenvalues']} |",
         f"| quantisation | INT2, group {report['group_size']}, BF16 sink {s['sink_tokens']} + recent "
         f"{s['recent_tokens']} tokens |",
+        *([f"| content digest | `{report[DIGEST_KEY]}` (sha256 of tensors and metadata) |"] if report.get(DIGEST_KEY)
+          else []),
     ]
     return "\n".join([
         "---", "library_name: oscar", "tags: [kv-cache, quantization, int2, oscar]",
