@@ -16,7 +16,7 @@ from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
 from oscar_calib.spec.artifact import MODEL_SOURCE_METADATA, model_source, read_metadata
 from oscar_calib.spec.card import model_card
-from oscar_calib.tools.validate import check_metadata_values
+from oscar_calib.spec.values import check_metadata_values
 
 ZOO_REPORT = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m" / "calibration.json"
 
@@ -73,10 +73,10 @@ def test_the_model_is_found_from_the_record(tmp_path):
 ])
 def test_validate_refuses_a_malformed_record(raw, problem):
     md = md_with(raw)
-    assert any(problem in p for p in check_metadata_values(md)), check_metadata_values(md)
+    assert any(problem in p for p in check_metadata_values(md)[0]), check_metadata_values(md)
     with pytest.raises(ArtifactError, match=re.escape(problem)):
         model_source(md)
-    assert not [p for p in check_metadata_values(md_with({"kind": "gguf", "path": "/m/x.gguf"})) if "model_source" in p]
+    assert not [p for p in check_metadata_values(md_with({"kind": "gguf", "path": "/m/x.gguf"}))[0] if "model_source" in p]
 
 
 def report_for(source: dict, load: dict, model_id: str) -> dict:
