@@ -113,7 +113,7 @@ def _source(doc: dict) -> list[str]:
     v = doc.get("versions", {})
     vs = ", ".join(f"{k} {v[k]}" for k in ("torch", "triton", "transformers", "cuda") if v.get(k))
     head = (f"*{doc['device_name']}* · commit `{_commit(doc['commit'])}` · {doc['date'][:10]} · "
-            f"[`{doc['path']}`](../{doc['path']})" + (f" · {vs}" if vs else ""))
+            f"`{doc['path']}`" + (f" · {vs}" if vs else ""))
     text = f"Command: `{doc['command']}`."
     carried = sorted(doc.get("carried", {}).items())
     if carried:
