@@ -93,8 +93,9 @@ def test_compare_says_bit_for_bit_or_how_far(bench, tmp_path):
     assert 0 < got["accumulators_max_rel_diff"] < 1e-11
 
 
-def dry_run(tmp_path: Path, *args: str) -> tuple[dict, str]:
-    """The script on the CPU (tiny geometries, gloo, one thread a process): its JSON and stdout."""
+def dry_run(tmp_path: Path, *args: str) -> tuple[dict, str, str]:
+    """The script on the CPU (tiny geometries, gloo, one thread a process): its rows by scenario and
+    name, its stdout, and its section of the benchmarks page (a single run: no run column)."""
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPT.parents[2]))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--small", "--device", "cpu", "--threads", "1", *args],
                           capture_output=True, text=True, env=env, timeout=1500)
@@ -104,12 +105,14 @@ def dry_run(tmp_path: Path, *args: str) -> tuple[dict, str]:
     assert doc["command"].startswith("python scripts/bench/bench_scale.py --small --device cpu")
     assert "accelerate" in doc["versions"] and doc["device_facts"]["slug"] == "cpu"
     assert not [r for r in doc["rows"] if "error" in r], [r["error"] for r in doc["rows"] if "error" in r]
-    return {(r["scenario"], r.get("name")): r for r in doc["rows"]}, proc.stdout
+    page = "\n".join(load_script("bench/report.py").scale(doc))
+    assert "run (commit)" not in page and "Not finished" not in page
+    return {(r["scenario"], r.get("name")): r for r in doc["rows"]}, proc.stdout, page
 
 
 @pytest.mark.slow
 def test_dry_run_layouts_and_scaling(tmp_path):
-    rows, stdout = dry_run(tmp_path, "--mode", "layouts,dp-scaling", "--tokens", "1024", "--seq-len", "256",
+    rows, stdout, page = dry_run(tmp_path, "--mode", "layouts,dp-scaling", "--tokens", "1024", "--seq-len", "256",
                            "--heldout-tokens", "64", "--scale-ranks", "1,2", "--scale-tokens", "1024")
     # the layouts: the same model three ways; the artifacts and accumulators are the first's, bit for bit
     for name, ranks in (("spread", 1), ("ranks-x-spread", 2), ("ranks", 2)):
@@ -127,12 +130,16 @@ def test_dry_run_layouts_and_scaling(tmp_path):
     assert two["equal_to_reference"]["artifact_bytes_equal"] and two["equal_to_reference"]["accumulators_bit_equal"]
     assert set(two["speedup"]) == {"plain", "capture", "end_to_end"}
     assert "verify: " in stdout and "dp-scaling" in stdout
+    for cells in ("| spread over 2 GPUs, 1 process |", "| 2 ranks × 1 GPU |", "| 2 ranks, whole model each |",
+                  "| (baseline) | (reference) |", "| artifact byte-identical, accumulators bit-equal |"):
+        assert cells in page, cells
+    assert page.count("artifact byte-identical, accumulators bit-equal") == 3 and "passed" in page
 
 
 @pytest.mark.slow
 def test_dry_run_torchrun_nodes(tmp_path):
     """The script's torchrun scenario (the CLI's own behaviour is tests/test_multinode.py's)."""
-    rows, stdout = dry_run(tmp_path, "--mode", "torchrun", "--node-ranks", "1", "--node-tokens", "1024",
+    rows, stdout, page = dry_run(tmp_path, "--mode", "torchrun", "--node-ranks", "1", "--node-tokens", "1024",
                            "--node-seq-len", "128", "--die-at", "2", "--slow-s", "4", "--heartbeat", "2")
     # two torchrun "nodes": the artifact of one process; a rank killed, the other stopped with one line; resumed
     t = rows[("torchrun", "2 nodes x 1")]
@@ -143,3 +150,5 @@ def test_dry_run_torchrun_nodes(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: stopped: rank 1") and "--resume" in lines[0]
     assert f["survivors_stopped_within_s"] is not None and t["resume"]["checkpoints_left"] == []
     assert "torchrun" in stdout
+    assert "| 2 × 1 | byte-identical (exit 0 / 0) | rank 1 after batch 2 of " in page
+    assert "| 1 `error:` line (ranks 0), 0 tracebacks from oscar | byte-identical, 0 checkpoints left |" in page

@@ -81,12 +81,12 @@ a random-init Qwen3-32B-shaped model (61 GiB in bf16) spread over every GPU in o
 (`--device-map auto`), as ranks each spread over its own GPUs (`--nproc N --device-map auto`),
 and as ranks holding the whole model each. **Baseline: a plain forward pass over the same
 calibration batches** on the same placement; the capture's overhead is capture / plain − 1.
-**torchrun**: two `torchrun --nnodes 2` launchers on one host as two nodes, running `oscar
-calibrate`: the artifact against one process's, one rank killed mid-capture (how soon the others
-stop, and what they print), `--resume` to the same artifact. **dp-scaling**: a random-init
-Qwen3-8B-shaped model on 1, 2, 4 ranks of one GPU each; **baseline: one rank**. Every artifact
-and the float64 accumulators are compared with the first layout's or rank count's, byte for
-byte. Weights are random (speed and memory do not depend on their values).""",
+**torchrun**: two `torchrun --nnodes 2` launchers on one host as two nodes, each rank running
+`oscar calibrate`: the artifact against one process's, one rank killed mid-capture (how soon the
+others stop, and what they print), `--resume` to the same artifact. **dp-scaling**: a
+random-init Qwen3-8B-shaped model on 1, 2, 4 ranks of one GPU each; **baseline: one rank**.
+Artifacts (byte for byte) and the float64 accumulators (bit for bit) are compared with the first
+layout's or rank count's. Weights are random (speed and memory do not depend on their values).""",
     "first_run": """A new user's first hour on the project's shared 2-core CPU machine: start-up of the light
 commands, `make demo`'s command, `calibrate --quick` and the accuracy of their artifacts.
 **Baseline: another checkout** (main before the change measured), run alternately with this one
@@ -277,6 +277,10 @@ def _equal(r: dict) -> str:
     return f"{art}, {acc}"
 
 
+def _gpus(n: int) -> str:
+    return "1 GPU" if n == 1 else f"{n} GPUs"
+
+
 def _repeats(n: int) -> str:
     return "one timed repeat" if n == 1 else f"medians of {n} timed repeats"
 
@@ -322,13 +326,13 @@ def scale(doc: dict) -> list[str]:
                 f"sequences of {first['seq_len']}, {first['heldout_tokens']} held-out tokens; "
                 f"{_repeats(len(first['times']['capture']))} after a warm-up `calibrate`. \"Fits\" is the work "
                 "after the capture (rotations and clips) on rank 0; peaks are beyond the weights, per GPU:", ""]
-        names = {"spread": "spread over {g} GPUs, 1 process", "ranks-x-spread": "{n} ranks × {g} GPUs",
+        names = {"spread": "spread over {g}, 1 process", "ranks-x-spread": "{n} ranks × {g}",
                  "ranks": "{n} ranks, whole model each"}
         table = []
         for r in lay:
             m, t = r["median_s"], r["calibrate_timings"]
             table.append(who(r) + [
-                names.get(r["layout"], r["layout"]).format(n=r["ranks"], g=r["gpus_per_rank"]),
+                names.get(r["layout"], r["layout"]).format(n=r["ranks"], g=_gpus(r["gpus_per_rank"])),
                 _per_gpu(r["weights_bytes"], 1), f"{m['plain']:.2f}",
                 f"{m['capture']:.2f} (**{r['overhead_capture']:+.0%}**)", f"{m['end_to_end']:.1f}",
                 f"{t['rotations_and_clips_s']:.1f} ({t['fitted_layers']})",
@@ -341,7 +345,7 @@ def scale(doc: dict) -> list[str]:
         for r in lay:
             if "verify" in r:
                 v = r["verify"]
-                out += ["", f"`oscar verify` on the {names.get(r['layout'], r['layout']).format(n=r['ranks'], g=r['gpus_per_rank'])} "
+                out += ["", f"`oscar verify` on the {names.get(r['layout'], r['layout']).format(n=r['ranks'], g=_gpus(r['gpus_per_rank']))} "
                             f"layout (rank 0's model){' in run ' + str(r['run']) if tagged else ''}: "
                             f"{v['seconds']:.1f} s, {'passed' if v['passed'] else 'failed'} "
                             f"(attention error {v['summary']['mean_attn_error']:.3f} "
@@ -367,7 +371,8 @@ def scale(doc: dict) -> list[str]:
                         + ("survivors not seen stopping" if within is None else
                            f"survivors stopped {min(stops):.1f}–{within:.1f} s after the kill")
                         + f"; their own sleeps alone last {f['survivors_would_need_s']:.0f} s")
-                lines = (f"{sum(len(v) for v in f['error_lines_by_rank'].values())} `error:` lines "
+                n = sum(len(v) for v in f["error_lines_by_rank"].values())
+                lines = (f"{n} `error:` line{'' if n == 1 else 's'} "
                          f"(ranks {', '.join(sorted(f['error_lines_by_rank']))}), "
                          f"{sum(n['tracebacks_from_oscar'] for n in f['nodes'])} tracebacks from oscar")
             else:
