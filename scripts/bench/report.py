@@ -12,6 +12,7 @@ baseline; figures shown for reference only carry no ratio.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -81,10 +82,17 @@ through a mask or re-expand it at every step, so this page gives no speed-up aga
     "calibrate": """Calibration cost: capture + accumulation against a plain forward pass over the same batches
 (the overhead), and peak memory at two token budgets; on a CPU with SmolLM2-135M, or with
 `--gpu` on a random-init Qwen3-8B-geometry model.""",
-    "scale": """Calibrating a model too big for one GPU: a random-init Qwen3-32B-shaped model (64 layers, 32.8B
-parameters, bf16), spread over the GPUs with a device map and as data-parallel ranks (one whole
-copy per GPU). **Baseline: a plain forward pass over the same calibration batches** on the same
-placement; the overhead is capture / plain − 1, measured in alternating rounds.""",
+    "scale": """Calibration on several GPUs of one host, three scenarios, each in its own process. **layouts**:
+a random-init Qwen3-32B-shaped model (61 GiB in bf16) spread over every GPU in one process
+(`--device-map auto`), as ranks each spread over its own GPUs (`--nproc N --device-map auto`),
+and as ranks holding the whole model each. **Baseline: a plain forward pass over the same
+calibration batches** on the same placement; the capture's overhead is capture / plain − 1.
+**torchrun**: two `torchrun --nnodes 2` launchers on one host as two nodes, each rank running
+`oscar calibrate`: the artifact against one process's, one rank killed mid-capture (how soon the
+others stop, and what they print), `--resume` to the same artifact. **dp-scaling**: a
+random-init Qwen3-8B-shaped model on 1, 2, 4 ranks of one GPU each; **baseline: one rank**.
+Artifacts (byte for byte) and the float64 accumulators (bit for bit) are compared with the first
+layout's or rank count's. Weights are random (speed and memory do not depend on their values).""",
     "first_run": """A new user's first hour on the project's shared 2-core CPU machine: start-up of the light
 commands, `make demo`'s command, `calibrate --quick` and the accuracy of their artifacts.
 **Baseline: another checkout** (main before the change measured), run alternately with this one
@@ -110,8 +118,8 @@ def _source(doc: dict) -> list[str]:
     """Where a table comes from: device, commit, date, the JSON, versions; the command(s); a note."""
     v = doc.get("versions", {})
     vs = ", ".join(f"{k} {v[k]}" for k in ("torch", "triton", "transformers", "cuda") if v.get(k))
-    head = (f"*{doc['device_name']}* · commit `{doc['commit']}` · {doc['date'][:10]} · "
-            f"[`{doc['path']}`](../{doc['path']})" + (f" · {vs}" if vs else ""))
+    head = (f"*{doc['device_name']}* · commit `{_commit(doc['commit'])}` · {doc['date'][:10]} · "
+            f"`{doc['path']}`" + (f" · {vs}" if vs else ""))
     text = f"Command: `{doc['command']}`."
     carried = sorted(doc.get("carried", {}).items())
     if carried:
@@ -296,28 +304,175 @@ def generate(doc: dict) -> list[str]:
     return out
 
 
+SHAPES = {"32b": "Qwen3-32B shape (64 layers, 64 query / 8 KV heads, head_dim 128; 32.8B parameters)",
+          "8b": "Qwen3-8B shape (36 layers, 32 query / 8 KV heads, head_dim 128)",
+          "nodes": "a small Qwen3-shaped model saved to disk (8 layers, hidden 1024, 16 query / 8 KV heads)",
+          "small": "a tiny Qwen3-shaped model (the dry run's)"}
+
+
+def _commit(c: str) -> str:
+    """A full hash shortened as the harness writes it (``git rev-parse --short=7``)."""
+    return c[:7] if len(c) == 40 and all(ch in "0123456789abcdef" for ch in c) else c
+
+
+def _per_gpu(by_dev: dict, digits: int = 2) -> str:
+    """``{"cuda:0": bytes, ...}`` as ``0.88 / 0.44 / ...`` GiB in GPU order."""
+    def order(k):
+        return (0, int(k.split(":")[1])) if k.startswith("cuda:") and k.split(":")[1].isdigit() else (1, k)
+
+    return " / ".join(f"{by_dev[k] / 2**30:.{digits}f}" for k in sorted(by_dev, key=order)) or "–"
+
+
+def _equal(r: dict) -> str:
+    """The row's artifact and accumulators against its scenario's first row."""
+    eq = r.get("equal_to_reference")
+    if eq is None:
+        return "(reference)"
+    if "error" in eq:
+        return f"not compared ({eq['error'][:80]})"
+    art = ("artifact byte-identical" if eq["artifact_bytes_equal"] else
+           f"artifact differs: {eq['tensors_differing']} of {eq['tensors']} tensors, max {eq['max_abs_diff']:.1e}")
+    acc = ("accumulators bit-equal" if eq["accumulators_bit_equal"] else
+           f"accumulators within {eq['accumulators_max_rel_diff']:.1e} (relative)")
+    return f"{art}, {acc}"
+
+
+def _gpus(n: int) -> str:
+    return "1 GPU" if n == 1 else f"{n} GPUs"
+
+
+def _repeats(n: int) -> str:
+    return "one timed repeat" if n == 1 else f"medians of {n} timed repeats"
+
+
+def _first_of_run(rows: list[dict], r: dict) -> dict:
+    return next(x for x in rows if x.get("run") == r.get("run"))
+
+
+def _error(text: str) -> str:
+    """A scenario's error: its first clause and, from the log tail it carries (lines joined by
+    `` | ``), the script's own progress lines (``[  45.9 s] msg``), numbers to two decimals."""
+    head, _, tail = text.partition("; ")
+    steps = [m.group(1) for m in (re.match(r"\[\s*[\d.]+ s\] (.*)", x.strip()) for x in tail.split(" | ")) if m]
+    head = head[:160] + (f"; its last progress lines: {'; '.join(steps[-4:])}" if steps else "")
+    return re.sub(r"(\d+\.\d\d)\d+", r"\1", head)
+
+
+def _yes(flag) -> str:
+    return "–" if flag is None else "byte-identical" if flag else "**differs**"
+
+
 def scale(doc: dict) -> list[str]:
-    gib = 2**30
-    rows = []
-    for r in doc["rows"]:
-        m = r["median_s"]
-        peaks = r["peak_beyond_weights_bytes"].get("capture", {})
-        rows.append([r["mode"] + (f" ({r['world_size']} ranks)" if "world_size" in r else ""),
-                     f"{m['plain']:.3f}", f"{m['capture']:.3f} (**{r['overhead_capture']:+.1%}**)",
-                     f"{m['end_to_end']:.2f}", f"{r['tokens_per_s_capture']:,.0f}",
-                     ", ".join(f"{k} {v / gib:.2f}" for k, v in sorted(peaks.items())) or "–"])
-    s = doc["settings"]
-    out = [f"{s['tokens']:,} calibration tokens in sequences of {s['seq_len']}, medians of {s['repeats']} rounds:", ""]
-    out += _table(["mode", "plain forward s (baseline)", "capture + accumulate s (overhead)", "end to end s",
-                   "capture tok/s", "peak beyond weights, GiB (capture)"], rows)
-    for r in doc["rows"]:
-        if "verify" in r:
-            v = r["verify"]
-            out += ["", f"`oscar verify` on the spread model: {v['seconds']:.1f} s, "
-                        f"{'passed' if v['passed'] else 'failed'} "
-                        f"(attention error {v['summary']['mean_attn_error']:.3f} "
-                        f"against Hadamard's {v['summary']['mean_attn_error_hadamard']:.3f}, random weights)."]
-    return out + [""]
+    runs = {r["run"]: r for r in doc.get("runs", [])}
+    tagged = bool(runs)
+
+    def who(r: dict) -> list[str]:  # the run column, where the file holds several runs
+        return [f"{r['run']} (`{_commit(runs[r['run']]['commit'])}`)"] if tagged else []
+
+    out = []
+    if tagged:
+        out += ["Rows from several runs of the script, each tagged with its run:", ""]
+        out += [f"- run {n}: commit `{_commit(r['commit'])}`, {r['date'][:16].replace('T', ' ')} UTC, "
+                f"`{r['command']}`" + (f". {r['note'][0].upper()}{r['note'][1:]}" if r.get("note") else "") + "."
+                for n, r in sorted(runs.items())]
+        out.append("")
+    rows = [r for r in doc["rows"] if "error" not in r or r.get("partial")]
+    run_col = ["run (commit)"] if tagged else []
+
+    lay = [r for r in rows if r["scenario"] == "layouts" and "median_s" in r]
+    if lay:
+        first = lay[0]
+        out += [f"Layouts: {SHAPES.get(first['shape'], first['shape'])}, {first['tokens']:,} calibration tokens in "
+                f"sequences of {first['seq_len']}, {first['heldout_tokens']} held-out tokens; "
+                f"{_repeats(len(first['times']['capture']))} after a warm-up `calibrate`. \"Fits\" is the work "
+                "after the capture (rotations and clips) on rank 0; peaks are beyond the weights, per GPU:", ""]
+        names = {"spread": "spread over {g}, 1 process", "ranks-x-spread": "{n} ranks × {g}",
+                 "ranks": "{n} ranks, whole model each"}
+        table = []
+        for r in lay:
+            m, t = r["median_s"], r["calibrate_timings"]
+            table.append(who(r) + [
+                names.get(r["layout"], r["layout"]).format(n=r["ranks"], g=_gpus(r["gpus_per_rank"])),
+                _per_gpu(r["weights_bytes"], 1), f"{m['plain']:.2f}",
+                f"{m['capture']:.2f} (**{r['overhead_capture']:+.0%}**)", f"{m['end_to_end']:.1f}",
+                f"{t['rotations_and_clips_s']:.1f} ({t['fitted_layers']})",
+                _per_gpu(r["peak_beyond_weights_bytes"]["capture"]),
+                _per_gpu(r["peak_beyond_weights_bytes"]["end_to_end"]), _equal(r)])
+        out += _table(run_col + ["layout", "weights per GPU, GiB", "plain forward s (baseline)",
+                                 "capture s (overhead vs plain)", "whole calibrate s", "fits after capture s (layers)",
+                                 "peak per GPU, capture, GiB", "peak per GPU, calibrate, GiB",
+                                 "against the first layout"], table)
+        for r in lay:
+            if "verify" in r:
+                v = r["verify"]
+                out += ["", f"`oscar verify` on the {names.get(r['layout'], r['layout']).format(n=r['ranks'], g=_gpus(r['gpus_per_rank']))} "
+                            f"layout (rank 0's model){' in run ' + str(r['run']) if tagged else ''}: "
+                            f"{v['seconds']:.1f} s, {'passed' if v['passed'] else 'failed'} "
+                            f"(attention error {v['summary']['mean_attn_error']:.3f} "
+                            f"against Hadamard's {v['summary']['mean_attn_error_hadamard']:.3f}, random weights)."]
+        out.append("")
+
+    nodes = [r for r in rows if r["scenario"] == "torchrun" and "clean" in r]
+    if nodes:
+        first = nodes[0]
+        out += [f"torchrun: two `torchrun --nnodes 2 --nproc-per-node {first['ranks_per_node']}` launchers on this "
+                f"host, each with its own GPUs, running `oscar calibrate` on {SHAPES.get(first['shape'], first['shape'])}, "
+                f"{first['tokens']:,} tokens in sequences of {first['seq_len']}, heartbeat "
+                f"{first['heartbeat_s']:g} s; the reference is one process. While one rank is killed, the "
+                "others sleep before each of their later batches, so only the heartbeat can stop them early:", ""]
+        table = []
+        for r in nodes:
+            f, res = r.get("fault"), r.get("resume")
+            clean = r["clean"]
+            if f:
+                within = f["survivors_stopped_within_s"]
+                stops = [v for v in f["rank_stopped_after_kill_s"].values() if v is not None]
+                kill = (f"rank {f['victim_rank']} after batch {f['die_after_batch']} of {f['batches_per_rank']}: "
+                        + ("survivors not seen stopping" if within is None else
+                           f"survivors stopped {min(stops):.1f}–{within:.1f} s after the kill")
+                        + f"; their own sleeps alone last {f['survivors_would_need_s']:.0f} s")
+                n = sum(len(v) for v in f["error_lines_by_rank"].values())
+                lines = (f"{n} `error:` line{'' if n == 1 else 's'} "
+                         f"(ranks {', '.join(sorted(f['error_lines_by_rank']))}), "
+                         f"{sum(n['tracebacks_from_oscar'] for n in f['nodes'])} tracebacks from oscar")
+            else:
+                kill = lines = "–"
+            table.append(who(r) + [f"2 × {r['ranks_per_node']}",
+                                   f"{_yes(clean['artifact_bytes_equal_one_process'])} "
+                                   f"(exit {' / '.join(str(n['exit_code']) for n in clean['nodes'])})",
+                                   kill, lines,
+                                   "–" if not res else f"{_yes(res['artifact_bytes_equal_one_process'])}, "
+                                   f"{len(res['checkpoints_left'])} checkpoints left"])
+        out += _table(run_col + ["nodes × ranks", "clean run against one process", "a rank killed",
+                                 "what the survivors print", "`--resume` against one process"], table)
+        out.append("")
+
+    dp = [r for r in rows if r["scenario"] == "dp-scaling" and "median_s" in r]
+    if dp:
+        first = dp[0]
+        out += [f"Data-parallel scaling: {SHAPES.get(first['shape'], first['shape'])}, one GPU per rank, "
+                f"{first['tokens']:,} tokens in sequences of {first['seq_len']}, "
+                f"{_repeats(len(first['times']['capture']))} after a warm-up `calibrate`; **baseline: the run's "
+                "first rank count**:", ""]
+        table = []
+        for r in dp:
+            m, sp = r["median_s"], r.get("speedup", {})
+            table.append(who(r) + [r["ranks"], f"{m['plain']:.2f}", f"{m['capture']:.2f}",
+                                   f"{r['tokens_per_s_capture']:,.0f}", f"{m['end_to_end']:.2f}",
+                                   "(baseline)" if r is _first_of_run(dp, r) else
+                                   f"**{sp['capture']:.2f}×** / **{sp['end_to_end']:.2f}×**" if sp else "–",
+                                   _equal(r)])
+        out += _table(run_col + ["ranks", "plain forward s", "capture s", "capture tok/s", "whole calibrate s",
+                                 "speed-up vs the first, capture / calibrate", "against the first"], table)
+        out.append("")
+
+    failed = [r for r in doc["rows"] if "error" in r]
+    if failed:
+        out += ["Not finished:", ""]
+        out += [f"- {'run ' + str(r['run']) + ', ' if tagged else ''}{r['scenario']}"
+                f"{' ' + r['name'] if r.get('name') else ''}: {_error(r['error'])}." for r in failed]
+        out.append("")
+    return out
 
 
 def first_run(doc: dict) -> list[str]:
