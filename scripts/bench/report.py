@@ -242,8 +242,8 @@ def _capacity(doc: dict) -> list[str]:
     for c in doc["capacity"]:
         if "int2_batch" not in c:
             continue
-        out.append(f"Sequences of {_ctx(c['tokens'])} that fit beside the weights on this GPU ({c['free_gib']:.1f} GiB "
-                   f"free less 4 GiB kept): BF16 {c['bf16_batch']} ({_f(c.get('bf16_tok_s'))} tok/s compiled), "
+        out.append(f"Sequences of {_ctx(c['tokens'])} that fit beside the weights on this GPU ({c['free_gib']:.1f} GiB for caches, "
+                   f"4 GiB kept for activations): BF16 {c['bf16_batch']} ({_f(c.get('bf16_tok_s'))} tok/s compiled), "
                    f"INT2 {c['int2_batch']} ({_f(c.get('int2_tok_s'))} tok/s compiled); the INT2 cache at 8 × 64K, "
                    f"which the BF16 cache cannot hold: {_f(c.get('int2_8x64k_tok_s'))} tok/s.")
     return out + [""] if out else []
