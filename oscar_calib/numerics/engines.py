@@ -10,7 +10,8 @@ step               definition (per token, per KV head: one group of ``d = head_d
 =================  ==========================================================================
 clip               ours (:func:`~oscar_calib.numerics.quant.clip_rows`): the sorted-index rule, one
                    K and one V ratio for the model
-parameters         ``s = max((max-min)/3, 1e-8)``, both ``s`` and ``zero = min`` rounded to fp16
+parameters         ``s = max((max-min)/3, 1e-8)``, both ``s`` and ``zero = min`` rounded to fp16 (a
+                   flat row's floor rounds to 0: it reads back as its minimum)
 codes              ``q = clamp(floor((x - zero)/s + 0.5), 0, 3)`` against the rounded pair
 read back          ``q·s + zero`` (float32)
 native layers      the first and last ``min(2, L // 2)`` layers keep the model's dtype
@@ -70,8 +71,8 @@ def fake_quant_vllm(x: torch.Tensor) -> torch.Tensor:
     lo = xf.amin(-1, keepdim=True)
     s = torch.clamp((xf.amax(-1, keepdim=True) - lo) / 3, min=SCALE_FLOOR).half().float()
     z = lo.half().float()
-    q = torch.floor((xf - z) / s + 0.5).clamp(0, 3)
-    return q * s + z
+    q = torch.nan_to_num(torch.floor((xf - z) / s + 0.5), nan=0.0, posinf=3.0, neginf=0.0).clamp(0, 3)
+    return q * s + z          # a flat row: s rounds to 0 in fp16, the row reads back as its fp16 minimum
 
 
 def q2_0_write(rows: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,7 +106,10 @@ def q2_0_write(rows: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, to
 
 def q2_0_read(codes: torch.Tensor, sigma: torch.Tensor, mean: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The values llama.cpp reads back from :func:`q2_0_write`'s storage, one head vector
-    (``head_dim`` values) at a time (module docstring): ``[..., n]`` float32."""
+    (``head_dim`` values, a multiple of 32: its views of a ``q2_0`` cache are whole blocks) at a
+    time (module docstring): ``[..., n]`` float32."""
+    if head_dim % Q2_0_BLOCK:
+        raise ValueError(f"q2_0 reads head vectors of whole {Q2_0_BLOCK}-value blocks, head_dim is {head_dim}")
     n = codes.shape[-1]
     nb = head_dim // Q2_0_BLOCK
     group = Q2_0_CHUNK // Q2_0_BLOCK if head_dim >= Q2_0_CHUNK else 1

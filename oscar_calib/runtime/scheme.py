@@ -281,8 +281,8 @@ class KVScheme:
             return cls(engine, n, d, rot["k"], rot["v"], [ck] * n, [cv] * n, sink=0, recent=0,
                        quantizer="vllm", native_layers=tuple(boundary_layers(n)))
         if engine == "llamacpp":
-            if (h * d) % Q2_0_BLOCK:
-                raise InputError(f"{engine}: a K row of {h} × {d} values is not a whole number of q2_0 blocks")
+            if d % Q2_0_BLOCK:
+                raise InputError(f"{engine}: head_dim {d} is not a whole number of q2_0 blocks of {Q2_0_BLOCK}")
             c = None if k_clip >= 1 else torch.full((h,), float(k_clip))
             return cls(engine, n, Q2_0_BLOCK, rot["k"], rot["v"], [c] * n, [c] * n,
                        sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,

@@ -147,9 +147,9 @@ class LlamaCppTarget(ExportTarget):
         missing = shared_missing(art)
         if missing:
             out.append(missing)
-        if (art.num_kv_heads * art.head_dim) % BLOCK:
-            out.append(f"a K row of {art.num_kv_heads} × {art.head_dim} values is not a whole number of q2_0 blocks "
-                       f"of {BLOCK}")
+        if art.head_dim % BLOCK:
+            out.append(f"head_dim {art.head_dim} is not a whole number of q2_0 blocks of {BLOCK} (the cache's per-head "
+                       "views need whole blocks)")
         return out
 
     def write(self, art, tmp: Path, final: Path, s: ExportSettings) -> Written:
