@@ -36,7 +36,8 @@ def export_command(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory for the exported files.")] = None,
     target: Annotated[str, typer.Option(help="Engine: sglang-fork (the OSCAR fork's main), sglang-fork-v2 (its "
                                         "per-KV-head loader), sglang (upstream PR #32129), vllm (PR #46774), "
-                                        "llamacpp (OSCAR's llama.cpp branch), or list.")] = "sglang-fork",
+                                        "llamacpp (OSCAR's llama.cpp branch), onnxruntime (PR #31726), or "
+                                        "list.")] = "sglang-fork",
     gguf: Annotated[Optional[Path], typer.Option(help="llamacpp: the model's GGUF; a copy with the rotations "
                                                  "baked in is written to --out.")] = None,
     model_path: Annotated[Optional[str], typer.Option(help="Model the server loads (default: the folded "
@@ -95,17 +96,20 @@ def export_command(
         stdout.print(f"  {result.out / f}")
     for k, v in result.launch.env.items():
         stdout.print(f"  {k}={v}")
-    stdout.print(f"serve with: {result.out / 'launch.sh'}")
+    if result.launch.argv:
+        stdout.print(f"serve with: {result.out / 'launch.sh'}")
+    for n in result.launch.notes:
+        stdout.print(n)
 
 
 def import_command(
-    files: Annotated[list[Path], typer.Argument(help="The engine's files: K.pt V.pt (SGLang, vLLM) or one .gguf "
-                                                "(llama.cpp).")],
+    files: Annotated[list[Path], typer.Argument(help="The engine's files: K.pt V.pt (SGLang, vLLM), one .gguf "
+                                                "(llama.cpp) or oscar_rotations.safetensors (ONNX Runtime).")],
     model: ModelOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
     source: Annotated[Optional[str], typer.Option("--from", help="Whose files: sglang-fork, sglang-fork-v2, sglang, "
-                                                  "vllm, llamacpp (default: .pt pair -> sglang-fork, .gguf -> "
-                                                  "llamacpp).")] = None,
+                                                  "vllm, llamacpp, onnxruntime (default: .pt pair -> sglang-fork, "
+                                                  ".gguf -> llamacpp, .safetensors -> onnxruntime).")] = None,
     clip: Annotated[Optional[str], typer.Option(help="Fixed clip ratios k=..,v=.. (default k=0.96,v=0.92).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens recorded in the artifact.")] = 64,
@@ -114,8 +118,8 @@ def import_command(
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Turn the rotation files an engine loads (SGLang's or vLLM's K and V .pt, llama.cpp's GGUF)
-    into a format-v1 artifact for MODEL. Pickles are opened with torch.load(weights_only=True) only.
+    """Turn the rotation files an engine loads (SGLang's or vLLM's K and V .pt, llama.cpp's GGUF,
+    ONNX Runtime's initializers) into a format-v1 artifact for MODEL. Pickles are opened with torch.load(weights_only=True) only.
     """
     from ..spec.config import parse_clip
     from ..tools.export import guess_source, import_files

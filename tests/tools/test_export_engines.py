@@ -80,7 +80,7 @@ def test_target_list_names_every_engine_with_its_revision():
     r = runner.invoke(app, ["export", "--target", "list", "--json"])
     assert r.exit_code == 0, r.output
     rows = {row["target"]: row for row in json.loads(r.stdout)}
-    assert set(rows) == {"sglang-fork", "sglang-fork-v2", "sglang", "vllm", "llamacpp"} == set(TARGETS)
+    assert set(rows) == {"sglang-fork", "sglang-fork-v2", "sglang", "vllm", "llamacpp", "onnxruntime"} == set(TARGETS)
     assert rows["llamacpp"]["revision"] == "4570ea609" and rows["sglang-fork"]["revision"] == "473ff3f9d"
     for row in rows.values():
         assert row["repo"] and row["where"] and row["status"] in ("checked", "partial")
@@ -312,6 +312,48 @@ def test_fork_v2_loader_rules(tmp_path):
     assert "'q_rotation' has shape [8]" in problems({i: {"rotation": per, "q_rotation": torch.zeros(d)}
                                                      for i in range(2)})[0]
     assert problems({i: {"rotation": per, "k_mean": torch.zeros(h, d), "o_rotation": per} for i in range(2)}) == []
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime
+
+@pytest.mark.parametrize("zoo", [SMOL, GEMMA], ids=["smollm2", "gemma3"])
+def test_onnxruntime_bundle_of_the_zoo_artifacts(tmp_path, zoo):
+    from safetensors.torch import load_file
+
+    from oscar_calib.tools.export.onnxruntime import packed_head_size, rot_key
+
+    res = export_artifact(zoo, tmp_path / "ort", "onnxruntime")
+    art = load_artifact(zoo)
+    geo = Geometry(art.num_layers, art.num_kv_heads, art.head_dim)
+    assert sorted(res.files) == ["mpgqa_nodes.json", "oscar_rotations.safetensors", "settings.json"]
+    assert TARGETS["onnxruntime"].load_problems(tmp_path / "ort", geo) == []
+    tensors = load_file(str(tmp_path / "ort" / "oscar_rotations.safetensors"))
+    nodes = json.loads((tmp_path / "ort" / "mpgqa_nodes.json").read_text())["nodes"]
+    for i, lr in enumerate(art.layers):
+        assert torch.equal(tensors[rot_key("k", i)], lr.k_rotation)           # per KV head, (H_kv, D, D), x @ R
+        a = nodes[i]["attributes"]
+        assert a["kv_quant_group_size"] == art.layer_group_sizes[i]            # per-layer group sizes kept
+        assert nodes[i]["kv_cache"]["packed_head_size"] == packed_head_size(art.head_dim, art.layer_group_sizes[i])
+        assert (a["sink_size"], a["recent_size"], a["cache_format_version"]) == (64, 256, 1)
+    assert packed_head_size(128, 64) == 48 and packed_head_size(128, 64, "fp16") == 40   # the guide's worked example
+    imp = import_files("onnxruntime", [tmp_path / "ort" / "oscar_rotations.safetensors"], zoo_target(zoo),
+                       tmp_path / "art")
+    back = load_artifact(tmp_path / "art")
+    assert all(torch.equal(b.v_rotation, a.v_rotation) for a, b in zip(art.layers, back.layers))
+    assert imp.report["imported"]["engine"] == "ONNX Runtime"
+
+
+def test_onnxruntime_rules(tmp_path):
+    with pytest.raises(ArtifactError, match="sink_size == recent_size == 0"):
+        export_artifact(SMOL, tmp_path / "a", "onnxruntime", ExportSettings(sink=0, recent=0))
+    export_artifact(SMOL, tmp_path / "ok", "onnxruntime")
+    doc_path = tmp_path / "ok" / "mpgqa_nodes.json"
+    doc = json.loads(doc_path.read_text())
+    doc["nodes"][3]["attributes"].update(kv_quant_group_size=48, k_quant_rho=1.5)
+    doc_path.write_text(json.dumps(doc))
+    problems = TARGETS["onnxruntime"].load_problems(tmp_path / "ok", Geometry(30, 3, 64))
+    assert "node 3: kv_quant_group_size 48 must divide head_dim 64" in problems[0]
+    assert "node 3: k_quant_rho 1.5" in problems[1]
 
 
 # ----------------------------------------------------------------------------- conventions, numerically

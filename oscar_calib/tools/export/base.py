@@ -211,11 +211,13 @@ class ExportTarget:
                         "artifact": str(Path(artifact_path).resolve()), "model_id": art.metadata.get("model_id"),
                         "model_fingerprint": art.metadata.get("model_fingerprint"), "env": w.launch.env,
                         "argv": w.launch.argv, **w.settings, "warnings": w.warnings, "toolkit_version": __version__}
-            atomic_write_text(tmp / ENV_FILE, w.launch.serve_env(title, w.warnings))
-            atomic_write_text(tmp / LAUNCH_FILE, w.launch.launch_sh(title, w.relocate))
-            os.chmod(tmp / LAUNCH_FILE, 0o755 & ~_umask())
+            launch_files = [ENV_FILE, LAUNCH_FILE] if w.launch.argv else []    # an engine with a command line
+            if launch_files:
+                atomic_write_text(tmp / ENV_FILE, w.launch.serve_env(title, w.warnings))
+                atomic_write_text(tmp / LAUNCH_FILE, w.launch.launch_sh(title, w.relocate))
+                os.chmod(tmp / LAUNCH_FILE, 0o755 & ~_umask())
             atomic_write_text(tmp / SETTINGS_FILE, json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
-        files = [*w.files, ENV_FILE, LAUNCH_FILE, SETTINGS_FILE]
+        files = [*w.files, *launch_files, SETTINGS_FILE]
         return ExportResult(out, self.name, files, w.launch, w.settings, self.checked, w.warnings)
 
 
