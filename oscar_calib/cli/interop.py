@@ -36,8 +36,8 @@ def export_command(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory for the exported files.")] = None,
     target: Annotated[str, typer.Option(help="Engine: sglang-fork (the OSCAR fork's main), sglang-fork-v2 (its "
                                         "per-KV-head loader), sglang (upstream PR #32129), vllm (PR #46774), "
-                                        "llamacpp (OSCAR's llama.cpp branch), onnxruntime (PR #31726), or "
-                                        "list.")] = "sglang-fork",
+                                        "llamacpp (OSCAR's llama.cpp branch), onnxruntime (PR #31726), mlx-lm "
+                                        "(PR #1789, closed), or list.")] = "sglang-fork",
     gguf: Annotated[Optional[Path], typer.Option(help="llamacpp: the model's GGUF; a copy with the rotations "
                                                  "baked in is written to --out.")] = None,
     model_path: Annotated[Optional[str], typer.Option(help="Model the server loads (default: the folded "
@@ -108,8 +108,9 @@ def import_command(
     model: ModelOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
     source: Annotated[Optional[str], typer.Option("--from", help="Whose files: sglang-fork, sglang-fork-v2, sglang, "
-                                                  "vllm, llamacpp, onnxruntime (default: .pt pair -> sglang-fork, "
-                                                  ".gguf -> llamacpp, .safetensors -> onnxruntime).")] = None,
+                                                  "vllm, llamacpp, onnxruntime, mlx-lm (default: .pt pair -> "
+                                                  "sglang-fork, .gguf -> llamacpp, one .safetensors -> onnxruntime, "
+                                                  "two -> mlx-lm).")] = None,
     clip: Annotated[Optional[str], typer.Option(help="Fixed clip ratios k=..,v=.. (default k=0.96,v=0.92).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens recorded in the artifact.")] = 64,

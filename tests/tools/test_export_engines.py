@@ -80,7 +80,8 @@ def test_target_list_names_every_engine_with_its_revision():
     r = runner.invoke(app, ["export", "--target", "list", "--json"])
     assert r.exit_code == 0, r.output
     rows = {row["target"]: row for row in json.loads(r.stdout)}
-    assert set(rows) == {"sglang-fork", "sglang-fork-v2", "sglang", "vllm", "llamacpp", "onnxruntime"} == set(TARGETS)
+    assert set(rows) == {"sglang-fork", "sglang-fork-v2", "sglang", "vllm", "llamacpp", "onnxruntime",
+                         "mlx-lm"} == set(TARGETS)
     assert rows["llamacpp"]["revision"] == "4570ea609" and rows["sglang-fork"]["revision"] == "473ff3f9d"
     for row in rows.values():
         assert row["repo"] and row["where"] and row["status"] in ("checked", "partial")
@@ -354,6 +355,48 @@ def test_onnxruntime_rules(tmp_path):
     problems = TARGETS["onnxruntime"].load_problems(tmp_path / "ok", Geometry(30, 3, 64))
     assert "node 3: kv_quant_group_size 48 must divide head_dim 64" in problems[0]
     assert "node 3: k_quant_rho 1.5" in problems[1]
+
+
+# ----------------------------------------------------------------------------- mlx-lm (closed pull request)
+
+@pytest.mark.parametrize("zoo", [SMOL, GEMMA], ids=["smollm2", "gemma3"])
+def test_mlx_export_round_trip_and_orientation(tmp_path, zoo):
+    from safetensors.torch import load_file
+
+    res = export_artifact(zoo, tmp_path / "mlx", "mlx-lm")
+    art = load_artifact(zoo)
+    geo = Geometry(art.num_layers, art.num_kv_heads, art.head_dim)
+    assert TARGETS["mlx-lm"].load_problems(tmp_path / "mlx", geo) == []
+    k = load_file(str(tmp_path / "mlx" / "k_rotation.safetensors"))
+    x = torch.randn(5, art.head_dim, dtype=torch.float64)
+    stored = k["layer_3"].double()
+    stored = stored if stored.dim() == 2 else stored[0]
+    want = art.layers[3].k_rotation[0].double()
+    assert torch.allclose(x @ stored.transpose(-1, -2), x @ want, atol=1e-5)   # mlx: x @ Mᵀ = x @ R
+    config = json.loads((tmp_path / "mlx" / "oscar_config.json").read_text())
+    assert config["group_size"] == art.group_size and config["k_clip_ratio"] == art.shared_clips()[0]
+    assert any("per INT2 group" in w for w in res.warnings)
+    import_files("mlx-lm", [tmp_path / "mlx" / "k_rotation.safetensors", tmp_path / "mlx" / "v_rotation.safetensors"],
+                 zoo_target(zoo), tmp_path / "art")
+    back = load_artifact(tmp_path / "art")
+    assert all(torch.equal(b.k_rotation, a.k_rotation) for a, b in zip(art.layers, back.layers))
+
+
+def test_mlx_loader_rules(tmp_path):
+    from oscar_calib.spec.artifact import serialize_safetensors
+    from oscar_calib.tools.export.mlx import read_mlx_file
+
+    geo, eye = Geometry(2, 2, 8), torch.eye(8)
+
+    def read(tensors):
+        (tmp_path / "k.safetensors").write_bytes(serialize_safetensors(tensors, {}))
+        return read_mlx_file(tmp_path / "k.safetensors", geo)
+
+    assert len(read({"layer_4": eye, "layer_9": eye}).rotations) == 2           # as many keys as layers: in order
+    with pytest.raises(ArtifactError, match="no layer_1"):
+        read({"layer_0": eye, "layer_2": eye, "layer_5": eye})
+    with pytest.raises(ArtifactError, match=r"shape \[3, 8, 8\]"):
+        read({"layer_0": eye, "layer_1": eye.expand(3, 8, 8).contiguous()})
 
 
 # ----------------------------------------------------------------------------- conventions, numerically

@@ -1,5 +1,5 @@
 """``oscar export --target T`` and ``oscar import --from T``: one artifact, every engine that loads
-OSCAR rotations. One module per engine (:mod:`.sglang`, :mod:`.vllm`, :mod:`.llamacpp`, :mod:`.onnxruntime`); each target
+OSCAR rotations. One module per engine (:mod:`.sglang`, :mod:`.vllm`, :mod:`.llamacpp`, :mod:`.onnxruntime`, :mod:`.mlx`); each target
 restates its engine's loader rules (cited revision in :attr:`~.base.ExportTarget.checked`) and re-reads
 what it wrote with them before the output directory is installed (:mod:`.base`)."""
 
@@ -11,11 +11,12 @@ from ...errors import InputError
 from .base import Checked, ExportResult, ExportSettings, ExportTarget, Geometry, ReadRotations
 from .importer import ImportResult, ModelTarget, import_rotations
 from .llamacpp import TARGET as LLAMACPP
+from .mlx import TARGET as MLX
 from .onnxruntime import TARGET as ONNXRUNTIME
 from .sglang import TARGET_LIST as SGLANG_TARGETS
 from .vllm import TARGET as VLLM
 
-TARGETS: dict[str, ExportTarget] = {t.name: t for t in (*SGLANG_TARGETS, VLLM, LLAMACPP, ONNXRUNTIME)}
+TARGETS: dict[str, ExportTarget] = {t.name: t for t in (*SGLANG_TARGETS, VLLM, LLAMACPP, ONNXRUNTIME, MLX)}
 
 
 def get_target(name: str) -> ExportTarget:
@@ -46,7 +47,7 @@ def guess_source(paths: list[Path]) -> str:
     if suffixes == {".pt"}:
         return "sglang-fork"
     if suffixes == {".safetensors"}:
-        return "onnxruntime"
+        return "onnxruntime" if len(paths) == 1 else "mlx-lm"
     raise InputError(f"cannot tell which engine's files {', '.join(map(str, paths))} are: pass --from "
                      f"({', '.join(TARGETS)})")
 
