@@ -60,6 +60,47 @@ def target_rows() -> list[dict]:
              "note": t.checked.note, "imports": t.reads} for t in TARGETS.values()]
 
 
+def serving_table(artifact: Path, out_root: str = "serve") -> list[dict]:
+    """For a model card and the docs: for every target, the export command for ``artifact`` and the
+    engine's launch settings it writes (env and command line, paths under ``out_root/TARGET``), or
+    the one-line reason the engine cannot serve it. Each export runs for real in a temporary
+    directory (so the settings are the ones written, loader checks included)."""
+    import shlex
+    import tempfile
+
+    from ...errors import OscarError
+    from ...spec.artifact import load_artifact
+    from .llamacpp import architecture_problem
+
+    art = load_artifact(Path(artifact))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=".oscar-serving-") as tmp:
+        for t in TARGETS.values():
+            row = {"target": t.name, "engine": t.engine, "checked": t.checked.line(), "status": t.checked.status}
+            where = f"{out_root}/{t.name}"
+            cmd = ["oscar", "export", "<this directory>", "--target", t.name, "--out", where]
+            if t.name == "llamacpp":            # needs the user's GGUF: the artifact's own reasons only
+                cmd[-2:-2] = ["--gguf", "<model>.gguf"]
+                why = [architecture_problem(art.metadata.get("model_type", "")), *t.artifact_refusals(art)]
+                why = [w for w in why if w]
+                row.update(export=shlex.join(cmd).replace("'", ""), **({"refused": why[0]} if why else {}))
+                rows.append(row)
+                continue
+            try:
+                res = t.export(Path(artifact), Path(tmp) / t.name, ExportSettings())
+            except OscarError as e:
+                row.update(export=shlex.join(cmd).replace("'", ""), refused=str(e).split(": ", 1)[-1])
+                rows.append(row)
+                continue
+            final = str((Path(tmp) / t.name).resolve())
+            env = {k: v.replace(final, where) for k, v in res.launch.env.items()}
+            row.update(export=shlex.join(cmd).replace("'", ""), env=env,
+                       argv=[a.replace(final, where) for a in res.launch.argv], notes=res.launch.notes,
+                       warnings=res.warnings)
+            rows.append(row)
+    return rows
+
+
 __all__ = ["TARGETS", "Checked", "ExportResult", "ExportSettings", "ExportTarget", "Geometry", "ImportResult",
            "ModelTarget", "ReadRotations", "export_artifact", "get_target", "guess_source", "import_files",
-           "import_rotations", "target_rows"]
+           "import_rotations", "serving_table", "target_rows"]

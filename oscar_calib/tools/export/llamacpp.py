@@ -61,6 +61,19 @@ from .base import (
 from .sglang.export import serving_clips, uniform_group_note
 
 ARCHITECTURES = ("qwen3",)           # the architectures whose loader creates attn_k_rot / attn_v_rot
+# transformers model_type -> llama.cpp architecture, for saying what a GGUF of the model would be
+GGUF_ARCH = {"qwen3": "qwen3", "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3",
+             "gemma3": "gemma3", "gemma2": "gemma2", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
+
+
+def architecture_problem(model_type: str) -> str | None:
+    """Why a GGUF of a model of this transformers type cannot carry the rotations (None: it can)."""
+    arch = GGUF_ARCH.get(model_type, model_type)
+    if arch in ARCHITECTURES:
+        return None
+    return (f"its GGUF architecture is {arch!r}, and the fork's loader creates attn_k_rot/attn_v_rot only for "
+            f"{', '.join(ARCHITECTURES)} (src/models/qwen3.cpp); any other architecture fails to load a GGUF holding "
+            "them ('wrong number of tensors')")
 BLOCK = 32                           # q2_0 block (QK2_0)
 K_ROT = "blk.{}.attn_k_rot.weight"
 V_ROT = "blk.{}.attn_v_rot.weight"
@@ -141,6 +154,12 @@ class LlamaCppTarget(ExportTarget):
             out.append(f"{Path(s.gguf).name} does not match the artifact: {', '.join(bad)}")
         if any(t.name.endswith(("attn_k_rot.weight", "attn_v_rot.weight")) for t in _reader(s.gguf).tensors):
             out.append(f"{Path(s.gguf).name} already holds OSCAR rotations: pass the base model's GGUF")
+        return out + self.artifact_refusals(art)
+
+    def artifact_refusals(self, art) -> list[str]:
+        """What the fork cannot serve whatever the GGUF: sliding-window layers, no shared rotations,
+        a head_dim that is not whole q2_0 blocks."""
+        out = []
         sliding = sliding_window_note(art)
         if sliding:
             out.append(f"{sliding}; the fork applies rotations only in its qwen3 graph")
