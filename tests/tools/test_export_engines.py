@@ -493,3 +493,37 @@ def test_pull_reads_v2_per_head_files(monkeypatch, tmp_path):
     art = load_artifact(tmp_path / "art")
     assert art.granularity == "head" and torch.equal(art.layers[5].k_rotation, per_head[5])
     assert pulled.result.report["imported"]["k"]["format_version"] == "2"
+
+
+# ----------------------------------------------------------------------------- the zoo card's engine section
+
+def test_serving_table_and_the_engine_cost_section(tmp_path):
+    import shutil
+
+    from oscar_calib.eval.report import EvalResult, record_eval
+    from oscar_calib.tools.export import serving_table
+
+    rows = {r["target"]: r for r in serving_table(SMOL)}
+    assert set(rows) == set(TARGETS)
+    assert rows["vllm"]["argv"][:2] == ["vllm", "serve"] and rows["vllm"]["env"]["VLLM_OSCAR_K_ROTATION_PATH"] == \
+        "serve/vllm/k_rotation.pt"
+    assert "'llama'" in rows["llamacpp"]["refused"] and "--gguf <model>.gguf" in rows["llamacpp"]["export"]
+    assert rows["onnxruntime"]["argv"] == [] and rows["sglang-fork"]["checked"].endswith("473ff3f9d")
+    art = tmp_path / "smol"
+    shutil.copytree(SMOL, art)
+    before = json.loads((art / "calibration.json").read_text())["eval_results"]["ppl"]
+    ppl = {"bf16": 8.2, "oscar": 8.4, "fork": 8.5, "vllm": 20.0, "llamacpp": 9.0}
+    result = EvalResult("ppl", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                        {"sequences": 2, "seq_len": 2048, "data": "test text", "sink": 64, "recent": 256,
+                         "engines": {"vllm": {}}},
+                        [{"method": m, "ppl": p, "bits_per_element": 3.0} for m, p in ppl.items()], {})
+    record_eval(art, result, serving=list(rows.values()))
+    report = json.loads((art / "calibration.json").read_text())
+    assert report["eval_results"]["ppl"] == before                     # the main table is kept
+    assert report["eval_results"]["engines"]["rows"][3]["method"] == "vllm"
+    card = (art / "README.md").read_text()
+    section = card[card.index("## What each engine costs"):card.index("## Use")]
+    assert "| 20.000 | +138.1% |" in section and "| 9.000 | +7.1% |" in section
+    assert "refused: its GGUF architecture is 'llama'" in section
+    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --kv-cache-dtype oscar_int2" in section
+    assert "FutureMLS-Lab/OSCAR (branch zhongzhu/llamacpp) @ 4570ea609" in section
