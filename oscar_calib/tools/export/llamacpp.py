@@ -58,7 +58,7 @@ from .base import (
     sliding_window_note,
     wrong_paths,
 )
-from .sglang.export import serving_clips, uniform_group_note
+from .sglang.export import serving_clips
 
 ARCHITECTURES = ("qwen3",)           # the architectures whose loader creates attn_k_rot / attn_v_rot
 # transformers model_type -> llama.cpp architecture, for saying what a GGUF of the model would be
@@ -210,7 +210,7 @@ class LlamaCppTarget(ExportTarget):
         k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
         sink = int(md["sink_tokens"]) if s.sink is None else s.sink
         recent = int(md["recent_tokens"]) if s.recent is None else s.recent
-        warnings = [w for w in (per_head_note(art, self.engine, "llamacpp"), uniform_group_note(art)) if w]
+        warnings = [w for w in (per_head_note(art, self.engine, "llamacpp"),) if w]
         if k_clip != v_clip:
             warnings.append(f"llama.cpp applies ONE clip ratio to K and V (LLAMA_KV_CLIP_RATIO): serving K's {k_clip:g} "
                             f"for both (V's was {v_clip:g})")

@@ -87,7 +87,7 @@ class MlxTarget(ExportTarget):
                   "rotation_dir": str(final), "absorb_v_rotation": False,
                   "k_clip_ratio": k_clip if k_clip < 1 else None, "v_clip_ratio": v_clip if v_clip < 1 else None}
         atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
-        warnings = [w for w in (uniform_group_note(art),) if w]
+        warnings = [w for w in (uniform_group_note(art, "mlx-lm"),) if w]
         warnings.append("mlx-lm clips per INT2 group (the ratio's index taken within each group), not per head "
                         "vector as oscar calibrated it")
         notes = ["no command line: pass OscarConfig(**oscar_config.json) to mlx-lm's OSCAR prompt cache (PR #1789)"]

@@ -62,7 +62,7 @@ from .base import (
     sliding_window_note,
     wrong_paths,
 )
-from .sglang.export import serving_clips, uniform_group_note
+from .sglang.export import serving_clips
 from .sglang.fileformat import identity_payload, load_plain, payload, save_bytes
 
 K_FILE = "k_rotation.pt"
@@ -164,7 +164,7 @@ class VLLMTarget(ExportTarget):
                "VLLM_OSCAR_GROUP_SIZE": str(group), "VLLM_OSCAR_PREFIX_TOKENS": str(sink),
                "VLLM_OSCAR_RECENT_TOKENS": str(recent), "VLLM_OSCAR_ABSORB_V_ROTATION": "0"}
         native = boundary_layers(art.num_layers)
-        warnings = [w for w in (per_head_note(art, self.engine, "vllm"), uniform_group_note(art)) if w]
+        warnings = [w for w in (per_head_note(art, self.engine, "vllm"),) if w]
         if min(art.layer_group_sizes) < group:
             warnings.append(f"vLLM stores one scale/zero pair per head vector: group {group} where the artifact was "
                             f"calibrated with groups of {min(art.layer_group_sizes)}–{max(art.layer_group_sizes)} "

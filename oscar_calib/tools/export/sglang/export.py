@@ -265,7 +265,7 @@ def _warnings(art: Artifact, target: str) -> list[str]:
     return out + ([note] if note else [])
 
 
-def uniform_group_note(art: Artifact) -> str | None:
+def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
     """One line when the artifact has per-layer group sizes (a bit budget), which the fork cannot
     serve (one ``--kv-cache-quant-group-size`` for every layer): the export serves the artifact's
     ``group_size``, the closest uniform size within the budget, and the line says what that costs on
@@ -280,7 +280,7 @@ def uniform_group_note(art: Artifact) -> str | None:
             f"per-layer sizes ({err['uniform'] / err['per_layer'] - 1:+.1%})" if {"uniform", "per_layer"} <= set(err)
             else "cost not recorded in calibration.json")
     budget = f"the bit budget of {b['bits']:g}" if "bits" in b else "the artifact's budget"
-    return (f"the fork takes one group size for every layer: exporting group {g} ({bits_per_element(g):g} bits per "
+    return (f"{engine} takes one group size for every layer: exporting group {g} ({bits_per_element(g):g} bits per "
             f"element) instead of the per-layer sizes {min(sizes)}–{max(sizes)}, the closest uniform scheme within "
             f"{budget}; {cost}")
 
