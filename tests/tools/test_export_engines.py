@@ -18,8 +18,20 @@ from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.numerics.quant import clip_threshold
 from oscar_calib.spec.artifact import load_artifact
-from oscar_calib.tools.export import TARGETS, ExportSettings, Geometry, ModelTarget, export_artifact, import_files
-from oscar_calib.tools.export.llamacpp import from_gguf, gguf_load_problems, rot_name, to_gguf
+from oscar_calib.tools.export import (
+    TARGETS,
+    ExportSettings,
+    Geometry,
+    ModelTarget,
+    export_artifact,
+    import_files,
+)
+from oscar_calib.tools.export.llamacpp import (
+    from_gguf,
+    gguf_load_problems,
+    rot_name,
+    to_gguf,
+)
 from oscar_calib.tools.export.sglang import fork_load_problems, payload
 from oscar_calib.tools.export.sglang.fileformat import save_bytes
 from oscar_calib.tools.export.vllm import parse_checkpoint, vllm_load_problems
@@ -148,8 +160,8 @@ def test_vllm_loader_rules(tmp_path):
 
 def test_vllm_round_trip_through_import(tmp_path):
     export_artifact(SMOL, tmp_path / "vllm", "vllm")
-    res = import_files("vllm", [tmp_path / "vllm" / "k_rotation.pt", tmp_path / "vllm" / "v_rotation.pt"],
-                       zoo_target(SMOL), tmp_path / "art", clip=load_artifact(SMOL).shared_clips())
+    import_files("vllm", [tmp_path / "vllm" / "k_rotation.pt", tmp_path / "vllm" / "v_rotation.pt"],
+                 zoo_target(SMOL), tmp_path / "art", clip=load_artifact(SMOL).shared_clips())
     assert validate_artifact(tmp_path / "art").ok
     art = load_artifact(tmp_path / "art")
     assert art.granularity == "layer" and art.metadata["model_fingerprint"] == load_artifact(SMOL).metadata[

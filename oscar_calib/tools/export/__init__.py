@@ -8,7 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import InputError
-from .base import Checked, ExportResult, ExportSettings, ExportTarget, Geometry, ReadRotations
+from .base import (
+    Checked,
+    ExportResult,
+    ExportSettings,
+    ExportTarget,
+    Geometry,
+    ReadRotations,
+)
 from .importer import ImportResult, ModelTarget, import_rotations
 from .llamacpp import TARGET as LLAMACPP
 from .mlx import TARGET as MLX

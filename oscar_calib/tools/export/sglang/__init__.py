@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..base import Checked, ExportResult, ExportSettings, ExportTarget, Geometry, Launch, wrong_paths
+from ..base import (
+    Checked,
+    ExportResult,
+    ExportSettings,
+    ExportTarget,
+    Geometry,
+    Launch,
+    wrong_paths,
+)
 from .export import (
     CLIPS_FILE,
     ENV_FILE,
