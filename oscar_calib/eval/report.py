@@ -163,7 +163,8 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     atomic_write_text(directory / CARD_NAME, model_card(report))
 
 
-PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7"}
+PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7", "vllm": "#5a8",
+               "llamacpp": "#86b"}
 
 
 def write_plot(path: Path, result: EvalResult) -> None:
