@@ -104,7 +104,8 @@ def export_command(
 
 def import_command(
     files: Annotated[list[Path], typer.Argument(help="The engine's files: K.pt V.pt (SGLang, vLLM), one .gguf "
-                                                "(llama.cpp) or oscar_rotations.safetensors (ONNX Runtime).")],
+                                                "(llama.cpp), oscar_rotations.safetensors (ONNX Runtime) or "
+                                                "k/v_rotation.safetensors (mlx-lm).")],
     model: ModelOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
     source: Annotated[Optional[str], typer.Option("--from", help="Whose files: sglang-fork, sglang-fork-v2, sglang, "
@@ -120,7 +121,7 @@ def import_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Turn the rotation files an engine loads (SGLang's or vLLM's K and V .pt, llama.cpp's GGUF,
-    ONNX Runtime's initializers) into a format-v1 artifact for MODEL. Pickles are opened with torch.load(weights_only=True) only.
+    ONNX Runtime's initializers, mlx-lm's safetensors) into a format-v1 artifact for MODEL. Pickles are opened with torch.load(weights_only=True) only.
     """
     from ..spec.config import parse_clip
     from ..tools.export import guess_source, import_files
