@@ -35,7 +35,7 @@ MOVED = {
     "evaluate": ("eval", "eval.methods", "eval.ppl", "eval.niah", "eval.report", "runtime.simulate", "errors"),
     "verify": ("tools.verify",),
     "fold": ("tools.fold",),
-    "interop": ("tools.sglang", "fsutil"),
+    "interop": ("tools.export", "tools.export.sglang", "fsutil"),
     "validate": ("tools.validate", "spec.checks", "spec.values", "spec.layout", "spec.stfile"),
     "publish": ("tools.publish", "errors"),
     "zoo": ("tools.zoo",),

@@ -107,7 +107,7 @@ def test_the_card_of_a_pip_shipped_model_loads_it_by_its_alias():
 
 def test_export_serves_the_recorded_local_path_or_says_what_to_pass(tmp_path):
     from oscar_calib.spec.artifact import load_artifact
-    from oscar_calib.tools.sglang.export import default_model_path
+    from oscar_calib.tools.export.sglang.export import default_model_path
 
     art = load_artifact(ZOO_REPORT.parent)
     d = checkpoint(tmp_path / "my-smollm2")

@@ -1,7 +1,8 @@
 """``oscar eval``: held-out perplexity and needle-in-a-haystack retrieval with a 2-bit KV cache.
 
-Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd`` and ``quanto``; what the
-KV cache holds in each, and which group size and windows it uses, is in :mod:`.methods`.
+Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd``, ``vllm``, ``llamacpp`` and
+``quanto``; what the KV cache holds in each, and which group size and windows it uses, is in
+:mod:`.methods`.
 
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 

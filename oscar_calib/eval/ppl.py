@@ -18,6 +18,7 @@ from .methods import (
     QUANTO_DEFAULTS,
     bits_of,
     build_schemes,
+    engine_settings,
     fork_settings,
     quanto_cache,
 )
@@ -138,5 +139,8 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
     fork = fork_settings(schemes, artifact)
     if fork:
         settings["fork"] = fork
+    engines = engine_settings(schemes)
+    if engines:
+        settings["engines"] = engines
     timings["total_s"] = time.perf_counter() - t0
     return EvalResult("ppl", lm.source.model_id, settings, rows, timings)

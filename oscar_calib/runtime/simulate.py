@@ -9,6 +9,9 @@ sliding-window masks and GQA are honoured, math is float32. With nothing quantis
 plain attention (tested). It de-quantises every key for every layer: memory and time grow with
 the context like a full-precision cache, so it measures accuracy only.
 
+A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
+(:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).
+
 A scheme whose ``quantizer`` is ``fork`` or ``fork-lloyd`` is read the way the OSCAR SGLang fork's
 main stores it (:func:`fork_rows`): query, keys and values rotated in BF16 as its KV pool holds
 them, the history clipped and quantised with its float32 scale and zero (or its Lloyd-Max buckets),
@@ -104,9 +107,12 @@ class SimulatedKV(AttentionRoute):
         qpos = (torch.arange(t, device=q.device) + (s - t) if positions is None
                 else torch.as_tensor(positions, device=q.device)).unsqueeze(1)                   # [T, 1]
         allowed = self._allowed(mask, b, t, s, window, q.device, qpos)                    # [B|1, 1, T, S]
-        rows = {"oscar": oscar_rows, "codebook": codebook_rows, "codebook-std": codebook_rows}.get(sch.quantizer,
-                                                                                                  fork_rows)
-        qf, keys, values, k_lo, v_lo, back = rows(sch, layer, q, k, v)
+        rows = {"oscar": oscar_rows, "codebook": codebook_rows, "codebook-std": codebook_rows, "vllm": vllm_rows,
+                "llamacpp": llamacpp_rows}.get(sch.quantizer, fork_rows)
+        qf, keys, values, k_lo, v_lo, back, *engine = rows(sch, layer, q, k, v)
+        q_lo, hp_weights = engine if engine else (None, None)
+        if k_lo is not None and layer in sch.native_layers:
+            k_lo = v_lo = None
         if k_lo is not None:
             kpos = torch.arange(s, device=q.device).unsqueeze(0)
             hi = (kpos < sch.sink) | (qpos - kpos < sch.recent)                             # [T, S]
@@ -114,12 +120,20 @@ class SimulatedKV(AttentionRoute):
             values = torch.cat([v_lo, values], dim=2)
             allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)                     # [B|1, 1, T, 2S]
         keys, values = keys.repeat_interleave(grp, 1), values.repeat_interleave(grp, 1)
-        if not softcap:
+        if not softcap and q_lo is None:
             o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=allowed, scale=scaling)
         else:
-            sc = (qf @ keys.transpose(-1, -2)) * scaling
-            sc = torch.tanh(sc / softcap) * softcap
-            o = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1) @ values
+            if q_lo is not None and k_lo is not None:   # the INT2 half scored with its own query rounding
+                sc = torch.cat([q_lo @ keys[:, :, :s].transpose(-1, -2), qf @ keys[:, :, s:].transpose(-1, -2)], -1)
+            else:
+                sc = qf @ keys.transpose(-1, -2)
+            sc = sc * scaling
+            if softcap:
+                sc = torch.tanh(sc / softcap) * softcap
+            p = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1)
+            if hp_weights is not None and k_lo is not None:   # weights of the window half rounded as the engine does
+                p = torch.cat([p[..., :s], _round(p[..., s:], hp_weights)], -1)
+            o = p @ values
         if back is not None:
             o = back(o)
         return o.transpose(1, 2)
@@ -237,3 +251,65 @@ def fork_rows(sch: KVScheme, layer: int, q, k, v):
     out = rv if rv is not None else sch.v_output[layer]
     back = _unrotate(out.to(q.device, torch.float32), grp, hp) if out is not None else None
     return qr, kr, vr, k_lo, v_lo, back
+
+
+def vllm_rows(sch: KVScheme, layer: int, q, k, v):
+    """vLLM's storage (pull request #46774; :mod:`oscar_calib.numerics.engines`), in the rotated basis:
+    query, keys and values rotated in float32 by the layer's ``R``; the INT2 history clipped (one K and
+    one V ratio) and stored as one group per head vector with fp16 scale and minimum; the output
+    mapped back with ``o @ R_vᵀ`` in float32. The window (none at the cited revision) holds the
+    rotated rows in ``window_dtype``."""
+    from ..numerics.engines import fake_quant_vllm
+    from ..numerics.quant import clip_rows
+
+    wd = sch.window_dtype
+    if not sch.quantizes(layer):              # a native layer: vLLM's own attention, K/V in the model's dtype
+        return q.float(), _round(k, wd), _round(v, wd), None, None, None
+    grp = q.shape[1] // k.shape[1]
+    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+
+    def rotate(x, r):
+        return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
+
+    qr = rotate(q, None if rk is None else rk.repeat_interleave(grp, 0))
+    kr, vr = rotate(k, rk), rotate(v, rv)
+
+    def int2(x, c):
+        return fake_quant_vllm(x if c is None else clip_rows(x, c.to(torch.float64).view(-1, 1)))
+
+    k_lo, v_lo = int2(kr, ck), int2(vr, cv)
+    back = _unrotate(rv, grp) if rv is not None else None
+    return qr, _round(kr, wd), _round(vr, wd), k_lo, v_lo, back
+
+
+def llamacpp_rows(sch: KVScheme, layer: int, q, k, v):
+    """llama.cpp's storage (OSCAR's ``zhongzhu/llamacpp`` branch; :mod:`oscar_calib.numerics.engines`),
+    in the rotated basis: float32 rotations (``attn_k_rot`` / ``attn_v_rot``); the history as
+    ``q2_0`` written over each token's whole row (KV heads concatenated) with ONE clip ratio and read
+    back per head; the sink and recent window in F16; the query scored against the ``q2_0`` keys as
+    ``q8_0`` and against the window as F16, the window's attention weights rounded to F16 before they
+    meet its F16 values (the CPU path of ``build_attn``'s joint LP+HP softmax); the output mapped back
+    with ``o @ R_vᵀ`` in float32."""
+    from ..numerics.engines import fake_quant_q2_0, fake_quant_q8_0
+
+    b, hkv, s, d = k.shape
+    grp = q.shape[1] // hkv
+    rk, ck, rv, _ = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+
+    def rotate(x, r):
+        return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
+
+    qr = rotate(q, None if rk is None else rk.repeat_interleave(grp, 0))
+    kr, vr = rotate(k, rk), rotate(v, rv)
+    clip = None if ck is None else float(ck[0])
+    k_lo = v_lo = q_lo = None
+    if sch.quantizes(layer):
+        def q2(x):                                   # [B, H, S, d] -> rows [B, S, H*d] -> back
+            rows = x.transpose(1, 2).reshape(b, s, hkv * d)
+            return fake_quant_q2_0(rows, d, clip).reshape(b, s, hkv, d).transpose(1, 2)
+
+        k_lo, v_lo = q2(kr), q2(vr)
+        q_lo = fake_quant_q8_0(qr)
+    wd = sch.window_dtype
+    back = _unrotate(rv, grp) if rv is not None else None
+    return _round(qr, wd), _round(kr, wd), _round(vr, wd), k_lo, v_lo, back, q_lo, wd

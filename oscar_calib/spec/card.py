@@ -48,6 +48,7 @@ def model_card(report: dict) -> str:
         "",
     ]
     lines += _eval_section(report)
+    lines += _engines_section(report)
     lines += _use_section(report)
     return "\n".join(lines)
 
@@ -164,3 +165,58 @@ def _groups(report: dict) -> str:
     return (f"group size per layer {', '.join(map(str, b['layer_group_sizes']))} (bit budget {b['bits']:g}: "
             f"{b['mean_bits']:.3f} bits per element, {b['long_bits']:.3f} at long contexts; an engine with one size "
             f"serves group {b['uniform_group_size']}, {b['uniform_bits']:g} bits)")
+
+
+# what each engine's scheme is, for the engine-cost table (the methods of ``oscar eval``)
+_ENGINE_ROWS = (("bf16", "BF16 KV cache (reference)"),
+                ("oscar", "**this artifact** in oscar's own cache (per-KV-head rotations and clips, fp16 scales)"),
+                ("fork", "the OSCAR SGLang fork (`--target sglang-fork`; upstream SGLang's `sglang` loads the same "
+                         "files): one rotation per layer in BF16, one K and one V clip, float32 scales"),
+                ("vllm", "vLLM (`--target vllm`): one rotation per layer, one INT2 group per head vector with fp16 "
+                         "scale and minimum, no BF16 window, first and last two layers in BF16"),
+                ("llamacpp", "llama.cpp (`--target llamacpp`): `q2_0` (mean-subtracted 128-value chunks, 4 Lloyd-Max "
+                             "levels per 32 values), one clip ratio for K and V, F16 window, `q8_0` query"))
+
+
+def _engines_section(report: dict) -> list[str]:
+    """``## What each engine costs``: the perplexity of this artifact as each engine serves it
+    (``oscar eval --methods bf16,oscar,fork,vllm,llamacpp --record``, stored under
+    ``eval_results["engines"]``) and, per engine, the commands that serve it or why it cannot
+    (``engine_serving``, :func:`oscar_calib.tools.export.serving_table`)."""
+    res = (report.get("eval_results") or {}).get("engines")
+    serving = report.get("engine_serving")
+    if not res and not serving:
+        return []
+    lines = ["## What each engine costs", ""]
+    if res:
+        s = res["settings"]
+        by = {r["method"]: r for r in res["rows"]}
+        ref = by.get("oscar")
+        lines += [f"Held-out perplexity ({s['sequences']} × {s['seq_len']} tokens of {s['data']}) with the KV cache "
+                  "each engine would keep for this artifact, simulated from the exported settings:", "",
+                  "| engine's scheme | bits/elem | perplexity | vs this artifact |", "|---|---|---|---|"]
+        for m, label in _ENGINE_ROWS:
+            r = by.get(m)
+            if r is None:
+                continue
+            gap = f"{r['ppl'] / ref['ppl'] - 1:+.1%}" if ref and m not in ("oscar", "bf16") else "–"
+            lines.append(f"| {label} | {r['bits_per_element']:.2f} | {r['ppl']:.3f} | {gap} |")
+        lines += ["", "Bits per element average every layer (vLLM's two BF16 boundary layers at each end count 16). "
+                  "An engine listed as refused below cannot serve this model today; its row says what its scheme "
+                  "would cost if it could.", ""]
+    if serving:
+        lines += ["Serving commands (each engine's loader rules checked against the revision named):", ""]
+        for row in serving:
+            lines.append(f"**{row['engine']}** (`--target {row['target']}`, {row['checked']}, {row['status']}):")
+            lines.append("")
+            if row.get("refused"):
+                lines += [f"refused: {row['refused']}", ""]
+                continue
+            block = [row["export"]]
+            if row.get("argv"):
+                block += [f"{k}={v}" for k, v in row["env"].items()] + [" ".join(row["argv"])]
+            block += [f"# {n}" for n in row.get("notes") or [] if not row.get("argv")]
+            lines += ["```", *block, "```", ""]
+            lines += [f"- warning: {w}" for w in row.get("warnings") or []]
+            lines += [""] if row.get("warnings") else []
+    return lines

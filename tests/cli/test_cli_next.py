@@ -11,7 +11,7 @@ import pytest
 from helpers import run_main
 
 import oscar_calib.tools.publish as publish
-from oscar_calib.tools.sglang.export import FORK_INSTALL
+from oscar_calib.tools.export.sglang.export import FORK_INSTALL
 
 ZOO = Path(__file__).resolve().parents[2] / "zoo" / "smollm2-135m"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar_calib.tools.sglang.export import (
+from oscar_calib.tools.export.sglang.export import (
     ENV_FILE,
     FORK_INSTALL,
     FORK_MARKER,

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from oscar_calib.cli import app
 from oscar_calib.errors import InputError, PublishError
 from oscar_calib.tools import rotationzoo
-from oscar_calib.tools.sglang import payload
-from oscar_calib.tools.sglang.fileformat import save_bytes
+from oscar_calib.tools.export.sglang import payload
+from oscar_calib.tools.export.sglang.fileformat import save_bytes
 
 runner = CliRunner()
 TAG_8B = "seq20000_prompt83_group128"

@@ -1,4 +1,6 @@
-"""``oscar export --format sglang``: an artifact as the OSCAR SGLang fork serves it.
+"""``oscar export --target sglang-fork | sglang-fork-v2 | sglang``: an artifact as SGLang serves it
+(the OSCAR fork's main, the fork's newer per-KV-head code, upstream SGLang's pull request #32129; the
+loaders and files are described in :mod:`.fileformat`).
 
 Writes into ``--out`` (staged, moved into place only when complete):
 
@@ -14,7 +16,7 @@ file                                   content
                                        artifact's per-layer, per-KV-head ratios
 =====================================  =====================================================
 
-Settings the fork needs, all written explicitly (its own environment defaults differ from its
+Settings SGLang needs (the fork's, which upstream's pull request keeps), all written explicitly (its own environment defaults differ from its
 scripts: 32/128-token windows and no clipping): ``SGLANG_ENABLE_MIXED_KV_WINDOWS=1`` (without it the
 fork silently uses a fixed Hadamard rotation and ignores the files), the rotation paths, ONE K and
 ONE V clip ratio for the whole model, sink (``SGLANG_MIXED_KV_PREFIX_TOKENS``) and recent window
@@ -38,14 +40,16 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ... import __version__
-from ...errors import ArtifactError, InputError
-from ...fsutil import atomic_write_bytes, atomic_write_text, staged_dir
-from ...kernels.pack import bits_per_element
-from ...numerics.clip import choose_global_clips
-from ...spec.artifact import Artifact, load_artifact
-from ...spec.defaults import check_clip, is_power_of_two
+from .... import __version__
+from ....errors import ArtifactError, InputError
+from ....fsutil import atomic_write_bytes, atomic_write_text, staged_dir
+from ....kernels.pack import bits_per_element
+from ....numerics.clip import choose_global_clips
+from ....spec.artifact import Artifact, load_artifact
+from ....spec.defaults import check_clip, is_power_of_two
+from ..base import SLIDING_MODEL_TYPES
 from .fileformat import (
+    PER_HEAD_TARGETS,
     TARGETS,
     check_target,
     file_name,
@@ -60,7 +64,6 @@ LAUNCH_FILE = "launch.sh"
 CLIPS_FILE = "clips.json"
 WINDOW_MULTIPLE = 8                          # the fork's page size N_Q = 4 × itemsize(bf16)
 ABSORB_MODEL_TYPES = ("qwen3", "glm4_moe")   # the fork folds R_v into qkv_proj at load for these
-SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
 # The fork's INT2 cache takes prefill fa3 or triton with triton decode (`_unified_mixed_kv_active` in
 # sglang-research/python/sglang/srt/server_args.py); its fa3 backend asserts an sm80-sm90 GPU
 # (`create_flashattention_v3_backend`, srt/layers/attention/attention_registry.py) and its kernels need
@@ -112,7 +115,7 @@ class ServeSettings:
 
 
 @dataclass
-class ExportResult:
+class SGLangExport:
     out: Path
     target: str
     files: list[str]
@@ -122,7 +125,7 @@ class ExportResult:
 
     @property
     def format_version(self) -> int:
-        return 1 if self.target == "fork-main" else 2
+        return 2 if self.target in PER_HEAD_TARGETS else 1
 
     def to_dict(self) -> dict:
         return {"out": str(self.out), "format": "sglang", "target": self.target,
@@ -130,10 +133,10 @@ class ExportResult:
                 "settings": asdict(self.settings), "clip_source": self.clip_source, "warnings": self.warnings}
 
 
-def export_sglang(artifact_path: Path, out: Path, *, target: str = "fork-main", model_path: str | None = None,
+def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork", model_path: str | None = None,
                   clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
                   recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
-                  overwrite: bool = False) -> ExportResult:
+                  overwrite: bool = False) -> SGLangExport:
     """Write the fork's files for the artifact at ``artifact_path`` into ``out`` (see the module
     docstring). ``folded`` (default: the artifact's ``v_folded`` metadata) serves a checkpoint made
     by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else the base model id."""
@@ -148,7 +151,7 @@ def export_sglang(artifact_path: Path, out: Path, *, target: str = "fork-main", 
     _check_windows(sink, recent)
     k_clip, v_clip, clip_source = serving_clips(art, target, clip)
     folded = md.get("v_folded") == "true" if folded is None else folded
-    warnings = _warnings(art)
+    warnings = _warnings(art, target)
     k_rots, k_eigs = _rotations(art, "k", target, artifact_path)
     if model_path is None:
         model_path, note = default_model_path(art, folded)
@@ -168,14 +171,14 @@ def export_sglang(artifact_path: Path, out: Path, *, target: str = "fork-main", 
             problems = fork_load_problems(tmp / name, num_layers=art.num_layers, head_dim=d, target=target,
                                           num_kv_heads=art.num_kv_heads)
             if problems:
-                raise ArtifactError(f"{name} would not load in the fork: {problems[0]}")
+                raise ArtifactError(f"{name} would not load in {target}: {problems[0]}")
         final = out.resolve()
         env = settings.env(final / k_name, final / v_name)
         atomic_write_text(tmp / ENV_FILE, serve_env(env, settings, art, Path(artifact_path), warnings))
         atomic_write_text(tmp / LAUNCH_FILE, launch_script(settings, k_name, v_name))
         os.chmod(tmp / LAUNCH_FILE, 0o755 & ~_umask())
         atomic_write_text(tmp / CLIPS_FILE, json.dumps(_clips_doc(art, k_clip, v_clip, clip_source), indent=2) + "\n")
-    return ExportResult(out, target, [k_name, v_name, ENV_FILE, LAUNCH_FILE, CLIPS_FILE], settings, clip_source,
+    return SGLangExport(out, target, [k_name, v_name, ENV_FILE, LAUNCH_FILE, CLIPS_FILE], settings, clip_source,
                         warnings)
 
 
@@ -205,15 +208,15 @@ def _check_windows(sink: int, recent: int) -> None:
 
 def serving_clips(art: Artifact, target: str, clip=(None, None)) -> tuple[float, float, str]:
     """The ONE K and ONE V clip ratio the fork applies to the whole model, and where they come from:
-    ``--clip``, else the ratios fitted for the shared rotations (``fork-main``) or chosen from the
-    per-head clip tables in ``calibration.json`` by the same rule (``pr20``), else the artifact's
+    ``--clip``, else the ratios fitted for the shared rotations (``sglang-fork``, ``sglang``) or chosen
+    from the per-head clip tables in ``calibration.json`` by the same rule (``sglang-fork-v2``), else the artifact's
     clips when every layer and head has the same."""
     if clip[0] is not None and clip[1] is not None:
         return check_clip("k", clip[0]), check_clip("v", clip[1]), "--clip"
     rows = (art.report or {}).get("layers") or []
     tables = [r.get("clip_tables") or {} for r in rows]
     found, source = None, None
-    if target == "pr20" and rows and all(t.get("k") is not None and t.get("v") is not None for t in tables):
+    if target in PER_HEAD_TARGETS and rows and all(t.get("k") is not None and t.get("v") is not None for t in tables):
         found = choose_global_clips([t["k"] for t in tables], [t["v"] for t in tables])
         source = "chosen from the per-head clip tables for per-KV-head rotations"
     elif art.shared_clips() is not None:
@@ -232,7 +235,7 @@ def serving_clips(art: Artifact, target: str, clip=(None, None)) -> tuple[float,
 
 
 def _rotations(art: Artifact, which: str, target: str, where) -> tuple[list, list]:
-    if target == "pr20":
+    if target in PER_HEAD_TARGETS:
         return ([getattr(lr, f"{which}_rotation") for lr in art.layers],
                 [getattr(lr, f"{which}_eigenvalues") for lr in art.layers])
     rots, eigs = [], []
@@ -240,8 +243,8 @@ def _rotations(art: Artifact, which: str, target: str, where) -> tuple[list, lis
         shared = art.shared_rotation(i, which)
         if shared is None:
             raise ArtifactError(f"{where}: one rotation per KV head but no shared per-layer rotations (made before "
-                                "oscar 0.2); re-run `oscar calibrate` to add them, or export --target pr20 for a "
-                                "fork build with its PR #20")
+                                "oscar 0.2); re-run `oscar calibrate` to add them, or export --target sglang-fork-v2 "
+                                "for the fork's per-KV-head loader")
         rots.append(shared[0])
         eigs.append(shared[1])
     return rots, eigs
@@ -274,18 +277,22 @@ def default_model_path(art: Artifact, folded: bool) -> tuple[str, str | None]:
     return art.metadata.get("model_id", ""), None
 
 
-def _warnings(art: Artifact) -> list[str]:
+def _warnings(art: Artifact, target: str) -> list[str]:
     out = []
     types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
-    if "sliding_attention" in types or art.metadata.get("model_type") in SLIDING_MODEL_TYPES:
+    sliding = "sliding_attention" in types or art.metadata.get("model_type") in SLIDING_MODEL_TYPES
+    if sliding and target == "sglang-fork":
         out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: the fork's main turns its "
                    "OSCAR decode path off for sliding-window models (and refuses hybrid ones), so this export will "
-                   "load but not run as OSCAR there; its PR #20 adds sliding-window support")
+                   "load but not run as OSCAR there; its newer code (--target sglang-fork-v2) serves them")
+    elif sliding and target == "sglang":
+        out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: whether upstream SGLang's "
+                   "pull request runs its OSCAR path on them was not checked (docs/guides/engines.md)")
     note = uniform_group_note(art)
     return out + ([note] if note else [])
 
 
-def uniform_group_note(art: Artifact) -> str | None:
+def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
     """One line when the artifact has per-layer group sizes (a bit budget), which the fork cannot
     serve (one ``--kv-cache-quant-group-size`` for every layer): the export serves the artifact's
     ``group_size``, the closest uniform size within the budget, and the line says what that costs on
@@ -300,7 +307,7 @@ def uniform_group_note(art: Artifact) -> str | None:
             f"per-layer sizes ({err['uniform'] / err['per_layer'] - 1:+.1%})" if {"uniform", "per_layer"} <= set(err)
             else "cost not recorded in calibration.json")
     budget = f"the bit budget of {b['bits']:g}" if "bits" in b else "the artifact's budget"
-    return (f"the fork takes one group size for every layer: exporting group {g} ({bits_per_element(g):g} bits per "
+    return (f"{engine} takes one group size for every layer: exporting group {g} ({bits_per_element(g):g} bits per "
             f"element) instead of the per-layer sizes {min(sizes)}–{max(sizes)}, the closest uniform scheme within "
             f"{budget}; {cost}")
 

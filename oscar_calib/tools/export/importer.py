@@ -1,8 +1,8 @@
-"""``oscar import``: the fork's (or the upstream RotationZoo's) K and V rotation files as a format-v1
-artifact.
+"""``oscar import``: rotations read back from any engine's files (:meth:`~.base.ExportTarget.read`)
+as a validated format-v1 artifact.
 
-Reads every file the fork loads (see :func:`.fileformat.read_rotation_file`), with
-``torch.load(weights_only=True)`` only. Choices for what the files do not carry:
+Pickles are opened with ``torch.load(weights_only=True)`` only. Choices for what the files do not
+carry:
 
 * clips: fixed, ``0.96`` for K and ``0.92`` for V (the reference's globals) unless ``--clip``; they
   are also recorded as the artifact's global clips (``fork_k_clip``/``fork_v_clip``), so an
@@ -10,7 +10,7 @@ Reads every file the fork loads (see :func:`.fileformat.read_rotation_file`), wi
 * eigenvalues: from the file when present (sorted descending, the artifact's order; the fork writes
   them ascending and they only describe the spectrum), otherwise zeros; ``calibration.json`` records
   which;
-* granularity ``layer`` when both files hold one rotation per layer (repeated per KV head), else
+* granularity ``layer`` when both caches hold one rotation per layer (repeated per KV head), else
   ``head``; ``composition`` and objectives ``"imported"``;
 * fingerprint, model_id and geometry: from the model (a :class:`~oscar_calib.model.load.LoadedModel`,
   or any :class:`ModelTarget`, e.g. one built from ``configs/`` geometry when the weights are not at
@@ -54,7 +54,7 @@ from ...spec.layout import (
     WEIGHTS_NAME,
 )
 from ..validate import require_valid
-from .fileformat import RotationFile, read_rotation_file
+from .base import Geometry, ReadRotations
 
 
 @dataclass
@@ -96,36 +96,43 @@ class ImportResult:
                 "imported": self.report["imported"]}
 
 
-def _eigen(f: RotationFile, i: int, h: int, d: int) -> tuple[torch.Tensor, str]:
+def _eigen(f: ReadRotations, i: int, h: int, d: int) -> tuple[torch.Tensor, str]:
     e = f.eigenvalues[i]
     if e is None:
         return torch.zeros(h, d), "zeros"
     return e.expand(h, d).sort(dim=-1, descending=True).values.contiguous(), "file"
 
 
-def import_sglang(k_path: Path, v_path: Path, model, out: Path, *,
-                  clip: tuple[float | None, float | None] = (None, None), group_size: int | None = None,
-                  sink_tokens: int = DEFAULT_SINK, recent_tokens: int = DEFAULT_RECENT, overwrite: bool = False,
-                  trust_remote_code: bool = False, source: dict | None = None) -> ImportResult:
-    """Build a format-v1 artifact from the fork's K and V files for ``model`` (a MODEL spec, a
-    :class:`~oscar_calib.model.load.LoadedModel` or a :class:`ModelTarget`). ``source`` (e.g. the
-    hub repository and calibration tag a file came from) is recorded in the report and card."""
+def model_target(model, *, trust_remote_code: bool = False) -> "ModelTarget":
+    """``model`` (a MODEL spec, a :class:`~oscar_calib.model.load.LoadedModel` or a :class:`ModelTarget`)
+    as a :class:`ModelTarget`; a spec is loaded on the CPU."""
+    if isinstance(model, ModelTarget):
+        return model
+    if isinstance(model, str):
+        from ...model.load import load_model
+
+        model = load_model(model, device="cpu", trust_remote_code=trust_remote_code)
+    return ModelTarget.from_loaded(model)
+
+
+def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float | None, float | None] = (None, None),
+                     group_size: int | None = None, sink_tokens: int = DEFAULT_SINK,
+                     recent_tokens: int = DEFAULT_RECENT, overwrite: bool = False, trust_remote_code: bool = False,
+                     source: dict | None = None) -> ImportResult:
+    """Build a format-v1 artifact for ``model`` from an engine's K and V rotations: ``read(geometry)``
+    returns the two :class:`~.base.ReadRotations` (an engine target's reader bound to its files).
+    ``source`` (e.g. the hub repository a file came from) is recorded in the report and card."""
     k_clip = check_clip("k", BASELINE_CLIPS[0] if clip[0] is None else clip[0])
     v_clip = check_clip("v", BASELINE_CLIPS[1] if clip[1] is None else clip[1])
     check_window(sink_tokens, recent_tokens)
     out = Path(out)
     if out.is_dir() and (out / WEIGHTS_NAME).exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds an artifact; pass --overwrite to replace it")
-    if isinstance(model, str):
-        from ...model.load import load_model
-
-        model = load_model(model, device="cpu", trust_remote_code=trust_remote_code)
-    target = model if isinstance(model, ModelTarget) else ModelTarget.from_loaded(model)
+    target = model_target(model, trust_remote_code=trust_remote_code)
     n, h, d = target.num_layers, target.num_kv_heads, target.head_dim
     group_size = group_size or default_group_size(d)
     check_group_size(d, group_size)
-    kf = read_rotation_file(k_path, num_layers=n, num_kv_heads=h, head_dim=d)
-    vf = read_rotation_file(v_path, num_layers=n, num_kv_heads=h, head_dim=d)
+    kf, vf = read(Geometry(n, h, d))
     granularity = "head" if kf.per_head or vf.per_head else "layer"
     layers, eig_src = [], {"k": set(), "v": set()}
     for i in range(n):
@@ -136,11 +143,11 @@ def import_sglang(k_path: Path, v_path: Path, model, out: Path, *,
         layers.append(LayerRotations(
             k_rotation=kf.rotations[i].expand(h, d, d).clone(), v_rotation=vf.rotations[i].expand(h, d, d).clone(),
             k_clip=torch.full((h,), k_clip), v_clip=torch.full((h,), v_clip), k_eigenvalues=ke, v_eigenvalues=ve))
-    imported = {which: {"file": f.path.name, "sha256": f.sha256, "format_version": f.format_version,
+    imported = {which: {"file": f.source, "sha256": f.sha256, "format_version": f.format_version,
                         "eigenvalues": "+".join(sorted(eig_src[which])), "dtype": f.source_dtype,
-                        "ignored_layers": f.ignored_layers, "reorthogonalized": f.reorthogonalized,
-                        "per_head": f.per_head}
+                        "notes": f.notes, "per_head": f.per_head}
                 for which, f in (("k", kf), ("v", vf))}
+    imported["engine"] = engine
     if source:
         imported["source"] = source
     calibration = {"data": IMPORTED, "tokens": 0, "sequences": 0, "seq_len": 0, "seed": 0, "clip": "fixed",
@@ -175,10 +182,7 @@ def import_card(report: dict) -> str:
 
     g, s, imp = report["geometry"], report["settings"], report["imported"]
     src = imp.get("source") or {}
-    notes = [f"{w.upper()}: {', '.join(str(x) for x in imp[w]['ignored_layers'])} ignored (beyond the model's layers)"
-             for w in ("k", "v") if imp[w]["ignored_layers"]]
-    notes += [f"{w.upper()}: 16-bit rotations re-orthogonalised (‖RRᵀ − I‖∞ was {imp[w]['reorthogonalized']:.1e})"
-              for w in ("k", "v") if imp[w]["reorthogonalized"]]
+    notes = [f"{w.upper()}: {note}." for w in ("k", "v") for note in imp[w]["notes"]]
     rows = [
         f"| base model | `{report['model_id']}` (fingerprint `{report['model_fingerprint'][:16]}…`"
         f"{'; ' + report['fingerprint_note'] if report.get('fingerprint_note') else ''}) |",
@@ -202,7 +206,7 @@ def import_card(report: dict) -> str:
         "---", "library_name: oscar", "tags: [kv-cache, quantization, int2, oscar]",
         *([f"base_model: {hub_id(report)}"] if hub_id(report) else []), "---", "",
         f"# OSCAR rotations for {report['model_id']} (imported)", "",
-        f"Imported by the `oscar` toolkit {report['toolkit_version']} from OSCAR SGLang-fork rotation files "
+        f"Imported by the `oscar` toolkit {report['toolkit_version']} from {imp['engine']} rotation files "
         f"(artifact format v{report['format_version']}).", "",
         "| setting | value |", "|---|---|", *rows, "",
         *([" ".join(notes), ""] if notes else []),
