@@ -395,13 +395,14 @@ def test_mlx_export_round_trip_and_orientation(tmp_path, zoo):
 
 
 def test_mlx_loader_rules(tmp_path):
-    from oscar_calib.spec.artifact import serialize_safetensors
+    from oscar_calib.spec import stfile
+    from oscar_calib.spec.artifact import tensor_entries
     from oscar_calib.tools.export.mlx import read_mlx_file
 
     geo, eye = Geometry(2, 2, 8), torch.eye(8)
 
     def read(tensors):
-        (tmp_path / "k.safetensors").write_bytes(serialize_safetensors(tensors, {}))
+        (tmp_path / "k.safetensors").write_bytes(stfile.serialize(tensor_entries(tensors), {}))
         return read_mlx_file(tmp_path / "k.safetensors", geo)
 
     assert len(read({"layer_4": eye, "layer_9": eye}).rotations) == 2           # as many keys as layers: in order

@@ -32,7 +32,8 @@ import torch
 
 from ...errors import ArtifactError
 from ...fsutil import atomic_write_bytes, atomic_write_text
-from ...spec.artifact import serialize_safetensors
+from ...spec import stfile
+from ...spec.artifact import tensor_entries
 from ...spec.defaults import ORTHOGONALITY_TOL
 from .base import (
     Checked,
@@ -79,7 +80,7 @@ class MlxTarget(ExportTarget):
                 if which == "v" and folded:
                     r = torch.eye(art.head_dim).expand_as(r)
                 tensors[f"layer_{i}"] = to_mlx(r if per_head else r[0])
-            atomic_write_bytes(tmp / FILES[which], serialize_safetensors(tensors, {"format": "mlx-lm-oscar"}))
+            atomic_write_bytes(tmp / FILES[which], stfile.serialize(tensor_entries(tensors), {"format": "mlx-lm-oscar"}))
         k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
         group = s.group_size or art.group_size
         config = {"group_size": group, "sink_tokens": int(md["sink_tokens"]) if s.sink is None else s.sink,

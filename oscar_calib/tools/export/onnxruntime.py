@@ -36,7 +36,8 @@ import torch
 
 from ...errors import ArtifactError
 from ...fsutil import atomic_write_bytes, atomic_write_text
-from ...spec.artifact import serialize_safetensors
+from ...spec import stfile
+from ...spec.artifact import tensor_entries
 from ...spec.defaults import ORTHOGONALITY_TOL
 from .base import (
     Checked,
@@ -115,7 +116,7 @@ class OnnxRuntimeTarget(ExportTarget):
                           "kv_cache": {"dtype": "UINT8", "packed_head_size": packed_head_size(art.head_dim, g)}})
         meta = {"format": "oscar-onnxruntime-mpgqa", "model_id": md.get("model_id", ""),
                 "num_kv_heads": str(art.num_kv_heads), "head_dim": str(art.head_dim)}
-        atomic_write_bytes(tmp / ROTATIONS_FILE, serialize_safetensors(tensors, meta))
+        atomic_write_bytes(tmp / ROTATIONS_FILE, stfile.serialize(tensor_entries(tensors), meta))
         doc = {"op_type": OP_TYPE, "domain": "com.microsoft", "checked": self.checked.line(),
                "patch": ["replace the i-th com.microsoft.GroupQueryAttention node (decoder layer i, graph order) with "
                          f"{OP_TYPE}, keeping its attributes (num_heads, kv_num_heads, scale, do_rotary, "

@@ -261,7 +261,7 @@ def default_model_path(art: Artifact, folded: bool) -> tuple[str, str | None]:
     pass: the fold-weights checkpoint holding a folded artifact; else the local directory the
     model was calibrated from (its ``model_source``) while it exists, its hub id otherwise; else
     the ``model_id`` (a hub id, or a pip-shipped model's)."""
-    from ...spec.artifact import model_source
+    from ....spec.artifact import model_source
 
     if folded and art.path is not None and (Path(art.path).parent / "config.json").exists():
         return str(Path(art.path).parent.resolve()), None     # the artifact copy inside a fold-weights checkpoint
