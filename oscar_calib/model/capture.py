@@ -137,12 +137,6 @@ class Capture(AttentionRoute):
         return self._route(base)
 
 
-@torch.no_grad()
-def run_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass without a KV cache; returns the logits."""
-    return model(input_ids=input_ids.to(model.device), use_cache=False).logits
-
-
 def capture_forward(model, ids: torch.Tensor) -> None:
     """A forward pass for its captures only: no KV cache and, where the model allows, logits for
     the last position only (the full [tokens, vocab] logits are the largest activation: 0.8 GB in
