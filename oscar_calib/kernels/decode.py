@@ -214,6 +214,13 @@ def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     return None
 
 
+def decode_backend(q: torch.Tensor, cache: Int2KVCache, backend: str = "auto") -> str:
+    """``"triton"`` or ``"torch"``: what :func:`decode_attention` runs for ``q [B, Hq, d]`` over
+    ``cache`` with ``backend`` (see :mod:`._common`; ``"auto"`` takes the kernel for CUDA tensors of a
+    shape it supports when triton imports, the reference otherwise)."""
+    return resolve_backend(backend, [q, cache.k_codes], _triton_support(cache, q))
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: Int2KVCache,
@@ -262,7 +269,7 @@ def decode_attention(
             raise InputError("out must be contiguous in its last dimension")
     if check_lengths:
         cache.check_lengths()
-    which = resolve_backend(backend, [q, cache.k_codes], _triton_support(cache, q))
+    which = decode_backend(q, cache, backend)
     if which == "torch":
         res = decode_attention_reference(
             q, cache, k_rotation=k_rotation, v_rotation=v_rotation, unrotate=unrotate,

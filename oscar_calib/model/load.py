@@ -135,7 +135,7 @@ def resolve_device(device: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_loading():
     """Silence transformers' progress bars and warnings while loading."""
     from transformers.utils import logging as hf_logging
 
@@ -209,7 +209,7 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
     if source.kind == "local":
         check_weight_files(spec, Path(load_path))
     try:
-        with _quiet():
+        with quiet_loading():
             tok = AutoTokenizer.from_pretrained(load_path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory,
@@ -256,7 +256,7 @@ def _precheck_config(spec: str, source: ModelSource, load_path: str, kwargs: dic
     from transformers import AutoConfig
 
     try:
-        with _quiet():
+        with quiet_loading():
             config = AutoConfig.from_pretrained(load_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         first = first_line(e)

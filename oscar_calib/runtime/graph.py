@@ -190,9 +190,9 @@ def _compiled_layers(layers, cache):
     recorded step keeps the compiled kernels."""
     from transformers import AttentionInterface
 
-    from .attention import ATTENTION_NAME, _registered_attention
+    from .attention import ATTENTION_NAME, registered_attention
 
-    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(_registered_attention))
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(registered_attention))
     cache.update = torch.compiler.disable(type(cache).update.__get__(cache))
     for layer in layers:
         layer.forward = _compiled_forward(type(layer)).__get__(layer)
@@ -202,7 +202,7 @@ def _compiled_layers(layers, cache):
         for layer in layers:
             layer.__dict__.pop("forward", None)
         cache.__dict__.pop("update", None)
-        AttentionInterface.register(ATTENTION_NAME, _registered_attention)
+        AttentionInterface.register(ATTENTION_NAME, registered_attention)
 
 
 _COMPILED: dict = {}
