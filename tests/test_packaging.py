@@ -32,3 +32,20 @@ def test_every_other_dependency_installs_everywhere():
     reqs = requirements()
     assert [r.name for r in reqs if r.marker is not None] == ["triton"]
     assert {"torch", "safetensors", "typer"} <= {r.name for r in reqs}
+
+
+def test_the_ci_step_installs_what_macos_would():
+    """`make test-no-triton` installs the list .ci/requirements_for.py prints for Darwin: every
+    dependency but triton, and the extras asked for."""
+    import subprocess
+
+    script = PYPROJECT.parent / ".ci" / "requirements_for.py"
+
+    def names(*args: str) -> list[str]:
+        out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True).stdout
+        return [Requirement(line).name for line in out.splitlines()]
+
+    every = [r.name for r in requirements()]
+    assert names("--system", "Darwin", "--extra", "dev") == [n for n in every if n != "triton"] + ["pytest"]
+    assert names("--system", "Windows") == [n for n in every if n != "triton"]
+    assert names("--system", "Linux") == every
