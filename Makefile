@@ -6,7 +6,7 @@ STAMP := .make
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-low bench bench-report clean
+.PHONY: setup demo test test-low test-no-triton bench bench-report clean
 
 $(STAMP)/setup: pyproject.toml
 	@mkdir -p $(STAMP)
@@ -46,6 +46,30 @@ B ?=
 bench: setup
 	@test -n "$(B)" || { echo "error: name a benchmark: make bench B=kernels|append|generate|calibrate|scale|first_run [ARGS=...]"; exit 2; }
 	$(PYTHON) scripts/bench/run.py $(B) $(ARGS)
+
+# The package where triton has no wheel (macOS, Windows): a fresh venv without the system's packages,
+# the local CPU torch wheel first, the dependencies as pip resolves them on macOS (triton's marker is
+# false there), the package itself (not editable); then `oscar validate zoo` and the kernels' torch
+# path. Run by .ci/run after `make test`, not by it (a few minutes, mostly installing).
+NOTRITON_VENV := $(STAMP)/venv-no-triton
+# no .pyc compiled up front: half the install time
+NOTRITON_PIP := $(NOTRITON_VENV)/bin/python -m pip install -q --no-compile
+NOTRITON_TESTS := tests/kernels/test_kernels_without_triton.py tests/kernels/test_kernels_pack.py \
+	tests/test_packaging.py "tests/runtime/test_runtime_cache.py::test_int2_decode_equals_simulation[gemma3]"
+
+test-no-triton:
+	rm -rf $(NOTRITON_VENV)
+	$(PYTHON) -m venv $(NOTRITON_VENV)
+	$(NOTRITON_PIP) torch==2.13.0
+	$(PYTHON) .ci/requirements_for.py --system Darwin --extra dev > $(NOTRITON_VENV)/requirements.txt
+	$(NOTRITON_PIP) -r $(NOTRITON_VENV)/requirements.txt
+	$(NOTRITON_PIP) --no-deps .
+	cd $(NOTRITON_VENV) && env -u PYTHONPATH bin/python -c "import importlib.util as u, oscar_calib; \
+		assert u.find_spec('triton') is None, 'triton is installed'; \
+		assert '$(NOTRITON_VENV)' in oscar_calib.__file__, oscar_calib.__file__"
+	env -u PYTHONPATH $(NOTRITON_VENV)/bin/oscar validate zoo
+	env -u PYTHONPATH $(NOTRITON_VENV)/bin/pytest -q -p no:cacheprovider $(NOTRITON_TESTS)
+
 
 # docs/benchmarks.md from the current results
 bench-report:

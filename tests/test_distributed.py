@@ -261,15 +261,15 @@ def test_bad_placement_options():
 
 
 def test_a_rank_with_a_device_map_gets_its_slice_of_the_gpus(monkeypatch):
-    from oscar_calib.calibrate.parallel import _rank_device
+    from oscar_calib.calibrate.job import rank_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _rank_device("cuda", 1, Placement("auto")) == ("nccl", "cuda:2")     # GPUs 2 and 3
-    assert _rank_device("cuda", 1, None) == ("nccl", "cuda:1")                  # one GPU per rank
+    assert rank_device("cuda", 1, Placement("auto")) == ("nccl", "cuda:2")     # GPUs 2 and 3
+    assert rank_device("cuda", 1, None) == ("nccl", "cuda:1")                  # one GPU per rank
     with pytest.raises(DistributedError, match="LOCAL_RANK=2 has no GPU"):
-        _rank_device("cuda", 2, Placement("auto"))
+        rank_device("cuda", 2, Placement("auto"))
 
 
 # ----------------------------------------------------------------------------- big models

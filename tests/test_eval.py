@@ -127,10 +127,9 @@ def test_evaluate_ppl_end_to_end(char_tokenizer):
         "data": "embedded:pydoc_data.topics[heldout]", "artifact": None, "quanto": {"nbits": 2, "residual_length": 128,
                                                                                    "q_group_size": 64}}
     assert doc["settings"]["methods"] == ["bf16", "naive", "hadamard", "quanto"]
-    # the pre-0.2 call (methods and keyword settings) gives the same figures, with a warning
-    with pytest.warns(DeprecationWarning, match="EvalOptions"):
-        old = evaluate_ppl(lm, ["bf16", "naive"], group_size=8, sink=4, recent=8, sequences=2, seq_len=48)
-    assert [r["ppl"] for r in old.rows] == [by["bf16"]["ppl"], by["naive"]["ppl"]]
+    # the settings are one EvalOptions: a bare list of methods is refused, naming the type
+    with pytest.raises(TypeError, match="EvalOptions"):
+        evaluate_ppl(lm, ["bf16", "naive"])
 
 
 @pytest.mark.slow
@@ -233,8 +232,9 @@ class DecodingCharTokenizer(CharTokenizer):
 def test_evaluate_niah_runs():
     lm = loaded_tiny("llama", head_dim=64)
     lm.tokenizer = DecodingCharTokenizer()
-    res = evaluate_niah(lm, ["bf16", "hadamard", "quanto"], group_size=8, sink=4, recent=16, lengths=(500,),
-                        depths=(0.0, 1.0), max_new_tokens=3, prefill_chunk=64)
+    opts = EvalOptions(methods=("bf16", "hadamard", "quanto"), group_size=8, sink=4, recent=16, lengths=(500,),
+                       depths=(0.0, 1.0), max_new_tokens=3, prefill_chunk=64)
+    res = evaluate_niah(lm, opts)
     assert len(res.rows) == 6
     assert {r["score"] for r in res.rows} <= {0, 1}
     s = {r["method"]: r for r in res.summary()}

@@ -76,7 +76,7 @@ import torch
 
 from ..errors import DistributedError
 from ..model.placement import Placement
-from .job import DistContext, _rank_device, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
+from .job import DistContext, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
 from .ranks import Ranks, env_world_size, launched
 from .stats import ACCUMULATORS
 

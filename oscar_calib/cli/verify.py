@@ -28,8 +28,9 @@ def verify_command(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory (or its oscar.safetensors).")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model the artifact was calibrated for "
                                                  "(default: the artifact's model_id).")] = None,
-    backend: Annotated[str, typer.Option(help="Kernels: auto (Triton on CUDA, torch reference on CPU), triton "
-                                         "(on CPU: the Triton interpreter, slow), torch.")] = "auto",
+    backend: Annotated[str, typer.Option(help="Kernels: auto (Triton on CUDA, torch reference on CPU or "
+                                         "without triton), triton (on CPU: the Triton interpreter, slow; "
+                                         "needs triton, Linux only), torch.")] = "auto",
     depths: Annotated[str, typer.Option(help="Context lengths to test, comma-separated.")] = "512,1024,2048",
     sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 2,
     positions: Annotated[int, typer.Option(help="Query positions per depth and sequence.")] = 8,

@@ -45,24 +45,24 @@ from .methods import (
     resolve_methods,
 )
 from .niah import evaluate_niah, make_niah, score_niah
-from .options import TASKS, EvalOptions, as_options
+from .options import TASKS, EvalOptions, options_for
 from .ppl import evaluate_ppl, heldout_sequences, quanto_sequence_nll, sequence_nll
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 
 def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None = None, *, loaded=None,
              device: str = "auto", dtype: str = "auto", plot: Path | None = None,
-             progress: ProgressFn | None = None, placement=None, **legacy) -> EvalResult:
+             progress: ProgressFn | None = None, placement=None) -> EvalResult:
     """Validate the artifact (``oscar validate``'s rules), load the model (or take ``loaded``, a
     :class:`~oscar_calib.model.load.LoadedModel`; ``placement`` spreads a big one over GPUs, CPU
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
-    an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). Used by ``oscar eval``. ``legacy``: the pre-0.2
-    keyword settings (``task=``, ``methods=``, ``sink=``, ...; deprecated)."""
+    an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
+    None: the defaults (perplexity). Used by ``oscar eval``."""
     from ..calibrate.corpus import check_data_path
     from ..model.load import load_model
     from ..spec.artifact import load_artifact, require_compatible
 
-    opts = as_options(options, legacy.pop("task", getattr(options, "task", "ppl")), legacy)
+    opts = options_for(options)
     art = None
     if artifact_path is not None:
         art = load_artifact(Path(artifact_path))     # every check of oscar validate: its first line

@@ -218,7 +218,7 @@ def resolve_device(device: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_loading():
     """Silence transformers' progress bars and warnings while loading."""
     from transformers.utils import logging as hf_logging
 
@@ -281,7 +281,7 @@ def load_tokenizer(spec: str = DEFAULT_MODEL, *, trust_remote_code: bool = False
         if "gguf_file" not in kwargs:
             _precheck_config(spec, source, load_path, kwargs)
         try:
-            with _quiet():
+            with quiet_loading():
                 return _pad_token(_auto_tokenizer(load_path, kwargs))
         except Exception as e:  # noqa: BLE001 - as in _load_model: every failure means "cannot load"
             raise _load_error(spec, source, e) from None
@@ -338,7 +338,7 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
     if source.kind == "local":
         check_weight_files(spec, Path(load_path))
     try:
-        with _quiet():
+        with quiet_loading():
             tok = tokenizer if tokenizer is not None else _auto_tokenizer(load_path, kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory,
@@ -376,7 +376,7 @@ def _precheck_config(spec: str, source: ModelSource, load_path: str, kwargs: dic
     from transformers import AutoConfig
 
     try:
-        with _quiet():
+        with quiet_loading():
             config = AutoConfig.from_pretrained(load_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         first = first_line(e)

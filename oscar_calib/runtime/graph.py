@@ -98,9 +98,9 @@ class DecodeGraph:
         self._gate = torch.ones(self.batch, dtype=torch.bool, device=device)   # rows that store their token
 
     def _step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from .attention import ATTENTION_NAME, _registered_attention
+        from .attention import ATTENTION_NAME, registered_attention
 
-        compiled = compiled_layers(self._layers, self.cache, ATTENTION_NAME, _registered_attention)
+        compiled = compiled_layers(self._layers, self.cache, ATTENTION_NAME, registered_attention)
         with compiled if self.compile else contextlib.nullcontext():
             return self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
                               use_cache=True).logits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -16,10 +17,10 @@ from ..errors import InputError
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
 
 # whose INT2 arithmetic stores the history: oscar's kernels, the OSCAR SGLang fork's (uniform / Lloyd-Max),
-# calibrated 4-level codebooks on oscar's fp16 group parameters (an ablation, simulation only), vLLM's
-# (pull request #46774) or llama.cpp's q2_0 (OSCAR's branch): :mod:`oscar_calib.numerics.engines`
-QUANTIZERS = ("oscar", "fork", "fork-lloyd", "codebook", "codebook-std", "vllm", "llamacpp")
+# vLLM's (pull request #46774) or llama.cpp's q2_0 (OSCAR's branch): :mod:`oscar_calib.numerics.engines`
+QUANTIZERS = ("oscar", "fork", "fork-lloyd", "vllm", "llamacpp")
 ENGINE_QUANTIZERS = ("vllm", "llamacpp")
+
 
 @dataclass
 class KVScheme:
@@ -34,11 +35,10 @@ class KVScheme:
     ``oscar`` (our kernels: fp16 scale and offset, ``2 + 32/G`` bits), ``fork`` or ``fork-lloyd``
     (the OSCAR SGLang fork: float32 scale and zero, ``2 + 64/G`` bits, uniform or Lloyd-Max buckets;
     K/V/Q are rotated and held in ``window_dtype`` in the rotated basis as the fork's KV pool does).
-    ``codebook`` / ``codebook-std``: oscar's fp16 group parameters (min/max scale and offset, or mean
-    and std) with 4 calibrated levels per layer, KV head and cache (``k_levels[i]``/``v_levels[i]``
-    ``[kv_heads, 4]``, None = the coding's initial levels; :mod:`oscar_calib.numerics.codebook`),
-    ``2 + 32/G`` bits. Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork and
-    codebook quantisers; the real caches store with ``oscar``'s.
+    Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork's quantisers; the real
+    caches store with ``oscar``'s. A subclass may accept other names (:attr:`quantizers`) that it
+    registers with :func:`~oscar_calib.runtime.simulate.register_quantizer`
+    (:mod:`oscar_calib.experimental`).
 
     ``vllm`` / ``llamacpp``: those engines' quantisers (:mod:`oscar_calib.numerics.engines`; read
     only by :class:`~oscar_calib.runtime.simulate.SimulatedKV`). ``native_layers``: layers whose
@@ -66,22 +66,25 @@ class KVScheme:
     # time, like the OSCAR SGLang fork with SGLANG_OSCAR_ABSORB_V_ROTATION=1)
     v_output: list = field(default_factory=list)
     quantizer: str = "oscar"
-    k_levels: list = field(default_factory=list)
-    v_levels: list = field(default_factory=list)
     k_groups: list = field(default_factory=list)
     v_groups: list = field(default_factory=list)
     native_layers: tuple = ()
 
+    # the quantizer names this class accepts, and its per-layer list fields (empty: None per layer)
+    quantizers: ClassVar[tuple[str, ...]] = QUANTIZERS
+    per_layer: ClassVar[tuple[str, ...]] = ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output")
+
     def __post_init__(self):
-        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output", "k_levels", "v_levels"):
+        for name in self.per_layer:
             lst = getattr(self, name)
             if not lst:
                 setattr(self, name, [None] * self.num_layers)
             elif len(lst) != self.num_layers:
                 raise InputError(f"{self.name}: {name} has {len(lst)} layers, expected {self.num_layers}")
         check_window(self.sink, self.recent)
-        if self.quantizer not in QUANTIZERS:
-            raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from {', '.join(QUANTIZERS)}")
+        if self.quantizer not in self.quantizers:
+            raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from "
+                             f"{', '.join(self.quantizers)}")
         if self.group_size is not None:
             check_group_size(None, self.group_size)
         for name in ("k_groups", "v_groups"):
@@ -151,7 +154,7 @@ class KVScheme:
 
     def require_oscar_quantizer(self, cache: str) -> None:
         """Refuse, in one line, a quantiser a real cache cannot store (the fork's float32 and
-        Lloyd-Max arithmetic, calibrated codebooks: perplexity-simulation only)."""
+        Lloyd-Max arithmetic, or an experimental quantiser: perplexity-simulation only)."""
         if self.quantizer != "oscar":
             raise InputError(f"{self.name}: {cache} stores oscar's uniform INT2; the {self.quantizer!r} quantiser "
                              "exists only in the perplexity simulation (SimulatedKV)")

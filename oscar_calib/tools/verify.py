@@ -90,9 +90,19 @@ class VerifyResult:
                 "layers": self.layers, "timings": self.timings}
 
 
+def check_backend(backend: str) -> None:
+    """Refuse, before any model loads, a kernel backend this install cannot run: an unknown name, or
+    ``triton`` where the triton package does not import (it has wheels for Linux only)."""
+    from ..kernels import BACKENDS, triton_available
+
+    if backend not in BACKENDS:
+        raise InputError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
+    if backend == "triton" and not triton_available():
+        raise InputError("--backend triton needs the triton package, which is not installed here (it has wheels "
+                         "for Linux only); use --backend auto or torch")
+
+
 def _backend(backend: str, device: torch.device) -> str:
-    if backend not in ("auto", "triton", "torch"):
-        raise InputError(f"unknown backend {backend!r}; choose auto, triton or torch")
     if backend == "triton" and device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")   # CPU: the Triton interpreter
     return backend
@@ -233,12 +243,18 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     (:class:`~oscar_calib.model.placement.Placement`) spreads a big one over GPUs, CPU and disk.
     A spread model's captures are kept on the CPU and checked one layer at a time on the device
     its inputs go to. The artifact is validated first (``oscar validate``'s rules: a NaN or a
-    non-orthogonal rotation is refused with its line)."""
+    non-orthogonal rotation is refused with its line).
+
+    ``backend``: the kernels' (``auto``: Triton on CUDA where triton is installed, the torch
+    references otherwise). ``triton`` where triton is not installed (it has wheels for Linux only)
+    is refused with one :class:`InputError` before anything loads, rather than falling back: a run
+    that asks for the kernels must not silently check the references instead."""
     from ..calibrate.corpus import load_texts, plan_tokens
     from ..model.capture import Capture, capture_forward
     from ..model.load import load_model
 
     t0 = time.perf_counter()
+    check_backend(backend)
     path = Path(path)
     if loaded is not None and not isinstance(loaded, LoadedModel):
         raise TypeError("verify_artifact(loaded=...) takes a LoadedModel (LoadedModel.wrap(model, tokenizer, source))")

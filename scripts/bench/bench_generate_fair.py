@@ -400,7 +400,7 @@ def profile_record(model, batch: int, tokens: int, args) -> dict:
     profiler) for the OSCAR cache and the BF16 baseline (``sdpa``), beside the loop's wall time."""
     from bench_generate_runs import make_cache
 
-    from oscar_calib.runtime.attention import ATTENTION_NAME, _registered_attention
+    from oscar_calib.runtime.attention import ATTENTION_NAME, registered_attention
     from oscar_calib.runtime.graph import compiled_layers, decoder_layers
 
     dev = model.device
@@ -408,7 +408,7 @@ def profile_record(model, batch: int, tokens: int, args) -> dict:
     pos = torch.full((batch, 1), tokens, dtype=torch.long, device=dev)
     out = {"batch": batch, "tokens": tokens}
     cache = make_cache("oscar", model, batch, tokens, 64, args)
-    with cache.attach(model), compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, _registered_attention), \
+    with cache.attach(model), compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, registered_attention), \
             torch.no_grad():
         out["int2"] = profile_step(lambda: _step(model, cache, ids, pos))
     cache = None                                     # (frees the INT2 cache before the BF16 one is built)

@@ -44,7 +44,7 @@ variant            options
                    with ``--heldout-seqs 8`` the last 2 held-out sequences choose the step
 ``refine-lrL``
 ``codebook``       the default's rotations and clips; 4 calibrated levels per (layer, KV head)
-                   and K/V between each group's min and max (``numerics.codebook``, ``range``
+                   and K/V between each group's min and max (``experimental.codebook``, ``range``
                    coding: same fp16 scale/offset, same bits), Lloyd-fitted on the held-out rows
                    the clips are fitted on (rotated and clipped); simulation only
 ``codebook-std``   the same with each group stored as fp16 mean and std and the levels in
@@ -413,12 +413,11 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
     rows, and a summary: mean levels and the squared error on those rows (rotated and clipped) with
     the fitted levels relative to uniform INT2 (``k``, ``v``) and to the initial levels, averaged over
     layers and KV heads."""
-    import dataclasses
-
     import torch
 
     from oscar_calib.calibrate.pipeline import heldout_layer
-    from oscar_calib.numerics.codebook import (
+    from oscar_calib.experimental.codebook import (
+        CodebookScheme,
         fake_quant_codebook,
         fit_layer_levels,
         initial_levels,
@@ -447,7 +446,7 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
                "k_levels_mean": torch.stack(kl).mean((0, 1)).tolist(),
                "v_levels_mean": torch.stack(vl).mean((0, 1)).tolist(),
                "heldout_mse_ratio": {w: sum(r) / len(r) for w, r in ratios.items()}}
-    return dataclasses.replace(scheme, name=quantizer, quantizer=quantizer, k_levels=kl, v_levels=vl), summary
+    return CodebookScheme.of(scheme, quantizer, kl, vl, name=quantizer), summary
 
 
 def table(results: dict) -> str:

@@ -28,7 +28,7 @@ def main() -> None:
         heldout_layer,
         prepare_model,
     )
-    from oscar_calib.numerics.codebook import fake_quant_codebook, fit_layer_levels
+    from oscar_calib.experimental.codebook import fake_quant_codebook, fit_layer_levels
     from oscar_calib.numerics.quant import clip_rows, fake_quant_int2
     from oscar_calib.spec.config import CalibrationConfig
 

@@ -314,7 +314,7 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
     """The layers ``DecodeGraph(compile=True)`` records: each decoder layer through torch.compile
     (one compiled code for all layers), the cache update and the attention left out of it; steps
     through it give the eager steps' logits (float32 here) and the model is restored after."""
-    from oscar_calib.runtime.attention import ATTENTION_NAME, _registered_attention
+    from oscar_calib.runtime.attention import ATTENTION_NAME, registered_attention
     from oscar_calib.runtime.graph import compiled_layers, decoder_layers
 
     torch.manual_seed(0)
@@ -328,7 +328,7 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
         with cache.attach(model), torch.no_grad():
             ids, pos = logits.argmax(-1), torch.tensor([[300]])
             for i in range(3):
-                with compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, _registered_attention) if compiled else contextlib.nullcontext():
+                with compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, registered_attention) if compiled else contextlib.nullcontext():
                     out = model(ids, past_key_values=cache, position_ids=pos + i, use_cache=True).logits[:, -1:]
                 assert "update" not in cache.__dict__
                 outs.append(out.float())

@@ -152,6 +152,39 @@ def test_the_hook_manifest():
     assert "scripts/dev/run_hook.py oscar-validate zoo" in (REPO / "Makefile").read_text()
 
 
+PINNED = re.compile(r"(?:rev: |uses: OWNER/oscar@)(\S+)")
+
+
+def test_the_documented_pins_agree_and_resolve():
+    """The hook's and the workflow's documents pin one full commit SHA (oscar makes no releases: a
+    tag would not resolve). In a git checkout that commit is in this history, and its pyproject
+    requires triton on Linux only, so the pinned hook installs on macOS and Windows."""
+    files = (".pre-commit-hooks.yaml", "docs/examples/validate-zoo.yml", "action.yml")
+    texts = {f: (REPO / f).read_text() for f in files}
+    assert not any("v0.1.0" in t for t in texts.values())
+    pins = {f: set(PINNED.findall(texts[f])) for f in files[:2]}
+    assert all(pins.values()) and len(set().union(*pins.values())) == 1, pins
+    sha = pins[files[0]].pop()
+    assert re.fullmatch(r"[0-9a-f]{40}", sha), sha
+    git = ["git", "-C", str(REPO)]
+    if shutil.which("git") is None or subprocess.run(git + ["rev-parse", "--git-dir"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the pinned commit cannot be looked up")
+    assert subprocess.run(git + ["merge-base", "--is-ancestor", sha, "HEAD"]).returncode == 0, \
+        f"the pinned commit {sha} is not in this repository's history: pin a commit of it"
+    pyproject = subprocess.run(git + ["show", f"{sha}:pyproject.toml"], capture_output=True, text=True,
+                               check=True).stdout
+    from packaging.requirements import Requirement
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the same parser as a package
+        import tomli as tomllib
+    triton = next(r for r in map(Requirement, tomllib.loads(pyproject)["project"]["dependencies"])
+                  if r.name == "triton")
+    assert triton.marker.evaluate({"platform_system": "Linux"})
+    assert not triton.marker.evaluate({"platform_system": "Darwin"})
+
+
 def run_hook(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "dev" / "run_hook.py"), "oscar-validate"], cwd=root,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Calibrated 4-level codebooks (numerics.codebook): uniform levels are INT2, Lloyd does not increase
+"""Calibrated 4-level codebooks (experimental.codebook): uniform levels are INT2, Lloyd does not increase
 its objective, fitting is deterministic, the std coding holds the fork's Lloyd-Max levels."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oscar_calib.errors import InputError
-from oscar_calib.numerics.codebook import (
+from oscar_calib.experimental.codebook import (
     codebook_mse,
     coordinates,
     fake_quant_codebook,

@@ -1,4 +1,5 @@
-"""Calibrated 4-level codebooks for the 2-bit history (an ablation: no kernel or artifact stores them).
+"""Calibrated 4-level codebooks for the 2-bit history (an ablation that was not adopted: no kernel or
+artifact stores them; the perplexity simulation reads them through :class:`CodebookScheme`).
 
 Two codings, each with two stored numbers per group (the same bits as uniform INT2) plus four levels
 per (layer, KV head) and cache, fitted once on calibration rows:
@@ -6,33 +7,51 @@ per (layer, KV head) and cache, fitted once on calibration rows:
 =================  ==========================================================================
 coding             definition (per group of ``G`` channels; ``L`` = the head's 4 sorted levels)
 =================  ==========================================================================
-``range``          the group's own INT2 scale and zero (:func:`~.quant.quantize_int2`):
+``range``          the group's own INT2 scale and zero (:func:`~oscar_calib.numerics.quant.quantize_int2`):
                    ``y = x/s + z`` in ``[0, 3]``, ``q = #{i : y >= (L_i + L_{i+1})/2}``,
                    ``x_hat = (L_q - z) * s``. Uniform levels ``{0, 1, 2, 3}`` are exactly
-                   :func:`~.quant.fake_quant_int2`; levels live in ``[0, 3]`` (``u = y/3`` is the
+                   :func:`~oscar_calib.numerics.quant.fake_quant_int2`; levels live in ``[0, 3]`` (``u = y/3`` is the
                    position between the group's min and max).
 ``std``            the group's mean ``mu`` and population std ``sigma`` (``sqrt(var + 1e-8)``):
                    ``y = (x - mu)/sigma``, same nearest-level rule, ``x_hat = mu + sigma*L_q``;
                    the OSCAR fork's Lloyd-Max mode stores the fixed levels :data:`FORK_LLOYD_LEVELS`
                    in this coding, with thresholds 0, ±0.98107 instead of the midpoints
-                   (:func:`~.quant.quantize_lloyd_fork`).
+                   (:func:`~oscar_calib.numerics.quant.quantize_lloyd_fork`).
 =================  ==========================================================================
 
 Levels are fitted by weighted 1-D Lloyd (k-means) on the coordinates ``y`` of the fitting rows, each
 element weighted by ``s**2`` (``range``) or ``sigma**2`` (``std``), so the objective is the squared
 error of ``x`` itself; the initial levels are the uniform ones (``range``) or the fork's (``std``),
 and every iteration cannot increase that objective (nearest level, then weighted cell means).
+
+In the perplexity simulation (:class:`~oscar_calib.runtime.simulate.SimulatedKV`) a
+:class:`CodebookScheme` stores its history with quantizer ``codebook`` (``range`` coding) or
+``codebook-std`` (``std``), both with the two group numbers rounded to fp16 as the kernels store
+parameters, so the bits are oscar's ``2 + 32/G``; with uniform levels ``codebook`` equals ``oscar``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
 
 from ..errors import InputError
+from ..numerics.quant import (
+    LEVELS,
+    LLOYD_SCALE,
+    LLOYD_VAR_EPS,
+    clip_rows,
+    quantize_int2,
+)
+from ..runtime.scheme import KVScheme
+from ..runtime.simulate import oscar_rows, register_quantizer
 from ..spec.defaults import check_group_size
-from .quant import LEVELS, LLOYD_SCALE, LLOYD_VAR_EPS, clip_rows, quantize_int2
 
 CODINGS = ("range", "std")
+QUANTIZERS = {"codebook": "range", "codebook-std": "std"}       # quantizer name -> coding
 UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
 FORK_LLOYD_LEVELS = tuple(LLOYD_SCALE * (i - 1.5) for i in range(LEVELS))     # ±0.5837, ±1.7511
 
@@ -70,7 +89,7 @@ def coordinates(x: torch.Tensor, group_size: int, coding: str) -> tuple[torch.Te
 def nearest(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """Index of the nearest of ``levels`` ``[4]`` for every element of ``y``, compared as
     ``y + 0.5 >= midpoint + 0.5`` so uniform levels give exactly ``clamp(floor(y + 0.5), 0, 3)``
-    (:func:`~.quant.quantize_int2`'s rounding, ties up)."""
+    (:func:`~oscar_calib.numerics.quant.quantize_int2`'s rounding, ties up)."""
     lv = _check_levels(levels).to(y.device, y.dtype)
     if lv.ndim != 1:
         raise InputError(f"levels must be one codebook [{LEVELS}], got shape {tuple(lv.shape)}")
@@ -145,3 +164,56 @@ def fit_layer_levels(k_rows: torch.Tensor, v_rows: torch.Tensor, k_rot: torch.Te
             levels.append(fit_levels(clip_rows(y, c) if c < 1 else y, group_size, coding, fixed_ends=fixed_ends))
         out.append(torch.stack(levels))
     return out[0], out[1]
+
+
+# -- the perplexity simulation ------------------------------------------------------------------
+@dataclass
+class CodebookScheme(KVScheme):
+    """A :class:`~oscar_calib.runtime.scheme.KVScheme` whose INT2 history is stored with calibrated
+    codebooks: ``quantizer`` ``codebook`` (``range`` coding) or ``codebook-std`` (``std``), levels
+    ``k_levels[i]``/``v_levels[i]`` ``[kv_heads, 4]`` per layer (None: the coding's
+    :func:`initial_levels`). Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads it; the
+    real caches refuse it (``require_oscar_quantizer``)."""
+
+    quantizer: str = "codebook"
+    k_levels: list = field(default_factory=list)
+    v_levels: list = field(default_factory=list)
+
+    quantizers: ClassVar[tuple[str, ...]] = tuple(QUANTIZERS)
+    per_layer: ClassVar[tuple[str, ...]] = KVScheme.per_layer + ("k_levels", "v_levels")
+
+    @property
+    def coding(self) -> str:
+        return QUANTIZERS[self.quantizer]
+
+    @classmethod
+    def of(cls, scheme: KVScheme, quantizer: str = "codebook", k_levels=(), v_levels=(),
+           name: str | None = None) -> "CodebookScheme":
+        """``scheme`` (its rotations, clips, groups and windows) storing its history with codebooks."""
+        fields = {f.name: getattr(scheme, f.name) for f in dataclasses.fields(KVScheme)}
+        return cls(**{**fields, "name": name or fields["name"], "quantizer": quantizer,
+                      "k_levels": list(k_levels), "v_levels": list(v_levels)})
+
+
+def codebook_rows(sch: CodebookScheme, layer: int, q, k, v):
+    """:func:`~oscar_calib.runtime.simulate.oscar_rows` with the INT2 rows stored as ``sch``'s
+    codebooks (the two group numbers rounded to fp16; levels per KV head). With uniform levels
+    ``codebook`` equals ``oscar`` (tested)."""
+    levels = {"k": sch.k_levels[layer], "v": sch.v_levels[layer]}
+
+    def store(x, rotation, clip, group_size, cache):       # x [B, S, H, d] -> rotated, dequantised
+        y = x.float()
+        if rotation is not None:
+            y = torch.einsum("bshd,hde->bshe", y, rotation)
+        if clip is not None:
+            y = clip_rows(y, clip.to(torch.float64))
+        lv = levels[cache]
+        return torch.stack([fake_quant_codebook(y[:, :, h], initial_levels(sch.coding) if lv is None else lv[h],
+                                                group_size, sch.coding, torch.float16)
+                            for h in range(y.shape[2])], dim=2)
+
+    return oscar_rows(sch, layer, q, k, v, store=store)
+
+
+register_quantizer("codebook", codebook_rows)
+register_quantizer("codebook-std", codebook_rows)
