@@ -1,6 +1,6 @@
 """scripts/bench/bench_scale.py, dry-run on the CPU (a tiny geometry, two gloo ranks): both modes run
 the whole pipeline, write their JSON and the spread model is verified. On the GPU machine the
-same script measures the Qwen3-32B-shaped model over two GPUs (README, "Scaling")."""
+same script measures the Qwen3-32B-shaped model over two GPUs (docs/guides/scaling.md)."""
 
 import json
 import os

@@ -68,7 +68,7 @@ at every shape on an H200, round 2m), ``merge_cols`` / ``merge_warps`` (output c
 per merge program, default 32 / 4; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
-tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2n): at 128K
+tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; docs/design/kernels.md): at 128K
 context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
 gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
@@ -290,7 +290,7 @@ def decode_attention(
 #                    all into L2 (DRAM works while the query rotation runs); 0 = never
 #   window_stages    pipeline stages of the 16-bit window loop, or "auto" (see _window_stages)
 #
-# Round by round, with what was not adopted: docs/kernel-rounds.md.
+# What bounds the kernels and what was not adopted: docs/design/kernels.md; the tuning history: CHANGELOG.md.
 # Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench/bench_kernels.py sweeps, CUDA-graph
 # replays; scripts/bench/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
 # 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not

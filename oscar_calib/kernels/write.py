@@ -215,7 +215,7 @@ def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
 
 # the compiled kernel of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
-# Round by round, with what was not adopted: docs/kernel-rounds.md.
+# What bounds the kernels and what was not adopted: docs/design/kernels.md; the tuning history: CHANGELOG.md.
 # The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs wherever it applies
 # (H100, 128K tokens x 8 heads, round 2d: 147 us against 223 us without rotation or clip). With a
 # rotation it takes one [BT, d] product split into planes ("split"; four narrow products: 565 us)

@@ -28,7 +28,7 @@ prefill that long would need chunked prefill).
     python scripts/bench/bench_generate.py --quick         # tiny model on the CPU (checks the script)
 
 Results go to ``--out`` as JSON after every measurement (a run cut short keeps what it had); the
-table printed last is what the README shows.
+table printed last is what the docs show.
 """
 
 from __future__ import annotations
