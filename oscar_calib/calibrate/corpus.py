@@ -6,7 +6,7 @@ Two corpora ship with every Python (no network, the same text for the same Pytho
   tokens of English reference prose), topics joined in key order.
 * ``embedded-code``: the source code of six pure-Python standard-library modules
   (:data:`CODE_MODULES`, ~78K tokens of Python with its docstrings and comments), a second domain
-  to measure on (README, "Ablation"); never the calibration default.
+  to measure on (docs/design/numerics.md); never the calibration default.
 
 Each one's token stream is split in two halves: ``calibration`` (first half, what
 ``oscar calibrate`` reads) and ``heldout`` (second half, what ``oscar verify`` and ``oscar eval``

@@ -457,7 +457,7 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         _warn_beyond_context(lm, cfg.seq_len)
         if cfg.refine_steps and cfg.heldout_seqs < 2:
             warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
-                          "which fits that sequence rather than the model (README, 'Ablation'): use --heldout-seqs 8",
+                          "which fits that sequence rather than the model (docs/design/numerics.md): use --heldout-seqs 8",
                           OscarWarning, stacklevel=3)
         info = {"fingerprint": lm.fingerprint, "tokens": plan.sha256(),
                 "settings": stable_hash({k: v for k, v in cfg.fingerprint_fields().items() if k != "model"})}

@@ -30,7 +30,7 @@ EXAMPLES = """
     Examples:
 
     * `oscar calibrate` (SmolLM2-135M on the embedded corpus, into runs/smollm2-135m)
-    * `oscar calibrate --quick --out runs/first-try` (a first try: under a minute on two CPU cores)
+    * `oscar calibrate --quick --out runs/first-try` (a first try: about a minute on two CPU cores)
     * `oscar calibrate gemma3-270m --tokens 16384 --out zoo/gemma3-270m`
     * `oscar calibrate ./my-llama --data corpus.jsonl --seq-len 2048 --device cuda`
     * `oscar calibrate Qwen/Qwen3-8B --config configs/qwen3-8b.yaml --clip k=0.96,v=0.92`
@@ -68,13 +68,13 @@ def calibrate_command(
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     bit_budget: Annotated[Optional[float], typer.Option(help="Instead of one group size, spend this many stored bits "
                                                         "per element (e.g. 2.5) on a group size per layer, chosen "
-                                                        "on the held-out attention error (README, 'A K/V bit "
-                                                        "budget').")] = None,
+                                                        "on the held-out attention error (docs: "
+                                                        "guides/calibrate.md).")] = None,
     clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
     refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
                                                         "the held-out attention-output error under INT2 (Cayley, "
                                                         "kept orthogonal; never worse than the start), then refit "
-                                                        "the clips (default: 0 = off; README, 'Ablation').")] = None,
+                                                        "the clips (default: 0 = off; docs: design/numerics.md).")] = None,
     refine_lr: Annotated[Optional[float], typer.Option(help="Learning rate of --refine-steps (default: 2e-3).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -90,10 +90,10 @@ def calibrate_command(
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
                                                             "(default: 4).")] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run `oscar verify` on the new artifact.")] = True,
-    quick: Annotated[bool, typer.Option("--quick", help="A first try in well under a minute on a CPU: 2048 tokens "
+    quick: Annotated[bool, typer.Option("--quick", help="A first try in about a minute on a CPU: 2048 tokens "
                                         "in 512-token sequences, 256 held-out rows for the clips, and a verify "
-                                        "on one sequence at depths 512 and 1024. Costs some accuracy (README, "
-                                        "'A first run'); options given explicitly still win.")] = False,
+                                        "on one sequence at depths 512 and 1024. Costs some accuracy (docs: "
+                                        "guides/calibrate.md); options given explicitly still win.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact.

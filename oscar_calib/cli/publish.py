@@ -101,7 +101,7 @@ def pull_command(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory to place the artifact in "
                                                 "(default: the zoo cache).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the contents of a non-empty --out.")] = False,
-    tag: Annotated[Optional[str], typer.Option(help="rotationzoo: the calibration tag (seq<T>_prompt<N>_group<G>) "
+    tag: Annotated[Optional[str], typer.Option(help="rotationzoo: the calibration tag (`seq<T>_prompt<N>_group<G>`) "
                                                "or directory to take (default: the config's, else the only one).")]
     = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="rotationzoo: the model the artifact is for "
@@ -116,7 +116,7 @@ def pull_command(
 
     `rotationzoo:MODEL` fetches OSCAR's own K/V rotation files for MODEL from the Hugging Face repo
     Zhongzhu/OSCAR-RotationZoo (found by listing it: a directory named after the model holding
-    k_rotation_*.pt and v_rotation_*.pt) and imports them as a validated artifact into
+    `k_rotation_*.pt` and `v_rotation_*.pt`) and imports them as a validated artifact into
     `$OSCAR_CACHE/zoo/rotationzoo/MODEL` or --out, with the clips, group size and windows of
     MODEL's configs/ file, recording the repository, files and calibration tag in the card.
     """

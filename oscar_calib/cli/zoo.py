@@ -1,4 +1,4 @@
-"""``oscar zoo``: list the rotation zoo, regenerate its index and README table."""
+"""``oscar zoo``: list the rotation zoo, regenerate its index and its markdown tables."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def index_command(zoo: ZooOpt = None,
 
 @zoo_app.command("table")
 def table_command(zoo: ZooOpt = None) -> None:
-    """Print the README's zoo tables (markdown) generated from zoo/index.json: the committed
+    """Print the zoo tables (markdown) generated from zoo/index.json: the committed
     artifacts, then the upstream seed models with their pull recipe."""
     from ..tools.zoo import load_index, markdown_table, upstream_table
 

@@ -2,7 +2,7 @@
 ``$OSCAR_CACHE/zoo/<hf|modelscope>/<ORG>/<NAME>``.
 
 ``zoo/index.json`` describes the committed entries; ``oscar zoo index`` regenerates it and
-``oscar zoo table`` renders the README's table from it, so the two never disagree. The index is
+``oscar zoo table`` renders the zoo's markdown tables from it, so the two never disagree. The index is
 deterministic (sorted entries, relative paths, no timestamps): regenerating an unchanged zoo
 gives a byte-identical file, and ``oscar zoo index --check`` fails when it is stale.
 
@@ -256,7 +256,7 @@ def eval_text(ev: dict | None) -> str:
 
 
 def markdown_table(index: dict) -> str:
-    """The README's zoo table, generated from ``index.json``."""
+    """The zoo's markdown table, generated from ``index.json``."""
     entries = index.get("entries", [])
     if not entries:
         return "_The zoo is empty: no artifacts are committed yet._\n"
@@ -275,7 +275,7 @@ def markdown_table(index: dict) -> str:
 
 
 def upstream_table(index: dict) -> str:
-    """The README's table of upstream seed models (OSCAR's RotationZoo) and their pull recipe."""
+    """The markdown table of upstream seed models (OSCAR's RotationZoo) and their pull recipe."""
     ups = index.get("upstream") or []
     if not ups:
         return ""

@@ -5,7 +5,7 @@ Compiles a kernel for an NVIDIA target (default sm_90, Hopper) with the installe
 ships its own ``ptxas`` and ``nvdisasm``, disassembles the cubin and reports the registers, the
 shared memory and each loop of the SASS: its instruction count and, for the main loop, the opcode
 mix and the instructions per cached token. The decode kernel at batch 1 is bound by its
-dependent instruction stream (docs/benchmarks.md, "kernels"), so the main loop's count is a first
+dependent instruction stream (docs/design/kernels.md), so the main loop's count is a first
 measure of a change before any GPU time is spent; the GPU benchmark (``bench_kernels.py``) has
 the last word.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Why calibrated codebooks lose (README, "Calibrated 4-level codebooks"): energy and gain of the
+"""Why calibrated codebooks lose (docs/design/numerics.md, "What was tried and not adopted"): energy and gain of the
 reconstruction on the rows the levels are fitted on, uniform INT2 against fitted levels.
 
     python scripts/experiments/codebook_gain.py > scripts/experiments/results/codebook_gain_smollm2-135m.md

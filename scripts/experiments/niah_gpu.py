@@ -5,7 +5,7 @@ prefill, then ``model.generate()`` through each method's cache; on CUDA the INT2
 through the real :class:`~oscar_calib.runtime.OscarCache` with the Triton kernels) for
 bf16, hadamard, oscar and fork, one context length at a time, and writes one EvalResult JSON
 (``oscar eval --json``'s shape, with a 95% Wilson interval per method x length) after every
-length, so a run cut short keeps what it had. The table printed last is what the README shows.
+length, so a run cut short keeps what it had. The table printed last is what the docs show.
 
     # on the GPU machine (GGUF files carried in parts and re-assembled; see --gguf)
     python scripts/experiments/niah_gpu.py smollm2-135m zoo/smollm2-135m --gguf /root/m/SmolLM2-135M-Instruct.Q4_1.gguf \\

@@ -163,7 +163,7 @@ def _padded_prompt(device, length=PROMPT, pads=37):
 def _generate(model, cache, ids, mask, custom, **kw):
     from oscar_calib.runtime import graph_decoding
 
-    if custom == "compile":        # the opt-in spelled as the README spells it
+    if custom == "compile":        # the opt-in spelled as the docs spell it
         extra = {"custom_generate": functools.partial(graph_decoding, compile=True)}
     else:
         extra = {"custom_generate": graph_decoding} if custom else {}
