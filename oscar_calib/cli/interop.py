@@ -59,8 +59,9 @@ def export_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Export ARTIFACT for a serving engine: the rotation files its loader reads, serve.env with
-    its environment variables, launch.sh with its command line, and settings.json (every value
-    explicit, and the engine revision its rules were checked against). The files are re-read with
+    its environment variables, launch.sh with its command line, and settings.json (SGLang:
+    clips.json) with every value explicit and the engine revision its rules were checked
+    against. The files are re-read with
     the engine's loader rules before anything is installed; what the engine cannot serve is
     refused in one line. `--target list` names the engines.
     """
@@ -107,7 +108,7 @@ def export_command(
                   f"({FORK_INSTALL})")
     elif result.launch.argv:
         next_step(f"{quote(result.out / 'launch.sh')} starts {TARGETS[target].engine} with these settings "
-                  f"(settings.json says which revision they were checked against)")
+                  f"(settings.json records the revision they were checked against)")
     else:
         next_step(f"{quote(result.out / 'settings.json')} says how {TARGETS[target].engine} loads these files")
 

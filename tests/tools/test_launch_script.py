@@ -116,3 +116,22 @@ def test_the_prefill_backend_must_suit_the_gpu(serve_dir, tmp_path, gpu, backend
         argv = json.loads(r.stdout)["argv"]
         assert argv[argv.index("--prefill-attention-backend") + 1] == backend
 
+
+
+def test_upstream_target_takes_any_sglang_and_names_its_pull_request(tmp_path):
+    """The upstream target's launch.sh (``fork=False``) starts a stock sglang (its build with the pull
+    request is not recognisable from its files) and, without sglang, names the pull request."""
+    from oscar_calib.tools.export.sglang.export import UPSTREAM_PR
+
+    d = tmp_path / "up"
+    d.mkdir()
+    s = ServeSettings("sglang", "/models/m", 64, 64, 256, 0.95, 0.9, absorb_v=False, v_identity=False)
+    (d / LAUNCH_FILE).write_text(launch_script(s, "k.pt", "v.pt", fork=False))
+    (d / ENV_FILE).write_text("SGLANG_OSCAR_K_CLIP_RATIO=0.95\n")
+    assert FORK_INSTALL not in (d / LAUNCH_FILE).read_text()
+    r = launch(d, tmp_path)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"launch.sh: python has no sglang; install an sglang built with {UPSTREAM_PR}"]
+    r = launch(d, tmp_path, pythonpath=sglang_package(tmp_path / "stock", fork=False), gpu="9.0")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["argv"][:2] == ["--model-path", "/models/m"]

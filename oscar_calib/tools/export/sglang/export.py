@@ -75,6 +75,7 @@ FA3_COMPUTE_MAJORS = (8, 9)
 # SGLang tree; it brings the SGLANG_ENABLE_MIXED_KV_WINDOWS setting a stock sglang lacks.
 FORK_REPO = "https://github.com/FutureMLS-Lab/OSCAR"
 FORK_INSTALL = f"git clone --recursive {FORK_REPO} && pip install -e OSCAR/sglang-research/python"
+UPSTREAM_PR = "pull request sgl-project/sglang#32129 (--kv-cache-dtype int2)"
 FORK_MARKER = "SGLANG_ENABLE_MIXED_KV_WINDOWS"      # defined in the fork's sglang/srt/environ.py only
 
 
@@ -175,7 +176,7 @@ def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork"
         final = out.resolve()
         env = settings.env(final / k_name, final / v_name)
         atomic_write_text(tmp / ENV_FILE, serve_env(env, settings, art, Path(artifact_path), warnings))
-        atomic_write_text(tmp / LAUNCH_FILE, launch_script(settings, k_name, v_name))
+        atomic_write_text(tmp / LAUNCH_FILE, launch_script(settings, k_name, v_name, fork=target != "sglang"))
         os.chmod(tmp / LAUNCH_FILE, 0o755 & ~_umask())
         atomic_write_text(tmp / CLIPS_FILE, json.dumps(_clips_doc(art, k_clip, v_clip, clip_source), indent=2) + "\n")
     return SGLangExport(out, target, [k_name, v_name, ENV_FILE, LAUNCH_FILE, CLIPS_FILE], settings, clip_source,
@@ -337,16 +338,20 @@ def serve_env(env: dict[str, str], s: ServeSettings, art: Artifact, source: Path
     return "\n".join(lines) + "\n"
 
 
-def launch_script(s: ServeSettings, k_name: str, v_name: str) -> str:
-    """``launch.sh``: checks that ``$PYTHON`` has the OSCAR fork of SGLang and that the prefill
-    backend suits the GPU (one line and exit 1 when not), then starts the fork's server."""
+def launch_script(s: ServeSettings, k_name: str, v_name: str, *, fork: bool = True) -> str:
+    """``launch.sh``: checks that ``$PYTHON`` has SGLang (``fork``: the OSCAR fork, recognised by
+    its own environment variable; else any sglang, for upstream's pull request, whose build is not
+    recognisable) and that the prefill backend suits the GPU (one line and exit 1 when not), then
+    starts the server."""
     flags = " ".join(shlex.quote(f) for f in s.server_flags())
     majors = "|".join(str(m) for m in FA3_COMPUTE_MAJORS)
+    marker = f'"{FORK_MARKER}" in env.read_text(errors="replace")' if fork else "True"
+    install = f"install the OSCAR fork: {FORK_INSTALL}" if fork else f"install an sglang built with {UPSTREAM_PR}"
     return f"""#!/usr/bin/env bash
-# Start the OSCAR SGLang fork with these rotations (written by `oscar export`, oscar {__version__}).
+# Start {"the OSCAR SGLang fork" if fork else "SGLang"} with these rotations (written by `oscar export`, oscar {__version__}).
 # Usage: ./launch.sh [more sglang.launch_server flags, e.g. --port 30000 --tensor-parallel-size 4]
-# Needs the OSCAR fork of SGLang, not a stock sglang (which ignores these settings):
-#   {FORK_INSTALL}
+# Needs {"the OSCAR fork of SGLang, not a stock sglang (which ignores these settings)" if fork else "an sglang built with " + UPSTREAM_PR}:
+#   {FORK_INSTALL if fork else "see the pull request"}
 # Environment: MODEL_PATH (default below); PYTHON (default python); PREFILL_BACKEND (default
 # {s.prefill_backend}): fa3 is FlashAttention 3, which the fork runs on sm80-sm90 GPUs (A100, L40, H100)
 # with CUDA >= 12.3; elsewhere (e.g. Blackwell) use PREFILL_BACKEND=triton. The fork's INT2 cache
@@ -359,13 +364,13 @@ fork=0
 "$PYTHON" -c 'import importlib.util as u, pathlib, sys
 s = u.find_spec("sglang")
 env = pathlib.Path(s.origin).parent / "srt" / "environ.py" if s and s.origin else None
-sys.exit(3 if env is None else 0 if env.is_file() and "{FORK_MARKER}" in env.read_text(errors="replace") else 4)' \\
+sys.exit(3 if env is None else 0 if env.is_file() and {marker} else 4)' \\
     2>/dev/null || fork=$?
 case $fork in
     0) ;;
-    3) echo "launch.sh: $PYTHON has no sglang; install the OSCAR fork: {FORK_INSTALL}" >&2; exit 1 ;;
-    4) echo "launch.sh: the sglang of $PYTHON is not the OSCAR fork; install it: {FORK_INSTALL}" >&2; exit 1 ;;
-    *) echo "launch.sh: cannot run $PYTHON (set PYTHON to the interpreter that has the OSCAR fork)" >&2; exit 1 ;;
+    3) echo "launch.sh: $PYTHON has no sglang; {install}" >&2; exit 1 ;;
+    4) echo "launch.sh: the sglang of $PYTHON is not the OSCAR fork; {f"install it: {FORK_INSTALL}" if fork else install}" >&2; exit 1 ;;
+    *) echo "launch.sh: cannot run $PYTHON (set PYTHON to the interpreter that has {"the OSCAR fork" if fork else "sglang"})" >&2; exit 1 ;;
 esac
 case $PREFILL_BACKEND in
     fa3)
