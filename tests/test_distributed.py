@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import loaded_tiny
+from factories import assert_one_line_error, loaded_tiny, oscar
 from safetensors.torch import load_file
-from test_cli import assert_one_line_error, run_main
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.launch import check_nproc, launch
@@ -87,6 +86,7 @@ def assert_same_rotations(out: Path, ref_out: Path) -> None:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path, reference):
     code, work = run_job(tmp_path, "job")
     assert code == 0
@@ -99,6 +99,7 @@ def test_two_ranks_equal_one_process(tmp_path, reference):
     assert not list((tmp_path / "out").glob(".oscar-checkpoint*"))
 
 
+@pytest.mark.slow
 def test_dead_rank_is_named_and_resume_continues(tmp_path, reference):
     out = tmp_path / "out"
     with pytest.raises(DistributedError, match=r"rank 1 died \(SIGKILL\); rank\(s\) 0 were stopped"):
@@ -140,23 +141,24 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     assert not (tmp_path / "out").exists()                                  # nothing half-written
 
 
-def test_cli_nproc_two_equals_one(monkeypatch, capsys, tmp_path, tiny_dir, plain_artifact):
+@pytest.mark.slow
+def test_cli_nproc_two_equals_one(tmp_path, tiny_dir, plain_artifact):
     out = tmp_path / "dp"
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(out), *CLI_ARGS,
-                            "--nproc", "2", "--json")
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(out), *CLI_ARGS,
+                         "--nproc", "2", "--json")
     assert code == 0, err
     assert_same_rotations(out, plain_artifact)
     t = json.loads((out / "calibration.json").read_text())["timings"]
     assert t["world_size"] == 2
 
 
-def test_nproc_beyond_devices_is_refused(monkeypatch, capsys, tmp_path, tiny_dir):
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--nproc", "4096")
+def test_nproc_beyond_devices_is_refused(monkeypatch, tmp_path, tiny_dir):
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--nproc", "4096")
     assert_one_line_error(code, err, "--nproc 4096: only")
     assert "CPU core" in err and not (tmp_path / "o").exists()
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--nproc", "0")
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--nproc", "0")
     assert_one_line_error(code, err, "--nproc must be at least 1")
     # on CUDA the devices are the visible GPUs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -262,12 +264,12 @@ def test_offload_dir_is_used_and_result_unchanged(tmp_path, tiny_dir, plain_arti
     assert_same_rotations(tmp_path / "big", plain_artifact)
 
 
-def test_offload_dir_bad_input(monkeypatch, capsys, tmp_path, tiny_dir):
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--offload-dir", str(tmp_path / "off"))
+def test_offload_dir_bad_input(tmp_path, tiny_dir):
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--offload-dir", str(tmp_path / "off"))
     assert_one_line_error(code, err, "--offload-dir needs --device-map")
     (tmp_path / "afile").write_text("x")
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--device-map", "auto", "--offload-dir", str(tmp_path / "afile"))
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--device-map", "auto", "--offload-dir", str(tmp_path / "afile"))
     assert_one_line_error(code, err, "is a file, not a folder")
     assert not (tmp_path / "o").exists() and (tmp_path / "afile").read_text() == "x"

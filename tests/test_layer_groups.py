@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
-from test_validate import make_artifact
+from factories import make_artifact, tiny_model
 
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.geometry import geometry_of
@@ -80,7 +79,7 @@ def test_eval_reads_a_bit_budget_artifact_end_to_end(tmp_path, char_tokenizer):
     """calibrate --bit-budget on a tiny model, then `oscar eval`'s ppl: the oscar row runs each layer at
     its size (bits = the per-layer mean), the baselines at the artifact's uniform size; an explicit
     --group-size still means one size everywhere."""
-    from helpers import FAST, loaded_tiny
+    from factories import FAST, loaded_tiny
 
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.eval import EvalOptions

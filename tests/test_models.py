@@ -4,7 +4,7 @@ the registry and fingerprints."""
 from pathlib import Path
 
 import pytest
-from helpers import loaded_tiny, tiny_model
+from factories import loaded_tiny, tiny_model
 
 from oscar_calib.calibrate.corpus import load_texts, plan_tokens
 from oscar_calib.errors import (

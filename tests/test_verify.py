@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import FAST, loaded_tiny
+from factories import FAST, loaded_tiny
 
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.errors import ArtifactError
@@ -91,7 +91,7 @@ def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
         assert a["artifact"]["attn"] > 0          # the INT2 history really was quantised
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (GPU machine)")
+@pytest.mark.gpu
 def test_verify_on_cuda_gives_the_cpu_figures(tmp_path):
     """The same artifact verified with the model on a GPU: every layer's figures, the fork's
     simulation (one call over the longest prefix, rows at their own positions) included, are the

@@ -8,14 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_validate import make_artifact
-from typer.testing import CliRunner
+from factories import make_artifact, oscar
 
-from oscar_calib.cli import app
 from oscar_calib.spec.artifact import WEIGHTS_NAME
 from oscar_calib.tools import zoo
-
-runner = CliRunner()
 
 
 @pytest.fixture
@@ -29,16 +25,16 @@ def test_empty_zoo(tmp_path, empty_cache):
     root = tmp_path / "zoo"
     root.mkdir()
     assert zoo.list_entries(root) == []
-    result = runner.invoke(app, ["zoo", "list", "--zoo", str(root), "--json"])
+    result = oscar("zoo", "list", "--zoo", str(root), "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["entries"] == []
-    assert "the zoo is empty" in runner.invoke(app, ["zoo", "list", "--zoo", str(root)]).stderr
-    assert runner.invoke(app, ["zoo", "index", "--zoo", str(root), "--check"]).exit_code == 1   # no index yet
-    assert runner.invoke(app, ["zoo", "index", "--zoo", str(root)]).exit_code == 0
+    assert "the zoo is empty" in oscar("zoo", "list", "--zoo", str(root)).stderr
+    assert oscar("zoo", "index", "--zoo", str(root), "--check").exit_code == 1   # no index yet
+    assert oscar("zoo", "index", "--zoo", str(root)).exit_code == 0
     index = json.loads((root / "index.json").read_text())
     assert index == {"entries": [], "format": "oscar-zoo-index", "format_version": 1, "upstream": index["upstream"]}
     assert len(index["upstream"]) == 4             # the upstream seed models (configs/), with their pull recipe
-    assert runner.invoke(app, ["zoo", "index", "--zoo", str(root), "--check"]).exit_code == 0
-    table = runner.invoke(app, ["zoo", "table", "--zoo", str(root)])
+    assert oscar("zoo", "index", "--zoo", str(root), "--check").exit_code == 0
+    table = oscar("zoo", "table", "--zoo", str(root))
     assert table.exit_code == 0 and table.stdout.startswith("_The zoo is empty: no artifacts are committed yet._\n")
     assert "`oscar pull rotationzoo:qwen3-8b`" in table.stdout
 
@@ -70,10 +66,10 @@ def test_list_populated_zoo_with_quality(populated, demo_artifact):
     assert mine.verified is True and mine.verify == {"passed": True, "max_abs_error": 0.002}
     assert mine.eval["wikitext2_ppl"] == 21.5
     assert pulled.remote == "hf:some-org/tiny-oscar" and pulled.verified is None
-    result = runner.invoke(app, ["zoo", "list", "--zoo", str(populated), "--json"])
+    result = oscar("zoo", "list", "--zoo", str(populated), "--json")
     assert result.exit_code == 0
     assert [e["name"] for e in json.loads(result.stdout)["entries"]] == ["smollm2-135m", "hf/some-org/tiny-oscar"]
-    text = runner.invoke(app, ["zoo", "list", "--zoo", str(populated), "--no-cache"]).stdout
+    text = oscar("zoo", "list", "--zoo", str(populated), "--no-cache").stdout
     assert "smollm2-135m" in text and "tiny-oscar" not in text
 
 
@@ -92,9 +88,9 @@ def test_index_is_deterministic_and_drives_the_table(populated):
             "wikitext2_ppl 21.500, wikitext2_ppl_bf16 21.100 |") in table
     # a new artifact makes the committed index stale until it is regenerated
     make_artifact(populated / "tiny")
-    result = runner.invoke(app, ["zoo", "index", "--zoo", str(populated), "--check"])
+    result = oscar("zoo", "index", "--zoo", str(populated), "--check")
     assert result.exit_code == 1 and "stale" in result.stderr
-    assert runner.invoke(app, ["zoo", "index", "--zoo", str(populated)]).exit_code == 0
+    assert oscar("zoo", "index", "--zoo", str(populated)).exit_code == 0
     assert [e["name"] for e in zoo.load_index(populated)["entries"]] == ["smollm2-135m", "tiny"]
 
 
@@ -104,7 +100,7 @@ def test_damaged_entry_is_listed_not_fatal(tmp_path, empty_cache):
     (art / WEIGHTS_NAME).write_bytes(b"\x00" * 4)
     (entry,) = zoo.list_entries(root)
     assert entry.error and "truncated" in entry.error and entry.model_id is None
-    assert runner.invoke(app, ["zoo", "list", "--zoo", str(root)]).exit_code == 0
+    assert oscar("zoo", "list", "--zoo", str(root)).exit_code == 0
 
 
 def test_committed_index_is_current():

@@ -4,12 +4,14 @@ plain lines off a terminal (a live bar on one), and leaves stdout to tables and 
 from __future__ import annotations
 
 import json
-import sys
 import time
 
-from oscar_calib.cli import _progress, main
+from factories import oscar
+
+from oscar_calib.cli import _progress
 from oscar_calib.progress import counter, report, step
 
+# (a quick run with its verify pass: the verify stages are drawn too)
 FAST_ARGS = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--device", "cpu"]
 
 
@@ -71,18 +73,13 @@ def test_off_and_rich_are_chosen_by_environment(monkeypatch):
     assert _progress.display_kind() == "plain"           # pytest's stderr is not a terminal
 
 
-def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, capsys, tmp_path, tiny_llama_dir):
-    monkeypatch.setenv("OSCAR_PROGRESS", "plain")
+def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, tmp_path, tiny_llama_dir):
     monkeypatch.setattr(_progress, "ANNOUNCE_AFTER_S", 0.0)   # the tiny model's stages take milliseconds
-    monkeypatch.setattr(sys, "argv", ["oscar", "calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "a"),
-                                      *FAST_ARGS, "--json"])
-    try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, 1)                          # a random-init model may fail verify's comparison
-    cap = capsys.readouterr()
-    doc = json.loads(cap.out)                            # stdout: the JSON document only
+    code, out, err = oscar("calibrate", tiny_llama_dir, "--out", tmp_path / "a", *FAST_ARGS, "--json",
+                           env={"OSCAR_PROGRESS": "plain"})
+    assert code in (0, 1), err                           # a random-init model may fail verify's comparison
+    doc = json.loads(out)                                # stdout: the JSON document only
     assert doc["verify"]["passed"] in (True, False)
-    done = [line.split(": done in ")[0] for line in cap.err.splitlines() if ": done in " in line]
+    done = [line.split(": done in ")[0] for line in err.splitlines() if ": done in " in line]
     assert done == ["loading model", "tokenising data", "capture", "held-out rows", "rotations + clips",
-                    "shared rotations", "verify: held-out pass", "verify: INT2 kernels"], cap.err
+                    "shared rotations", "verify: held-out pass", "verify: INT2 kernels"], err

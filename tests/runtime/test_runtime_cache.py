@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 from transformers import DynamicCache
 
 from oscar_calib.errors import ArtifactError, CacheError
