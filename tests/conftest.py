@@ -131,6 +131,27 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
+    """``tiny_dir`` calibrated from its files by one process with one thread (as each rank runs),
+    512 tokens of 64: what the data-parallel and big-model (device map) runs must reproduce.
+    Read-only."""
+    import torch
+
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.spec.config import CalibrationConfig
+
+    out = tmp_path_factory.mktemp("plain") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate(CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48,
+                                    device="cpu"), out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_calibrated(tmp_path_factory) -> Path:
     """``calibrate_tiny`` of the default tiny Llama with TINY_FAST settings, once per session
     (read-only: copy it before changing anything). A rerun with the same settings is byte-identical."""

@@ -221,19 +221,6 @@ CLI_ARGS = ["--tokens", "512", "--seq-len", "64", "--batch-size", "2", "--heldou
             "--no-verify"]
 
 
-@pytest.fixture(scope="module")
-def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
-    out = tmp_path_factory.mktemp("plain") / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        calibrate(CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48,
-                                    device="cpu"), out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
 def test_device_map_with_disk_offload_equals_plain_run(tmp_path, tiny_dir, plain_artifact):
     cfg = CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48, device="cpu")
     # ~1.5 decoder layers fit in "CPU memory": the rest is offloaded to disk (read from the safetensors)
