@@ -30,6 +30,7 @@ from factories import (  # noqa: E402
     ON_GPU,
     byte_tokenizer,
     calibrate_tiny,
+    loaded_tiny,
     save_checkpoint,
     tiny_model,
 )
@@ -149,6 +150,15 @@ def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bit_budget(tmp_path_factory):
+    """The CalibrationResult of ``calibrate_tiny`` on a 3-layer tiny Llama with head_dim 64 under
+    ``bit_budget=2.7`` (one layer gets groups of 32), once per session (read-only; the model is
+    ``loaded_tiny("llama", head_dim=64, layers=3)``)."""
+    return calibrate_tiny(tmp_path_factory.mktemp("bit-budget") / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3),
+                          bit_budget=2.7)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_generate.py"
 
 

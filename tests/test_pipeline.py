@@ -268,13 +268,13 @@ def test_smollm2_rerun_byte_identical(tmp_path, demo_artifact, smollm2_loaded):
     assert sha256(res.out / "oscar.safetensors") == sha256(demo_artifact / "oscar.safetensors")
 
 
-def test_bit_budget_writes_per_layer_group_sizes(tmp_path):
+def test_bit_budget_writes_per_layer_group_sizes(tmp_path, tiny_bit_budget):
     """--bit-budget: one layer of three gets groups of 32 (3 bits) within 2.7 bits on average, the
     artifact stores the sizes (and the closest uniform size as group_size) and validates."""
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.tools.validate import validate_artifact
 
-    res = calibrate_tiny(tmp_path / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.7)
+    res = tiny_bit_budget
     md, _ = check_contract(res.out, 3, 4, 2, 64)
     sizes = [int(g) for g in md["layer_group_sizes"].split(",")]
     assert sorted(sizes) == [32, 64, 64] and md["group_size"] == "64"
@@ -335,7 +335,6 @@ def test_bit_budget_settings_are_checked():
             CalibrationConfig(**kw).validate()
 
 
-def test_bit_budget_card_names_the_sizes(tmp_path):
-    res = calibrate_tiny(tmp_path / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.7)
-    card = (res.out / "README.md").read_text()
+def test_bit_budget_card_names_the_sizes(tiny_bit_budget):
+    card = (tiny_bit_budget.out / "README.md").read_text()
     assert "group size per layer" in card and "bit budget 2.7" in card and "serves group 64" in card

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -186,14 +183,13 @@ def test_model_check_matches_and_mismatches(demo_artifact, smollm2):
     assert any("model fingerprint" in p and "does not match tiny-llama" in p for p in report.problems)
 
 
-def test_subprocess_exit_code_and_no_traceback(tmp_path):
+def test_exit_code_and_no_traceback(tmp_path):
+    """(The console script's own exit codes, as a process: test_cli.py.)"""
     art = make_artifact(tmp_path / "a")
     _truncate(art / WEIGHTS_NAME)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run([sys.executable, "-m", "oscar_calib", "validate", str(art)], capture_output=True,
-                          text=True, env=env, timeout=120)
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr and "truncated file" in proc.stderr
+    code, _, err = oscar("validate", art)
+    assert code == 1
+    assert "Traceback" not in err and "truncated file" in err
     # load_artifact agrees that the file is unusable, with a typed error
     from oscar_calib.errors import ArtifactError
 

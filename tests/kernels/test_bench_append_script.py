@@ -10,6 +10,8 @@ import torch
 
 from oscar_calib.kernels._common import interpreter_problem
 
+pytestmark = pytest.mark.script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_append.py"
 
 

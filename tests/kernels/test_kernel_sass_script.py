@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "kernel_sass.py"
 
 
