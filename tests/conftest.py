@@ -98,6 +98,12 @@ def demo_artifact(tmp_path_factory, smollm2_loaded) -> Path:
     calibrate(CalibrationConfig(**FAST), out, loaded=smollm2_loaded)
     return out
 
+@pytest.fixture(scope="session")
+def zoo_smollm2() -> Path:
+    """The committed SmolLM2 artifact, ``zoo/smollm2-135m`` (read-only): a real calibration of the
+    real model without running one."""
+    return Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m"
+
 # ----------------------------------------------------------------------------- tiny models and artifacts
 
 
