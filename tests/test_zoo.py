@@ -40,10 +40,10 @@ def test_empty_zoo(tmp_path, empty_cache):
 
 
 @pytest.fixture
-def populated(demo_artifact, tmp_path, empty_cache) -> Path:
+def populated(zoo_smollm2, tmp_path, empty_cache) -> Path:
     root = tmp_path / "zoo"
     entry = root / "smollm2-135m"
-    shutil.copytree(demo_artifact, entry)
+    shutil.copytree(zoo_smollm2, entry)
     (entry / "verify.json").write_text(json.dumps({"passed": True, "summary": {"max_abs_error": 0.002},
                                                    "per_layer": [1, 2, 3]}))
     report = json.loads((entry / "calibration.json").read_text())
@@ -54,11 +54,11 @@ def populated(demo_artifact, tmp_path, empty_cache) -> Path:
     return root
 
 
-def test_list_populated_zoo_with_quality(populated, demo_artifact):
+def test_list_populated_zoo_with_quality(populated, zoo_smollm2):
     entries = zoo.list_entries(populated)
     assert [(e.name, e.source) for e in entries] == [("smollm2-135m", "zoo"), ("hf/some-org/tiny-oscar", "hf")]
     mine, pulled = entries
-    summary = json.loads((demo_artifact / "calibration.json").read_text())["summary"]
+    summary = json.loads((zoo_smollm2 / "calibration.json").read_text())["summary"]
     assert mine.quality["mean_attn_error_oscar"] == summary["mean_attn_error_oscar"]
     assert mine.quality["layers_better_than_hadamard"] == summary["layers_better_than_hadamard"]
     assert (mine.model_id, mine.num_layers, mine.num_kv_heads, mine.head_dim) == \
