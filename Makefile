@@ -20,6 +20,12 @@ setup: $(STAMP)/setup
 demo: setup
 	$(PYTHON) -m oscar_calib calibrate smollm2-135m --out runs/demo --overwrite --device cpu
 
+# Tests. Tiers are pytest markers (pyproject.toml; tests/conftest.py says what each means): `slow`
+# (real models, whole calibrations, processes and ranks, injected faults), `gpu` (skipped without
+# CUDA), `script` (scripts/). `make test` runs every tier (CI's full coverage), then the runtime at
+# the low end of its transformers range; `make test-fast` the unit tier only.
+FAST_TIER := not slow and not script and not gpu
+
 test: setup
 	$(PYTHON) scripts/dev/run_hook.py oscar-validate zoo
 	$(PYTHON) -m pytest -q tests
@@ -31,19 +37,27 @@ test: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
 
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "$(FAST_TIER)" tests
+
 # The runtime (OscarCache) claims transformers >=5.17,<5.24: run its tests again at the low end,
-# in a venv that reuses the installed torch and pins only transformers (about a minute).
+# in a venv that pins only transformers and reuses everything else the running interpreter has
+# (about a minute). `venv --system-site-packages` would expose the base interpreter's packages,
+# not those of an active venv; here a .pth file adds the running interpreter's site directories
+# after the venv's own, so its transformers wins. One venv per interpreter (sys.prefix).
 LOW_TRANSFORMERS := 5.17.0
-LOW_VENV := $(STAMP)/venv-transformers-$(LOW_TRANSFORMERS)
+LOW_VENV := $(STAMP)/venv-transformers-$(LOW_TRANSFORMERS)-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:8])")
+SITE_DIRS := import site, sysconfig; dirs = dict.fromkeys([*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]); print("".join(f"import site; site.addsitedir({d!r})\n" for d in dirs), end="")
 
 $(LOW_VENV)/ok: $(STAMP)/setup
 	rm -rf $(LOW_VENV)
-	$(PYTHON) -m venv --system-site-packages $(LOW_VENV)
+	$(PYTHON) -m venv $(LOW_VENV)
+	$(PYTHON) -c '$(SITE_DIRS)' > "$$($(LOW_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-running-interpreter.pth"
 	$(LOW_VENV)/bin/python -m pip install -q transformers==$(LOW_TRANSFORMERS)
 	@touch $@
 
 test-low: $(LOW_VENV)/ok
-	PYTHONPATH=$(CURDIR) $(LOW_VENV)/bin/python -c "import transformers as t; assert t.__version__ == '$(LOW_TRANSFORMERS)', t.__version__"
+	PYTHONPATH=$(CURDIR) $(LOW_VENV)/bin/python -c "import torch, transformers as t; assert t.__version__ == '$(LOW_TRANSFORMERS)', t.__version__"
 	PYTHONPATH=$(CURDIR) $(LOW_VENV)/bin/python -m pytest -q tests/runtime -p no:cacheprovider
 
 # One benchmark (scripts/bench/bench_$(B).py) with ARGS, e.g. make bench B=kernels ARGS="--quick";

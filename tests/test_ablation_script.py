@@ -4,7 +4,7 @@ results (--niah, --render), in this process."""
 import json
 
 import pytest
-from helpers import load_script, script_error
+from factories import load_script, script_error
 
 pytestmark = pytest.mark.script
 

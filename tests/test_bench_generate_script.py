@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import load_script, script_error
+from factories import load_script, script_error
 
 pytestmark = pytest.mark.script
 

@@ -5,7 +5,7 @@ committed results, and every current result carries its device, commit, date and
 import json
 
 import pytest
-from helpers import REPO, load_script
+from factories import REPO, load_script
 
 pytestmark = pytest.mark.script
 

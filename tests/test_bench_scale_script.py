@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script
+from factories import load_script
 from safetensors.torch import save_file
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_scale.py"

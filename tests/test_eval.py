@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CharTokenizer, load_script, loaded_tiny, tiny_model
-from typer.testing import CliRunner
+from factories import (
+    CharTokenizer,
+    load_script,
+    assert_one_line_error,
+    loaded_tiny,
+    make_artifact,
+    nan_k_rotation,
+    oscar,
+    tiny_model,
+)
 
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.eval import EvalOptions, run_eval
@@ -255,6 +263,7 @@ def test_haystack_fingerprint_names_the_filler(monkeypatch):
         haystack_fingerprint("hay")
 
 
+@pytest.mark.script
 def test_niah_gpu_merge_refuses_other_filler(tmp_path):
     mod = load_script("experiments/niah_gpu.py")
     base = {"methods": ["bf16"], "depths": [0.5], "samples": 1, "seed": 0, "haystack": "corpus", "sink": 4,
@@ -294,25 +303,14 @@ def test_eval_options_are_validated_once():
             EvalOptions(**change)
 
 
-def _nan_copy(demo_artifact, dst):
-    from oscar_calib.spec.artifact import load_artifact, write_artifact_files
-
-    art = load_artifact(demo_artifact)
-    art.layers[1].k_rotation[0, 2, 3] = float("nan")
-    dst.mkdir()
-    write_artifact_files(dst, art, "# nan\n", {})
-    return dst
-
-
-def test_eval_refuses_an_invalid_artifact_before_loading_the_model(demo_artifact, tmp_path):
-    bad = _nan_copy(demo_artifact, tmp_path / "nan")
+def test_eval_refuses_an_invalid_artifact_before_loading_the_model(tmp_path):
+    bad = make_artifact(tmp_path / "nan", mutate=nan_k_rotation)
     with pytest.raises(ArtifactError) as exc:          # no such model: the artifact is refused first
         run_eval("no-such-org/no-such-model", bad, EvalOptions(methods="bf16,oscar"))
     assert str(exc.value) == f"{bad}: layers.1.k_rotation has 1 non-finite value(s)"
 
 
 def test_cli_eval(monkeypatch, tmp_path):
-    from oscar_calib.cli import app
     from oscar_calib.eval.report import EvalResult
 
     seen = {}
@@ -326,44 +324,40 @@ def test_cli_eval(monkeypatch, tmp_path):
                            {"method": "hadamard", "ppl": 9.2, "bits_per_element": 2.5, "group_size": 64}])
 
     monkeypatch.setattr("oscar_calib.eval.run_eval", fake)
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
-                                 "--group-size", "64", "--json"])
+    r = oscar("eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
+              "--group-size", "64", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["rows"][1]["ppl"] == 9.2
     # the plot goes to the working directory, never into the artifact (a later push would upload it)
     assert seen["model"] == "smollm2-135m" and seen["plot"] == Path("eval-smollm2-135m-ppl.png")
     assert seen["options"] == EvalOptions(methods=("bf16", "hadamard"), group_size=64)
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
-                                 "--plot", str(tmp_path / "p.png")])
+    r = oscar("eval", "smollm2-135m", str(tmp_path), "--methods", "bf16,hadamard",
+              "--plot", str(tmp_path / "p.png"))
     assert r.exit_code == 0 and seen["plot"] == tmp_path / "p.png"
     footer = " ".join(r.stdout.split())
     assert "quanto" not in footer and "lower is better" in footer   # only the methods that ran
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--methods", "bf16,quanto"])
+    r = oscar("eval", "smollm2-135m", "--methods", "bf16,quanto")
     assert "quanto: QuantizedCache defaults" in " ".join(r.stdout.split())
     # the CLI's defaults are EvalOptions' defaults (one set, checked here), task included
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--json"])
+    r = oscar("eval", "smollm2-135m", "--json")
     assert r.exit_code == 0, r.output
     assert seen["options"] == EvalOptions() and seen["artifact"] is None
     assert seen["plot"] == Path("eval-smollm2-135m-ppl.png")
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--lengths", "2048,4096",
-                                 "--depths", "0.5", "--haystack", "noise", "--json"])
+    r = oscar("eval", "smollm2-135m", "--task", "niah", "--lengths", "2048,4096",
+              "--depths", "0.5", "--haystack", "noise", "--json")
     assert seen["options"] == EvalOptions(task="niah", lengths=(2048, 4096), depths=(0.5,), haystack="noise")
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--lengths", "1024,x"])
-    assert r.exit_code != 0
+    r = oscar("eval", "smollm2-135m", "--task", "niah", "--lengths", "1024,x")
+    assert_one_line_error(r.exit_code, r.stderr, "--lengths expects comma-separated numbers")
 
 
-def test_cli_eval_errors_are_one_line(tmp_path, demo_artifact):
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "oscar_calib", "eval", "smollm2-135m", "--methods", "bf16,int3"],
-                       capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2
+def test_cli_eval_errors_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                         # (where a plot would go)
+    r = oscar("eval", "smollm2-135m", "--methods", "bf16,int3")
+    assert r.exit_code == 2
     assert r.stderr.strip().startswith("error: unknown method") and len(r.stderr.strip().splitlines()) == 1
-    bad = _nan_copy(demo_artifact, tmp_path / "nan")    # issue 17: refused, never a perplexity of "nan"
-    r = subprocess.run([sys.executable, "-m", "oscar_calib", "eval", "smollm2-135m", str(bad), "--methods", "oscar"],
-                       capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2 and r.stdout == ""
+    bad = make_artifact(tmp_path / "nan", mutate=nan_k_rotation)   # refused, never a perplexity of "nan"
+    r = oscar("eval", "smollm2-135m", str(bad), "--methods", "oscar")
+    assert r.exit_code == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [f"error: {bad}: layers.1.k_rotation has 1 non-finite value(s)"]
 
 
@@ -422,7 +416,7 @@ def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_fork(tmp_path_factory):
     """A tiny Llama (2 KV heads, head_dim 16) and an artifact calibrated on it with windows 4 + 8."""
-    from helpers import FAST
+    from factories import FAST
 
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.spec.config import CalibrationConfig

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import run_main
+from factories import oscar
 
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
@@ -128,7 +128,7 @@ def test_verify_finds_a_relative_local_model_from_elsewhere(monkeypatch, capsys,
     shutil.copytree(tiny_dir, work / "tiny-llama")
     elsewhere.mkdir()
     monkeypatch.chdir(work)
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", "./tiny-llama", "--out", "art", "--tokens", "256",
+    code, _, err = oscar("calibrate", "./tiny-llama", "--out", "art", "--tokens", "256",
                             "--seq-len", "64", "--heldout-tokens", "32", "--no-verify", "--device", "cpu")
     assert code == 0, err
     md = read_metadata(work / "art")
@@ -138,10 +138,10 @@ def test_verify_finds_a_relative_local_model_from_elsewhere(monkeypatch, capsys,
     monkeypatch.chdir(elsewhere)
     verify = ["verify", str(work / "art"), "--depths", "64", "--sequences", "1", "--backend", "torch",
               "--device", "cpu", "--json"]
-    code, out, err = run_main(monkeypatch, capsys, *verify)
+    code, out, err = oscar(*verify)
     assert code in (0, 1) and "layers" in json.loads(out), err     # ran on the model (random init may not pass)
     shutil.move(work / "tiny-llama", tmp_path / "moved")
-    code, _, err = run_main(monkeypatch, capsys, *verify)
+    code, _, err = oscar(*verify)
     assert code == 2 and err.strip().splitlines() == [
         f"error: the artifact was calibrated on the local model {work / 'tiny-llama'}, which is not there; pass "
         "--model with its directory, .gguf file or hub id"]

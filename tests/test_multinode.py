@@ -90,6 +90,7 @@ def wait_all(procs, timeout: float = 300) -> list[tuple[int, float]]:
     return ends
 
 
+@pytest.mark.slow
 def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, tiny_dir, reference):
     import json
 
@@ -103,6 +104,7 @@ def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, tiny_dir, reference):
     assert not list(out.glob(".oscar-checkpoint*")) and not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path, tiny_dir, reference):
     """Rank 1 is SIGKILLed after its 3rd batch; rank 0 (the other node) is then slowed to 6 s a
     batch, so it would need ~30 s more to reach its next collective: it is stopped within a bound

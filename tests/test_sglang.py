@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import loaded_tiny, tiny_model
-from test_validate import make_artifact, random_rotation
-from typer.testing import CliRunner
+from factories import (
+    assert_one_line_error,
+    loaded_tiny,
+    make_artifact,
+    oscar,
+    random_rotation,
+    tiny_model,
+)
 
 import oscar_calib.model.load as models
-from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.runtime.scheme import KVScheme
@@ -37,8 +41,6 @@ from oscar_calib.tools.export.sglang import (
     read_rotation_file,
 )
 from oscar_calib.tools.validate import validate_artifact
-
-runner = CliRunner()
 
 # Every variable the fork reads for OSCAR serving (its sglang/srt/environ.py), and only those.
 FORK_ENV = {"SGLANG_ENABLE_MIXED_KV_WINDOWS", "SGLANG_OSCAR_K_ROTATION_PATH", "SGLANG_OSCAR_V_ROTATION_PATH",
@@ -106,7 +108,7 @@ def test_payload_is_what_the_forks_writer_writes():
 
 def test_export_demo_artifact_for_fork_main(demo_artifact, tmp_path):
     out = tmp_path / "serve"
-    result = runner.invoke(app, ["export", str(demo_artifact), "--out", str(out), "--json"])
+    result = oscar("export", str(demo_artifact), "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     art = load_artifact(demo_artifact)
@@ -178,8 +180,8 @@ def test_export_refusals_write_nothing(tmp_path):
     assert validate_artifact(odd).ok
     with pytest.raises(ArtifactError, match="head_dim 12 is not a power of two"):
         export_sglang(odd, tmp_path / "out")
-    result = runner.invoke(app, ["export", str(old), "--out", str(tmp_path / "out"), "--clip", "k=0.9,v=0.9"])
-    assert result.exit_code != 0 and "re-run `oscar calibrate`" in str(result.exception)
+    result = oscar("export", str(old), "--out", str(tmp_path / "out"), "--clip", "k=0.9,v=0.9")
+    assert_one_line_error(result.exit_code, result.stderr, "re-run `oscar calibrate`")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed", "odd", "old"]   # nothing written, no temporaries
 
 
@@ -278,15 +280,16 @@ def test_import_cli_and_clip_refusal(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda spec, **kw: tiny_target())
     k, v, _ = reference_pair(tmp_path)
     out = tmp_path / "art"
-    result = runner.invoke(app, ["import", str(k), str(v), "--model", "tiny", "--out", str(out), "--clip",
-                                 "k=0.5,v=1.5"])
-    assert result.exit_code != 0 and "outside (0, 1]" in str(result.exception) and not out.exists()
-    result = runner.invoke(app, ["import", str(k), str(v), "--model", "tiny", "--out", str(out), "--json"])
+    result = oscar("import", str(k), str(v), "--model", "tiny", "--out", str(out), "--clip",
+                   "k=0.5,v=1.5")
+    assert_one_line_error(result.exit_code, result.stderr, "outside (0, 1]")
+    assert not out.exists()
+    result = oscar("import", str(k), str(v), "--model", "tiny", "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["granularity"] == "layer"
     before = (out / WEIGHTS_NAME).read_bytes()
-    result = runner.invoke(app, ["import", str(k), str(v), "--model", "tiny", "--out", str(out)])
-    assert result.exit_code != 0 and "already holds an artifact" in str(result.exception)
+    result = oscar("import", str(k), str(v), "--model", "tiny", "--out", str(out))
+    assert_one_line_error(result.exit_code, result.stderr, "already holds an artifact")
     assert (out / WEIGHTS_NAME).read_bytes() == before
 
 
@@ -360,7 +363,7 @@ def test_folded_checkpoint_with_identity_v_equals_the_unfolded_model():
 # ----------------------------------------------------------------------------- calibration
 
 def test_calibration_stores_shared_rotations_and_global_clips(tmp_path):
-    from helpers import FAST
+    from factories import FAST
 
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.numerics.clip import CLIP_GRID
@@ -399,5 +402,5 @@ def test_per_layer_group_sizes_export_the_closest_uniform_scheme_with_one_line(t
     assert "0.2100 with group 8 vs 0.2000 with the per-layer sizes (+5.0%)" in note[0]
     plain = shared_artifact(tmp_path / "p", granularity="layer", d=16)
     assert not [w for w in export_sglang(plain, tmp_path / "serve2").warnings if "one group size" in w]
-    result = runner.invoke(app, ["export", str(art), "--out", str(tmp_path / "serve3")])
+    result = oscar("export", str(art), "--out", str(tmp_path / "serve3"))
     assert result.exit_code == 0 and "the fork takes one group size" in result.output

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import run_main
+from factories import oscar
 
 import oscar_calib.tools.publish as publish
 from oscar_calib.tools.export.sglang.export import FORK_INSTALL
@@ -32,32 +32,32 @@ def progress_on(monkeypatch):
 
 
 def test_validate_ends_with_verify_and_nothing_with_json_or_progress_off(monkeypatch, capsys, artifact):
-    code, _, err = run_main(monkeypatch, capsys, "validate", str(artifact))
+    code, _, err = oscar("validate", str(artifact))
     assert code == 0 and next_lines(err) == [f"next: oscar verify {artifact} measures it on its model with the INT2 "
                                              "kernels"]
     assert err.strip().splitlines()[-1].startswith("next: ")            # the last line
-    code, out, err = run_main(monkeypatch, capsys, "validate", str(artifact), "--json")
+    code, out, err = oscar("validate", str(artifact), "--json")
     assert code == 0 and json.loads(out)["ok"] and next_lines(err) == []
     monkeypatch.setenv("OSCAR_PROGRESS", "off")
-    assert next_lines(run_main(monkeypatch, capsys, "validate", str(artifact))[2]) == []
+    assert next_lines(oscar("validate", str(artifact))[2]) == []
 
 
 def test_an_invalid_artifact_gets_its_problems_only(monkeypatch, capsys, artifact):
     (artifact / "oscar.safetensors").write_bytes((artifact / "oscar.safetensors").read_bytes()[:4000])
-    code, _, err = run_main(monkeypatch, capsys, "validate", str(artifact))
+    code, _, err = oscar("validate", str(artifact))
     assert code == 1 and next_lines(err) == [] and "truncated" in err
 
 
 def test_export_points_at_launch_and_the_fork(monkeypatch, capsys, artifact, tmp_path):
     out = tmp_path / "serve"
-    code, _, err = run_main(monkeypatch, capsys, "export", str(artifact), "--out", str(out))
+    code, _, err = oscar("export", str(artifact), "--out", str(out))
     assert code == 0, err
     assert next_lines(err) == [f"next: {out / 'launch.sh'} starts the server on a GPU with the OSCAR SGLang fork "
                                f"installed ({FORK_INSTALL})"]
 
 
 def test_push_dry_run_and_pull(monkeypatch, capsys, artifact, tmp_path):
-    code, _, err = run_main(monkeypatch, capsys, "push", str(artifact), "--to", "hf:my-org/x", "--dry-run")
+    code, _, err = oscar("push", str(artifact), "--to", "hf:my-org/x", "--dry-run")
     assert code == 0 and next_lines(err) == ["next: the same command without --dry-run uploads 7 files to hf:my-org/x"]
 
     def download(**kwargs):
@@ -66,7 +66,7 @@ def test_push_dry_run_and_pull(monkeypatch, capsys, artifact, tmp_path):
 
     monkeypatch.setenv("OSCAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(publish, "hf_snapshot_download", download)
-    code, _, err = run_main(monkeypatch, capsys, "pull", "hf:my-org/x")
+    code, _, err = oscar("pull", "hf:my-org/x")
     dest = tmp_path / "cache" / "zoo" / "hf" / "my-org" / "x"
     assert code == 0 and next_lines(err) == [f"next: oscar verify {dest} measures it on its model with the INT2 "
                                              "kernels (--model if not its own)"]
@@ -76,7 +76,7 @@ def test_push_dry_run_and_pull(monkeypatch, capsys, artifact, tmp_path):
 def test_calibrate_verify_eval_fold_each_say_what_comes_next(monkeypatch, capsys, tmp_path, tiny_dir):
     art, folded = tmp_path / "art", tmp_path / "folded"
     fast = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--device", "cpu"]
-    code, out, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(art), *fast, "--no-verify")
+    code, out, err = oscar("calibrate", str(tiny_dir), "--out", str(art), *fast, "--no-verify")
     assert code == 0, err
     assert next_lines(err) == [f"next: oscar verify {art} checks the artifact with the INT2 kernels, then oscar eval "
                                f"{tiny_dir} {art}"]
@@ -86,20 +86,20 @@ def test_calibrate_verify_eval_fold_each_say_what_comes_next(monkeypatch, capsys
     secs = [float(p.rsplit(" ", 2)[1]) for p in parts.split(", ")]
     assert parts.split(", ")[-1].startswith("other ") and round(sum(secs), 1) == float(total.removesuffix(" s"))
 
-    code, _, err = run_main(monkeypatch, capsys, "verify", str(art), "--depths", "64", "--sequences", "1",
+    code, _, err = oscar("verify", str(art), "--depths", "64", "--sequences", "1",
                             "--backend", "torch", "--device", "cpu")
     assert code in (0, 1) and len(next_lines(err)) == 1         # a random-init model may fail verify's comparison
     assert next_lines(err)[0].startswith(f"next: oscar eval {tiny_dir} {art}" if code == 0 else
                                          f"next: see the reasons above; more calibration text often helps: oscar "
                                          f"calibrate {tiny_dir} --tokens 32768 --out {art} --overwrite")
 
-    code, _, err = run_main(monkeypatch, capsys, "eval", str(tiny_dir), str(art), "--methods", "bf16,oscar",
+    code, _, err = oscar("eval", str(tiny_dir), str(art), "--methods", "bf16,oscar",
                             "--sequences", "1", "--seq-len", "64", "--sink", "8", "--recent", "8", "--device", "cpu",
                             "--plot", str(tmp_path / "p.png"))
     assert code == 0, err
     assert next_lines(err)[0].startswith(f"next: add --record to store these results in {art}'s card")
 
-    code, _, err = run_main(monkeypatch, capsys, "fold-weights", str(tiny_dir), str(art), "--out", str(folded),
+    code, _, err = oscar("fold-weights", str(tiny_dir), str(art), "--out", str(folded),
                             "--device", "cpu")
     assert code == 0, err
     assert next_lines(err)[0].startswith(f"next: oscar export {folded / 'oscar'} --out serve/folded")

@@ -4,12 +4,14 @@ plain lines off a terminal (a live bar on one), and leaves stdout to tables and 
 from __future__ import annotations
 
 import json
-import sys
 import time
 
-from oscar_calib.cli import _progress, main
+from factories import oscar
+
+from oscar_calib.cli import _progress
 from oscar_calib.progress import counter, report, step
 
+# (a quick run with its verify pass: the verify stages are drawn too)
 FAST_ARGS = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--device", "cpu"]
 
 
@@ -71,28 +73,23 @@ def test_off_and_rich_are_chosen_by_environment(monkeypatch):
     assert _progress.display_kind() == "plain"           # pytest's stderr is not a terminal
 
 
-def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, capsys, tmp_path, tiny_llama_dir):
-    monkeypatch.setenv("OSCAR_PROGRESS", "plain")
+def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, tmp_path, tiny_llama_dir):
     monkeypatch.setattr(_progress, "ANNOUNCE_AFTER_S", 0.0)   # the tiny model's stages take milliseconds
-    monkeypatch.setattr(sys, "argv", ["oscar", "calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "a"),
-                                      *FAST_ARGS, "--json"])
-    try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, 1)                          # a random-init model may fail verify's comparison
-    cap = capsys.readouterr()
-    doc = json.loads(cap.out)                            # stdout: the JSON document only
+    code, out, err = oscar("calibrate", tiny_llama_dir, "--out", tmp_path / "a", *FAST_ARGS, "--json",
+                           env={"OSCAR_PROGRESS": "plain"})
+    assert code in (0, 1), err                           # a random-init model may fail verify's comparison
+    doc = json.loads(out)                                # stdout: the JSON document only
     assert doc["verify"]["passed"] in (True, False)
-    done = [line.split(": done in ")[0] for line in cap.err.splitlines() if ": done in " in line]
+    done = [line.split(": done in ")[0] for line in err.splitlines() if ": done in " in line]
     # the data is read and tokenised before the weights load: a bad --data costs no model load
     stages = ["loading tokenizer", "tokenising data", "loading model", "capture", "held-out rows", "rotations + clips",
               "shared rotations", "verify: held-out pass", "verify: INT2 kernels"]
-    assert done == stages, cap.err
+    assert done == stages, err
     # the JSON's time: every stage, and the rest as "other", adding up to the total in tenths
     t = doc["time"]
     assert [name for name, _ in t["stages"]] == stages and t["other_s"] >= 0
     assert sum(round(sec * 10) for _, sec in t["stages"]) + round(t["other_s"] * 10) == round(t["total_s"] * 10)
-    assert "next:" not in cap.err                        # --json: no advice on stderr
+    assert "next:" not in err                        # --json: no advice on stderr
 
 
 def test_stage_clock_accounts_for_every_second(monkeypatch):

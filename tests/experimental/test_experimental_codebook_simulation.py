@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import InputError
 from oscar_calib.experimental.codebook import CodebookScheme, initial_levels

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import load_script, script_error
+from factories import load_script, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 

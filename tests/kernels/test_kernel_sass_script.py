@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import load_script, script_error
+from factories import load_script, script_error
 
 pytestmark = pytest.mark.script
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "kernel_sass.py"

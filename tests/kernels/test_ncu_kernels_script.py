@@ -6,7 +6,7 @@ import io
 import json
 
 import pytest
-from helpers import load_script
+from factories import load_script
 
 pytestmark = pytest.mark.script
 

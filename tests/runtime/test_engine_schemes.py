@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import InputError
 from oscar_calib.eval.methods import build_schemes, parse_methods

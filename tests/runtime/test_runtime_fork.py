@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import InputError
 from oscar_calib.model.geometry import geometry_of

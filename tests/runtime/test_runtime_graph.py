@@ -11,12 +11,11 @@ import functools
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import CacheError, InputError
 from oscar_calib.runtime import DecodeGraph
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (GPU machine)")
 PROMPT = 500                                         # past sink + window: the INT2 history is in use
 
 
@@ -46,7 +45,7 @@ def _prefill(model, cache, prompt):
         return model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:]
 
 
-@gpu
+@pytest.mark.gpu
 def test_greedy_decode_from_the_graph_equals_eager_steps():
     model = _model("cuda")
     prompt = torch.randint(0, 128, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
@@ -84,7 +83,7 @@ def test_greedy_decode_from_the_graph_equals_eager_steps():
     assert graphed.layers[0].store.exact_counts() == [PROMPT + steps + 1] * 2
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind,backend", [("gemma3", "auto"), ("qwen3", "torch")])
 def test_graph_replays_the_torch_decode_path_as_the_history_grows(kind, backend):
     """Layers that decode in torch (a sliding layer whose ring is not full yet; every layer with
@@ -111,7 +110,7 @@ def test_graph_replays_the_torch_decode_path_as_the_history_grows(kind, backend)
     assert max(rel) < 2e-3, rel                         # the same logits up to summation order
 
 
-@gpu
+@pytest.mark.gpu
 def test_graph_refuses_to_run_past_the_reserved_history():
     model = _model("cuda")
     cache = _cache(model, PROMPT)
@@ -252,7 +251,7 @@ def _stored(out, mask, stop):
     return [int(m) + f for m, f in zip(mask.sum(-1).tolist(), fed)]
 
 
-@gpu
+@pytest.mark.gpu
 def test_graph_decoding_on_the_gpu_equals_eager_generate():
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -285,7 +284,7 @@ def test_graph_decoding_on_the_gpu_equals_eager_generate():
     assert graphed.layers[0].store.exact_counts() == _stored(got, mask, stop)
 
 
-@gpu
+@pytest.mark.gpu
 def test_compiled_graph_steps_follow_eager_steps():
     """``DecodeGraph(compile=True)``: the model's own ops between the cache update and the attention
     compiled (torch.compile, per decoder layer), recorded and replayed; the logits follow eager

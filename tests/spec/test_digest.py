@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_artifact
+from factories import make_artifact
 
 from oscar_calib.errors import OscarError
 from oscar_calib.spec import stfile
@@ -50,7 +50,7 @@ def file_parts(path: Path) -> tuple[dict, dict]:
 
 
 def test_written_digest_is_the_documented_one(tmp_path):
-    art = small_artifact(tmp_path / "a")
+    art = make_artifact(tmp_path / "a")
     md, tensors = file_parts(art / WEIGHTS_NAME)
     assert md[DIGEST_KEY] == documented_digest(md, tensors)
     report, _ = inspect_bytes((art / WEIGHTS_NAME).read_bytes(), art)
@@ -64,7 +64,7 @@ def test_digest_ignores_header_layout_and_itself(tmp_path):
     does any value of the digest key itself."""
     from safetensors.torch import save_file
 
-    art = small_artifact(tmp_path / "a")
+    art = make_artifact(tmp_path / "a")
     md, tensors = file_parts(art / WEIGHTS_NAME)
     loaded = load_artifact(art)
     other = tmp_path / "stock.safetensors"
@@ -108,14 +108,14 @@ def _changed(md, tensors, what):
 @pytest.mark.parametrize("what", ["metadata value", "metadata key", "extra metadata", "one byte", "dtype", "shape",
                                   "swapped names", "bytes moved across a boundary", "dropped tensor"])
 def test_every_change_changes_the_digest(tmp_path, what):
-    md, tensors = file_parts(small_artifact(tmp_path / "a") / WEIGHTS_NAME)
+    md, tensors = file_parts(make_artifact(tmp_path / "a") / WEIGHTS_NAME)
     md2, tensors2 = _changed(md, tensors, what)
     assert content_digest(md2, [(n, *v) for n, v in tensors2.items()]) != md[DIGEST_KEY]
     assert documented_digest(md2, tensors2) != md[DIGEST_KEY]
 
 
 def test_memory_and_file_agree_and_writes_are_deterministic(tmp_path):
-    art = load_artifact(small_artifact(tmp_path / "a"))
+    art = load_artifact(make_artifact(tmp_path / "a"))
     data = serialize_artifact(art.tensors(), art.metadata)
     assert data == (tmp_path / "a" / WEIGHTS_NAME).read_bytes()
     stale = dict(art.metadata, **{DIGEST_KEY: "0" * 64})               # a digest given is replaced
@@ -148,13 +148,13 @@ def _number_metadata(h):
     (_number_metadata, "'__metadata__' is not an object of strings"),
 ])
 def test_layout_rules(tmp_path, edit, message):
-    art = small_artifact(tmp_path / "a")
+    art = make_artifact(tmp_path / "a")
     with pytest.raises(OscarError, match=message):
         stfile.parse(_rewrite_header(art / WEIGHTS_NAME, edit))
 
 
 def test_trailing_bytes_and_gaps_are_refused(tmp_path):
-    raw = (small_artifact(tmp_path / "a") / WEIGHTS_NAME).read_bytes()
+    raw = (make_artifact(tmp_path / "a") / WEIGHTS_NAME).read_bytes()
     with pytest.raises(OscarError, match=r"4 byte\(s\) after the last tensor"):
         stfile.parse(raw + b"\0" * 4)
 
@@ -169,7 +169,7 @@ def test_safetensors_reads_what_stfile_writes(tmp_path):
     """The canonical writer's files load in the safetensors library itself, tensor for tensor."""
     from safetensors.torch import load_file
 
-    art = small_artifact(tmp_path / "a")
+    art = make_artifact(tmp_path / "a")
     loaded = load_file(str(art / WEIGHTS_NAME))
     ours = load_artifact(art).tensors()
     assert loaded.keys() == ours.keys() and all(torch.equal(loaded[k], ours[k]) for k in ours)

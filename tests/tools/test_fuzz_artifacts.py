@@ -12,7 +12,7 @@ import random
 import struct
 
 import pytest
-from helpers import small_artifact
+from factories import make_artifact
 from typer.testing import CliRunner
 
 from oscar_calib.cli import app
@@ -32,7 +32,7 @@ MAX_LINES = 4          # problems per artifact: a root cause and its consequence
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> bytes:
     """The bytes of a verified artifact (3 layers, 2 KV heads, head_dim 8, shared rotations absent)."""
-    art = small_artifact(tmp_path_factory.mktemp("fuzz") / "a", layers=3)
+    art = make_artifact(tmp_path_factory.mktemp("fuzz") / "a", layers=3)
     digest = validate_artifact(art).content_sha256
     (art / VERIFY_NAME).write_text(json.dumps({"passed": True, "content_sha256": digest}))
     assert validate_artifact(art).verification.state == "yes"

@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from helpers import run_main
+from factories import oscar
 
 import oscar_calib.tools.hub as hub
 import oscar_calib.tools.publish as publish
@@ -36,7 +36,7 @@ def closed_port() -> int:
 
 def test_hf_hub_offline_is_one_line_and_no_client_call(monkeypatch, capsys, online, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, out, err = run_main(monkeypatch, capsys, "pull", "hf:my-org/tiny-oscar")
+    code, out, err = oscar("pull", "hf:my-org/tiny-oscar")
     assert code == 2 and out == ""
     assert err.strip().splitlines() == ["error: HF_HUB_OFFLINE=1 is set, so the Hugging Face hub is not contacted; "
                                         "unset it to download (nothing was fetched)"]
@@ -46,7 +46,7 @@ def test_hf_hub_offline_is_one_line_and_no_client_call(monkeypatch, capsys, onli
 def test_unreachable_hub_is_one_line_and_no_client_call(monkeypatch, capsys, online):
     port = closed_port()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    code, _, err = run_main(monkeypatch, capsys, "pull", "hf:my-org/tiny-oscar")
+    code, _, err = oscar("pull", "hf:my-org/tiny-oscar")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"error: cannot reach the Hugging Face hub at 127.0.0.1:{port} (connection failed: ")
@@ -90,7 +90,7 @@ def test_the_proxy_is_probed_when_one_is_set(monkeypatch, online):
 
 def test_rotationzoo_and_modelscope_probe_before_their_clients(monkeypatch, capsys, online):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = run_main(monkeypatch, capsys, "pull", "rotationzoo:qwen3-8b")
+    code, _, err = oscar("pull", "rotationzoo:qwen3-8b")
     assert code == 2 and err.strip().splitlines() == [
         "error: HF_HUB_OFFLINE=1 is set, so the Hugging Face hub is not contacted; unset it to download (nothing "
         "was fetched)"]

@@ -17,12 +17,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from factories import (
+    assert_one_line_error,
+    bad_clips,
+    make_artifact,
+    oscar,
+    skewed_rotation,
+)
 from safetensors.torch import load_file
-from test_validate import _bad_clip, _scale_rotation, make_artifact
-from typer.testing import CliRunner
 
 import oscar_calib.tools.publish as publish
-from oscar_calib.cli import app
 from oscar_calib.errors import InputError
 from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata, serialize_artifact
 from oscar_calib.tools.validate_ci import (
@@ -38,7 +42,6 @@ from oscar_calib.tools.validate_ci import (
 from oscar_calib.tools.zoo import write_index
 
 REPO = Path(__file__).resolve().parents[2]
-runner = CliRunner()
 ANNOTATION = re.compile(r"^::error (?P<props>[^:]*)::(?P<message>.*)$")
 
 
@@ -81,8 +84,8 @@ def test_escaping_follows_the_runner_rules():
 def test_format_github_names_file_and_check(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_artifact(tmp_path / "zoo" / "good")
-    make_artifact(tmp_path / "zoo" / "bad", mutate=lambda t: (_bad_clip(t), _scale_rotation(t)))
-    result = runner.invoke(app, ["validate", "zoo", "--format", "github"])
+    make_artifact(tmp_path / "zoo" / "bad", mutate=lambda t: (bad_clips(t), skewed_rotation(t)))
+    result = oscar("validate", "zoo", "--format", "github")
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     errors = [parse_annotation(ln) for ln in lines if ln.startswith("::")]
@@ -96,11 +99,11 @@ def test_format_github_names_file_and_check(tmp_path, monkeypatch):
     assert github_lines(validate_sources([str(tmp_path / "zoo" / "bad")]), cwd=tmp_path)[0].startswith(
         "::error file=zoo/bad/oscar.safetensors,")
     # --json stays an alias of --format json; the two must not disagree
-    doc = json.loads(runner.invoke(app, ["validate", "zoo/good", "--json"]).stdout)
+    doc = json.loads(oscar("validate", "zoo/good", "--json").stdout)
     assert doc["ok"] is True
-    assert json.loads(runner.invoke(app, ["validate", "zoo/good", "--format", "json"]).stdout) == doc
-    result = runner.invoke(app, ["validate", "zoo/good", "--json", "--format", "github"])
-    assert isinstance(result.exception, InputError)
+    assert json.loads(oscar("validate", "zoo/good", "--format", "json").stdout) == doc
+    result = oscar("validate", "zoo/good", "--json", "--format", "github")
+    assert_one_line_error(result.exit_code, result.stderr, "--format")
 
 
 # ----------------------------------------------------------------------------- zoos: good and broken
@@ -190,6 +193,7 @@ def run_hook(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.script
 def test_hook_passes_the_committed_zoo(zoos, tmp_path):
     proc = run_hook(zoos["good"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -197,6 +201,7 @@ def test_hook_passes_the_committed_zoo(zoos, tmp_path):
     assert proc.stderr == ""
 
 
+@pytest.mark.script
 @pytest.mark.parametrize("damage,expected", [
     ("corrupt", ["zoo/smollm2-135m: truncated file: tensor data needs"]),
     ("rotation", ["zoo/gemma3-270m: layers.3.k_rotation is not orthogonal"]),
@@ -330,16 +335,16 @@ def test_hub_repository_validated_in_place_nothing_kept(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()                       # and the pull cache untouched
     # one artifact at the repository's root, through the CLI
     monkeypatch.setattr(publish, "hf_snapshot_download", fake_snapshot(make_artifact(tmp_path / "one"), calls))
-    result = runner.invoke(app, ["validate", "huggingface:my-org/tiny-oscar", "--format", "github"])
+    result = oscar("validate", "huggingface:my-org/tiny-oscar", "--format", "github")
     assert result.exit_code == 0 and calls[1]["revision"] is None
     assert result.stdout.splitlines()[0] == "ok hf:my-org/tiny-oscar (test/tiny, 2 layers)"
 
 
 def test_modelscope_bad_artifact_and_failures(tmp_path, monkeypatch):
-    bad = make_artifact(tmp_path / "bad", mutate=_bad_clip)
+    bad = make_artifact(tmp_path / "bad", mutate=bad_clips)
     calls = []
     monkeypatch.setattr(publish, "modelscope_snapshot_download", lambda: fake_snapshot(bad, calls))
-    result = runner.invoke(app, ["validate", "ms:org/name@v2", "--format", "github"])
+    result = oscar("validate", "ms:org/name@v2", "--format", "github")
     assert result.exit_code == 1 and calls[0]["revision"] == "v2" and calls[0]["repo_id"] == "org/name"
     errors = [parse_annotation(ln) for ln in result.stdout.splitlines() if ln.startswith("::")]
     assert len(errors) == 2 and all("file" not in p and p["title"] == "oscar validate: clips" for p, _ in errors)

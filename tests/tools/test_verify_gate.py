@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from helpers import FAST, loaded_tiny, small_artifact
+from factories import FAST, loaded_tiny, make_artifact
 from typer.testing import CliRunner
 
 import oscar_calib.tools.publish as publish
@@ -211,12 +211,12 @@ def test_fix_digest_adds_a_missing_digest_and_nothing_else(verified, tmp_path):
 
 
 def test_fix_digest_keeps_hand_written_cards_and_refuses_invalid_artifacts(tmp_path):
-    art = small_artifact(tmp_path / "a")
+    art = make_artifact(tmp_path / "a")
     _strip_digest(art / WEIGHTS_NAME)
     card = (art / CARD_NAME).read_text()
     line = fix_digest(art)
     assert line.endswith("recorded in calibration.json") and (art / CARD_NAME).read_text() == card
-    bad = small_artifact(tmp_path / "nan")
+    bad = make_artifact(tmp_path / "nan")
 
     def nan(data):
         data["layers.0.k_clip"][:4] = struct.pack("<f", float("nan"))
@@ -231,7 +231,7 @@ def test_fix_digest_keeps_hand_written_cards_and_refuses_invalid_artifacts(tmp_p
 
 
 def test_pull_stores_the_digest_of_an_older_artifact(tmp_path, monkeypatch):
-    src = small_artifact(tmp_path / "remote")
+    src = make_artifact(tmp_path / "remote")
     _strip_digest(src / WEIGHTS_NAME)
     monkeypatch.setenv("OSCAR_CACHE", str(tmp_path / "cache"))
 
@@ -250,7 +250,7 @@ def test_zoo_artifacts_need_a_digest_and_a_fresh_verification(tmp_path):
     from oscar_calib.tools.zoo import write_index
 
     zoo = tmp_path / "zoo"
-    a, b = small_artifact(zoo / "a"), small_artifact(zoo / "b", seed=1)
+    a, b = make_artifact(zoo / "a"), make_artifact(zoo / "b", seed=1)
     (b / VERIFY_NAME).write_text(json.dumps({"passed": True, "content_sha256": "0" * 64}))
     _strip_digest(a / WEIGHTS_NAME)
     write_index(zoo)
