@@ -151,7 +151,8 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys.
     """
     from oscar_calib import FORMAT_VERSION
-    from oscar_calib.spec.artifact import FORMAT_NAME, Artifact, LayerRotations
+    from oscar_calib.spec.artifact import Artifact, LayerRotations
+    from oscar_calib.spec.layout import FORMAT_NAME
     from oscar_calib.spec.defaults import default_group_size
 
     fingerprint, model_type = FAKE_FINGERPRINT, "llama"

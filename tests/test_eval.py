@@ -10,8 +10,8 @@ import pytest
 import torch
 from factories import (
     CharTokenizer,
-    load_script,
     assert_one_line_error,
+    load_script,
     loaded_tiny,
     make_artifact,
     nan_k_rotation,

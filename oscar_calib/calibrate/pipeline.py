@@ -43,7 +43,13 @@ from ..progress import ProgressFn, counter, report, step
 from ..spec.artifact import Artifact, LayerRotations
 from ..spec.config import CalibrationConfig, stable_hash
 from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
-from ..spec.layout import FORMAT_NAME, MODEL_SOURCE_METADATA, REPORT_NAME, SHARED_CLIP_METADATA, WEIGHTS_NAME
+from ..spec.layout import (
+    FORMAT_NAME,
+    MODEL_SOURCE_METADATA,
+    REPORT_NAME,
+    SHARED_CLIP_METADATA,
+    WEIGHTS_NAME,
+)
 from .checkpoint import (
     CHECKPOINT_NAME,
     failing_cleanly,

@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from ._common import DeviceOpt, JsonOpt, TrustOpt, emit_json, next_step, quote, stdout, table
+from ._common import (
+    DeviceOpt,
+    JsonOpt,
+    TrustOpt,
+    emit_json,
+    next_step,
+    quote,
+    stdout,
+    table,
+)
 from ._progress import progress_display
 
 EXAMPLES = """

@@ -7,7 +7,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import JsonOpt, ModelOpt, TrustOpt, console, emit_json, next_step, quote, stdout, table
+from ._common import (
+    JsonOpt,
+    ModelOpt,
+    TrustOpt,
+    console,
+    emit_json,
+    next_step,
+    quote,
+    stdout,
+    table,
+)
 
 EXPORT_EXAMPLES = """
     Examples:

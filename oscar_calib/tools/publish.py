@@ -56,6 +56,7 @@ from ..spec.layout import (  # PULL_RECORD is hidden: never pushed
     WEIGHTS_NAME,
 )
 from ..spec.verification import Verification
+from .hub import require_online
 from .validate import (
     ModelReference,
     ValidationReport,
@@ -63,7 +64,6 @@ from .validate import (
     require_valid,
     validate_artifact,
 )
-from .hub import require_online
 
 HUBS = {"hf": "Hugging Face", "modelscope": "ModelScope"}
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")

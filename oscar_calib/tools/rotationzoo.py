@@ -243,7 +243,7 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
         except Exception as e:  # noqa: BLE001
             raise PublishError(f"cannot download {k_file} / {v_file} from hf:{rz.repo}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
-        from .export import import_files    # torch: only once the hub has answered
+        from .export import import_files  # torch: only once the hub has answered
 
         result = import_files("sglang-fork", [k_path, v_path], target, out, clip=clips, group_size=group, sink_tokens=rz.sink,
                                recent_tokens=rz.recent, overwrite=overwrite or _in_cache(out), source=source)

@@ -192,7 +192,12 @@ def main(argv=None) -> dict:
 
     fair_configs = [(1, 16384), (1, 65536), (1, 131072), (4, 65536)]
     if dev == "cuda" and sections & {"fair", "capacity", "profile"}:
-        from bench_generate_fair import capacity, copy_bandwidth, fair_record, profile_record
+        from bench_generate_fair import (
+            capacity,
+            copy_bandwidth,
+            fair_record,
+            profile_record,
+        )
 
         res.data["copy_bandwidth"] = copy_bandwidth()
         for batch, tokens in fair_configs if "fair" in sections else []:

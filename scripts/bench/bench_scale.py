@@ -65,7 +65,14 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # imported rather than run (the tests)
     sys.path.append(str(HERE))
 
-from harness import ROOT, add_output_args, describe_device, new_result, out_dir, write_result  # noqa: E402
+from harness import (  # noqa: E402
+    ROOT,
+    add_output_args,
+    describe_device,
+    new_result,
+    out_dir,
+    write_result,
+)
 
 TESTS = ROOT / "tests"
 

@@ -374,7 +374,7 @@ def test_graph_refusal_names_what_the_graph_does_not_run(monkeypatch):
     assert "offloaded" in graph_mod.graph_refusal(spread)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_cache_generate_on_the_gpu_decodes_from_the_graph(compile, monkeypatch):
     """On one GPU ``OscarCache.generate`` runs ``graph_decoding`` (and its ``compile`` option): the

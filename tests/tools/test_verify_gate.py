@@ -20,7 +20,13 @@ from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OscarWarning
 from oscar_calib.spec import stfile
 from oscar_calib.spec.artifact import load_artifact, read_metadata, write_artifact_files
-from oscar_calib.spec.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, VERIFY_NAME, WEIGHTS_NAME
+from oscar_calib.spec.layout import (
+    CARD_NAME,
+    DIGEST_KEY,
+    REPORT_NAME,
+    VERIFY_NAME,
+    WEIGHTS_NAME,
+)
 from oscar_calib.spec.values import check_values
 from oscar_calib.tools.validate import fix_digest, validate_artifact
 
@@ -92,8 +98,8 @@ def test_changed_content_is_refused_by_every_reader(verified, tmp_path, change):
     from oscar_calib.eval import EvalOptions, run_eval
     from oscar_calib.runtime import OscarCache, SimulatedCache
     from oscar_calib.runtime.scheme import KVScheme
-    from oscar_calib.tools.fold import fold_checkpoint
     from oscar_calib.tools.export.sglang.export import export_sglang
+    from oscar_calib.tools.fold import fold_checkpoint
     from oscar_calib.tools.verify import verify_artifact
     from oscar_calib.tools.zoo import describe
 
