@@ -65,6 +65,10 @@ def test_install_keeps_the_sections_a_run_did_not_measure(harness, tmp_path):
     third = _doc(harness, rows=[], step=[{"method": "c"}], not_measured=["rows"], commit="def5678")
     harness.install_result(third, tmp_path)                  # carried again: still the run that measured it
     assert json.loads(path.read_text())["carried"]["rows"]["commit"] == first["commit"]
+    # a section the old file has but empty is not carried (nothing measured it)
+    harness.install_result(_doc(harness, rows=[], step=[], not_measured=[]), tmp_path)
+    harness.install_result(_doc(harness, rows=[{"variant": "x"}], step=[], not_measured=["step"]), tmp_path)
+    assert "carried" not in json.loads(path.read_text())
     with pytest.raises(ValueError, match="--quick run"):
         harness.install_result(_doc(harness, settings={"quick": True}), tmp_path)
     out = harness.write_result(_doc(harness), save=False, out=tmp_path / "out")

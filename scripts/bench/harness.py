@@ -339,7 +339,7 @@ def install_result(doc: dict, folder: Path = RESULTS) -> Path:
     doc = dict(doc)
     old = json.loads(path.read_text()) if path.is_file() else {}
     for key in doc.get("not_measured", []):
-        if key in old and not doc.get(key):
+        if old.get(key) and not doc.get(key):            # an empty old section is nothing to carry
             doc[key] = old[key]
             origin = old.get("carried", {}).get(key) or {k: old.get(k) for k in ("commit", "date", "command")}
             doc["carried"] = {**doc.get("carried", {}), key: origin}
