@@ -7,9 +7,3 @@ those load lazily in the modules that need them.
 __version__ = "0.1.0"
 
 FORMAT_VERSION = 1
-
-from ._moved import (
-    install as _install_moved,  # old module paths (oscar_calib.oscar_cache, ...) still import
-)
-
-_install_moved()

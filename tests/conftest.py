@@ -1,21 +1,128 @@
-"""Shared fixtures. The real SmolLM2 loads once per session (the first load de-quantises its
-GGUF, ~30 s, and caches a float copy under $OSCAR_CACHE; later sessions load in ~2 s).
-Tiny random-init models cover the other architectures."""
+"""Session fixtures, the test tiers and the Triton backend.
+
+Tiers (markers, registered in pyproject.toml): ``slow`` (a real model, a whole calibration of
+one, several processes or ranks, injected faults), ``gpu`` (needs CUDA: skipped without it, by
+the hook below), ``script`` (runs a script under ``scripts/``). ``make test-fast`` deselects all
+three. A test that requests a real-model fixture (``smollm2`` and every fixture built on it) is
+``slow`` without saying so.
+
+The real SmolLM2 loads once per session (the first load de-quantises its GGUF, ~30 s, and caches a
+float copy under $OSCAR_CACHE; later sessions load in ~2 s). Tiny random-init models and the
+artifacts built from them (``factories``) cover everything else.
+"""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-import torch
-from helpers import FAST, CharTokenizer, byte_tokenizer, tiny_model  # noqa: F401  (re-exported for fixtures)
-
+# Before torch loads its OpenMP runtime: idle threads sleep instead of spinning (what `oscar`
+# itself sets; on a busy 2-core machine spinning threads take the cores the work needs: float64
+# QRs and products ran 2.6x slower at load 16). Every process a test starts inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if not torch.cuda.is_available():
-    # Triton kernels run under the CPU interpreter; must be set before any kernel is defined
-    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from factories import (  # noqa: E402
+    FAST,
+    ON_GPU,
+    byte_tokenizer,
+    calibrate_tiny,
+    loaded_tiny,
+    save_checkpoint,
+    tiny_model,
+)
+
+if not ON_GPU:
+    # Triton kernels run under the CPU interpreter. Set before any @triton.jit function is
+    # created: the kernel modules are imported lazily, on first use, so this is early enough.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _faster_triton_interpreter() -> None:
+    """Two shortcuts in Triton's CPU interpreter that leave every result bit as it was; most of
+    an interpreted kernel test's time went to them, not to the kernel's arithmetic.
+
+    * Each call of a ``@triton.jit`` function inside a kernel re-patches ``triton.language``
+      for the interpreter (``_patch_builtin``), listing every member of each package with
+      ``inspect.getmembers``, thousands of times per launch. The names of the builtins in those
+      packages are fixed: listed once here, before any kernel runs, each call patches the same
+      attributes as before without listing the packages again.
+    * The interpreter reduces in numpy only with the combine functions it knows (max, min, sum,
+      argmax, argmin) and calls any other once per element in Python. ``tl.sort`` (the append
+      kernel's exact clip quantile) is a bitonic network that reduces with XOR at every
+      compare-and-swap: ~9,000 Python calls to sort 256 values. XOR is exact and associative, so
+      ``np.bitwise_xor.reduce`` gives the same bits.
+
+    Where this Triton's interpreter is laid out otherwise, it is left as it is."""
+    try:
+        import inspect
+
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        patch_builtin, patch_attr, reduce_ops = interpreter._patch_builtin, interpreter._patch_attr, interpreter.ReduceOps
+        generic_reduce, xor = reduce_ops.apply_impl, tl.standard._xor_combine
+        packages = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base)
+    except (ImportError, AttributeError):
+        return
+    builtins = {id(pkg): [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+                for pkg in packages}
+
+    def _patch_builtin(pkg, builder, scope):
+        names = builtins.get(id(pkg))
+        if names is None:
+            return patch_builtin(pkg, builder, scope)
+        for name in names:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    def apply_impl(self, input):
+        if self.combine_fn is not xor:
+            return generic_reduce(self, input)
+        x = input[0]
+        return self.to_tensor(np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims), x.dtype)
+
+    interpreter._patch_builtin = _patch_builtin
+    reduce_ops.apply_impl = apply_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _faster_triton_interpreter()
+
+# Fixtures that load a real model: a test requesting one (directly or through another fixture)
+# is in the slow tier.
+REAL_MODEL_FIXTURES = {"smollm2"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None and not ON_GPU:
+        pytest.skip("needs CUDA (runs on a GPU machine)")
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(monkeypatch):
+    """The kernel backend is each test's choice, never the caller's OSCAR_KERNELS."""
+    monkeypatch.delenv("OSCAR_KERNELS", raising=False)
+
+
+@pytest.fixture
+def device() -> str:
+    """Where kernel tests put their tensors: CUDA when present, else the CPU (interpreter)."""
+    return "cuda" if ON_GPU else "cpu"
+
+# ----------------------------------------------------------------------------- the real SmolLM2
+
 
 @pytest.fixture(scope="session")
 def smollm2():
@@ -45,6 +152,14 @@ def demo_artifact(tmp_path_factory, smollm2_loaded) -> Path:
     calibrate(CalibrationConfig(**FAST), out, loaded=smollm2_loaded)
     return out
 
+@pytest.fixture(scope="session")
+def zoo_smollm2() -> Path:
+    """The committed SmolLM2 artifact, ``zoo/smollm2-135m`` (read-only): a real calibration of the
+    real model without running one."""
+    return Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m"
+
+# ----------------------------------------------------------------------------- tiny models and artifacts
+
 
 @pytest.fixture
 def tiny():
@@ -53,27 +168,64 @@ def tiny():
 
 @pytest.fixture
 def char_tokenizer():
+    from factories import CharTokenizer
+
     return CharTokenizer()
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2) -> Path:
-    """A tiny random-init Llama saved as a HF checkpoint with SmolLM2's tokenizer (real files the
-    CLI can load in a second)."""
-    _, tok, _ = smollm2
-    model = tiny_model("llama", vocab_size=len(tok))
-    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random-init Llama checkpoint (2 layers, float32 safetensors) with a byte tokenizer:
+    real files the CLI loads in a second."""
+    tok = byte_tokenizer()
+    return save_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", tiny_model("llama", vocab_size=len(tok)),
+                           tok)
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random-init Llama checkpoint (float32 safetensors, 3 layers) with a byte tokenizer: what
-    launched ranks and torchrun "nodes" load from disk."""
+    """A tiny random-init Llama checkpoint (3 layers) with a byte tokenizer: what launched ranks and
+    torchrun "nodes" load from disk."""
     tok = byte_tokenizer()
-    d = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    tiny_model("llama", vocab_size=len(tok), layers=3).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama",
+                           tiny_model("llama", vocab_size=len(tok), layers=3), tok)
+
+
+@pytest.fixture(scope="session")
+def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
+    """``tiny_dir`` calibrated from its files by one process with one thread (as each rank runs),
+    512 tokens of 64: what the data-parallel and big-model (device map) runs must reproduce.
+    Read-only."""
+    import torch
+
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.spec.config import CalibrationConfig
+
+    out = tmp_path_factory.mktemp("plain") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate(CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48,
+                                    device="cpu"), out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bit_budget(tmp_path_factory):
+    """The CalibrationResult of ``calibrate_tiny`` on a 3-layer tiny Llama with head_dim 64 under
+    ``bit_budget=2.7`` (one layer gets groups of 32), once per session (read-only; the model is
+    ``loaded_tiny("llama", head_dim=64, layers=3)``)."""
+    return calibrate_tiny(tmp_path_factory.mktemp("bit-budget") / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3),
+                          bit_budget=2.7)
+
+
+@pytest.fixture(scope="session")
+def tiny_calibrated(tmp_path_factory) -> Path:
+    """``calibrate_tiny`` of the default tiny Llama with TINY_FAST settings, once per session
+    (read-only: copy it before changing anything). A rerun with the same settings is byte-identical."""
+    out = tmp_path_factory.mktemp("tiny-calibrated") / "a"
+    calibrate_tiny(out)
+    return out
+

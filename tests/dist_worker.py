@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)     # the single-process reference in the test runs with one thread too
 
-from helpers import loaded_tiny  # noqa: E402
+from factories import loaded_tiny  # noqa: E402
 
 from oscar_calib.calibrate.pipeline import calibrate  # noqa: E402
 from oscar_calib.errors import OscarError  # noqa: E402

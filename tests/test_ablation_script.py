@@ -1,21 +1,16 @@
-"""scripts/experiments/ablation.py's table: a NIAH column attached from scripts/experiments/niah_gpu.py results (--niah, --render)."""
+"""scripts/experiments/ablation.py's table: a NIAH column attached from scripts/experiments/niah_gpu.py
+results (--niah, --render), in this process."""
 
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from factories import load_script, script_error
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "ablation.py"
+pytestmark = pytest.mark.script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ablation_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/ablation.py")
 
 
 def _results():
@@ -60,24 +55,22 @@ def test_niah_spec_errors(tmp_path, spec, message):
         mod.attach_niah(_results(), [spec.format(p=p, missing=tmp_path / "missing.json")])
 
 
-def test_render_writes_the_table_without_a_model(tmp_path):
+def test_render_writes_the_table_without_a_model(tmp_path, capsys):
     out = tmp_path / "abl.json"
     out.write_text(json.dumps(_results()))
     p = _niah(tmp_path)
-    res = subprocess.run([sys.executable, str(SCRIPT), "--render", "--out", str(out), "--niah", f"default={p}:oscar"],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
+    _module().main(["--render", "--out", str(out), "--niah", f"default={p}:oscar"])
     md = out.with_suffix(".md").read_text()
     assert "0.25 [0.15, 0.35] at 8192 (a)" in md and "NIAH attached with: `python scripts/experiments/ablation.py --render" in md
     assert json.loads(out.read_text())["rows"]["default"]["niah"]["method"] == "oscar"
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--render", "--out", str(tmp_path / "none.json")],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and bad.stderr.strip() == "error: --render needs --out naming an existing ablation JSON"
+    assert "0.25 [0.15, 0.35] at 8192 (a)" in capsys.readouterr().out
+    assert script_error(_module().main, ["--render", "--out", str(tmp_path / "none.json")]) == (
+        "error: --render needs --out naming an existing ablation JSON")
 
 
 def _tiny_split_scheme():
     import torch
-    from helpers import tiny_model
+    from factories import tiny_model
 
     from oscar_calib.kernels.testing import random_rotation
     from oscar_calib.model.geometry import geometry_of
@@ -108,8 +101,7 @@ def test_real_cache_perplexity_equals_the_simulation_one_step_at_a_time():
 def test_lever_simulation_equals_the_plain_one_with_every_lever_off():
     """levers.py: with fp16 parameters and no lever, LeverKV reads what SimulatedKV reads; a lever's
     bits count its parameters and sparse entries."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import levers
+    levers = load_script("experiments/levers.py")
 
     _, geo, sch = _tiny_split_scheme()
     assert levers.self_check(sch, geo.head_dim) < 1e-4

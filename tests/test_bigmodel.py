@@ -7,8 +7,7 @@ part (a Qwen3-32B-shaped model spread, as ranks and as ranks each spread over GP
 import json
 
 import pytest
-from test_cli import run_main
-from test_distributed import plain_artifact  # noqa: F401 (a fixture; tiny_dir comes from conftest)
+from factories import oscar
 
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.model.load import load_model
@@ -24,19 +23,18 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(abs(b), 1e-12)
 
 
-def test_the_spread_model_is_really_spread(tiny_dir):  # noqa: F811
+def test_the_spread_model_is_really_spread(tiny_dir):
     lm = load_model(str(tiny_dir), device="cpu", placement=SPREAD)
     where = set(lm.model.hf_device_map.values())
     assert where == {"cpu", "disk"}, lm.model.hf_device_map
 
 
-def test_verify_on_a_spread_model_equals_the_whole_model(monkeypatch, capsys, tmp_path, tiny_dir,  # noqa: F811
-                                                         plain_artifact):  # noqa: F811
+def test_verify_on_a_spread_model_equals_the_whole_model(tmp_path, tiny_dir, plain_artifact):
     whole = verify_artifact(plain_artifact, model=str(tiny_dir), device="cpu", **VERIFY)
     assert whole.settings["spread"] is False
-    code, out, err = run_main(monkeypatch, capsys, "verify", str(plain_artifact), "--model", str(tiny_dir),
-                              "--depths", "384,448", "--sequences", "1", "--positions", "2", "--backend", "torch",
-                              "--device", "cpu", "--device-map", "auto", "--max-memory", "cpu=200000", "--json")
+    code, out, err = oscar("verify", str(plain_artifact), "--model", str(tiny_dir),
+                           "--depths", "384,448", "--sequences", "1", "--positions", "2", "--backend", "torch",
+                           "--device", "cpu", "--device-map", "auto", "--max-memory", "cpu=200000", "--json")
     assert code in (0, 1), err                      # pass or fail is the artifact's business; it ran
     spread = json.loads(out)
     assert spread["settings"]["spread"] is True
@@ -48,7 +46,7 @@ def test_verify_on_a_spread_model_equals_the_whole_model(monkeypatch, capsys, tm
 
 
 @pytest.mark.parametrize("task", ["ppl", "niah"])
-def test_eval_on_a_spread_model_equals_the_whole_model(tmp_path, tiny_dir, plain_artifact, task):  # noqa: F811
+def test_eval_on_a_spread_model_equals_the_whole_model(tmp_path, tiny_dir, plain_artifact, task):
     if task == "ppl":
         opts = EvalOptions(task="ppl", methods="bf16,hadamard,oscar", sequences=1, seq_len=448, sink=16, recent=32)
     else:                                           # through OscarCache and model.generate
@@ -63,12 +61,12 @@ def test_eval_on_a_spread_model_equals_the_whole_model(tmp_path, tiny_dir, plain
             assert a == b
 
 
-def test_eval_cli_takes_the_placement_options(monkeypatch, capsys, tmp_path, tiny_dir, plain_artifact):  # noqa: F811
-    code, out, err = run_main(monkeypatch, capsys, "eval", str(tiny_dir), str(plain_artifact), "--methods", "bf16,oscar",
-                              "--sequences", "1", "--seq-len", "128", "--sink", "16", "--recent", "32", "--device",
-                              "cpu", "--device-map", "auto", "--max-memory", "cpu=200000", "--plot",
-                              str(tmp_path / "p.png"), "--json")
+def test_eval_cli_takes_the_placement_options(tmp_path, tiny_dir, plain_artifact):
+    code, out, err = oscar("eval", str(tiny_dir), str(plain_artifact), "--methods", "bf16,oscar",
+                           "--sequences", "1", "--seq-len", "128", "--sink", "16", "--recent", "32", "--device",
+                           "cpu", "--device-map", "auto", "--max-memory", "cpu=200000", "--plot",
+                           str(tmp_path / "p.png"), "--json")
     assert code == 0, err
     assert [r["method"] for r in json.loads(out)["rows"]] == ["bf16", "oscar"]
-    code, _, err = run_main(monkeypatch, capsys, "eval", str(tiny_dir), str(plain_artifact), "--max-memory", "cpu=1GiB")
+    code, _, err = oscar("eval", str(tiny_dir), str(plain_artifact), "--max-memory", "cpu=1GiB")
     assert code == 2 and err.strip().endswith("--max-memory needs --device-map (e.g. --device-map auto)"), err

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.model.capture import Capture
 from oscar_calib.numerics.clip import HeldoutLayer

@@ -5,34 +5,13 @@ import subprocess
 import sys
 
 import pytest
-
-from oscar_calib.cli import main
-
-FAST_ARGS = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--no-verify", "--device", "cpu"]
+from factories import FAST_ARGS, assert_one_line_error, oscar
 
 
-def run_main(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["oscar", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def assert_one_line_error(code, err, pattern):
-    assert code != 0
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: ") and pattern in lines[-1], err
-    assert "Traceback" not in err
-
-
-def test_calibrate_json_on_a_local_checkpoint(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+def test_calibrate_json_on_a_local_checkpoint(tmp_path, tiny_llama_dir):
     out = tmp_path / "art"
-    code, stdout, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--out", str(out),
-                                 *FAST_ARGS, "--json")
+    code, stdout, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(out),
+                              *FAST_ARGS, "--json")
     assert code == 0, err
     doc = json.loads(stdout)
     assert doc["out"] == str(out) and len(doc["layers"]) == 2
@@ -42,7 +21,7 @@ def test_calibrate_json_on_a_local_checkpoint(monkeypatch, capsys, tmp_path, tin
 
 @pytest.mark.parametrize("case", ["missing", "unsupported", "unknown_arch", "tokens0", "bad_clip", "bad_objective",
                                   "empty_data", "unwritable", "under_a_file", "bad_refine", "refine_layer"])
-def test_bad_input_is_one_line(monkeypatch, capsys, tmp_path, tiny_llama_dir, case):
+def test_bad_input_is_one_line(tmp_path, tiny_llama_dir, case):
     out = tmp_path / "out"
     model = str(tiny_llama_dir)
     extra = []
@@ -77,37 +56,37 @@ def test_bad_input_is_one_line(monkeypatch, capsys, tmp_path, tiny_llama_dir, ca
         (tmp_path / "file").write_text("x")
         out, pattern = tmp_path / "file" / "out", "not a directory"
     args = ["calibrate", model, "--out", str(out), *FAST_ARGS]
-    code, _, err = run_main(monkeypatch, capsys, *args, *extra)
+    code, _, err = oscar(*args, *extra)
     assert_one_line_error(code, err, pattern)
     if not str(out).startswith("/proc"):
         assert not (tmp_path / "out").exists()
 
 
-def test_existing_artifact_refused_then_overwritten(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+def test_existing_artifact_refused_then_overwritten(tmp_path, tiny_llama_dir):
     out = tmp_path / "art"
     args = ["calibrate", str(tiny_llama_dir), "--out", str(out), *FAST_ARGS]
-    assert run_main(monkeypatch, capsys, *args)[0] == 0
+    assert oscar(*args)[0] == 0
     before = (out / "oscar.safetensors").read_bytes()
-    code, _, err = run_main(monkeypatch, capsys, *args, "--seed", "4")
+    code, _, err = oscar(*args, "--seed", "4")
     assert_one_line_error(code, err, "--overwrite")
     assert (out / "oscar.safetensors").read_bytes() == before
-    assert run_main(monkeypatch, capsys, *args, "--seed", "4", "--overwrite")[0] == 0
+    assert oscar(*args, "--seed", "4", "--overwrite")[0] == 0
     assert (out / "oscar.safetensors").read_bytes() != before
 
 
-def test_config_file_sets_defaults_and_rejects_unknown_keys(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+def test_config_file_sets_defaults_and_rejects_unknown_keys(tmp_path, tiny_llama_dir):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("calibration:\n  granularity: layer\n  tokens: 256\n  seq_len: 64\n  heldout_tokens: 32\n")
     out = tmp_path / "art"
-    code, stdout, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--config", str(cfg),
-                                 "--out", str(out), "--no-verify", "--json")
+    code, stdout, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg),
+                              "--out", str(out), "--no-verify", "--json")
     assert code == 0, err
     from oscar_calib.spec.artifact import read_metadata
 
     assert read_metadata(out)["granularity"] == "layer"
     cfg.write_text("calibration:\n  tokenz: 5\n")
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--config", str(cfg),
-                            "--out", str(tmp_path / "o2"))
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg),
+                         "--out", str(tmp_path / "o2"))
     assert_one_line_error(code, err, "unknown key(s) tokenz")
 
 
@@ -120,10 +99,48 @@ def test_console_script_maps_errors_without_traceback(tmp_path):
 
 
 def test_help_documents_every_option():
-    proc = subprocess.run([sys.executable, "-m", "oscar_calib", "calibrate", "--help"], capture_output=True,
-                          text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    proc = oscar("calibrate", "--help", env={"COLUMNS": "200"})
+    assert proc.exit_code == 0, proc.output
     for opt in ("--data", "--tokens", "--seq-len", "--batch-size", "--seed", "--out", "--k-objective",
                 "--v-objective", "--composition", "--granularity", "--group-size", "--clip", "--resume",
                 "--overwrite", "--json", "--dtype", "--device", "--trust-remote-code", "--split", "--text-field",
                 "--refine-steps", "--refine-lr"):
         assert opt in proc.stdout, opt
+
+
+@pytest.mark.parametrize("data", ["corpus.tx", "./corpus.txt", "texts/corpus.jsonl"])
+def test_a_missing_data_file_is_one_line_before_any_model_or_hub(monkeypatch, capsys, tmp_path, data):
+    """A --data value that looks like a path and is not there: "no such file", and neither the
+    tokenizer, the model nor the datasets hub was asked for anything."""
+    import datasets
+
+    import oscar_calib.calibrate.pipeline as pipeline
+
+    asked = []
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "texts").mkdir()
+    monkeypatch.setattr(pipeline, "load_tokenizer", lambda *a, **k: asked.append("tokenizer"))
+    monkeypatch.setattr(pipeline, "prepare_model", lambda *a, **k: asked.append("model"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: asked.append("hub"))
+    code, _, err = oscar("calibrate", "--data", data, "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, f"no such file: {data} (--data takes embedded, embedded-code, ")
+    assert asked == [] and not (tmp_path / "o").exists()
+
+
+def test_too_little_data_is_found_before_the_weights_load(monkeypatch, capsys, tmp_path, tiny_dir):
+    """Counting tokens needs the tokenizer only: the weights are never read for a short file."""
+    import oscar_calib.calibrate.pipeline as pipeline
+
+    (tmp_path / "short.txt").write_text("only a few words here")
+    monkeypatch.setattr(pipeline, "prepare_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = oscar("calibrate", str(tiny_dir), "--data", str(tmp_path / "short.txt"),
+                            "--out", str(tmp_path / "o"), *FAST_ARGS)
+    assert_one_line_error(code, err, "need")
+    assert not (tmp_path / "o").exists()
+
+
+def test_hub_ids_are_not_mistaken_for_paths():
+    from oscar_calib.calibrate.corpus import looks_like_path
+
+    assert not any(map(looks_like_path, ["wikitext", "Salesforce/wikitext", "bigcode/the-stack-v1.2"]))
+    assert all(map(looks_like_path, ["corpus.tx", "./c", "~/c", "/data/c", "a/b/c", "a\\b"]))

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import loaded_tiny
+from factories import assert_one_line_error, loaded_tiny, oscar
 from safetensors.torch import load_file
-from test_cli import assert_one_line_error, run_main
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.launch import check_nproc, launch
@@ -120,6 +119,7 @@ def fitted_alone(tmp_path: Path, cfg: dict, saved: list[dict], monkeypatch, **mo
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path, reference, monkeypatch):
     code, work = run_job(tmp_path, "job")
     assert code == 0
@@ -141,6 +141,7 @@ def test_two_ranks_equal_one_process(tmp_path, reference, monkeypatch):
     assert report["layers"] == json.loads((alone / "calibration.json").read_text())["layers"]
 
 
+@pytest.mark.slow
 def test_two_ranks_split_a_bit_budget_as_one_process(tmp_path, monkeypatch):
     """--bit-budget under 2 ranks: each rank builds the error tables of its layers (0 and 2, or 1),
     the ranks exchange them and allocate alike; the artifact, per-layer group sizes included, is
@@ -158,6 +159,7 @@ def test_two_ranks_split_a_bit_budget_as_one_process(tmp_path, monkeypatch):
     assert report["layers"] == want["layers"]
 
 
+@pytest.mark.slow
 def test_dead_rank_is_named_and_resume_continues(tmp_path, reference):
     out = tmp_path / "out"
     with pytest.raises(DistributedError, match=r"rank 1 died \(SIGKILL\); rank\(s\) 0 were stopped"):
@@ -199,23 +201,24 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     assert not (tmp_path / "out").exists()                                  # nothing half-written
 
 
-def test_cli_nproc_two_equals_one(monkeypatch, capsys, tmp_path, tiny_dir, plain_artifact):
+@pytest.mark.slow
+def test_cli_nproc_two_equals_one(tmp_path, tiny_dir, plain_artifact):
     out = tmp_path / "dp"
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(out), *CLI_ARGS,
-                            "--nproc", "2", "--json")
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(out), *CLI_ARGS,
+                         "--nproc", "2", "--json")
     assert code == 0, err
     assert_same_rotations(out, plain_artifact)
     t = json.loads((out / "calibration.json").read_text())["timings"]
     assert t["world_size"] == 2
 
 
-def test_nproc_beyond_devices_is_refused(monkeypatch, capsys, tmp_path, tiny_dir):
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--nproc", "4096")
+def test_nproc_beyond_devices_is_refused(monkeypatch, tmp_path, tiny_dir):
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--nproc", "4096")
     assert_one_line_error(code, err, "--nproc 4096: only")
     assert "CPU core" in err and not (tmp_path / "o").exists()
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--nproc", "0")
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--nproc", "0")
     assert_one_line_error(code, err, "--nproc must be at least 1")
     # on CUDA the devices are the visible GPUs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -261,34 +264,21 @@ def test_bad_placement_options():
 
 
 def test_a_rank_with_a_device_map_gets_its_slice_of_the_gpus(monkeypatch):
-    from oscar_calib.calibrate.parallel import _rank_device
+    from oscar_calib.calibrate.job import rank_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _rank_device("cuda", 1, Placement("auto")) == ("nccl", "cuda:2")     # GPUs 2 and 3
-    assert _rank_device("cuda", 1, None) == ("nccl", "cuda:1")                  # one GPU per rank
+    assert rank_device("cuda", 1, Placement("auto")) == ("nccl", "cuda:2")     # GPUs 2 and 3
+    assert rank_device("cuda", 1, None) == ("nccl", "cuda:1")                  # one GPU per rank
     with pytest.raises(DistributedError, match="LOCAL_RANK=2 has no GPU"):
-        _rank_device("cuda", 2, Placement("auto"))
+        rank_device("cuda", 2, Placement("auto"))
 
 
 # ----------------------------------------------------------------------------- big models
 
 CLI_ARGS = ["--tokens", "512", "--seq-len", "64", "--batch-size", "2", "--heldout-tokens", "48", "--device", "cpu",
             "--no-verify"]
-
-
-@pytest.fixture(scope="module")
-def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
-    out = tmp_path_factory.mktemp("plain") / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        calibrate(CalibrationConfig(model=str(tiny_dir), tokens=512, seq_len=64, batch_size=2, heldout_tokens=48,
-                                    device="cpu"), out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
 
 
 def test_device_map_with_disk_offload_equals_plain_run(tmp_path, tiny_dir, plain_artifact):
@@ -321,12 +311,12 @@ def test_offload_dir_is_used_and_result_unchanged(tmp_path, tiny_dir, plain_arti
     assert_same_rotations(tmp_path / "big", plain_artifact)
 
 
-def test_offload_dir_bad_input(monkeypatch, capsys, tmp_path, tiny_dir):
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--offload-dir", str(tmp_path / "off"))
+def test_offload_dir_bad_input(tmp_path, tiny_dir):
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--offload-dir", str(tmp_path / "off"))
     assert_one_line_error(code, err, "--offload-dir needs --device-map")
     (tmp_path / "afile").write_text("x")
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
-                            *CLI_ARGS, "--device-map", "auto", "--offload-dir", str(tmp_path / "afile"))
+    code, _, err = oscar("calibrate", str(tiny_dir), "--out", str(tmp_path / "o"),
+                         *CLI_ARGS, "--device-map", "auto", "--offload-dir", str(tmp_path / "afile"))
     assert_one_line_error(code, err, "is a file, not a folder")
     assert not (tmp_path / "o").exists() and (tmp_path / "afile").read_text() == "x"

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
+from factories import assert_one_line_error, load_script, oscar
 
 from oscar_calib.errors import InputError
 from oscar_calib.eval import EvalOptions, EvalResult, eval_text, record_eval
@@ -114,10 +113,7 @@ def test_prompts_option_sets_samples():
 
 
 def test_cli_prompts_and_interval_table(monkeypatch):
-    from typer.testing import CliRunner
-
     import oscar_calib.eval as ev
-    from oscar_calib.cli import app
 
     seen = {}
 
@@ -126,23 +122,19 @@ def test_cli_prompts_and_interval_table(monkeypatch):
         return _niah_result({("bf16", 1024): 10, ("oscar", 1024): 5})
 
     monkeypatch.setattr(ev, "run_eval", fake_run_eval)
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--prompts", "50", "--lengths", "1024"],
-                           terminal_width=200)
+    r = oscar("eval", "smollm2-135m", "--task", "niah", "--prompts", "50", "--lengths", "1024")
     assert r.exit_code == 0, r.output
     assert seen["options"].samples == 10 and seen["options"].prompts == 50
     assert "0.50 [0.24, 0.76]" in r.stdout and "1.00 [0.72, 1.00]" in r.stdout
-    r = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "niah", "--prompts", "50", "--samples", "2"])
-    assert r.exit_code != 0
+    r = oscar("eval", "smollm2-135m", "--task", "niah", "--prompts", "50", "--samples", "2")
+    assert_one_line_error(r.exit_code, r.stderr, "not both")
 
 
 def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "niah_gpu.py"
-    spec = importlib.util.spec_from_file_location("niah_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/niah_gpu.py")
 
 
+@pytest.mark.script
 def test_niah_gpu_script_merges_and_records(demo_artifact, tmp_path, capsys):
     script = _script()
     art = tmp_path / "a"

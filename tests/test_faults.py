@@ -21,16 +21,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import FAST_ARGS, assert_one_line_error, run_main
+from factories import (
+    FAST_ARGS,
+    assert_one_line_error,
+    calibrate_tiny,
+    oscar,
+)
 
 from oscar_calib.tools.validate import validate_artifact
+
+# Fault injection (full disks, SIGKILL, Ctrl-C, damaged inputs): the slow tier.
+pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).parent
 ARTIFACT_FILES = ["README.md", "calibration.json", "oscar.safetensors"]
 
 
-def calibrate_cli(monkeypatch, capsys, model, out, *extra):
-    return run_main(monkeypatch, capsys, "calibrate", str(model), "--out", str(out), *FAST_ARGS, *extra)
+def calibrate_cli(model, out, *extra):
+    return oscar("calibrate", str(model), "--out", str(out), *FAST_ARGS, *extra)
 
 
 @contextlib.contextmanager
@@ -63,40 +71,40 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 # ----------------------------------------------------------------------------- a full disk
 
-def test_disk_full_while_writing_the_artifact(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+def test_disk_full_while_writing_the_artifact(monkeypatch, tmp_path, tiny_llama_dir):
     out = tmp_path / "art"
-    assert calibrate_cli(monkeypatch, capsys, tiny_llama_dir, out)[0] == 0
+    assert calibrate_cli(tiny_llama_dir, out)[0] == 0
     before = snapshot(out)
     assert sorted(before) == ARTIFACT_FILES
     with full_disk(monkeypatch, tmp_path, "oscar.safetensors"):
-        code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, out, "--overwrite", "--seed", "1")
+        code, _, err = calibrate_cli(tiny_llama_dir, out, "--overwrite", "--seed", "1")
     assert_one_line_error(code, err, f"cannot write {out}: No space left on device (free some space and run again)")
     assert snapshot(out) == before                          # the old artifact, whole; no temporaries
     assert validate_artifact(out).ok
     fresh = tmp_path / "fresh"
     with full_disk(monkeypatch, tmp_path, "oscar.safetensors"):
-        code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, fresh)
+        code, _, err = calibrate_cli(tiny_llama_dir, fresh)
     assert_one_line_error(code, err, "No space left on device")
     assert not fresh.exists()                               # no half-written directory
 
 
-def test_disk_full_at_a_checkpoint_keeps_the_last_one_and_resume_finishes(monkeypatch, capsys, tmp_path,
+def test_disk_full_at_a_checkpoint_keeps_the_last_one_and_resume_finishes(monkeypatch, tmp_path,
                                                                           tiny_llama_dir):
     ref, out = tmp_path / "ref", tmp_path / "out"
     extra = ("--checkpoint-every", "1")
-    assert calibrate_cli(monkeypatch, capsys, tiny_llama_dir, ref, *extra)[0] == 0
+    assert calibrate_cli(tiny_llama_dir, ref, *extra)[0] == 0
     with full_disk(monkeypatch, out, ".oscar-checkpoint.pt", after=1):       # the 2nd checkpoint write fails
-        code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, out, *extra)
+        code, _, err = calibrate_cli(tiny_llama_dir, out, *extra)
     assert_one_line_error(code, err, "No space left on device")
     assert "--resume" in err
     assert sorted(p.name for p in out.iterdir()) == [".oscar-checkpoint.pt"]
     assert torch.load(out / ".oscar-checkpoint.pt", weights_only=True)["batches_done"] == 1   # intact
-    code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, out, *extra, "--resume")
+    code, _, err = calibrate_cli(tiny_llama_dir, out, *extra, "--resume")
     assert code == 0, err
     assert (out / "oscar.safetensors").read_bytes() == (ref / "oscar.safetensors").read_bytes()
 
 
-def test_a_really_full_tmpfs(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+def test_a_really_full_tmpfs(tmp_path, tiny_llama_dir):
     """The same on a real 256 KiB tmpfs, filled to within 16 KiB (runs where the test may mount)."""
     small = tmp_path / "small"
     small.mkdir()
@@ -107,7 +115,7 @@ def test_a_really_full_tmpfs(monkeypatch, capsys, tmp_path, tiny_llama_dir):
         with open(small / "filler", "wb") as f:
             with contextlib.suppress(OSError):
                 f.write(b"x" * (256 * 1024 - 16 * 1024))
-        code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, small / "art")
+        code, _, err = calibrate_cli(tiny_llama_dir, small / "art")
         assert_one_line_error(code, err, "No space left on device")
         assert sorted(p.name for p in small.iterdir()) == ["filler"]
     finally:
@@ -119,8 +127,7 @@ def test_a_really_full_tmpfs(monkeypatch, capsys, tmp_path, tiny_llama_dir):
 KILL_WHILE_WRITING = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-from helpers import loaded_tiny
-from test_pipeline import TINY_FAST
+from factories import TINY_FAST, loaded_tiny
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.spec.config import CalibrationConfig
 
@@ -140,31 +147,24 @@ def kill_while_writing(out: Path, seed: int) -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
 
-def test_sigkill_while_writing_leaves_no_file_claiming_to_be_an_artifact(tmp_path):
-    from helpers import loaded_tiny
-    from test_pipeline import TINY_FAST, run_tiny
-
-    from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.spec.config import CalibrationConfig
-
+def test_sigkill_while_writing_leaves_no_file_claiming_to_be_an_artifact(tmp_path, tiny_calibrated):
     fresh = tmp_path / "fresh"
     kill_while_writing(fresh, seed=0)
     assert not any((fresh / n).exists() for n in ARTIFACT_FILES)       # no card, report or tensors
     assert not validate_artifact(fresh).ok
     assert list(fresh.glob(".oscar.safetensors.*.tmp"))                 # the temporary, hidden, unfinished
-    old = tmp_path / "old"
-    run_tiny(old)
+    old = shutil.copytree(tiny_calibrated, tmp_path / "old")
     before = {n: (old / n).read_bytes() for n in ARTIFACT_FILES}
     kill_while_writing(old, seed=3)                                     # replacing it with --overwrite
     assert {n: (old / n).read_bytes() for n in ARTIFACT_FILES} == before
     assert validate_artifact(old).ok
-    calibrate(CalibrationConfig(**TINY_FAST), fresh, loaded=loaded_tiny(), overwrite=True)   # starts over, cleans up
+    calibrate_tiny(fresh, overwrite=True)                               # starts over, cleans up
     assert not list(fresh.glob(".*.tmp")) and validate_artifact(fresh).ok
 
 
 # ----------------------------------------------------------------------------- Ctrl-C and --resume
 
-def test_ctrl_c_says_how_to_resume_and_a_rerun_never_discards_the_checkpoint(monkeypatch, capsys, tmp_path,
+def test_ctrl_c_says_how_to_resume_and_a_rerun_never_discards_the_checkpoint(tmp_path,
                                                                             tiny_llama_dir):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OSCAR_TEST_SLOW="0.5",
@@ -181,22 +181,22 @@ def test_ctrl_c_says_how_to_resume_and_a_rerun_never_discards_the_checkpoint(mon
     lines = [line for line in err.splitlines() if line.strip() and "capture" not in line]
     assert len(lines) == 1 and lines[0].startswith("error: interrupted after batch ") and \
         f"is kept in {out}: rerun the same command with --resume" in lines[0], err
-    code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, out)
+    code, _, err = calibrate_cli(tiny_llama_dir, out)
     assert_one_line_error(code, err, "holds the checkpoint of an interrupted run (.oscar-checkpoint.pt): pass "
                                      "--resume to continue it, or --overwrite to start over")
     assert (out / ".oscar-checkpoint.pt").exists()
-    code, _, err = calibrate_cli(monkeypatch, capsys, tiny_llama_dir, out, "--resume")
+    code, _, err = calibrate_cli(tiny_llama_dir, out, "--resume")
     assert code == 0 and "warning" not in err, err
     assert json.loads((out / "calibration.json").read_text())["timings"]["resumed"] is True
 
 
-def test_settings_the_run_can_go_on_with_are_one_warning_line_each(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+def test_settings_the_run_can_go_on_with_are_one_warning_line_each(tmp_path, tiny_llama_dir):
     """--resume without a checkpoint, --seq-len beyond the model's context (512 positions here),
     --heldout-tokens beyond one sequence."""
     out = tmp_path / "out"
-    code, _, err = run_main(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--out", str(out), "--tokens",
-                            "1024", "--seq-len", "1024", "--heldout-tokens", "4096", "--device", "cpu",
-                            "--no-verify", "--resume")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(out), "--tokens",
+                         "1024", "--seq-len", "1024", "--heldout-tokens", "4096", "--device", "cpu",
+                         "--no-verify", "--resume")
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 3 and "Traceback" not in err, err
@@ -211,7 +211,7 @@ def test_settings_the_run_can_go_on_with_are_one_warning_line_each(monkeypatch, 
 # ----------------------------------------------------------------------------- damaged inputs
 
 @pytest.mark.parametrize("case", ["truncated_weights", "random_txt", "random_jsonl", "random_parquet"])
-def test_damaged_inputs_are_one_line(monkeypatch, capsys, tmp_path, tiny_llama_dir, case):
+def test_damaged_inputs_are_one_line(tmp_path, tiny_llama_dir, case):
     model, extra = tiny_llama_dir, []
     noise = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     if case == "truncated_weights":                  # a half-finished download
@@ -226,12 +226,12 @@ def test_damaged_inputs_are_one_line(monkeypatch, capsys, tmp_path, tiny_llama_d
         extra = ["--data", str(data)]
         pattern = {"random_txt": "does not look like text", "random_jsonl": "does not look like text",
                    "random_parquet": "not a readable parquet file"}[case]
-    code, _, err = calibrate_cli(monkeypatch, capsys, model, tmp_path / "out", *extra)
+    code, _, err = calibrate_cli(model, tmp_path / "out", *extra)
     assert_one_line_error(code, err, pattern)
     assert not (tmp_path / "out").exists()
 
 
-def test_a_zoo_that_does_not_exist_is_an_error(monkeypatch, capsys, tmp_path):
+def test_a_zoo_that_does_not_exist_is_an_error(tmp_path):
     for cmd in (["zoo", "list"], ["zoo", "index", "--check"], ["zoo", "table"]):
-        code, _, err = run_main(monkeypatch, capsys, *cmd, "--zoo", str(tmp_path / "zooo"))
+        code, _, err = oscar(*cmd, "--zoo", str(tmp_path / "zooo"))
         assert_one_line_error(code, err, f"--zoo {tmp_path / 'zooo'}: no such directory")

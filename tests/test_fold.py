@@ -10,14 +10,20 @@ import contextlib
 import copy
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import (
+    ascii_tokenizer,
+    assert_one_line_error,
+    build_artifact,
+    make_artifact,
+    oscar,
+    save_checkpoint,
+    tiny_model,
+)
 
-from oscar_calib import FORMAT_VERSION, __version__
 from oscar_calib.errors import (
     ArtifactError,
     NumericalError,
@@ -28,16 +34,11 @@ from oscar_calib.model.geometry import geometry_of, model_fingerprint
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.numerics.quant import quantize_int2, simulate_kv_quant
 from oscar_calib.spec.artifact import (
-    FORMAT_NAME,
-    REQUIRED_METADATA,
     WEIGHTS_NAME,
-    Artifact,
-    LayerRotations,
     load_artifact,
     read_metadata,
     write_artifact_files,
 )
-from oscar_calib.spec.defaults import default_group_size
 from oscar_calib.tools.fold import (
     CHECK_TOLERANCE,
     fold_and_check,
@@ -49,48 +50,6 @@ from oscar_calib.tools.fold import (
 )
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def random_rotations(geo, seed: int) -> list[torch.Tensor]:
-    """One random orthogonal matrix per layer and KV head (float32)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(geo.num_layers):
-        a = torch.randn(geo.num_kv_heads, geo.head_dim, geo.head_dim, generator=g, dtype=torch.float64)
-        q, r = torch.linalg.qr(a)
-        out.append((q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float())
-    return out
-
-
-def artifact_metadata(model, model_id: str = "tiny") -> dict[str, str]:
-    """Every REQUIRED_METADATA key, filled from the model."""
-    geo = geometry_of(model)
-    md = {
-        "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": model_id,
-        "model_fingerprint": model_fingerprint(model), "num_layers": str(geo.num_layers),
-        "num_attention_heads": str(geo.num_attention_heads), "num_kv_heads": str(geo.num_kv_heads),
-        "head_dim": str(geo.head_dim), "group_size": str(default_group_size(geo.head_dim)), "bits": "2",
-        "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
-        "composition": "imported", "granularity": "head",
-        "calibration": json.dumps({"data": "random orthogonal (test)", "tokens": 0, "seed": 0}),
-        "toolkit_version": __version__,
-    }
-    assert set(REQUIRED_METADATA) <= set(md)
-    return md
-
-
-def make_artifact(model, directory: Path | None = None, *, seed: int = 1, **extra_metadata) -> Artifact:
-    geo = geometry_of(model)
-    h, d = geo.num_kv_heads, geo.head_dim
-    layers = [LayerRotations(k_rotation=r.clone(), v_rotation=r, k_clip=torch.ones(h), v_clip=torch.ones(h),
-                             k_eigenvalues=torch.ones(h, d), v_eigenvalues=torch.ones(h, d))
-              for r in random_rotations(geo, seed)]
-    art = Artifact(layers=layers, metadata={**artifact_metadata(model), **extra_metadata})
-    if directory is not None:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_artifact_files(directory, art, "# test artifact\n", {"test": True})
-        art = load_artifact(directory)
-    return art
 
 
 def randomise_biases(model, seed: int = 3) -> None:
@@ -119,17 +78,6 @@ def make_model(kind: str):
     return model
 
 
-def char_tokenizer():
-    """A real (saveable) character-level tokenizer for tiny checkpoints."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
-
-
 def wrap(model, tokenizer=None) -> LoadedModel:
     """A model in memory as the LoadedModel that ``fold_checkpoint(loaded=...)`` takes."""
     return LoadedModel.wrap(model, tokenizer, ModelSource("tiny", "tiny", "", None, "local"))
@@ -142,10 +90,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 def save_tiny(tmp_path: Path, kind: str = "llama") -> tuple[Path, object]:
     model = make_model(kind)
-    src = tmp_path / f"src-{kind}"
-    model.save_pretrained(src)
-    char_tokenizer().save_pretrained(src)
-    return src, model
+    return save_checkpoint(tmp_path / f"src-{kind}", model, ascii_tokenizer()), model
 
 
 @contextlib.contextmanager
@@ -230,7 +175,7 @@ def test_fold_is_exact_tiny(kind):
     model = make_model(kind)
     if kind == "qwen2":
         assert model.model.layers[0].self_attn.v_proj.bias.abs().min() > 0
-    art = make_artifact(model)
+    art = build_artifact(model)
     folded = copy.deepcopy(model)
     ids, _ = sample_input_ids(None, 128)
     check, _ = fold_and_check(folded, art, ids)
@@ -244,7 +189,7 @@ def test_fold_is_exact_tiny(kind):
 def test_fold_math_per_head_tiny():
     """Check the weight formulas directly: W_v,h' = Rᵀ W_v,h, b_h' = b_h R, W_o[:, j]' = W_o[:, j] R[j // g]."""
     model = make_model("qwen2")
-    art = make_artifact(model)
+    art = build_artifact(model)
     folded = copy.deepcopy(model)
     fold_v_rotation(folded, art)
     geo = geometry_of(model)
@@ -270,7 +215,7 @@ def test_wrong_fold_is_caught(tmp_path, monkeypatch):
 
     src, model = save_tiny(tmp_path)
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir)
+    make_artifact(art_dir, model)
     orig = fold.fold_layer
     monkeypatch.setattr(fold, "fold_layer", lambda t, r, n: orig(t, r.transpose(-1, -2), n))
     out = tmp_path / "out"
@@ -287,7 +232,7 @@ def test_checkpoint_sharded_reloads(tmp_path):
 
     src, model = save_tiny(tmp_path, "llama")
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir)
+    make_artifact(art_dir, model)
     before_src, before_art = tree_digest(src), tree_digest(art_dir)
     out = tmp_path / "out"
     res = fold_checkpoint(str(src), art_dir, out, shard_size="100KB")
@@ -304,14 +249,16 @@ def test_checkpoint_sharded_reloads(tmp_path):
     assert cfg["oscar"] == {**cfg["oscar"], "v_folded": True, "artifact_fingerprint": sha, "format_version": 1,
                             "model_fingerprint": model_fingerprint(model)}
     meta = read_metadata(out / "oscar")
-    assert meta["v_folded"] == "true" and {k: v for k, v in meta.items() if k != "v_folded"} == read_metadata(art_dir)
+    own = ("v_folded", "content_sha256")                     # the copy is other content: its own digest
+    assert meta["v_folded"] == "true" and {k: v for k, v in meta.items() if k not in own} == \
+        {k: v for k, v in read_metadata(art_dir).items() if k not in own}
     copy_ = load_artifact(out / "oscar")
     assert all(torch.equal(a.v_rotation, b.v_rotation) for a, b in zip(copy_.layers, load_artifact(art_dir).layers))
 
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert reloaded.dtype == torch.float32
     assert model_fingerprint(reloaded) == model_fingerprint(model)
-    ids, kind = sample_input_ids(char_tokenizer(), 128)
+    ids, kind = sample_input_ids(ascii_tokenizer(), 128)
     assert kind == "embedded"
     assert rel_diff(logits(model, ids), logits(reloaded, ids)) <= CHECK_TOLERANCE
     r = res.report
@@ -328,7 +275,7 @@ def test_checkpoint_bf16_with_biases(tmp_path):
 
     src, model = save_tiny(tmp_path, "qwen2")
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir)
+    make_artifact(art_dir, model)
     out = tmp_path / "out"
     res = fold_checkpoint(str(src), art_dir, out, dtype="bfloat16")
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -346,7 +293,7 @@ def test_checkpoint_bf16_with_biases(tmp_path):
 def test_output_rules(tmp_path):
     src, model = save_tiny(tmp_path)
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir)
+    make_artifact(art_dir, model)
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -368,11 +315,11 @@ def test_artifact_for_another_model(tmp_path):
     src, model = save_tiny(tmp_path, "llama")
     other = tiny_model("llama", rope_theta=1234.0)         # same geometry, other config
     art_dir = tmp_path / "art"
-    make_artifact(other, art_dir)
+    make_artifact(art_dir, other)
     with pytest.raises(ArtifactError, match="fingerprint"):
         fold_checkpoint(str(src), art_dir, tmp_path / "out")
     deeper = tmp_path / "art3"
-    make_artifact(tiny_model("llama", layers=3), deeper)
+    make_artifact(deeper, tiny_model("llama", layers=3))
     with pytest.raises(ArtifactError, match="num_layers is 3 but this model has 2"):
         fold_checkpoint(str(src), deeper, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -381,7 +328,7 @@ def test_artifact_for_another_model(tmp_path):
 def test_already_folded_artifact(tmp_path):
     src, model = save_tiny(tmp_path)
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir, v_folded="true")
+    make_artifact(art_dir, model, metadata={"v_folded": "true"})
     with pytest.raises(ArtifactError, match="v_folded"):
         fold_checkpoint(str(src), art_dir, tmp_path / "out")
     with pytest.raises(ArtifactError, match="v_folded"):
@@ -395,7 +342,7 @@ def test_invalid_artifact_is_refused_with_the_validators_line(tmp_path):
     from oscar_calib.tools.validate import validate_artifact
 
     src, model = save_tiny(tmp_path)
-    art = make_artifact(model)
+    art = build_artifact(model)
     art.layers[1].k_rotation[0, 2, 3] = float("nan")
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -408,7 +355,7 @@ def test_invalid_artifact_is_refused_with_the_validators_line(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ArtifactError, match="layers.1.k_rotation has 1 non-finite"):
         fold_v_rotation(copy.deepcopy(model), art)                 # an artifact in memory too
-    skewed = make_artifact(model)
+    skewed = build_artifact(model)
     skewed.layers[0].v_rotation[1] *= 1.01
     folded = copy.deepcopy(model)
     with pytest.raises(ArtifactError, match=r"layers.0.v_rotation is not orthogonal: .* on KV head 1"):
@@ -420,7 +367,7 @@ def test_unsupported_layouts(monkeypatch):
     from oscar_calib.model import registry
 
     model = make_model("llama")
-    art = make_artifact(model)
+    art = build_artifact(model)
     fp8 = copy.deepcopy(model)
     v = fp8.model.layers[1].self_attn.v_proj
     v.weight = torch.nn.Parameter(v.weight.to(torch.float8_e4m3fn), requires_grad=False)
@@ -442,7 +389,7 @@ def test_quantised_model_refused_gguf_marker_dropped(tmp_path):
 
     model = make_model("llama")
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir)
+    make_artifact(art_dir, model)
     model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="awq"))
     with pytest.raises(UnsupportedModelError, match=r"quantised \(awq\)"):
         fold_checkpoint("tiny", art_dir, tmp_path / "out", loaded=wrap(model))
@@ -461,32 +408,23 @@ def test_quantised_model_refused_gguf_marker_dropped(tmp_path):
 # ----------------------------------------------------------------------------- CLI
 
 
-def test_cli_json_and_one_line_error(tmp_path, monkeypatch, capsys):
-    from typer.testing import CliRunner
-
-    from oscar_calib.cli import app, main
-
+def test_cli_json_and_one_line_error(tmp_path):
     src, model = save_tiny(tmp_path, "qwen3")
     art_dir = tmp_path / "art"
-    make_artifact(model, art_dir)
+    make_artifact(art_dir, model)
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["fold-weights", str(src), str(art_dir), "--out", str(out), "--device", "cpu",
-                                   "--json"])
+    res = oscar("fold-weights", str(src), str(art_dir), "--out", str(out), "--device", "cpu", "--json")
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["check"]["logits_rel_diff"] <= CHECK_TOLERANCE and report["reload"]["ok"]
     assert (out / "config.json").exists()
 
     wrong = tmp_path / "wrong"
-    make_artifact(tiny_model("qwen3", rope_theta=99.0), wrong)
+    make_artifact(wrong, tiny_model("qwen3", rope_theta=99.0))
     target = tmp_path / "out2"
-    capsys.readouterr()       # drop what setup printed
-    monkeypatch.setattr(sys, "argv", ["oscar", "fold-weights", str(src), str(wrong), "--out", str(target)])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2
-    assert len(err) == 1 and err[0].startswith("error: ") and "fingerprint" in err[0] and "Traceback" not in err[0]
+    code, _, err = oscar("fold-weights", str(src), str(wrong), "--out", str(target))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert_one_line_error(code, err, "fingerprint")
     assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["art", "out", "src-qwen3", "wrong"]
 
 

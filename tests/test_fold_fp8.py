@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, tiny_model
+from factories import FAST, tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
-from test_validate import make_artifact
+from factories import make_artifact, tiny_model
 
 from oscar_calib.errors import ArtifactError
 from oscar_calib.model.geometry import geometry_of
@@ -108,21 +107,18 @@ def test_a_bad_layer_group_list_is_refused_by_every_reader(tmp_path):
         KVScheme.from_artifact(bad)
 
 
-def test_eval_reads_a_bit_budget_artifact_end_to_end(tmp_path, char_tokenizer):
+def test_eval_reads_a_bit_budget_artifact_end_to_end(tiny_bit_budget):
     """calibrate --bit-budget on a tiny model, then `oscar eval`'s ppl: the oscar row runs each layer at
     its size (bits = the per-layer mean), the baselines at the artifact's uniform size; an explicit
     --group-size still means one size everywhere."""
-    from helpers import FAST, loaded_tiny
+    from factories import loaded_tiny
 
-    from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.eval import EvalOptions
     from oscar_calib.eval.ppl import evaluate_ppl
     from oscar_calib.eval.report import eval_text, group_label
-    from oscar_calib.spec.config import CalibrationConfig
 
-    lm = loaded_tiny("llama", head_dim=64, layers=3)
-    cfg = CalibrationConfig(**dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64, bit_budget=2.7))
-    art = calibrate(cfg, tmp_path / "b", loaded=lm).artifact
+    lm = loaded_tiny("llama", head_dim=64, layers=3)        # the model tiny_bit_budget calibrated
+    art = tiny_bit_budget.artifact
     sizes = art.layer_group_sizes
     assert sorted(sizes) == [32, 64, 64]
     opts = EvalOptions(methods=("bf16", "hadamard", "oscar"), sink=4, recent=8, sequences=1, seq_len=48)

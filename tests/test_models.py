@@ -4,7 +4,7 @@ the registry and fingerprints."""
 from pathlib import Path
 
 import pytest
-from helpers import loaded_tiny, tiny_model
+from factories import byte_tokenizer, loaded_tiny, tiny_model
 
 from oscar_calib.calibrate.corpus import load_texts, plan_tokens
 from oscar_calib.errors import (
@@ -62,11 +62,11 @@ def test_not_a_model_name():
         resolve_model("./definitely/not/here")
 
 
-def test_checkpoint_dir_loads_and_keeps_fingerprint(tiny_llama_dir, smollm2):
+def test_checkpoint_dir_loads_and_keeps_fingerprint(tiny_llama_dir):
     lm = load_model(str(tiny_llama_dir), device="cpu")
     model, src = lm.model, lm.source
     assert src.kind == "local" and geometry_of(model).num_kv_heads == 2
-    ref = tiny_model("llama", vocab_size=len(smollm2[1]))
+    ref = tiny_model("llama", vocab_size=len(byte_tokenizer()))
     assert model_fingerprint(model) == model_fingerprint(ref)
 
 

@@ -90,6 +90,7 @@ def wait_all(procs, timeout: float = 300) -> list[tuple[int, float]]:
     return ends
 
 
+@pytest.mark.slow
 def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, tiny_dir, reference):
     import json
 
@@ -103,6 +104,7 @@ def test_two_nodes_equal_one_process_bit_for_bit(tmp_path, tiny_dir, reference):
     assert not list(out.glob(".oscar-checkpoint*")) and not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_rank_killed_on_one_node_stops_the_other_and_resume_finishes(tmp_path, tiny_dir, reference):
     """Rank 1 is SIGKILLed after its 3rd batch; rank 0 (the other node) is then slowed to 6 s a
     batch, so it would need ~30 s more to reach its next collective: it is stopped within a bound
@@ -254,7 +256,7 @@ def test_neighbours_silent_since_the_same_beat_are_all_named(store, sigterm):
 def test_devices_come_from_the_local_rank_on_every_machine(monkeypatch):
     """Rank 3 of 2 machines × 2 ranks is local rank 1 of machine 1: it takes that machine's second
     GPU, or with a device map its GPUs 4..7 of 8, never anything derived from the global rank."""
-    from oscar_calib.calibrate.job import DistContext, _rank_device, placement_for_rank
+    from oscar_calib.calibrate.job import DistContext, placement_for_rank, rank_device
     from oscar_calib.model.placement import Placement
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -262,8 +264,8 @@ def test_devices_come_from_the_local_rank_on_every_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda g: (70 * 2**30, 80 * 2**30))
     for k, v in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1").items():
         monkeypatch.setenv(k, v)
-    assert _rank_device("cuda", 1, None, 2) == ("nccl", "cuda:1")
-    assert _rank_device("cuda", 1, Placement("auto"), 2) == ("nccl", "cuda:4")
+    assert rank_device("cuda", 1, None, 2) == ("nccl", "cuda:1")
+    assert rank_device("cuda", 1, Placement("auto"), 2) == ("nccl", "cuda:4")
     ctx = DistContext(rank=3, world_size=4, local_rank=1, local_world_size=2, device="cuda:4", backend="nccl")
     got = placement_for_rank(Placement("auto", {"cpu": "100GiB"}), ctx)
     assert sorted(k for k in got.max_memory if isinstance(k, int)) == [4, 5, 6, 7]

@@ -1,9 +1,9 @@
 """calibrate() end to end on tiny models and the real SmolLM2: artifact contract, determinism,
 resume, architectures and error paths."""
 
-import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, loaded_tiny
+from factories import FAST, TINY_FAST, calibrate_tiny, loaded_tiny, sha256
 from safetensors import safe_open
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
@@ -26,24 +26,13 @@ from oscar_calib.errors import (
     OutputExistsError,
 )
 from oscar_calib.spec.artifact import (
-    REQUIRED_METADATA,
     SHARED_KINDS,
     TENSOR_KINDS,
     load_artifact,
     tensor_name,
 )
 from oscar_calib.spec.config import CalibrationConfig
-
-TINY_FAST = dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64)
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def run_tiny(out, kind="llama", loaded=None, **kw):
-    cfg = CalibrationConfig(**{**TINY_FAST, **kw})
-    return calibrate(cfg, out, loaded=loaded or loaded_tiny(kind))
+from oscar_calib.spec.layout import REQUIRED_METADATA
 
 
 def check_contract(out: Path, layers: int, heads: int, kv: int, d: int):
@@ -81,12 +70,12 @@ def check_contract(out: Path, layers: int, heads: int, kv: int, d: int):
 @pytest.mark.parametrize("kind,heads,kv", [("llama", 4, 2), ("llama_mha", 4, 4), ("qwen3", 4, 2),
                                            ("qwen2", 4, 2), ("mistral", 4, 2), ("gemma3", 4, 1)])
 def test_architectures_end_to_end(tmp_path, kind, heads, kv):
-    run_tiny(tmp_path / "a", kind)
+    calibrate_tiny(tmp_path / "a", kind)
     check_contract(tmp_path / "a", 2, heads, kv, 16)
 
 
 def test_layer_granularity_and_fixed_clips(tmp_path):
-    _, t = check_contract(run_tiny(tmp_path / "a", granularity="layer", k_clip=0.96, v_clip=0.92).out, 2, 4, 2, 16)
+    _, t = check_contract(calibrate_tiny(tmp_path / "a", granularity="layer", k_clip=0.96, v_clip=0.92).out, 2, 4, 2, 16)
     r = t["layers.0.k_rotation"]
     assert torch.equal(r[0], r[1])
     assert torch.allclose(t["layers.1.k_clip"], torch.tensor([0.96, 0.96]))
@@ -95,10 +84,10 @@ def test_layer_granularity_and_fixed_clips(tmp_path):
 
 def test_refined_rotations_stay_v1_and_are_recorded(tmp_path):
     # the tiny run holds 48 held-out rows: a sink of 8 leaves 40 quantised
-    base = run_tiny(tmp_path / "a", "qwen3", sink_tokens=8, recent_tokens=16, heldout_seqs=2)
+    base = calibrate_tiny(tmp_path / "a", "qwen3", sink_tokens=8, recent_tokens=16, heldout_seqs=2)
     with pytest.warns(OscarWarning, match="one held-out sequence"):
-        run_tiny(tmp_path / "c", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=1)
-    res = run_tiny(tmp_path / "b", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=6, refine_lr=1e-2,
+        calibrate_tiny(tmp_path / "c", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=1)
+    res = calibrate_tiny(tmp_path / "b", "qwen3", sink_tokens=8, recent_tokens=16, refine_steps=6, refine_lr=1e-2,
                    heldout_seqs=2)
     md, t = check_contract(res.out, 2, 4, 2, 16)                  # still orthogonal [h, d, d], v1
     assert json.loads(md["calibration"])["refine"] == {"steps": 6, "lr": 1e-2, "objective": "attention-output",
@@ -122,16 +111,16 @@ def test_refine_settings_are_checked():
             CalibrationConfig(**{**TINY_FAST, **kw}).validate()
 
 
-def test_rerun_is_byte_identical(tmp_path):
-    a = run_tiny(tmp_path / "a").out
-    b = run_tiny(tmp_path / "b").out
-    assert sha(a / "oscar.safetensors") == sha(b / "oscar.safetensors")
-    c = run_tiny(tmp_path / "c", seed=1).out
-    assert sha(a / "oscar.safetensors") != sha(c / "oscar.safetensors")
+def test_rerun_is_byte_identical(tmp_path, tiny_calibrated):
+    a = tiny_calibrated
+    b = calibrate_tiny(tmp_path / "b").out
+    assert sha256(a / "oscar.safetensors") == sha256(b / "oscar.safetensors")
+    c = calibrate_tiny(tmp_path / "c", seed=1).out
+    assert sha256(a / "oscar.safetensors") != sha256(c / "oscar.safetensors")
 
 
-def test_resume_after_ctrl_c_is_byte_identical(tmp_path):
-    ref = run_tiny(tmp_path / "ref").out
+def test_resume_after_ctrl_c_is_byte_identical(tmp_path, tiny_calibrated):
+    ref = tiny_calibrated
     out = tmp_path / "run"
 
     def interrupt(batches_done):
@@ -150,17 +139,17 @@ def test_resume_after_ctrl_c_is_byte_identical(tmp_path):
                     progress=lambda stage, done, total, unit: stage == "capture" and seen.append(done))
     assert res.report["timings"]["resumed"] is True
     assert seen[0] > 0                                    # started from the checkpoint, not from zero
-    assert sha(out / "oscar.safetensors") == sha(ref / "oscar.safetensors")
+    assert sha256(out / "oscar.safetensors") == sha256(ref / "oscar.safetensors")
 
 
-def test_resume_after_kill_9_is_byte_identical(tmp_path):
-    ref = run_tiny(tmp_path / "ref").out
+@pytest.mark.slow
+def test_resume_after_kill_9_is_byte_identical(tmp_path, tiny_calibrated):
+    ref = tiny_calibrated
     out = tmp_path / "run"
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from helpers import loaded_tiny
-        from test_pipeline import TINY_FAST
+        from factories import TINY_FAST, loaded_tiny
         from oscar_calib.spec.config import CalibrationConfig
         from oscar_calib.calibrate.pipeline import calibrate
 
@@ -174,7 +163,7 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path):
     assert (out / CHECKPOINT_NAME).exists() and not (out / "oscar.safetensors").exists()
     res = calibrate(CalibrationConfig(**TINY_FAST), out, loaded=loaded_tiny(), resume=True)
     assert res.report["timings"]["resumed"] is True
-    assert sha(out / "oscar.safetensors") == sha(ref / "oscar.safetensors")
+    assert sha256(out / "oscar.safetensors") == sha256(ref / "oscar.safetensors")
 
 
 def test_resume_refuses_checkpoint_of_other_settings(tmp_path):
@@ -191,15 +180,15 @@ def test_resume_refuses_checkpoint_of_other_settings(tmp_path):
         calibrate(CalibrationConfig(**{**TINY_FAST, "seed": 7}), out, loaded=lm, resume=True)
 
 
-def test_existing_artifact_is_refused_unless_overwrite(tmp_path):
-    out = run_tiny(tmp_path / "a").out
-    before = sha(out / "oscar.safetensors")
+def test_existing_artifact_is_refused_unless_overwrite(tmp_path, tiny_calibrated):
+    out = shutil.copytree(tiny_calibrated, tmp_path / "a")
+    before = sha256(out / "oscar.safetensors")
     with pytest.raises(OutputExistsError, match="--overwrite"):
-        run_tiny(out, seed=3)
-    assert sha(out / "oscar.safetensors") == before
+        calibrate_tiny(out, seed=3)
+    assert sha256(out / "oscar.safetensors") == before
     cfg = CalibrationConfig(**{**TINY_FAST, "seed": 3})
     calibrate(cfg, out, loaded=loaded_tiny(), overwrite=True)
-    assert sha(out / "oscar.safetensors") != before
+    assert sha256(out / "oscar.safetensors") != before
 
 
 def test_nan_activations_are_named_and_leave_nothing(tmp_path):
@@ -207,7 +196,7 @@ def test_nan_activations_are_named_and_leave_nothing(tmp_path):
     lm.model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
     out = tmp_path / "nan"
     with pytest.raises(NumericalError, match="layer 1: non-finite key"):
-        run_tiny(out, loaded=lm)
+        calibrate_tiny(out, loaded=lm)
     assert not out.exists()
 
 
@@ -215,15 +204,15 @@ def test_data_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(DataError, match="no text"):
-        run_tiny(tmp_path / "o1", data=str(empty))
+        calibrate_tiny(tmp_path / "o1", data=str(empty))
     short = tmp_path / "short.txt"
     short.write_text("only a few words here")
     with pytest.raises(DataError, match="need"):
-        run_tiny(tmp_path / "o2", data=str(short))
-    with pytest.raises(DataError, match="does not exist"):
-        run_tiny(tmp_path / "o3", data=str(tmp_path / "missing.jsonl"))
+        calibrate_tiny(tmp_path / "o2", data=str(short))
+    with pytest.raises(DataError, match="no such file: .*missing.jsonl"):
+        calibrate_tiny(tmp_path / "o3", data=str(tmp_path / "missing.jsonl"))
     with pytest.raises(InputError, match="tokens must be positive"):
-        run_tiny(tmp_path / "o4", tokens=0)
+        calibrate_tiny(tmp_path / "o4", tokens=0)
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
 
 
@@ -233,18 +222,18 @@ def test_jsonl_and_directory_data(tmp_path):
     text = " ".join(f"word{i}" for i in range(3000))
     (docs / "a.jsonl").write_text("\n".join(json.dumps({"body": text[i:i + 500]}) for i in range(0, len(text), 500)))
     (docs / "b.txt").write_text(text)
-    res = run_tiny(tmp_path / "o", data=str(docs), text_field="body")
+    res = calibrate_tiny(tmp_path / "o", data=str(docs), text_field="body")
     assert res.report["calibration"]["data"] == "dir:docs"
 
 
+@pytest.mark.slow
 def test_single_process_never_enters_the_data_parallel_code(tmp_path):
     """A plain run calls the pipeline's hooks on ``Ranks()``: it neither imports
     calibrate.parallel nor starts a process group."""
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from helpers import loaded_tiny
-        from test_pipeline import TINY_FAST
+        from factories import TINY_FAST, loaded_tiny
         from oscar_calib.spec.config import CalibrationConfig
         from oscar_calib.calibrate.pipeline import calibrate
         import torch.distributed as dist
@@ -276,16 +265,16 @@ def test_smollm2_demo_artifact(demo_artifact):
 @pytest.mark.slow
 def test_smollm2_rerun_byte_identical(tmp_path, demo_artifact, smollm2_loaded):
     res = calibrate(CalibrationConfig(**FAST), tmp_path / "again", loaded=smollm2_loaded)
-    assert sha(res.out / "oscar.safetensors") == sha(demo_artifact / "oscar.safetensors")
+    assert sha256(res.out / "oscar.safetensors") == sha256(demo_artifact / "oscar.safetensors")
 
 
-def test_bit_budget_writes_per_layer_group_sizes(tmp_path):
+def test_bit_budget_writes_per_layer_group_sizes(tmp_path, tiny_bit_budget):
     """--bit-budget: one layer of three gets groups of 32 (3 bits) within 2.7 bits on average, the
     artifact stores the sizes (and the closest uniform size as group_size) and validates."""
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.tools.validate import validate_artifact
 
-    res = run_tiny(tmp_path / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.7)
+    res = tiny_bit_budget
     md, _ = check_contract(res.out, 3, 4, 2, 64)
     sizes = [int(g) for g in md["layer_group_sizes"].split(",")]
     assert sorted(sizes) == [32, 64, 64] and md["group_size"] == "64"
@@ -297,7 +286,7 @@ def test_bit_budget_writes_per_layer_group_sizes(tmp_path):
     assert validate_artifact(res.out).ok
     assert KVScheme.from_artifact(res.out).k_groups == sizes
     # a budget that only affords the largest size writes a plain artifact
-    plain = run_tiny(tmp_path / "p", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.5)
+    plain = calibrate_tiny(tmp_path / "p", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.5)
     assert "layer_group_sizes" not in plain.artifact.metadata and plain.artifact.metadata["group_size"] == "64"
 
 
@@ -309,7 +298,7 @@ def test_bit_budget_split_kv_writes_key_and_value_sizes(tmp_path):
     from oscar_calib.tools.validate import validate_artifact
 
     loaded = loaded_tiny("llama", head_dim=64, layers=3)
-    res = run_tiny(tmp_path / "s", loaded=loaded, bit_budget=2.75, split_kv=True)
+    res = calibrate_tiny(tmp_path / "s", loaded=loaded, bit_budget=2.75, split_kv=True)
     b = res.report["bit_budget"]
     groups = list(zip(b["layer_group_sizes"], b["layer_v_group_sizes"]))
     assert b["mean_bits"] == pytest.approx(2.75) and sum(g == 32 for pair in groups for g in pair) == 3
@@ -320,7 +309,7 @@ def test_bit_budget_split_kv_writes_key_and_value_sizes(tmp_path):
     sch = KVScheme.from_artifact(res.out)
     assert list(zip(sch.k_groups, sch.v_groups)) == groups
     assert sch.bits_per_element == pytest.approx(2.75)
-    tied = run_tiny(tmp_path / "t", loaded=loaded, bit_budget=2.75)
+    tied = calibrate_tiny(tmp_path / "t", loaded=loaded, bit_budget=2.75)
     assert tied.report["bit_budget"]["mean_bits"] == pytest.approx(8 / 3)
     assert "layer_v_group_sizes" not in tied.artifact.metadata
     with pytest.raises(InputError, match="--split-kv .* needs --bit-budget"):
@@ -349,7 +338,7 @@ def test_bit_budget_reuses_the_tables_fits_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(budget_mod, "budget_tables", counted_tables)
     monkeypatch.setattr(pipeline_mod, "fit_clips", counted_fit)
     loaded = loaded_tiny("llama", head_dim=64, layers=3)
-    res = run_tiny(tmp_path / "b", loaded=loaded, bit_budget=2.7)
+    res = calibrate_tiny(tmp_path / "b", loaded=loaded, bit_budget=2.7)
     assert fits == {"tables": 1, "outside": 0}
     cfg = CalibrationConfig(**{**TINY_FAST, "bit_budget": 2.7})
     groups = [(r["k_group_size"], r["v_group_size"]) for r in res.report["layers"]]
@@ -372,7 +361,6 @@ def test_bit_budget_settings_are_checked():
             CalibrationConfig(**kw).validate()
 
 
-def test_bit_budget_card_names_the_sizes(tmp_path):
-    res = run_tiny(tmp_path / "b", loaded=loaded_tiny("llama", head_dim=64, layers=3), bit_budget=2.7)
-    card = (res.out / "README.md").read_text()
+def test_bit_budget_card_names_the_sizes(tiny_bit_budget):
+    card = (tiny_bit_budget.out / "README.md").read_text()
     assert "group size per layer" in card and "bit budget 2.7" in card and "serves group 64" in card

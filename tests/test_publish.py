@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from test_validate import _bad_clip, make_artifact
-from typer.testing import CliRunner
+from factories import assert_one_line_error, bad_clips, make_artifact, oscar
 
 import oscar_calib.tools.publish as publish
-from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
-from oscar_calib.spec.artifact import WEIGHTS_NAME
+from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata
 
-runner = CliRunner()
 FILES = ["README.md", "calibration.json", "oscar.safetensors", "verify.json"]
 
 
@@ -44,7 +40,9 @@ def fake_client():
 @pytest.fixture
 def artifact(tmp_path) -> Path:
     art = make_artifact(tmp_path / "art")
-    (art / "verify.json").write_text(json.dumps({"passed": True, "summary": {"max_rel_error": 0.01}}))
+    digest = read_metadata(art)["content_sha256"]                  # verify.json verified this content
+    (art / "verify.json").write_text(json.dumps({"passed": True, "content_sha256": digest,
+                                                  "summary": {"max_rel_error": 0.01}}))
     (art / ".oscar-checkpoint.pt").write_bytes(b"x")      # hidden: never pushed
     (art / "notes.tmp").write_text("scratch")             # temporary: never pushed
     return art
@@ -71,8 +69,8 @@ def ms(monkeypatch):
 # ----------------------------------------------------------------------------- push
 
 def test_push_hf_makes_the_exact_calls(artifact, hf):
-    result = runner.invoke(app, ["push", str(artifact), "--to", "hf:my-org/tiny-oscar", "--private",
-                                 "--revision", "v1", "--commit-message", "first rotations"])
+    result = oscar("push", str(artifact), "--to", "hf:my-org/tiny-oscar", "--private",
+                   "--revision", "v1", "--commit-message", "first rotations")
     assert result.exit_code == 0, result.output
     assert hf.calls == [
         ("__init__", (), {"token": "hf_secret"}),
@@ -137,11 +135,10 @@ def test_unverified_needs_force_and_invalid_is_never_pushed(tmp_path, hf):
         publish.plan_push(art, "hf:org/name")
     plan = publish.plan_push(art, "hf:org/name", force=True)
     assert plan.verified is False
-    bad = make_artifact(tmp_path / "bad", mutate=_bad_clip)
+    bad = make_artifact(tmp_path / "bad", mutate=bad_clips)
     (bad / "verify.json").write_text(json.dumps({"passed": True}))
-    result = runner.invoke(app, ["push", str(bad), "--to", "hf:org/name", "--force"])
-    assert result.exit_code != 0 and isinstance(result.exception, ArtifactError)
-    assert "outside (0, 1]" in str(result.exception)
+    result = oscar("push", str(bad), "--to", "hf:org/name", "--force")
+    assert_one_line_error(result.exit_code, result.stderr, "outside (0, 1]")
     assert hf.calls == []
 
 
@@ -156,14 +153,14 @@ def test_dry_run_touches_no_network(artifact, monkeypatch):
         raise AssertionError("network client used in a dry run")
     monkeypatch.setattr(publish, "HfApi", boom)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    result = runner.invoke(app, ["push", str(artifact), "--to", "hf:org/name", "--dry-run", "--json"])
+    result = oscar("push", str(artifact), "--to", "hf:org/name", "--dry-run", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     sizes = {f: (artifact / f).stat().st_size for f in FILES}
     assert doc["files"] == [{"name": f, "bytes": sizes[f]} for f in FILES]
     assert doc["total_bytes"] == sum(sizes.values()) and doc["url"] == "https://huggingface.co/org/name"
     assert doc["dry_run"] is True and doc["verified"] is True
-    text = runner.invoke(app, ["push", str(artifact), "--to", "hf:org/name", "--dry-run"]).stdout
+    text = oscar("push", str(artifact), "--to", "hf:org/name", "--dry-run").stdout
     assert "oscar.safetensors" in text and "nothing was uploaded" in text and ".oscar-checkpoint.pt" not in text
 
 
@@ -179,15 +176,10 @@ def test_parse_target_forms():
     assert publish.parse_target("ms:org/name") == publish.Target("modelscope", "org/name")
 
 
-def test_main_maps_errors_to_one_line_and_exit_2(artifact, monkeypatch, capsys):
-    from oscar_calib.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["oscar", "push", str(artifact), "--to", "hf:not-a-repo"])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: malformed target 'hf:not-a-repo': expected hf:ORG/NAME or modelscope:ORG/NAME "
+def test_main_maps_errors_to_one_line_and_exit_2(artifact):
+    code, _, err = oscar("push", str(artifact), "--to", "hf:not-a-repo")
+    assert code == 2
+    assert err.strip().splitlines() == ["error: malformed target 'hf:not-a-repo': expected hf:ORG/NAME or modelscope:ORG/NAME "
                    "(letters, digits, '.', '_', '-')"]
 
 
@@ -222,7 +214,7 @@ def test_pull_hf_into_the_cache_then_refresh(tmp_path, cache, monkeypatch):
     src = make_artifact(tmp_path / "remote")
     calls = []
     monkeypatch.setattr(publish, "hf_snapshot_download", fake_download(src, calls))
-    result = runner.invoke(app, ["pull", "hf:my-org/tiny-oscar", "--revision", "v1", "--json"])
+    result = oscar("pull", "hf:my-org/tiny-oscar", "--revision", "v1", "--json")
     assert result.exit_code == 0, result.output
     dest = cache / "zoo" / "hf" / "my-org" / "tiny-oscar"
     assert json.loads(result.stdout)["path"] == str(dest)
@@ -256,7 +248,7 @@ def test_pull_modelscope_with_out(tmp_path, cache, monkeypatch):
 
 
 def test_pull_refuses_an_invalid_download_and_leaves_nothing(tmp_path, cache, monkeypatch):
-    src = make_artifact(tmp_path / "remote", mutate=_bad_clip)
+    src = make_artifact(tmp_path / "remote", mutate=bad_clips)
     monkeypatch.setattr(publish, "hf_snapshot_download", fake_download(src, []))
     with pytest.raises(ArtifactError, match="downloaded artifact is invalid: .*outside"):
         publish.pull("hf:org/name")

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import loaded_tiny, tiny_model
-from test_validate import make_artifact, random_rotation
-from typer.testing import CliRunner
+from factories import (
+    assert_one_line_error,
+    loaded_tiny,
+    make_artifact,
+    oscar,
+    random_rotation,
+    tiny_model,
+)
 
 import oscar_calib.model.load as models
-from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.runtime.scheme import KVScheme
@@ -28,17 +32,15 @@ from oscar_calib.spec.artifact import (
     LayerRotations,
     load_artifact,
 )
-from oscar_calib.tools.sglang import (
+from oscar_calib.tools.export import import_files
+from oscar_calib.tools.export.sglang import (
     export_sglang,
     fork_load_problems,
     identity_payload,
-    import_sglang,
     payload,
     read_rotation_file,
 )
 from oscar_calib.tools.validate import validate_artifact
-
-runner = CliRunner()
 
 # Every variable the fork reads for OSCAR serving (its sglang/srt/environ.py), and only those.
 FORK_ENV = {"SGLANG_ENABLE_MIXED_KV_WINDOWS", "SGLANG_OSCAR_K_ROTATION_PATH", "SGLANG_OSCAR_V_ROTATION_PATH",
@@ -73,8 +75,8 @@ def test_loader_rules(tmp_path):
     per_head = save(tmp_path / "h.pt", {"format_version": 2, "layers": {i: {"rotation": eye.expand(2, d, d).clone()}
                                                                          for i in range(n)}})
     problems = fork_load_problems(per_head, num_layers=n, head_dim=d)
-    assert problems and "shape [2, 16, 16]" in problems[0] and "PR #20" in problems[0]
-    assert fork_load_problems(per_head, num_layers=n, head_dim=d, target="pr20", num_kv_heads=2) == []
+    assert problems and "shape [2, 16, 16]" in problems[0] and "sglang-fork-v2" in problems[0]
+    assert fork_load_problems(per_head, num_layers=n, head_dim=d, target="sglang-fork-v2", num_kv_heads=2) == []
     cases = {
         "missing": ({"layers": {0: {"rotation": eye}}}, "no rotation for layer(s) 1, 2"),
         "no_layers": ({"rotation": eye}, "needs a dict with a 'layers' mapping"),
@@ -106,7 +108,7 @@ def test_payload_is_what_the_forks_writer_writes():
 
 def test_export_demo_artifact_for_fork_main(demo_artifact, tmp_path):
     out = tmp_path / "serve"
-    result = runner.invoke(app, ["export", str(demo_artifact), "--out", str(out), "--json"])
+    result = oscar("export", str(demo_artifact), "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     art = load_artifact(demo_artifact)
@@ -132,13 +134,14 @@ def test_export_demo_artifact_for_fork_main(demo_artifact, tmp_path):
     assert doc["settings"]["k_clip"] == fk and doc["warnings"] == []
 
 
-def test_export_pr20_and_one_kv_head(demo_artifact, tmp_path):
-    res = export_sglang(demo_artifact, tmp_path / "pr20", target="pr20")
-    k = torch.load(tmp_path / "pr20" / res.files[0], weights_only=True)
+def test_export_v2_per_head_and_one_kv_head(demo_artifact, tmp_path):
+    res = export_sglang(demo_artifact, tmp_path / "v2", target="sglang-fork-v2")
+    k = torch.load(tmp_path / "v2" / res.files[0], weights_only=True)
     assert k["format_version"] == 2 and k["layers"][3]["rotation"].shape == (3, 64, 64)
-    assert fork_load_problems(tmp_path / "pr20" / res.files[0], num_layers=30, head_dim=64)   # main refuses it
-    assert not fork_load_problems(tmp_path / "pr20" / res.files[0], num_layers=30, head_dim=64, target="pr20",
-                                  num_kv_heads=3)
+    assert k["source_grouping"] == "per_kv_head" and "eigenvalues" not in k["layers"][3]    # its writer's form
+    assert fork_load_problems(tmp_path / "v2" / res.files[0], num_layers=30, head_dim=64)   # main refuses it
+    assert not fork_load_problems(tmp_path / "v2" / res.files[0], num_layers=30, head_dim=64,
+                                  target="sglang-fork-v2", num_kv_heads=3)
     assert "per-head clip tables" in res.clip_source
     one = make_artifact(tmp_path / "one", kv=1, heads=4, d=16, metadata={"model_type": "qwen3"})
     res = export_sglang(one, tmp_path / "one_out", clip=(0.95, 0.9))
@@ -162,12 +165,12 @@ def test_export_refusals_write_nothing(tmp_path):
     old = make_artifact(tmp_path / "old", d=16)                          # per head, no shared rotations or clips
     mixed = make_artifact(tmp_path / "mixed", d=16, mutate=lambda t: t["layers.0.k_clip"].fill_(0.8))
     with pytest.raises(ArtifactError, match="no global clip ratios recorded"):
-        export_sglang(mixed, tmp_path / "out", target="pr20")
+        export_sglang(mixed, tmp_path / "out", target="sglang-fork-v2")
     cases = [
         (dict(), ArtifactError, "no shared per-layer rotations"),
         (dict(clip=(0.96, 1.5)), InputError, "outside (0, 1]"),
-        (dict(clip=(0.96, 0.92), target="pr20", sink=60), InputError, "multiple of 8"),
-        (dict(clip=(0.96, 0.92), target="pr20", recent=0), InputError, "at least 8"),
+        (dict(clip=(0.96, 0.92), target="sglang-fork-v2", sink=60), InputError, "multiple of 8"),
+        (dict(clip=(0.96, 0.92), target="sglang-fork-v2", recent=0), InputError, "at least 8"),
         (dict(target="nope"), InputError, "unknown --target"),
     ]
     for kw, err, msg in cases:
@@ -177,8 +180,8 @@ def test_export_refusals_write_nothing(tmp_path):
     assert validate_artifact(odd).ok
     with pytest.raises(ArtifactError, match="head_dim 12 is not a power of two"):
         export_sglang(odd, tmp_path / "out")
-    result = runner.invoke(app, ["export", str(old), "--out", str(tmp_path / "out"), "--clip", "k=0.9,v=0.9"])
-    assert result.exit_code != 0 and "re-run `oscar calibrate`" in str(result.exception)
+    result = oscar("export", str(old), "--out", str(tmp_path / "out"), "--clip", "k=0.9,v=0.9")
+    assert_one_line_error(result.exit_code, result.stderr, "re-run `oscar calibrate`")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed", "odd", "old"]   # nothing written, no temporaries
 
 
@@ -223,7 +226,7 @@ def reference_pair(tmp_path: Path, **layer_extra) -> tuple[Path, Path, list]:
 
 def test_reference_pair_imports_to_identical_rotations_and_round_trips(tmp_path):
     k, v, rots = reference_pair(tmp_path)
-    res = import_sglang(k, v, tiny_target(), tmp_path / "art", clip=(0.9, None))
+    res = import_files("sglang-fork", [k, v], tiny_target(), tmp_path / "art", clip=(0.9, None))
     art = load_artifact(tmp_path / "art")
     assert art.metadata["granularity"] == "layer" and art.shared_clips() == (0.9, 0.92)
     for i in range(2):
@@ -245,11 +248,11 @@ def test_import_reads_what_the_fork_loads(tmp_path):
                                            for i in range(2)}}
     k, v, b = save(tmp_path / "k.pt", identity), save(tmp_path / "v.pt", extra), save(tmp_path / "b.pt", r16)
     f = read_rotation_file(v, num_layers=2, num_kv_heads=2, head_dim=16)
-    assert f.format_version == "missing" and f.ignored_layers == [5]
+    assert f.format_version == "missing" and f.notes == ["layer(s) 5 ignored (not among the model's layers)"]
     f = read_rotation_file(b, num_layers=2, num_kv_heads=2, head_dim=16)
-    assert f.source_dtype == "bfloat16" and 1e-5 < f.reorthogonalized < 2e-2
+    assert f.source_dtype == "bfloat16" and "re-orthogonalised" in f.notes[0]
     assert float((f.rotations[0][0].double() @ f.rotations[0][0].double().T - torch.eye(16)).abs().max()) < 1e-5
-    res = import_sglang(k, b, tiny_target(), tmp_path / "art")
+    res = import_files("sglang-fork", [k, b], tiny_target(), tmp_path / "art")
     assert validate_artifact(tmp_path / "art").ok and res.report["imported"]["k"]["format_version"] == "identity-v1"
     assert "re-orthogonalised" in (tmp_path / "art" / "README.md").read_text()
 
@@ -267,7 +270,7 @@ def test_import_refuses_bad_files_and_writes_nothing(tmp_path, name, obj, expect
     good = save(tmp_path / "V.pt", {"layers": {i: {"rotation": torch.eye(16)} for i in range(2)}})
     bad = save(tmp_path / "K.pt", obj)
     with pytest.raises(ArtifactError) as exc:
-        import_sglang(bad, good, tiny_target(), tmp_path / "out")
+        import_files("sglang-fork", [bad, good], tiny_target(), tmp_path / "out")
     msg = str(exc.value)
     assert msg.startswith(f"{bad}: ") and expected in msg and "\n" not in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["K.pt", "V.pt"]
@@ -277,15 +280,16 @@ def test_import_cli_and_clip_refusal(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda spec, **kw: tiny_target())
     k, v, _ = reference_pair(tmp_path)
     out = tmp_path / "art"
-    result = runner.invoke(app, ["import", str(k), str(v), "--model", "tiny", "--out", str(out), "--clip",
-                                 "k=0.5,v=1.5"])
-    assert result.exit_code != 0 and "outside (0, 1]" in str(result.exception) and not out.exists()
-    result = runner.invoke(app, ["import", str(k), str(v), "--model", "tiny", "--out", str(out), "--json"])
+    result = oscar("import", str(k), str(v), "--model", "tiny", "--out", str(out), "--clip",
+                   "k=0.5,v=1.5")
+    assert_one_line_error(result.exit_code, result.stderr, "outside (0, 1]")
+    assert not out.exists()
+    result = oscar("import", str(k), str(v), "--model", "tiny", "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["granularity"] == "layer"
     before = (out / WEIGHTS_NAME).read_bytes()
-    result = runner.invoke(app, ["import", str(k), str(v), "--model", "tiny", "--out", str(out)])
-    assert result.exit_code != 0 and "already holds an artifact" in str(result.exception)
+    result = oscar("import", str(k), str(v), "--model", "tiny", "--out", str(out))
+    assert_one_line_error(result.exit_code, result.stderr, "already holds an artifact")
     assert (out / WEIGHTS_NAME).read_bytes() == before
 
 
@@ -359,7 +363,7 @@ def test_folded_checkpoint_with_identity_v_equals_the_unfolded_model():
 # ----------------------------------------------------------------------------- calibration
 
 def test_calibration_stores_shared_rotations_and_global_clips(tmp_path):
-    from helpers import FAST
+    from factories import FAST
 
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.numerics.clip import CLIP_GRID
@@ -398,7 +402,7 @@ def test_per_layer_group_sizes_export_the_closest_uniform_scheme_with_one_line(t
     assert "0.2100 with group 8 vs 0.2000 with the per-layer sizes (+5.0%)" in note[0]
     plain = shared_artifact(tmp_path / "p", granularity="layer", d=16)
     assert not [w for w in export_sglang(plain, tmp_path / "serve2").warnings if "one group size" in w]
-    result = runner.invoke(app, ["export", str(art), "--out", str(tmp_path / "serve3")])
+    result = oscar("export", str(art), "--out", str(tmp_path / "serve3"))
     assert result.exit_code == 0 and "the fork takes one group size" in result.output
 
 

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from factories import (
+    assert_one_line_error,
+    bad_clips,
+    make_artifact,
+    nan_k_rotation,
+    oscar,
+    skewed_rotation,
+    tiny_model,
+)
 
-from oscar_calib.cli import app
 from oscar_calib.spec.artifact import (
     WEIGHTS_NAME,
-    Artifact,
-    LayerRotations,
     load_artifact,
-    serialize_safetensors,
-    write_artifact_files,
 )
 from oscar_calib.tools.validate import (
     ModelReference,
@@ -29,56 +28,15 @@ from oscar_calib.tools.validate import (
     validate_paths,
 )
 
-runner = CliRunner()
-FAKE_FINGERPRINT = hashlib.sha256(b"not a real model").hexdigest()
-
-
-def random_rotation(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
-
-
-def make_artifact(out: Path, *, layers: int = 2, kv: int = 2, heads: int = 4, d: int = 8,
-                  granularity: str = "head", seed: int = 0, metadata: dict | None = None,
-                  mutate=None) -> Path:
-    """A small hand-made format-v1 artifact (random orthogonal rotations). ``mutate(tensors)``
-    may damage the tensors before they are written."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(layers):
-        k, v = random_rotation(kv, d, gen), random_rotation(kv, d, gen)
-        if granularity == "layer":
-            k, v = k[:1].expand(kv, d, d).clone(), v[:1].expand(kv, d, d).clone()
-        eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
-        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone()))
-    md = {"format": "oscar-rotations", "format_version": "1", "model_id": "test/tiny", "model_fingerprint":
-          FAKE_FINGERPRINT, "num_layers": str(layers), "num_attention_heads": str(heads), "num_kv_heads": str(kv),
-          "head_dim": str(d), "group_size": str(min(d, 128)), "bits": "2", "sink_tokens": "64",
-          "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst", "composition": "u_h_pbr",
-          "granularity": granularity, "calibration": json.dumps({"data": "test", "tokens": 0}),
-          "toolkit_version": "0.1.0", "model_type": "llama"}
-    md.update(metadata or {})
-    art = Artifact(layers=rows, metadata=md)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"summary": {"mean_attn_error_oscar": 0.5, "mean_attn_error_hadamard": 0.7,
-                          "layers_better_than_hadamard": layers, "num_layers": layers}}
-    write_artifact_files(out, art, "# test artifact\n", report)
-    if mutate is not None:
-        tensors = art.tensors()
-        mutate(tensors)
-        (out / WEIGHTS_NAME).write_bytes(serialize_safetensors(tensors, md))
-    return out
-
-
 # ----------------------------------------------------------------------------- valid artifacts
 
 def test_demo_artifact_passes_every_check(demo_artifact):
     report = validate_artifact(demo_artifact)
     assert report.ok, report.problems
     assert set(report.checks) == {"file", "metadata", "shapes", "finite", "orthogonal", "clips", "eigenvalues",
-                                  "granularity", "group_sizes"}
+                                  "granularity", "group_sizes", "digest"}
     assert all(report.checks.values())
-    result = runner.invoke(app, ["validate", str(demo_artifact), "--json"])
+    result = oscar("validate", str(demo_artifact), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["ok"] is True and doc["artifacts"][0]["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -103,7 +61,7 @@ def test_hand_made_artifacts_and_path_forms(tmp_path):
     (tmp_path / "empty").mkdir()
     assert not validate_paths([tmp_path / "empty"])[0].ok
     assert validate_paths([tmp_path / "empty"], allow_empty=True) == []
-    result = runner.invoke(app, ["validate", str(tmp_path / "empty"), "--allow-empty"])
+    result = oscar("validate", str(tmp_path / "empty"), "--allow-empty")
     assert result.exit_code == 0
 
 
@@ -117,17 +75,8 @@ def test_eigenvalue_ties_and_rounding_are_tolerated(tmp_path):
 
 # ----------------------------------------------------------------------------- defects
 
-def _scale_rotation(t):
-    t["layers.1.k_rotation"][1] *= 1.001
-
-
 def _nan(t):
     t["layers.0.v_eigenvalues"][0, 3] = float("nan")
-
-
-def _bad_clip(t):
-    t["layers.1.v_clip"][0] = 1.5
-    t["layers.0.k_clip"][1] = 0.0
 
 
 def _ascending(t):
@@ -143,9 +92,9 @@ def _reshape(t):
 
 
 DEFECTS = {
-    "not_orthogonal": (dict(mutate=_scale_rotation), "layers.1.k_rotation is not orthogonal"),
+    "not_orthogonal": (dict(mutate=skewed_rotation), "layers.1.k_rotation is not orthogonal"),
     "non_finite": (dict(mutate=_nan), "layers.0.v_eigenvalues has 1 non-finite value(s)"),
-    "clip_range": (dict(mutate=_bad_clip), "outside (0, 1]"),
+    "clip_range": (dict(mutate=bad_clips), "outside (0, 1]"),
     "ascending": (dict(mutate=_ascending), "layers.0.k_eigenvalues is not in descending order"),
     "missing_tensor": (dict(mutate=_drop), "missing tensor layers.1.v_clip"),
     "wrong_shape": (dict(mutate=_reshape), "layers.0.k_eigenvalues has shape [2, 4], expected [2, 8]"),
@@ -205,7 +154,7 @@ def test_damaged_files_give_one_clear_line(tmp_path, damage, expected):
     damage(art / WEIGHTS_NAME)
     report = validate_artifact(art)
     assert report.problems == [p for p in report.problems if expected in p] and len(report.problems) == 1
-    result = runner.invoke(app, ["validate", str(art)])
+    result = oscar("validate", str(art))
     assert result.exit_code == 1
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"{art}: ") and expected in lines[0]
@@ -213,8 +162,8 @@ def test_damaged_files_give_one_clear_line(tmp_path, damage, expected):
 
 def test_cli_reports_every_problem_of_every_artifact(tmp_path):
     good = make_artifact(tmp_path / "good")
-    bad = make_artifact(tmp_path / "bad", mutate=_bad_clip)
-    result = runner.invoke(app, ["validate", str(good), str(bad), str(tmp_path / "missing"), "--json"])
+    bad = make_artifact(tmp_path / "bad", mutate=bad_clips)
+    result = oscar("validate", str(good), str(bad), str(tmp_path / "missing"), "--json")
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
     assert [a["ok"] for a in doc["artifacts"]] == [True, False, False]
@@ -223,8 +172,6 @@ def test_cli_reports_every_problem_of_every_artifact(tmp_path):
 
 
 def test_model_check_matches_and_mismatches(demo_artifact, smollm2):
-    from helpers import tiny_model
-
     model, _, src = smollm2
     ref = ModelReference.from_model(model, "smollm2-135m", src.model_id)
     report = validate_artifact(demo_artifact, model=ref)
@@ -236,14 +183,13 @@ def test_model_check_matches_and_mismatches(demo_artifact, smollm2):
     assert any("model fingerprint" in p and "does not match tiny-llama" in p for p in report.problems)
 
 
-def test_subprocess_exit_code_and_no_traceback(tmp_path):
+def test_exit_code_and_no_traceback(tmp_path):
+    """(The console script's own exit codes, as a process: test_cli.py.)"""
     art = make_artifact(tmp_path / "a")
     _truncate(art / WEIGHTS_NAME)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run([sys.executable, "-m", "oscar_calib", "validate", str(art)], capture_output=True,
-                          text=True, env=env, timeout=120)
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr and "truncated file" in proc.stderr
+    code, _, err = oscar("validate", art)
+    assert code == 1
+    assert "Traceback" not in err and "truncated file" in err
     # load_artifact agrees that the file is unusable, with a typed error
     from oscar_calib.errors import ArtifactError
 
@@ -253,12 +199,8 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
 
 # ----------------------------------------------------------------------------- every reader validates
 
-def _nan_k(t):
-    t["layers.1.k_rotation"][0, 2, 3] = float("nan")
-
-
-@pytest.mark.parametrize("defect, line", [(_nan_k, "layers.1.k_rotation has 1 non-finite value(s)"),
-                                          (_scale_rotation, "layers.1.k_rotation is not orthogonal")])
+@pytest.mark.parametrize("defect, line", [(nan_k_rotation, "layers.1.k_rotation has 1 non-finite value(s)"),
+                                          (skewed_rotation, "layers.1.k_rotation is not orthogonal")])
 def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defect, line):
     """Issue 17, item 4: eval, verify, fold-weights, export, the runtime caches and KVScheme (from a
     path) refuse a NaN or a non-orthogonal rotation with the validator's line, before any model is
@@ -267,8 +209,8 @@ def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defe
     from oscar_calib.eval import EvalOptions, run_eval
     from oscar_calib.runtime import OscarCache, SimulatedCache
     from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.tools.export.sglang.export import export_sglang
     from oscar_calib.tools.fold import fold_checkpoint
-    from oscar_calib.tools.sglang.export import export_sglang
     from oscar_calib.tools.verify import verify_artifact
 
     bad = make_artifact(tmp_path / "bad", mutate=defect)
@@ -293,7 +235,7 @@ def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defe
     for args in (["eval", nowhere, str(bad)], ["verify", str(bad), "--model", nowhere],
                  ["fold-weights", nowhere, str(bad), "--out", str(tmp_path / "folded")],
                  ["export", str(bad), "--out", str(tmp_path / "exported")]):
-        result = runner.invoke(app, args)
-        assert result.exit_code != 0 and line in str(result.exception), (args, result.output)
+        result = oscar(*args)
+        assert_one_line_error(result.exit_code, result.stderr, f"{bad}: {line}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]              # nothing written
     assert not (bad / "verify.json").exists()

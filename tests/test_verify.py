@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import FAST, loaded_tiny
+from factories import FAST, loaded_tiny
 
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.errors import ArtifactError
@@ -91,7 +91,7 @@ def test_verify_runs_the_triton_kernels_and_matches_torch(tmp_path):
         assert a["artifact"]["attn"] > 0          # the INT2 history really was quantised
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (GPU machine)")
+@pytest.mark.gpu
 def test_verify_on_cuda_gives_the_cpu_figures(tmp_path):
     """The same artifact verified with the model on a GPU: every layer's figures, the fork's
     simulation (one call over the longest prefix, rows at their own positions) included, are the
@@ -109,16 +109,8 @@ def test_verify_on_cuda_gives_the_cpu_figures(tmp_path):
                 assert a[method]["attn"] == pytest.approx(b[method]["attn"], rel=2e-2, abs=1e-3), (backend, method)
 
 
-@pytest.fixture(scope="module")
-def tiny_artifact(tmp_path_factory):
-    """A tiny Llama's artifact (read-only: copy it before changing anything)."""
-    out = tmp_path_factory.mktemp("verify") / "a"
-    calibrate(CalibrationConfig(**{**FAST, "tokens": 256, "seq_len": 64, "heldout_tokens": 32}), out,
-              loaded=loaded_tiny("llama"))
-    return out
-
-
-def test_verify_refuses_an_artifact_of_another_model(tiny_artifact):
+def test_verify_refuses_an_artifact_of_another_model(tiny_calibrated):
+    tiny_artifact = tiny_calibrated
     with pytest.raises(ArtifactError, match="another model"):
         verify_artifact(tiny_artifact, loaded=loaded_tiny("qwen3"), backend="torch", write=False, **QUICK)
     assert not (tiny_artifact / "verify.json").exists()
@@ -128,10 +120,10 @@ def test_verify_refuses_an_artifact_of_another_model(tiny_artifact):
 
 
 @pytest.mark.parametrize("kind", ["nan", "skewed"])
-def test_verify_refuses_an_invalid_artifact_up_front(tiny_artifact, tmp_path, kind):
+def test_verify_refuses_an_invalid_artifact_up_front(tiny_calibrated, tmp_path, kind):
     """Issue 17: a NaN or a non-orthogonal rotation is refused with the validator's line before
     any model is loaded (here there is no such model), never "error nan is not below the baseline"."""
-    art = load_artifact(tiny_artifact)
+    art = load_artifact(tiny_calibrated)
     if kind == "nan":
         art.layers[1].k_rotation[0, 2, 3] = float("nan")
         line = "layers.1.k_rotation has 1 non-finite value(s)"

@@ -6,7 +6,7 @@ Two corpora ship with every Python (no network, the same text for the same Pytho
   tokens of English reference prose), topics joined in key order.
 * ``embedded-code``: the source code of six pure-Python standard-library modules
   (:data:`CODE_MODULES`, ~78K tokens of Python with its docstrings and comments), a second domain
-  to measure on (README, "Ablation"); never the calibration default.
+  to measure on (docs/design/numerics.md); never the calibration default.
 
 Each one's token stream is split in two halves: ``calibration`` (first half, what
 ``oscar calibrate`` reads) and ``heldout`` (second half, what ``oscar verify`` and ``oscar eval``
@@ -114,11 +114,41 @@ def _read_file(path: Path, text_field: str) -> list[str]:
     raise InputError(f"{path}: unsupported data file type {suffix!r} (use {', '.join(TEXT_SUFFIXES)})")
 
 
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,7}")
+
+
+def looks_like_path(data: str) -> bool:
+    """Whether a ``--data`` value is meant as a local file or directory rather than a datasets hub
+    id: it starts with ``.``, ``/`` or ``~``, has a backslash or more than one ``/``, its folder
+    exists here, or it ends in a file extension (letters first: ``corpus.tx``, not the version in
+    ``org/name-v1.2``)."""
+    if data.startswith((".", "/", "~")) or "\\" in data or data.count("/") > 1:
+        return True
+    path = Path(data)
+    if "/" in data and path.parent.is_dir():
+        return True
+    return bool(_EXTENSION.fullmatch(path.suffix))
+
+
+def check_data_path(data: str) -> None:
+    """One line, before anything is loaded, when ``data`` names a local file or directory that is
+    not there: ``no such file: corpus.tx``. Embedded names and hub ids pass."""
+    if data in EMBEDDED_SOURCES or not looks_like_path(data):
+        return
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"no such file: {data} (--data takes {EMBEDDED}, {EMBEDDED_CODE}, a "
+                        f"{'/'.join(TEXT_SUFFIXES)} file, a directory of them, or a datasets hub id)")
+
+
 def load_texts(data: str, *, split: str = "train", text_field: str = "text") -> tuple[list[str], str]:
-    """Documents and a short description of where they came from."""
+    """Documents and a short description of where they came from: the checks that need no
+    tokenizer (the file exists, is readable and is text), so a caller can run them before it
+    loads a model."""
     if data in EMBEDDED_SOURCES:
         texts, source = EMBEDDED_SOURCES[data]
         return texts(), source
+    check_data_path(data)
     path = Path(data).expanduser()
     if path.is_file():
         return _read_file(path, text_field), f"file:{path.name}"
@@ -130,8 +160,6 @@ def load_texts(data: str, *, split: str = "train", text_field: str = "text") -> 
         for f in files:
             texts.extend(_read_file(f, text_field))
         return texts, f"dir:{path.name}"
-    if data.startswith((".", "/", "~")) or data.count("/") > 1 or Path(data).suffix.lower() in TEXT_SUFFIXES:
-        raise DataError(f"data path {data!r} does not exist")
     try:
         import datasets
 
@@ -190,18 +218,21 @@ class TokenPlan:
 
 def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_field: str = "text",
                 tokens: int, seq_len: int, heldout_tokens: int, heldout_seqs: int = 1,
-                seed: int = 0, corpus_split: str = "calibration") -> TokenPlan:
+                seed: int = 0, corpus_split: str = "calibration",
+                documents: tuple[list[str], str] | None = None) -> TokenPlan:
     """Choose calibration and held-out sequences.
 
     The stream is cut into ``seq_len`` windows; a ``seed``-driven permutation picks which windows
     calibrate (enough for ``tokens``) and which ``heldout_seqs`` windows are held out (their first
     ``heldout_tokens`` tokens). For an embedded corpus, ``corpus_split`` picks its half.
+    ``documents``: what :func:`load_texts` returned for ``data`` already (read before the model
+    was loaded, so a bad file is reported first); read here otherwise.
     """
     if tokens <= 0:
         raise InputError(f"--tokens must be positive, got {tokens}")
     if seq_len < 16:
         raise InputError(f"--seq-len must be at least 16, got {seq_len}")
-    texts, source = load_texts(data, split=split, text_field=text_field)
+    texts, source = documents if documents is not None else load_texts(data, split=split, text_field=text_field)
     stream = token_stream(texts, tokenizer)
     if data in EMBEDDED_SOURCES:
         half = len(stream) // 2

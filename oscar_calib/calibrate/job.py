@@ -117,8 +117,8 @@ def gpus_per_rank(gpus: int, local_world: int | None = None) -> int:
     return max(gpus // max(local_world, 1), 1)
 
 
-def _rank_device(device: str, local_rank: int, placement: "Placement | None",
-                 local_world: int | None = None) -> tuple[str, str]:
+def rank_device(device: str, local_rank: int, placement: "Placement | None",
+                local_world: int | None = None) -> tuple[str, str]:
     """(backend, this rank's device) for a configured ``device`` ("auto", "cpu", "cuda", ...): local
     rank ``r`` of this machine takes ``cuda:r``, or with a device map the first of its GPUs."""
     from ..model.load import resolve_device
@@ -157,7 +157,7 @@ def session(device: str = "auto", placement: "Placement | None" = None) -> Itera
         rank, world = int(os.environ["RANK"]), env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend, dev = _rank_device(device, local_rank, placement, local_world)
+    backend, dev = rank_device(device, local_rank, placement, local_world)
     if existing:
         backend = dist.get_backend()
         if backend != "nccl" and dev.startswith("cuda"):

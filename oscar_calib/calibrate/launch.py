@@ -3,8 +3,8 @@ line as N local ranks through torch's elastic launcher (what ``torchrun --standa
 names the rank that failed. What each rank does is :mod:`oscar_calib.calibrate.parallel`.
 
 Several machines use torchrun itself (``torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d
---rdzv-endpoint HOST:PORT -m oscar_calib calibrate ...`` on every machine, or under SLURM; README,
-"Scaling"): inside such a job ``--nproc`` may be left out, or must equal the ranks of this machine."""
+--rdzv-endpoint HOST:PORT -m oscar_calib calibrate ...`` on every machine, or under SLURM;
+docs/guides/scaling.md): inside such a job ``--nproc`` may be left out, or must equal the ranks of this machine."""
 
 from __future__ import annotations
 

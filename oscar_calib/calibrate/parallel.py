@@ -61,7 +61,7 @@ Decisions:
   (:class:`DistributedError`) naming the rank when it is known; checkpoints stay. With ``--nproc``
   the parent names the rank that died as well.
 * **Several machines**: nothing changes but the launcher (``torchrun --nnodes N --rdzv-backend c10d
-  --rdzv-endpoint HOST:PORT``, or SLURM through torchrun: README, "Scaling"). Devices are chosen
+  --rdzv-endpoint HOST:PORT``, or SLURM through torchrun: docs/guides/scaling.md). Devices are chosen
   from ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (the ranks of this machine), never the global rank.
 * **Big models** (:mod:`oscar_calib.model.placement`): with a device map as well, each rank gets an
   equal, contiguous slice of the node's GPUs (:func:`placement_for_rank`).
@@ -76,7 +76,7 @@ import torch
 
 from ..errors import DistributedError
 from ..model.placement import Placement
-from .job import DistContext, _rank_device, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
+from .job import DistContext, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
 from .ranks import Ranks, env_world_size, launched
 from .stats import ACCUMULATORS
 

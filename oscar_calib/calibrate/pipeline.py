@@ -28,7 +28,7 @@ from .. import FORMAT_VERSION, __version__
 from ..errors import InputError, OscarWarning, UnsupportedModelError
 from ..model.capture import Capture, capture_forward
 from ..model.geometry import Geometry, context_length
-from ..model.load import LoadedModel, load_model
+from ..model.load import LoadedModel, load_model, load_tokenizer
 from ..model.placement import Placement, input_device
 from ..numerics.clip import HeldoutLayer, fit_k_clip, fit_v_clip, heldout_errors
 from ..numerics.refine import RefineSettings, refine_layer, split_sequences
@@ -40,16 +40,16 @@ from ..numerics.rotation import (
     rotations_from_covariance,
 )
 from ..progress import ProgressFn, counter, report, step
-from ..spec.artifact import (
+from ..spec.artifact import Artifact, LayerRotations
+from ..spec.config import CalibrationConfig, stable_hash
+from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
+from ..spec.layout import (
     FORMAT_NAME,
+    MODEL_SOURCE_METADATA,
     REPORT_NAME,
     SHARED_CLIP_METADATA,
     WEIGHTS_NAME,
-    Artifact,
-    LayerRotations,
 )
-from ..spec.config import CalibrationConfig, stable_hash
-from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
 from .checkpoint import (
     CHECKPOINT_NAME,
     failing_cleanly,
@@ -59,7 +59,7 @@ from .checkpoint import (
     remove_checkpoints,
     save_checkpoint,
 )
-from .corpus import TokenPlan, plan_tokens
+from .corpus import TokenPlan, load_texts, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared, in_layer_order
@@ -67,11 +67,12 @@ from .stats import LayerStats, Reservoir, check_finite, require_finite, rows_on
 
 
 def prepare_model(cfg: CalibrationConfig, *, device: str | None = None, placement: Placement | None = None,
-                  progress: ProgressFn | None = None) -> LoadedModel:
+                  progress: ProgressFn | None = None, tokenizer=None) -> LoadedModel:
     """Load ``cfg.model`` as ``cfg`` says (dtype, device unless ``device``, remote code), or spread
-    it with ``placement``."""
+    it with ``placement``; ``tokenizer``: its tokenizer, loaded already."""
     return load_model(cfg.model, dtype=cfg.dtype, device=device or cfg.device,
-                      trust_remote_code=cfg.trust_remote_code, placement=placement, progress=progress)
+                      trust_remote_code=cfg.trust_remote_code, placement=placement, progress=progress,
+                      tokenizer=tokenizer)
 
 
 @dataclass
@@ -355,6 +356,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
         "k_objective": cfg.k_objective, "v_objective": cfg.v_objective, "composition": cfg.composition,
         "granularity": cfg.granularity, "calibration": json.dumps(calibration, sort_keys=True),
         "toolkit_version": __version__, "model_type": geo.model_type,
+        **({MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True)} if lm.source.record() else {}),
     }
 
 
@@ -431,8 +433,9 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
 def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overwrite: bool, resume: bool,
            loaded: LoadedModel | None, placement: Placement | None,
            progress: ProgressFn | None) -> tuple[bool, LoadedModel, TokenPlan, int]:
-    """Check the output, load the model and plan the tokens: (whether ``out`` is new, model, plan,
-    group size). Under data parallelism every rank learns about any rank's start-up error."""
+    """Check the output, read the data, load the tokenizer, plan the tokens, then load the model
+    (a data problem is reported before any weights are read): (whether ``out`` is new, model,
+    plan, group size). Under data parallelism every rank learns about any rank's start-up error."""
     created, lm, plan, group_size, error, info = False, None, None, None, None, {}
     try:
         if ranks.is_main:
@@ -445,19 +448,23 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
             if others:
                 raise InputError(f"{out} holds checkpoints of another number of ranks ({', '.join(others)}); resume "
                                  f"with the same --nproc, or remove them")
+        # the data first (file, text, enough tokens), then the weights: a bad --data costs no model load
+        documents = load_texts(cfg.data, split=cfg.split, text_field=cfg.text_field)
+        tokenizer = loaded.tokenizer if loaded else load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code,
+                                                                   progress=progress)
+        with step(progress, "tokenising data"):
+            plan = plan_tokens(tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
+                               tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
+                               heldout_seqs=cfg.heldout_seqs, seed=cfg.seed, documents=documents)
         lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement),
-                                     progress=progress)
+                                     progress=progress, tokenizer=tokenizer)
         group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
         check_group_size(lm.geometry.head_dim, group_size)
         _warn_beyond_context(lm, cfg.seq_len)
         if cfg.refine_steps and cfg.heldout_seqs < 2:
             warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
-                          "which fits that sequence rather than the model (README, 'Ablation'): use --heldout-seqs 8",
+                          "which fits that sequence rather than the model (docs/design/numerics.md): use --heldout-seqs 8",
                           OscarWarning, stacklevel=3)
-        with step(progress, "tokenising data"):
-            plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
-                               tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
-                               heldout_seqs=cfg.heldout_seqs, seed=cfg.seed)
         info = {"fingerprint": lm.fingerprint, "tokens": plan.sha256(),
                 "settings": stable_hash({k: v for k, v in cfg.fingerprint_fields().items() if k != "model"})}
     except Exception as e:  # noqa: BLE001 - re-raised by ranks.agree on this rank

@@ -9,8 +9,8 @@ from pathlib import Path
 from .. import FORMAT_VERSION, __version__
 from ..errors import OutputExistsError
 from ..fsutil import check_can_replace, check_writable, remove_stale_temps
-from ..model.load import LoadedModel
-from ..spec.artifact import Artifact, has_artifact, write_artifact_files
+from ..model.load import LoadedModel, load_hint
+from ..spec.artifact import Artifact, has_artifact, stamp_artifact, write_artifact_files
 from ..spec.config import CalibrationConfig
 
 
@@ -49,6 +49,7 @@ def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, st
     geo = lm.geometry
     return {
         "format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": lm.source.model_id,
+        "model_source": lm.source.record(), "model_load": load_hint(lm.source),
         "model_fingerprint": lm.fingerprint, "settings": cfg.to_dict(), "group_size": group_size,
         "calibration": json.loads(metadata["calibration"]), "geometry": geo.__dict__ | {"layer_types": list(geo.layer_types)},
         "summary": summary(rows), "layers": rows, "timings": timing, "fork_clips": list(fork_clips),
@@ -57,9 +58,11 @@ def build_report(cfg: CalibrationConfig, lm: LoadedModel, metadata: dict[str, st
 
 def write_outputs(out: Path, artifact: Artifact, report: dict) -> None:
     """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``
-    (temporaries a killed earlier run left there are removed first: this run owns ``out``)."""
-    from ..spec.artifact import CARD_NAME, REPORT_NAME, WEIGHTS_NAME
+    (temporaries a killed earlier run left there are removed first: this run owns ``out``); the
+    report and the card record the content digest the safetensors file stores."""
     from ..spec.card import model_card
+    from ..spec.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
 
     remove_stale_temps(out, [WEIGHTS_NAME, CARD_NAME, REPORT_NAME])
+    report[DIGEST_KEY] = stamp_artifact(artifact)          # the report and the card show what the file stores
     write_artifact_files(out, artifact, model_card(report), report)

@@ -1,7 +1,7 @@
 """Shared per-layer rotations and one global K/V clip pair, for engines that take one rotation per
 layer and one clip ratio per cache (the OSCAR SGLang fork's main branch).
 
-Decisions (documented in the README, "Serving in the OSCAR SGLang fork"):
+Decisions (documented in docs/guides/serving.md):
 
 * **Shared rotation**: the layer's KV-head covariances are pooled (their mean, the same pooling as
   ``--granularity layer``) and eigendecomposed once; composed exactly like the per-head rotations

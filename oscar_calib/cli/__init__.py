@@ -2,7 +2,8 @@
 config, calls one library function and renders the result. Library errors (``OscarError``)
 become one line on stderr and their exit code (2; 130 after Ctrl-C), an ``OSError`` from the
 environment (a full disk, a vanished directory) one line and exit code 2, and library warnings
-(``OscarWarning``) one line ``warning: ...``; ``OSCAR_DEBUG=1`` shows the traceback instead."""
+(``OscarWarning``) one line ``warning: ...``; ``OSCAR_DEBUG=1`` shows the traceback instead. A
+command that succeeds ends with one line ``next: ...`` on stderr (``_common.next_step``)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ import typer
 from .. import __version__
 from ..errors import OscarError, OscarWarning
 
+ROOT_HELP = """OSCAR: offline calibration of covariance-aware rotations for a 2-bit KV cache.
+
+A first run: `oscar calibrate --quick --out runs/first-try`. Each command ends with one line on
+stderr, `next: ...`, saying what to run next; --json and OSCAR_PROGRESS=off leave it out.
+"""
+
 app = typer.Typer(
     name="oscar",
-    help="OSCAR: offline calibration of covariance-aware rotations for a 2-bit KV cache.",
+    help=ROOT_HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -34,7 +41,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
-    """OSCAR: offline calibration of covariance-aware rotations for a 2-bit KV cache."""
+    """The root: ``--version``; its help is ``ROOT_HELP``."""
 
 
 from .calibrate import calibrate_command  # noqa: E402
@@ -76,7 +83,7 @@ def main() -> None:
     # Idle OpenMP threads sleep instead of spinning (set before torch loads; an explicit setting
     # wins). On a busy or shared machine spinning threads burn the cores the work needs: measured
     # on 2 cores at load 4-6, `calibrate --quick` took 110-266 s and 73-150 s of CPU spinning,
-    # 45-50 s and 21 s of CPU sleeping (README, "A first run").
+    # 45-50 s and 21 s of CPU sleeping (docs/guides/calibrate.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         app()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -26,6 +28,20 @@ MaxMemoryOpt = Annotated[Optional[str], typer.Option(help="Memory per device for
                                                      "0=70GiB,1=70GiB,cpu=200GiB (the rest is offloaded to disk).")]
 OffloadDirOpt = Annotated[Optional[Path], typer.Option(help="Folder for weights offloaded to disk with --device-map "
                                                        "(safetensors checkpoints are read in place without it).")]
+
+
+def next_step(text: str, *, json_out: bool = False) -> None:
+    """The one line that ends a command for people: ``next: ...``, what to run next (stderr, never
+    wrapped). Left out with ``--json`` (a program reads stdout and needs no advice) and when
+    ``OSCAR_PROGRESS=off`` (quiet stderr)."""
+    if json_out or os.environ.get("OSCAR_PROGRESS", "").strip().lower() == "off":
+        return
+    console.print(f"next: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
+def quote(value) -> str:
+    """A path or name as a shell word, for a command line a person copies."""
+    return shlex.quote(str(value))
 
 
 def emit_json(obj) -> None:

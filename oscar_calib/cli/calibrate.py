@@ -19,16 +19,18 @@ from ._common import (
     TrustOpt,
     emit_json,
     fmt,
+    next_step,
+    quote,
     stdout,
     table,
 )
-from ._progress import progress_display
+from ._progress import StageClock, progress_display
 
 EXAMPLES = """
     Examples:
 
     * `oscar calibrate` (SmolLM2-135M on the embedded corpus, into runs/smollm2-135m)
-    * `oscar calibrate --quick --out runs/first-try` (a first try: under a minute on two CPU cores)
+    * `oscar calibrate --quick --out runs/first-try` (a first try: about a minute on two CPU cores)
     * `oscar calibrate gemma3-270m --tokens 16384 --out zoo/gemma3-270m`
     * `oscar calibrate ./my-llama --data corpus.jsonl --seq-len 2048 --device cuda`
     * `oscar calibrate Qwen/Qwen3-8B --config configs/qwen3-8b.yaml --clip k=0.96,v=0.92`
@@ -66,8 +68,8 @@ def calibrate_command(
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: min(128, head_dim)).")] = None,
     bit_budget: Annotated[Optional[float], typer.Option(help="Instead of one group size, spend this many stored bits "
                                                         "per element (e.g. 2.5) on a group size per layer, chosen "
-                                                        "on the held-out attention error (README, 'A K/V bit "
-                                                        "budget').")] = None,
+                                                        "on the held-out attention error (docs: "
+                                                        "guides/calibrate.md).")] = None,
     split_kv: Annotated[Optional[bool], typer.Option("--split-kv/--tied-kv", help="With --bit-budget: choose the "
                                                      "keys' and the values' group sizes apart, or one size per "
                                                      "layer for both (default: tied).", show_default=False)] = None,
@@ -75,7 +77,7 @@ def calibrate_command(
     refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
                                                         "the held-out attention-output error under INT2 (Cayley, "
                                                         "kept orthogonal; never worse than the start), then refit "
-                                                        "the clips (default: 0 = off; README, 'Ablation').")] = None,
+                                                        "the clips (default: 0 = off; docs: design/numerics.md).")] = None,
     refine_lr: Annotated[Optional[float], typer.Option(help="Learning rate of --refine-steps (default: 2e-3).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -86,15 +88,15 @@ def calibrate_command(
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an artifact already in --out.")] = False,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its checkpoint in --out.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact already in --out.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its checkpoint in --out.")] = False,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint accumulators every N batches "
                                                             "(default: 4).")] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run `oscar verify` on the new artifact.")] = True,
-    quick: Annotated[bool, typer.Option("--quick", help="A first try in well under a minute on a CPU: 2048 tokens "
+    quick: Annotated[bool, typer.Option("--quick", help="A first try in about a minute on a CPU: 2048 tokens "
                                         "in 512-token sequences, 256 held-out rows for the clips, and a verify "
-                                        "on one sequence at depths 512 and 1024. Costs some accuracy (README, "
-                                        "'A first run'); options given explicitly still win.")] = False,
+                                        "on one sequence at depths 512 and 1024. Costs some accuracy (docs: "
+                                        "guides/calibrate.md); options given explicitly still win.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact.
@@ -104,6 +106,7 @@ def calibrate_command(
     README.md and calibration.json into --out. Then runs `oscar verify` on it (unless
     --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
+    clock = StageClock()                 # from here: the time line accounts for the whole command
     from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
     from ..calibrate.pipeline import calibrate
     from ..model.placement import placement_from_options
@@ -119,7 +122,8 @@ def calibrate_command(
     placement = placement_from_options(device_map, max_memory, offload_dir)
     if wants_launch(nproc):
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
-    with progress_display(enabled=os.environ.get("RANK", "0") == "0") as progress, _rank_named_errors():
+    with progress_display(enabled=os.environ.get("RANK", "0") == "0") as display, _rank_named_errors():
+        progress = clock.wrap(display)
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
         verdict = _verify(result, progress, quick) if verify and result.rank == 0 else None
     if result.rank != 0:
@@ -127,11 +131,27 @@ def calibrate_command(
     if json_out:
         report = result.report
         emit_json({"out": str(result.out), "summary": report["summary"], "timings": report["timings"],
+                   "time": clock.to_dict(),
                    "layers": [{k: v for k, v in r.items() if k != "clip_tables"} for r in report["layers"]],
                    "verify": verdict})
     else:
         _render(result, verdict)
+        stdout.print(clock.line(), highlight=False, soft_wrap=True)
+    next_step(_next(cfg.model, result.out, verdict), json_out=json_out)
     raise typer.Exit(0 if verdict is None or verdict["passed"] else 1)
+
+
+def _next(model: str, out: Path, verdict: dict | None) -> str:
+    """What to run after a calibration: verify it (--no-verify), measure or serve it (passed), or
+    calibrate on more data (failed)."""
+    m, art = quote(model), quote(out)
+    if verdict is None:
+        return f"oscar verify {art} checks the artifact with the INT2 kernels, then oscar eval {m} {art}"
+    if not verdict["passed"]:
+        return (f"see the reasons above; more calibration text often helps: oscar calibrate {m} --tokens 32768 "
+                f"--out {art} --overwrite")
+    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard; oscar export {art} --out "
+            f"{quote(Path('serve') / out.name)} prepares serving in the OSCAR SGLang fork")
 
 
 @contextlib.contextmanager
@@ -186,9 +206,7 @@ def _render(result, verdict: dict | None) -> None:
                      f"bits per element, {b['long_bits']:.3f} at long contexts); held-out attn err "
                      f"{b['heldout_attn']['per_layer']:.4f} vs {b['heldout_attn']['uniform']:.4f} with one size "
                      f"{b['uniform_group_size']} ({b['uniform_bits']:g} bits)")
-    t = report["timings"]
-    stdout.print(f"artifact written to [bold]{result.out}[/bold]  ({report['calibration']['tokens']} tokens, "
-                 f"{t['total_s']:.1f} s total, {t['statistics_s']:.1f} s capture)")
+    stdout.print(f"artifact written to [bold]{result.out}[/bold]  ({report['calibration']['tokens']} tokens)")
     if verdict is not None:
         state = "[green]PASS[/green]" if verdict["passed"] else "[red]FAIL[/red]"
         stdout.print(f"verify {state}: mean attention error {verdict['mean_attn_error']:.4f} vs Hadamard "

@@ -16,6 +16,8 @@ from ._common import (
     MaxMemoryOpt,
     OffloadDirOpt,
     emit_json,
+    next_step,
+    quote,
     stdout,
     table,
 )
@@ -28,7 +30,8 @@ def eval_command(
                                                        "(without it, 'oscar' is left out).")] = None,
     task: Annotated[str, typer.Option(help="ppl (held-out perplexity) or niah (needle in a haystack).")] = "ppl",
     methods: Annotated[str, typer.Option(help="Comma-separated: bf16, naive, hadamard, oscar, fork (the OSCAR SGLang "
-                                         "fork's scheme for ARTIFACT), fork-lloyd (ppl only), quanto.")]
+                                         "fork's scheme for ARTIFACT), fork-lloyd, vllm, llamacpp (those engines' "
+                                         "schemes; ppl only), quanto.")]
     = "bf16,naive,hadamard,oscar,fork,quanto",
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: the artifact's, else "
                                                      "min(128, head_dim)).")] = None,
@@ -52,7 +55,7 @@ def eval_command(
     plot: Annotated[Optional[Path], typer.Option(help="PNG to write (default: eval-MODEL-TASK.png in the working "
                                                  "directory, never inside the artifact, which `push` uploads).")]
     = None,
-    record: Annotated[bool, typer.Option(help="Store the results in ARTIFACT/calibration.json and its model card.")]
+    record: Annotated[bool, typer.Option("--record", help="Store the results in ARTIFACT/calibration.json and its model card.")]
     = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -72,7 +75,9 @@ def eval_command(
     fork simulates what the OSCAR SGLang fork's main serves for ARTIFACT (`oscar export`'s
     settings): one rotation per layer held in BF16, one K and one V clip ratio for the whole
     model, the artifact's group size and windows, float32 scales (2 + 64/G bits); fork-lloyd adds
-    its Lloyd-Max buckets. In niah, fork runs through OscarCache (fp16 scales).
+    its Lloyd-Max buckets. In niah, fork runs through OscarCache (fp16 scales). vllm and llamacpp
+    simulate those engines' schemes (`oscar export --target vllm|llamacpp`); with --record they
+    go to the card's "What each engine costs" table, not its main one.
 
     Examples:
 
@@ -81,6 +86,7 @@ def eval_command(
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --lengths 2048,8192 --methods bf16,hadamard,oscar`
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --prompts 50 --lengths 2048` (intervals that decide)
     * `oscar eval Qwen/Qwen3-32B runs/qwen3-32b --device-map auto --methods bf16,oscar` (spread over the GPUs)
+    * `oscar eval smollm2-135m zoo/smollm2-135m --methods bf16,oscar,fork,vllm,llamacpp --record` (engine costs)
     """
     from ..errors import InputError
     from ..eval import EvalOptions, run_eval
@@ -98,9 +104,25 @@ def eval_command(
         result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=progress,
                           placement=placement)
     if record:
-        record_eval(artifact, result)
+        serving = None
+        if result.settings.get("engines"):          # an engine-cost table: the serving commands go beside it
+            from ..tools.export import serving_table
+
+            serving = serving_table(artifact)
+        record_eval(artifact, result, serving=serving)
         result.settings["recorded"] = str(artifact)
     render(result, json_out)
+    next_step(_next(model, artifact, record), json_out=json_out)
+
+
+def _next(model: str, artifact: Path | None, record: bool) -> str:
+    m = quote(model)
+    if artifact is None:
+        return f"oscar calibrate {m} --out {quote(Path('runs') / Path(model).name)} makes an artifact to compare"
+    if record:
+        return f"oscar push {quote(artifact)} --to hf:ORG/NAME --dry-run shows what a push would upload, card included"
+    return (f"add --record to store these results in {quote(artifact)}'s card; oscar export {quote(artifact)} --out "
+            f"{quote(Path('serve') / artifact.resolve().name)} prepares serving")
 
 
 def render(result, json_out: bool) -> None:

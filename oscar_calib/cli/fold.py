@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from ._common import DeviceOpt, JsonOpt, TrustOpt, emit_json, stdout, table
+from ._common import (
+    DeviceOpt,
+    JsonOpt,
+    TrustOpt,
+    emit_json,
+    next_step,
+    quote,
+    stdout,
+    table,
+)
 from ._progress import progress_display
 
 EXAMPLES = """
@@ -31,7 +40,7 @@ def fold_weights_command(
                                        "bfloat16, float16. Folding and the check always run in float32/64.")] = "auto",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out (only once the new checkpoint is "
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out (only once the new checkpoint is "
                                             "complete and checked).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -78,6 +87,9 @@ def fold_weights_command(
     stdout.print(f"checkpoint written to [bold]{result.out}[/bold] ({r['num_layers']} layers, {r['dtype']}, "
                  f"{r['shards']} shard(s), {r['timings']['total_s']:.1f} s); artifact copy in "
                  f"{result.out / 'oscar'} (v_folded=true)")
+    next_step(f"oscar export {quote(result.out / 'oscar')} --out {quote(Path('serve') / result.out.resolve().name)} "
+              "serves the folded checkpoint in the OSCAR SGLang fork (identity V rotations); transformers loads "
+              f"{quote(result.out)} as it is")
 
 
 fold_weights_command.__doc__ += EXAMPLES  # shown by --help

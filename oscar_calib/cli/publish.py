@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..progress import step
-from ._common import JsonOpt, console, emit_json, stdout, table
+from ._common import JsonOpt, console, emit_json, next_step, quote, stdout, table
 from ._progress import progress_display
 
 PUSH_EXAMPLES = """
@@ -40,28 +40,34 @@ def _size(n: int) -> str:
 def push_command(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     to: Annotated[str, typer.Option("--to", help="Target: hf:ORG/NAME or modelscope:ORG/NAME.")],
-    private: Annotated[bool, typer.Option(help="Create the repository private.")] = False,
+    private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
     revision: Annotated[Optional[str], typer.Option("--revision", "--branch", help="Branch to push to "
                                                     "(created if needed; default: main/master).")] = None,
     commit_message: Annotated[Optional[str], typer.Option(help="Commit message (default: names model and "
                                                           "method).")] = None,
-    force: Annotated[bool, typer.Option(help="Push even without a passing verify.json (never an invalid "
-                                        "artifact).")] = False,
-    dry_run: Annotated[bool, typer.Option(help="Validate and list files, sizes and target; touch no network.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Push even when verify.json is missing, failed or stale "
+                                        "(it verified other content). Never an invalid artifact, nor one "
+                                        "without a digest.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list files, sizes and target; touch no "
+                                          "network.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate ARTIFACT and upload it, model card included, to the Hugging Face hub or ModelScope.
 
-    Refuses an invalid artifact, and an unverified one (no verify.json with "passed": true from
-    `oscar verify`) unless --force. Tokens: HF_TOKEN or `hf auth login`; MODELSCOPE_API_TOKEN or
-    `modelscope login`.
+    Refuses an invalid artifact and one without a content digest (`oscar validate --fix-digest`
+    adds it). Refuses, unless --force, an artifact not verified on its current content: no
+    verify.json with "passed": true from `oscar verify`, or a stale one (it recorded another
+    content digest: the artifact changed after it was verified). Tokens: HF_TOKEN or
+    `hf auth login`; MODELSCOPE_API_TOKEN or `modelscope login`.
     """
     from ..tools.publish import parse_target, plan_push, push
 
     plan = plan_push(artifact, parse_target(to), revision=revision, private=private,
                      commit_message=commit_message, force=force)
     if not plan.verified:
-        console.print("[yellow]warning: artifact is not verified; continuing because of --force[/yellow]")
+        console.print(f"warning: --force skips the verification gate: {plan.verification.why}; the artifact was "
+                      "validated and carries its digest, but no passing verify.json vouches for this content", style="yellow",
+                      highlight=False, markup=False)
     if dry_run:
         if json_out:
             emit_json(plan.to_dict() | {"dry_run": True})
@@ -73,8 +79,10 @@ def push_command(
                      f"repo:     {'private' if plan.private else 'public'} model repository (created if missing)\n"
                      f"revision: {plan.revision or 'default branch'}\n"
                      f"commit:   {plan.commit_message}\n"
-                     f"verified: {'yes' if plan.verified else 'no (--force)'}\n"
+                     f"digest:   {plan.content_sha256}\n"
+                     f"verified: {'yes' if plan.verified else plan.verification.state + ' (--force)'}\n"
                      "dry run: nothing was uploaded", highlight=False)
+        next_step(f"the same command without --dry-run uploads {len(plan.files)} files to {plan.target}")
         return
     with progress_display() as progress, step(progress, f"uploading to {plan.target}"):
         url = push(plan)
@@ -82,6 +90,7 @@ def push_command(
         emit_json(plan.to_dict() | {"dry_run": False, "url": url})
         return
     stdout.print(f"pushed {len(plan.files)} files ({_size(plan.total_bytes)}) to {url}")
+    next_step(f"anyone gets it with oscar pull {plan.target}{' --revision ' + quote(plan.revision) if plan.revision else ''}")
 
 
 def pull_command(
@@ -91,8 +100,8 @@ def pull_command(
                                                     "branch).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory to place the artifact in "
                                                 "(default: the zoo cache).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace the contents of a non-empty --out.")] = False,
-    tag: Annotated[Optional[str], typer.Option(help="rotationzoo: the calibration tag (seq<T>_prompt<N>_group<G>) "
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the contents of a non-empty --out.")] = False,
+    tag: Annotated[Optional[str], typer.Option(help="rotationzoo: the calibration tag (`seq<T>_prompt<N>_group<G>`) "
                                                "or directory to take (default: the config's, else the only one).")]
     = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="rotationzoo: the model the artifact is for "
@@ -107,7 +116,7 @@ def pull_command(
 
     `rotationzoo:MODEL` fetches OSCAR's own K/V rotation files for MODEL from the Hugging Face repo
     Zhongzhu/OSCAR-RotationZoo (found by listing it: a directory named after the model holding
-    k_rotation_*.pt and v_rotation_*.pt) and imports them as a validated artifact into
+    `k_rotation_*.pt` and `v_rotation_*.pt`) and imports them as a validated artifact into
     `$OSCAR_CACHE/zoo/rotationzoo/MODEL` or --out, with the clips, group size and windows of
     MODEL's configs/ file, recording the repository, files and calibration tag in the card.
     """
@@ -126,6 +135,7 @@ def pull_command(
     md = result.report.metadata
     stdout.print(f"pulled {result.target} ({md.get('model_id')}, {md.get('num_layers')} layers, "
                  f"{md.get('granularity')} granularity) into {result.path}; valid")
+    next_step(_verify_next(result.path))
 
 
 push_command.__doc__ += PUSH_EXAMPLES
@@ -145,3 +155,8 @@ def _pull_rotationzoo(source, revision, out, overwrite, tag, model, clip, json_o
     s = pulled.source
     stdout.print(f"pulled {source}: {s['repository']} {s['directory']} (tag {s['calibration_tag']}), clips "
                  f"{s['clips']}; imported into {pulled.out}; valid", highlight=False)
+    next_step(_verify_next(pulled.out))
+
+
+def _verify_next(path: Path) -> str:
+    return f"oscar verify {quote(path)} measures it on its model with the INT2 kernels (--model if not its own)"

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import TrustOpt, console, emit_json, stdout, table
+from ._common import TrustOpt, console, emit_json, next_step, quote, stdout, table
 
 EXAMPLES = """
     Examples:
@@ -17,6 +17,8 @@ EXAMPLES = """
     * `oscar validate zoo --format github` (problems as GitHub workflow annotations)
     * `oscar validate hf:my-org/qwen3-8b-oscar@v1` (a hub repository, downloaded to a temporary folder)
     * `oscar validate runs/qwen3-8b/oscar.safetensors --model Qwen/Qwen3-8B --json`
+    * `oscar validate old-runs --fix-digest` (store the content digest in artifacts made before
+      oscar wrote one)
     """
 
 
@@ -33,7 +35,7 @@ def validate_command(
              "folder that is removed afterwards.", metavar="PATH_OR_REPO...")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Also check fingerprint and shapes against "
                                                  "this model (alias, directory, .gguf or hub id).")] = None,
-    allow_empty: Annotated[bool, typer.Option(help="A directory without artifacts is not a problem.")] = False,
+    allow_empty: Annotated[bool, typer.Option("--allow-empty", help="A directory without artifacts is not a problem.")] = False,
     changed_files: Annotated[bool, typer.Option(
         "--changed-files", help="PATHs are the files a change touches (what the pre-commit hook passes): "
         ".safetensors files are validated, a zoo index.json stands for its whole zoo (every artifact below it, "
@@ -43,10 +45,17 @@ def validate_command(
                                                  "(::error file=...::) on stdout.")] = OutputFormat.text,
     trust_remote_code: TrustOpt = False,
     json_out: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    fix_digest: Annotated[bool, typer.Option("--fix-digest", help="First store the content digest in local "
+                                             "artifacts that lack one and are otherwise valid (rewritten "
+                                             "atomically, tensors unchanged). A wrong digest is never replaced.")]
+    = False,
 ) -> None:
     """Check artifacts against the format-v1 contract: metadata, every shape, finite values,
-    orthogonal rotations, clip ratios in (0, 1], descending eigenvalues, and with --model the
-    fingerprint. Prints one line per problem; exit code 1 when there is any.
+    orthogonal rotations, clip ratios in (0, 1], descending eigenvalues, the content digest, and
+    with --model the fingerprint. Prints one line per problem; exit code 1 when there is any.
+
+    Also says whether each artifact is verified on its current content: yes, stale (its
+    verify.json verified other content: run `oscar verify` again), no, or – (no verify.json).
 
     The model fingerprint covers the model's config and the names and shapes of its attention
     weights, not the weights' values: another fine-tune of the same architecture matches. Whether
@@ -59,6 +68,8 @@ def validate_command(
     if json_out and output not in (OutputFormat.text, OutputFormat.json):
         raise InputError(f"--json and --format {output.value} disagree; give one of them")
     output = OutputFormat.json if json_out else output
+    if fix_digest:
+        _fix_digests(paths, allow_empty)
     ref = model_reference(model, trust_remote_code=trust_remote_code) if model else None
     reports = validate_sources(paths, model=ref, allow_empty=allow_empty, changed_files=changed_files)
     bad = [r for r in reports if not r.ok]
@@ -69,18 +80,60 @@ def validate_command(
             typer.echo(line)
     else:
         _render_text(reports, bad)
+        if reports and not bad and not changed_files:   # problems speak for themselves; a hook wants no advice
+            next_step(_next(reports))
     if bad:
         raise typer.Exit(1)
+
+
+def _next(reports) -> str:
+    one = reports[0].path
+    where = one.parent if one.suffix == ".safetensors" else one
+    if not where.exists():              # a hub repository: validated in a folder that is gone now
+        repo, _, rev = str(where).partition("@")
+        return (f"oscar pull {quote(repo)}{' --revision ' + quote(rev) if rev else ''} fetches it, then oscar verify "
+                "measures it on its model")
+    return (f"oscar verify {quote(where)} measures {'it' if len(reports) == 1 else 'each artifact'} on its model "
+            "with the INT2 kernels")
+
+
+def _fix_digests(paths: list[str], allow_empty: bool) -> None:
+    """``--fix-digest``: one line per local artifact on stderr; a refusal is also a problem that the
+    validation that follows reports."""
+    from pathlib import Path
+
+    from ..errors import ArtifactError, InputError
+    from ..tools.validate import find_artifacts, fix_digest
+    from ..tools.validate_ci import is_hub_source
+
+    if any(is_hub_source(p) for p in paths):
+        raise InputError("--fix-digest rewrites local files; it takes no hub repositories")
+    for f, error in find_artifacts([Path(p) for p in paths], allow_empty=allow_empty):
+        if error is None:
+            try:
+                typer.echo(fix_digest(f.parent if f.name == "oscar.safetensors" else f), err=True)
+            except ArtifactError as e:
+                typer.echo(f"not fixed: {e}", err=True)
+
+
+_VERIFIED = {"yes": "[green]yes[/green]", "stale": "[red]stale[/red]", "no": "[red]no[/red]", "none": "–"}
 
 
 def _render_text(reports, bad) -> None:
     if reports:
         rows = [[str(r.path), r.metadata.get("model_id", "–"), r.metadata.get("num_layers", "–"),
-                 r.metadata.get("granularity", "–"), "[green]ok[/green]" if r.ok else
-                 f"[red]{len(r.problems)} problem(s)[/red]"] for r in reports]
-        stdout.print(table("oscar validate", ["file", "model", "layers", "granularity", "result"], rows))
+                 r.metadata.get("granularity", "–"), _VERIFIED.get(getattr(r.verification, "state", "none"), "–"),
+                 "[green]ok[/green]" if r.ok else f"[red]{len(r.problems)} problem(s)[/red]"] for r in reports]
+        stdout.print(table("oscar validate", ["file", "model", "layers", "granularity", "verified", "result"], rows))
     else:
         console.print("no artifacts found")
+    for r in reports:
+        if not r.ok:            # its problems say what matters
+            continue
+        for w in r.warnings:
+            typer.echo(f"{r.path}: warning: {w}", err=True)
+        if getattr(r.verification, "state", None) == "stale":
+            typer.echo(f"{r.path}: verified: stale: {r.verification.why}", err=True)
     for r in bad:
         for p in r.problems:
             typer.echo(f"{r.path}: {p}", err=True)

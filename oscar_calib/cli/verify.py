@@ -16,6 +16,8 @@ from ._common import (
     OffloadDirOpt,
     emit_json,
     fmt,
+    next_step,
+    quote,
     stdout,
     table,
 )
@@ -26,8 +28,9 @@ def verify_command(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory (or its oscar.safetensors).")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model the artifact was calibrated for "
                                                  "(default: the artifact's model_id).")] = None,
-    backend: Annotated[str, typer.Option(help="Kernels: auto (Triton on CUDA, torch reference on CPU), triton "
-                                         "(on CPU: the Triton interpreter, slow), torch.")] = "auto",
+    backend: Annotated[str, typer.Option(help="Kernels: auto (Triton on CUDA, torch reference on CPU or "
+                                         "without triton), triton (on CPU: the Triton interpreter, slow; "
+                                         "needs triton, Linux only), torch.")] = "auto",
     depths: Annotated[str, typer.Option(help="Context lengths to test, comma-separated.")] = "512,1024,2048",
     sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 2,
     positions: Annotated[int, typer.Option(help="Query positions per depth and sequence.")] = 8,
@@ -49,8 +52,9 @@ def verify_command(
     decode kernel at several depths and compares with full-precision attention, for the artifact
     and for a Hadamard baseline (clips 0.96/0.92). Passes (exit 0) when the artifact's mean error
     is below the baseline's and no layer exceeds --max-layer-error; otherwise exit 1. Writes
-    verify.json and verify.png into the artifact directory. The artifact is validated first
-    (oscar validate's rules).
+    verify.json and verify.png into the artifact directory; verify.json records the content
+    digest it verified, so a later change to the artifact makes it stale (`oscar push` then
+    refuses it). The artifact is validated first (oscar validate's rules, its digest included).
 
     Examples:
 
@@ -74,7 +78,20 @@ def verify_command(
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
                                  max_layer_error=max_layer_error, seed=seed, progress=progress, placement=placement)
     render(result, json_out)
+    next_step(_next(model, directory, result.passed), json_out=json_out)
     raise typer.Exit(0 if result.passed else 1)
+
+
+def _next(model: str | None, directory: Path, passed: bool) -> str:
+    from ..model.load import model_for_artifact
+    from ..spec.artifact import read_metadata
+
+    m, art = quote(model or model_for_artifact(read_metadata(directory))), quote(directory)
+    if not passed:
+        return (f"see the reasons above; more calibration text often helps: oscar calibrate {m} --tokens 32768 "
+                f"--out {art} --overwrite")
+    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard; oscar export {art} --out "
+            f"{quote(Path('serve') / directory.resolve().name)} prepares serving in the OSCAR SGLang fork")
 
 
 def render(result, json_out: bool) -> None:

@@ -1,4 +1,4 @@
-"""``oscar zoo``: list the rotation zoo, regenerate its index and README table."""
+"""``oscar zoo``: list the rotation zoo, regenerate its index and its markdown tables."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def list_command(zoo: ZooOpt = None,
                            [_entry_row(e, eval_text) for e in entries],
                            caption="attn err: the calibration's held-out attention-output error with every token "
                                    "INT2 (relative RMS, lower is better), against the data-free Hadamard rotation; "
-                                   "verified: `oscar verify` passed; eval: perplexity (lower is better) and needle "
+                                   "verified: `oscar verify` passed on the content the artifact holds (stale: on other content); eval: perplexity (lower is better) and needle "
                                    "retrieval (higher is better) from `oscar eval --record`."))
     if upstream:
         ups = [[u["model_id"], "×".join(str(x) for x in u["geometry"]), u["tag"] or "–",
@@ -68,14 +68,15 @@ def _entry_row(e, eval_text) -> list:
     q = e.quality
     err = (f"{q['mean_attn_error_oscar']:.4f} / {q['mean_attn_error_hadamard']:.4f}"
            if "mean_attn_error_oscar" in q and "mean_attn_error_hadamard" in q else "–")
-    verified = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "–"}[e.verified]
-    return [e.name, e.source, e.model_id or f"[red]{e.error}[/red]", f"{e.num_layers}×{e.num_kv_heads}×{e.head_dim}",
+    verified = {"yes": "[green]yes[/green]", "stale": "[red]stale[/red]", "no": "[red]no[/red]"}.get(e.verification,
+                                                                                                    "–")
+    return [e.name, e.source, f"[red]{e.error}[/red]" if e.error else e.model_id or "–", f"{e.num_layers}×{e.num_kv_heads}×{e.head_dim}",
             e.granularity or "–", err, verified, eval_text(e.eval)]
 
 
 @zoo_app.command("index")
 def index_command(zoo: ZooOpt = None,
-                  check: Annotated[bool, typer.Option(help="Only check that index.json is current; exit 1 "
+                  check: Annotated[bool, typer.Option("--check", help="Only check that index.json is current; exit 1 "
                                                       "if not.")] = False,
                   json_out: JsonOpt = False) -> None:
     """Regenerate zoo/index.json from the committed artifacts (deterministic; --check for CI)."""
@@ -102,7 +103,7 @@ def index_command(zoo: ZooOpt = None,
 
 @zoo_app.command("table")
 def table_command(zoo: ZooOpt = None) -> None:
-    """Print the README's zoo tables (markdown) generated from zoo/index.json: the committed
+    """Print the zoo tables (markdown) generated from zoo/index.json: the committed
     artifacts, then the upstream seed models with their pull recipe."""
     from ..tools.zoo import load_index, markdown_table, upstream_table
 

@@ -1,7 +1,8 @@
 """``oscar eval``: held-out perplexity and needle-in-a-haystack retrieval with a 2-bit KV cache.
 
-Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd`` and ``quanto``; what the
-KV cache holds in each, and which group size and windows it uses, is in :mod:`.methods`.
+Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd``, ``vllm``, ``llamacpp`` and
+``quanto``; what the KV cache holds in each, and which group size and windows it uses, is in
+:mod:`.methods`.
 
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
@@ -44,30 +45,31 @@ from .methods import (
     resolve_methods,
 )
 from .niah import evaluate_niah, make_niah, score_niah
-from .options import TASKS, EvalOptions, as_options
+from .options import TASKS, EvalOptions, options_for
 from .ppl import evaluate_ppl, heldout_sequences, quanto_sequence_nll, sequence_nll
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 
 def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None = None, *, loaded=None,
              device: str = "auto", dtype: str = "auto", plot: Path | None = None,
-             progress: ProgressFn | None = None, placement=None, **legacy) -> EvalResult:
+             progress: ProgressFn | None = None, placement=None) -> EvalResult:
     """Validate the artifact (``oscar validate``'s rules), load the model (or take ``loaded``, a
     :class:`~oscar_calib.model.load.LoadedModel`; ``placement`` spreads a big one over GPUs, CPU
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
-    an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). Used by ``oscar eval``. ``legacy``: the pre-0.2
-    keyword settings (``task=``, ``methods=``, ``sink=``, ...; deprecated)."""
+    an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
+    None: the defaults (perplexity). Used by ``oscar eval``."""
+    from ..calibrate.corpus import check_data_path
     from ..model.load import load_model
     from ..spec.artifact import load_artifact, require_compatible
-    from ..tools.validate import require_valid
 
-    opts = as_options(options, legacy.pop("task", getattr(options, "task", "ppl")), legacy)
+    opts = options_for(options)
     art = None
     if artifact_path is not None:
-        require_valid(Path(artifact_path))       # a NaN or non-orthogonal rotation: the validator's line
-        art = load_artifact(Path(artifact_path))
+        art = load_artifact(Path(artifact_path))     # every check of oscar validate: its first line
     methods, notes = resolve_methods(opts.methods, art)
     opts = opts.replace(methods=methods)
+    if opts.task == "ppl":
+        check_data_path(opts.data)           # a mistyped --data file: one line before the model loads
     lm = loaded or load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)

@@ -13,9 +13,24 @@ method          what the KV cache holds
                 size, sink and recent window, float32 scale and zero (``2 + 64/G`` bits)
 ``fork-lloyd``  ``fork`` with the fork's Lloyd-Max buckets (``SGLANG_LLOYD_MAX=1``; needs group
                 size = head_dim); not in the default set
+``vllm``        what vLLM's OSCAR backend (pull request #46774) serves for the artifact
+                (``oscar export --target vllm``): the layer's shared rotation in float32, ONE K
+                and ONE V clip ratio, one INT2 group per head vector with fp16 scale and
+                minimum (``2 + 32/head_dim`` bits), no high-precision window, the first and
+                last two layers in BF16 (the revision its loader was read at); ppl only
+``llamacpp``    what OSCAR's llama.cpp branch serves (``--target llamacpp``): the shared
+                rotation in float32, ``q2_0`` (mean-subtracted 128-value chunks of the whole
+                K/V row, 4 Lloyd-Max levels per 32 values, 3 bits), ONE clip ratio (K's) for
+                K and V, the artifact's sink and recent window in F16, the query as ``q8_0``
+                against the ``q2_0`` keys; ppl only
 ``quanto``      transformers' own ``QuantizedCache`` (optimum-quanto, 2 bits) at its defaults:
                 residual length 128, group 64, no sink
 ==============  =========================================================================
+
+``vllm`` and ``llamacpp`` are simulations of those engines' arithmetic
+(:mod:`oscar_calib.numerics.engines`, :func:`~oscar_calib.runtime.simulate.vllm_rows`,
+:func:`~oscar_calib.runtime.simulate.llamacpp_rows`), per query position as for ``fork``; what
+each engine's scheme costs against ``oscar`` is what the zoo cards show.
 
 ``fork`` is the fork's arithmetic only in the perplexity simulation
 (:func:`~oscar_calib.runtime.simulate.fork_rows`, which says what it leaves out: the decode-time
@@ -37,9 +52,10 @@ from ..spec.defaults import (
     default_group_size,
 )
 
-METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "fork-lloyd", "quanto")
+METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "fork-lloyd", "vllm", "llamacpp", "quanto")
 DEFAULT_METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "quanto")
-ARTIFACT_METHODS = ("oscar", "fork", "fork-lloyd")      # need an ARTIFACT
+ENGINE_METHODS = ("vllm", "llamacpp")                    # other engines' schemes (perplexity simulation only)
+ARTIFACT_METHODS = ("oscar", "fork", "fork-lloyd", *ENGINE_METHODS)      # need an ARTIFACT
 FORK_METHODS = ("fork", "fork-lloyd")
 
 
@@ -90,6 +106,10 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
     if real_cache and "fork-lloyd" in methods:
         raise InputError("method 'fork-lloyd' runs only in the perplexity simulation (--task ppl): oscar's real INT2 "
                          "cache has no Lloyd-Max buckets")
+    engines = [m for m in methods if m in ENGINE_METHODS]
+    if real_cache and engines:
+        raise InputError(f"method(s) {', '.join(engines)} run only in the perplexity simulation (--task ppl): oscar's "
+                         "real INT2 cache stores oscar's own quantiser")
     g = group_size or (artifact.group_size if artifact is not None else default_group_size(geo.head_dim))
     check_group_size(geo.head_dim, g)
     out = {}
@@ -104,7 +124,22 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
             out[m] = KVScheme.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent)
         elif m in FORK_METHODS:
             out[m] = KVScheme.shared_from_artifact(artifact, name=m, quantizer="oscar" if real_cache else m)
+        elif m in ENGINE_METHODS:
+            out[m] = KVScheme.engine_from_artifact(artifact, m)
     return out
+
+
+def engine_settings(schemes: dict[str, KVScheme]) -> dict | None:
+    """What the other engines' methods ran with (for the result's settings), or None when none ran."""
+    out = {}
+    for m, sch in schemes.items():
+        if m not in ENGINE_METHODS:
+            continue
+        ck, cv = (None if c is None else round(float(c[0]), 6) for c in (sch.k_clip[0], sch.v_clip[0]))
+        out[m] = {"k_clip": ck, "v_clip": cv, "group_size": sch.group_size, "sink": sch.sink, "recent": sch.recent,
+                  "native_layers": list(sch.native_layers), "window_dtype": str(sch.window_dtype).replace("torch.", ""),
+                  "bits_per_element": sch.bits_per_element}
+    return out or None
 
 
 def fork_settings(schemes: dict[str, KVScheme], artifact) -> dict | None:

@@ -27,7 +27,7 @@ from ..progress import ProgressFn, counter
 from ..runtime.cache import OscarCache, attached
 from ..runtime.scheme import KVScheme
 from .methods import bits_of, build_schemes, fork_settings, quanto_cache
-from .options import HAYSTACKS, EvalOptions, as_options
+from .options import HAYSTACKS, EvalOptions, options_for
 from .report import EvalResult
 
 NIAH_PREFIX = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -179,15 +179,14 @@ def cache_for(method: str, model, prefill, scheme: KVScheme | None):
 
 @torch.no_grad()
 def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, progress: ProgressFn | None = None,
-                  graph: bool = False, extra_schemes: dict[str, KVScheme] | None = None, **legacy) -> EvalResult:
+                  graph: bool = False, extra_schemes: dict[str, KVScheme] | None = None) -> EvalResult:
     """NIAH accuracy of every method of ``options`` (see the module docstring); ``progress`` hears
     one stage counting answers (prompts × methods). ``graph``: the INT2 methods' answers decode
     through :func:`~oscar_calib.runtime.graph.graph_decoding` (a CUDA graph per answer; the same
     tokens, fewer host launches) where the model sits on one GPU. ``extra_schemes``: more methods by
-    name, each an INT2 scheme of the real cache (e.g. a second artifact's), answering the same prompts.
-    ``legacy``: the pre-0.2 keyword settings (deprecated)."""
+    name, each an INT2 scheme of the real cache (e.g. a second artifact's), answering the same prompts."""
     t0 = time.perf_counter()
-    o = as_options(options, "niah", legacy)
+    o = options_for(options, "niah")
     methods, group_size, sink, recent, seed = list(o.methods), o.group_size, o.sink, o.recent, o.seed
     lengths, depths, samples, haystack = o.lengths, o.depths, o.samples, o.haystack
     max_new_tokens, prefill_chunk = o.max_new_tokens, o.prefill_chunk

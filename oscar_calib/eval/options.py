@@ -30,7 +30,6 @@ one :class:`~oscar_calib.errors.InputError` naming the ``oscar eval`` option bef
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 
 from ..errors import InputError
@@ -112,17 +111,10 @@ class EvalOptions:
         return dataclasses.replace(self, **changes)
 
 
-def as_options(options, task: str, legacy: dict) -> EvalOptions:
-    """``options`` for ``task``. The pre-0.2 calls (``evaluate_ppl(lm, methods, sink=..., ...)``,
-    ``run_eval(..., task=..., sink=...)``) still work, with a :class:`DeprecationWarning`."""
-    if isinstance(options, EvalOptions) and not legacy:
-        return options if options.task == task else options.replace(task=task)
-    if options is None and not legacy:
-        return EvalOptions(task=task)
-    warnings.warn("pass an oscar_calib.eval.EvalOptions instead of methods and keyword settings; "
-                  "the keyword form goes away in 0.3", DeprecationWarning, stacklevel=3)
-    if isinstance(options, EvalOptions):
-        return options.replace(task=task, **legacy)
-    if options is not None:
-        legacy = {**legacy, "methods": options}
-    return EvalOptions(task=task, **legacy)
+def options_for(options: EvalOptions | None, task: str | None = None) -> EvalOptions:
+    """``options`` (None: the defaults) for ``task`` (None: the one it names)."""
+    if options is None:
+        return EvalOptions(task=task or "ppl")
+    if not isinstance(options, EvalOptions):
+        raise TypeError(f"expected an oscar_calib.eval.EvalOptions, got {type(options).__name__}")
+    return options if task is None or options.task == task else options.replace(task=task)

@@ -18,10 +18,11 @@ from .methods import (
     QUANTO_DEFAULTS,
     bits_of,
     build_schemes,
+    engine_settings,
     fork_settings,
     quanto_cache,
 )
-from .options import EvalOptions, as_options
+from .options import EvalOptions, options_for
 from .report import EvalResult
 
 
@@ -91,12 +92,12 @@ def quanto_sequence_nll(model, ids: torch.Tensor, progress=None, make_cache=None
     return total, n
 
 
-def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progress: ProgressFn | None = None,
-                 **legacy) -> EvalResult:
+def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None,
+                 progress: ProgressFn | None = None) -> EvalResult:
     """Held-out perplexity of every method of ``options`` (see the module docstring); ``progress``
-    hears one stage per method. ``legacy``: the pre-0.2 keyword settings (deprecated)."""
+    hears one stage per method."""
     t0 = time.perf_counter()
-    o = as_options(options, "ppl", legacy)
+    o = options_for(options, "ppl")
     methods, group_size, sink, recent = list(o.methods), o.group_size, o.sink, o.recent
     sequences, seq_len, data, seed = o.sequences, o.seq_len, o.data, o.seed
     from ..calibrate.corpus import EMBEDDED_SOURCES
@@ -138,5 +139,8 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None, progr
     fork = fork_settings(schemes, artifact)
     if fork:
         settings["fork"] = fork
+    engines = engine_settings(schemes)
+    if engines:
+        settings["engines"] = engines
     timings["total_s"] = time.perf_counter() - t0
     return EvalResult("ppl", lm.source.model_id, settings, rows, timings)

@@ -128,11 +128,16 @@ def eval_headline(results: dict) -> dict:
     return out
 
 
-def record_eval(artifact_dir: Path, result: EvalResult) -> None:
+def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] | None = None) -> None:
     """Store ``result`` in the artifact's ``calibration.json``: the full result under
     ``eval_results[task]`` (plus ``eval_results["text"]``, the tables as text) and the headline
     numbers under ``eval`` (what the model card and ``oscar zoo`` show); then rewrite the model
-    card. The rotations file is not touched."""
+    card. The rotations file is not touched.
+
+    A perplexity result that includes another engine's method (``vllm``, ``llamacpp``) is the
+    card's "what each engine costs" table: it is stored under ``eval_results["engines"]`` and leaves
+    the main ``ppl`` table as it was; ``serving`` (:func:`oscar_calib.tools.export.serving_table`)
+    is stored beside it as ``engine_serving``."""
     import json
 
     from ..fsutil import atomic_write_text
@@ -145,15 +150,21 @@ def record_eval(artifact_dir: Path, result: EvalResult) -> None:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise InputError(f"cannot record the evaluation: {path} is not readable ({e})") from None
+    from .methods import ENGINE_METHODS
+
     results = report.setdefault("eval_results", {})
-    results[result.task] = result.to_json()
+    engines = result.task == "ppl" and any(r["method"] in ENGINE_METHODS for r in result.rows)
+    results["engines" if engines else result.task] = result.to_json()
+    if serving is not None:
+        report["engine_serving"] = serving
     results["text"] = eval_text(results)
     report["eval"] = eval_headline(results)
     atomic_write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
     atomic_write_text(directory / CARD_NAME, model_card(report))
 
 
-PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7"}
+PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7", "vllm": "#5a8",
+               "llamacpp": "#86b"}
 
 
 def write_plot(path: Path, result: EvalResult) -> None:

@@ -1,7 +1,8 @@
 """INT2 KV-cache kernels: the write path (rotate, clip, quantise, pack) and decode attention.
 
 Public API (every function takes ``backend="auto" | "triton" | "torch"``; the environment
-variable ``OSCAR_KERNELS=torch`` forces the pure-torch references):
+variable ``OSCAR_KERNELS=torch`` forces the pure-torch references; where triton is not installed,
+it has wheels for Linux only, ``"auto"`` always runs them, see :mod:`._common`):
 
 =================================  ===========================================================
 function                           what it does
@@ -27,7 +28,7 @@ use. Storage format and packing order: :mod:`oscar_calib.kernels.pack`; cache la
 """
 
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
-from ._common import BACKENDS, ENV_VAR
+from ._common import BACKENDS, ENV_VAR, triton_available
 from .append import append_token, append_token_reference
 from .cache import Int2KVCache, build_cache, split_lengths, to_paged
 from .decode import decode_attention, decode_attention_reference
@@ -59,5 +60,6 @@ __all__ = [
     "quantize_kv_reference",
     "split_lengths",
     "to_paged",
+    "triton_available",
     "unpack_codes",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._write_triton import _group_params
+from ._write_triton import group_params
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _store_int2(y, codes_ptr, hoff, scale_ptr, off_ptr, poff, D: tl.constexpr, G
     it (plane width ``W``) at ``codes_ptr + hoff`` and store the group parameters at ``poff``."""
     NG: tl.constexpr = D // G
     yg = tl.reshape(y, (NG, G))
-    s, z = _group_params(tl.min(yg, axis=1), tl.max(yg, axis=1))
+    s, z = group_params(tl.min(yg, axis=1), tl.max(yg, axis=1))
     qf = tl.floor(tl.math.div_rn(yg, tl.broadcast_to(s[:, None], yg.shape)) + z[:, None] + 0.5)
     q = tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
     # byte bb * W + i holds channels bb * 4W + p * W + i in bits 2p, 2p + 1

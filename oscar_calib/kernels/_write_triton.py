@@ -500,7 +500,9 @@ def _clip_free(t1, t3, lo, hi):
 
 
 @triton.jit
-def _group_params(lo, hi):
+def group_params(lo, hi):
+    """A group's INT2 scale and zero from its minimum and maximum, with the reference's IEEE
+    divisions (shared with the append kernel)."""
     s = tl.maximum(tl.math.div_rn(hi - lo, tl.full(lo.shape, 3.0, tl.float32)), 1e-8)
     z = tl.math.div_rn(-lo, s)
     return s, z
@@ -662,18 +664,18 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
         l3 = tl.maximum(l3, -t)
         u3 = tl.minimum(u3, t)
     prow = rows.to(tl.int64) * s_st + h * s_sh
-    s0, z0 = _group_params(l0, u0)
+    s0, z0 = group_params(l0, u0)
     _store_params(scale_ptr, off_ptr, prow, rmask, s0, z0, 0)
     if GP == 4:
         s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
     elif GP == 2:
-        s2, z2 = _group_params(l2, u2)
+        s2, z2 = group_params(l2, u2)
         _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 1)
         s1, z1, s3, z3 = s0, z0, s2, z2
     else:
-        s1, z1 = _group_params(l1, u1)
-        s2, z2 = _group_params(l2, u2)
-        s3, z3 = _group_params(l3, u3)
+        s1, z1 = group_params(l1, u1)
+        s2, z2 = group_params(l2, u2)
+        s3, z3 = group_params(l3, u3)
         _store_params(scale_ptr, off_ptr, prow, rmask, s1, z1, 1)
         _store_params(scale_ptr, off_ptr, prow, rmask, s2, z2, 2)
         _store_params(scale_ptr, off_ptr, prow, rmask, s3, z3, 3)

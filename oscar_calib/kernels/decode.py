@@ -64,11 +64,11 @@ program; for comparison), ``rotate_cols`` (columns of ``R`` per rotation program
 ``value_pairs`` (False: value codes loaded as 32-bit words instead of 16-bit pairs; for
 comparison), ``offsets32`` (False: a paged cache's per-step offsets in 64 bits even where 32
 suffice; for comparison), ``num_warps`` (warps per decode program, default 1; 2 and 4 were slower
-at every shape on an H200, round 2m), ``merge_cols`` / ``merge_warps`` (output channels and warps
+at every shape measured), ``merge_cols`` / ``merge_warps`` (output channels and warps
 per merge program, default 32 / 4; for comparison).
 
 Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 BF16 window
-tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; README "Kernel speed", round 2n): at 128K
+tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; docs/design/kernels.md): at 128K
 context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
 gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
@@ -214,6 +214,13 @@ def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     return None
 
 
+def decode_backend(q: torch.Tensor, cache: Int2KVCache, backend: str = "auto") -> str:
+    """``"triton"`` or ``"torch"``: what :func:`decode_attention` runs for ``q [B, Hq, d]`` over
+    ``cache`` with ``backend`` (see :mod:`._common`; ``"auto"`` takes the kernel for CUDA tensors of a
+    shape it supports when triton imports, the reference otherwise)."""
+    return resolve_backend(backend, [q, cache.k_codes], _triton_support(cache, q))
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: Int2KVCache,
@@ -262,7 +269,7 @@ def decode_attention(
             raise InputError("out must be contiguous in its last dimension")
     if check_lengths:
         cache.check_lengths()
-    which = resolve_backend(backend, [q, cache.k_codes], _triton_support(cache, q))
+    which = decode_backend(q, cache, backend)
     if which == "torch":
         res = decode_attention_reference(
             q, cache, k_rotation=k_rotation, v_rotation=v_rotation, unrotate=unrotate,
@@ -276,101 +283,33 @@ def decode_attention(
                           pdl_input)
 
 
-# Tuning defaults (scripts/bench/bench_kernels.py sweeps them; see the module docstring), per regime:
-# "small" below SMALL_BATCH_HEADS (sequence, KV head) pairs, "large" from there on.
-#   mode             1 = bit operations as inline PTX (GPU), 0 = plain Triton ops (interpreter)
-#   BLOCK_N          history tokens per step of a one-warp program (BLOCK16: window tokens)
-#   heads_per_program KV heads per program, or "fill": enough for the key dot's N = 8 columns
-#   programs_per_sm  sets the split count (programs per SM over the whole grid)
-#   min_chunk        history tokens per program at least (fewer, longer programs at short contexts)
-#   prefetch         load the next step's token offsets and parameters one step ahead
-#   maxnreg          register cap per thread (0: none); 128 lets 16 one-warp programs share an SM
-#   pdl              programmatic dependent launch of the decode and merge kernels
-#   l2_prefetch      with PDL, programs of at most this many history tokens first prefetch them
-#                    all into L2 (DRAM works while the query rotation runs); 0 = never
-#   window_stages    pipeline stages of the 16-bit window loop, or "auto" (see _window_stages)
-#
-# Round by round, with what was not adopted: docs/kernel-rounds.md.
-# Measured (H100, Qwen3-8B shapes, 128K context, scripts/bench/bench_kernels.py sweeps, CUDA-graph
-# replays; scripts/bench/results/bench_kernels_h100_round2b.json, round 2b): batch 1, PDL on 54.7 us against
-# 60.5 us off (the 128-register cap with 32-token tiles: 60-71 us, more resident warps did not
-# raise the issue rate). Batch 32: one KV head per program, 32-token tiles, 128 registers and
-# 64 programs per SM 1131 us (48: 1155, 32: 1185, 24: 1198) against 1286 us for two heads per
-# program at 255 registers; on an H200 96 per SM 1067 us, 128: 1066, 64: 1090 (96 is the default). Paged caches at batch 32 keep two heads per program and 64-token
-# tiles ("large_paged": 355 us against 384 us for the contiguous choice at 32K x 32, page 64).
-#
-# Batch 1 (round 2c, scripts/bench/results/bench_kernels_h100_sweep_round2c.json): a 184-register cap
-# (8 programs per SM still) 23.4 us against 24.7 us at 32K, 54.2 against 54.3 at 128K; paged it
-# is slower (60.5 against 58.9 us at 128K), so "small_paged" keeps no cap. Not faster at batch 1:
-# more resident programs (9-12 per SM, with caps of 160-232 registers or one pipeline stage:
-# 65-87 us at 128K), longer programs (at least 512-2048 tokens each: 25-65 us at 32K), and the
-# merge inside the decode kernel (the last program of a head merging: 37 us at 32K, one warp
-# reads every partial).
-# History stages (round 2n; scripts/bench/results/bench_kernels_{h100,h200}_b1_stages*_round2n.json): at
-# batch 1 a third stage (Triton prefetches the code bytes two steps ahead; 11 KB of shared memory
-# in the history part instead of 7, still under the window loop's 24 KB) helps programs of 8 steps
-# or more: H100 128K x 1 50.3-50.4 us against 53.6-53.7 (prerotated 47.4 against 50.7), 64K x 1
-# 32.9-33.0 against 35.0-35.1; H200 44.7-44.9 against 49.3-49.4, 29.9-30.0 against 32.1; paged
-# the same (H100 128K x 1 50.9-51.1 against 54.0-54.1). At 32K x 1 (4 steps per program) it gains
-# nothing and paged with the rotation kernel it lost (24.9-25.0 against 23.3-23.4 us), hence
-# "long_chunk". Four stages: 128K x 1 49.0 us. At batch 32 three stages were slower on the H200
-# (32K x 32 239.8-241.5 against 236.4-237.4 us; 128K x 32 827.4-851.6 against 832.2-837.4) and
-# no better on the H100 (274-275 against 271-273; 929-936 against 937-940).
-# Round 2n (H100, prerotated query; scripts/bench/results/bench_kernels_h100_merge_{fused,shapes}_round2n.json):
-# the merge inside the decode kernel again, now spread over the last 16-64 programs of each head
-# to finish (a ticket counter; they wait until every program has stored its partial, then each
-# merges 8-32 channels of one query head; kept off main, branch exp/merge-fused): 32K x 1
-# 22.3-22.8 us against 21.0, 128K x 1 51.4-51.9 against 50.7-51.0 (the grid-end signal the merge
-# kernel waits on under PDL costs less than the atomics and the wait). Merge programs of 1 / 2 / 8
-# warps and 8 / 16 / 64 channels: 21.0-21.9 us against 20.9-21.0 at 32K x 1, none faster.
-# Round 2o (H100, prerotated; scripts/bench/results/bench_kernels_h100_{b1_block128,b1_heads2,skew}_round2o.json):
-# at batch 1, 128-token steps without a cap (224 registers) 22.4 / 49.7 us at 32K / 128K x 1, two
-# KV heads per program 22.8 / 50.6, steps skewed so that one step's value product overlaps the
-# next step's key product (branch exp/skew) 22.1 / 47.8-48.2 (and 288 / 960 us at batch 32),
-# against 20.7-21.2 / 47.3-47.6 (267 / 934-936) for the default.
-#
-# Paged (round 2e, page 64, shuffled pages; shuffled and in-order pages time the same, so the
-# cost is in the kernel, not in DRAM locality): the parameter loads of step i+1 waited on the
-# block-table load issued in the same step; with the entries loaded two steps ahead, 128K x 1
-# is 56.7 against 59.6 us (contiguous 54.2; a register cap is slower again: 60 us). 32K x 32:
-# 48 programs per SM 330.3-330.8 us against 350 us with 16 (32: 335, 64: 347; contiguous 330-331).
-#
-# L2 warm-up (round 2e, H100, scripts/bench/results/bench_kernels_h100_sweep_round2e.json): 8K x 1
-# (64-token chunks) 17.3 against 18.3 us, 8K x 32 (160-token chunks) 124.3 against 127.8 us.
-# Longer chunks lose: warming 128 / 256 tokens of 32K x 1's 256-token chunks 23.8 / 25.9 against
-# 23.5 us (~19 MB of prefetches queue in front of the rotation kernel's own loads), 128K x 32
-# 1135-1171 against 1123 us. Hence whole chunks of at most 192 tokens, and nothing otherwise.
-# Not faster either: sums of p and p*offset kept per token and reduced after the loop (fewer
-# shuffles per step, more registers): 23.7 / 54.9 / 362.9 / 1238.9 against 23.5 / 54.3 / 331.6 /
-# 1123.1 us at 32K x 1, 128K x 1, 32K x 32, 128K x 32.
-# Window stages (round 2f, H100, scripts/bench/results/bench_kernels_h100_sweep_round2f.json): at batch
-# 32 the window loop's two-stage buffers made the kernel need 16 KB of shared memory, so 13
-# one-warp programs fit an SM although 128 registers allow 16. One stage (9 KB) where the history
-# dominates: 32K x 32 317-320 against 325-328 us, 64K x 32 572 against 587-592, 128K x 32
-# 1087-1095 against 1117-1119; at 8K x 32 (the window 22% of the bytes) it lost, 128-130 against
-# 120 us, hence "auto"; unpipelined window programs take smaller chunks (chunk/10 instead of
-# chunk/4: at 32K x 32, 64-token window chunks 320 against 333 us). Batch 1 keeps two stages:
-# there the 24 KB cap residency at 9 programs per SM, which keeps the 8-per-SM grid even; with
-# one stage up to 11 fit, the busiest SMs take more and 128K x 1 took 72 against 54 us.
-# Value codes as 16-bit pairs (round 2g, H100, alternating duplicates in one run;
-# scripts/bench/results/bench_kernels_h100_value_pairs_{b1,b32}_round2g.json): each 32-bit register of
-# the bit operations stays one operand register of the value product, where 32-bit words came
-# back as four 16-bit values the compiler packed again (sm_90 history step: 946 against 1023
-# instructions at batch 1, 566 against 571 at batch 32; the value loads become 16-byte copies).
-# 8K x 1 16.5-16.6 against 17.1-17.2 us, 32K x 1 23.2-23.3 against 23.3-23.5, 128K x 1 53.5-53.7
-# against 54.1-54.4, 32K x 32 312.5-314.1 against 317.1-318.0, 128K x 32 1051.8-1056.2 against
-# 1067.9-1069.8. (config "value_pairs": False keeps the words, for comparison.)
-# Batch 32 (round 2g, H100, scripts/bench/results/bench_kernels_h100_sweep_b32_round2g.json): with the
-# value pairs, two KV heads per program (the key dot's 8 columns all real) and 64-token tiles
-# without a register cap beat one head, 32-token tiles and 128 registers: 32K x 32 274-280 against
-# 314-315 us, 64K x 32 504 against 563, 128K x 32 934-941 against 1066-1070 (Nsight Compute: 80% of
-# DRAM peak). Programs per SM: 40 (32K: 274 against 280 at 48, 283 at 32, 289 at 64); at 8K
-# fewer, longer programs win (24 per SM: 109 us, 40: 120), hence at least 320 tokens per program.
-# These tiles keep two window stages ("auto" picked one: 32K x 32 305 against 277 us).
-# The paged regime takes the same choice: with 32-bit offsets and one block-table entry per step
-# (when a step lies in one page) it is within 2-4% of contiguous at batch 32 (32K: 276-282 against
-# 271 us; 128K: 929-936 against 937), 1% at 128K x 1 (54.0-54.2 against 53.5); 64-bit offsets
-# 280-286 / 939-947 / 54.8-55.0 (scripts/bench/results/bench_kernels_h100_paged_round2g.json).
+# Tuning defaults per regime: "small" below SMALL_BATCH_HEADS (sequence, KV head) pairs, "large" from
+# there on, "_paged" for a cache with a block table. scripts/bench/bench_kernels.py sweeps every key; the
+# measurements behind each choice and the variants not adopted: see docs/design/kernels.md. Figures are
+# H100 CUDA-graph replays at Qwen3-8B shapes (32 query / 8 KV heads, d = 128), context x batch.
+#   mode              1: bit operations as inline PTX (GPU); 0: plain Triton ops (the interpreter)
+#   BLOCK_N, BLOCK16  history / window tokens per step: 64 / 32 (128-token steps: no faster at batch 1)
+#   num_stages        pipeline stages of the history loop: 2
+#   num_stages_long,  3 stages for programs of at least long_chunk tokens at batch 1 (Triton fetches the
+#   long_chunk        codes two steps ahead): 128K x 1 50.3 against 53.6 us; nothing gained at 32K x 1
+#                     (4 steps per program) and no better at batch 32
+#   heads_per_program KV heads per program: 1 at small batch; "fill" (enough that the key dot's 8
+#                     columns are all real query heads) at large batch, with 64-token steps and no
+#                     register cap: 32K x 32 274 against 314 us for one head, 32-token steps, 128 registers
+#   programs_per_sm   sets the split count: 8 at small batch; 40 at large (32K x 32: 274 us, 280-289 at
+#                     32, 48 or 64)
+#   min_chunk         history tokens per program at least: 320 at large batch (at 8K x 32 fewer, longer
+#                     programs win)
+#   prefetch          load the next step's token offsets and parameters one step ahead, so their
+#                     latency hides behind a whole step (a paged cache's block table two steps ahead)
+#   maxnreg           register cap per thread (0: none): 184 at small contiguous batch, still 8 programs
+#                     per SM (32K x 1 23.4 against 24.7 us); paged it was slower, so no cap there
+#   pdl               programmatic dependent launch of the decode and merge kernels: 128K x 1 54.7
+#                     against 60.5 us
+#   l2_prefetch       with PDL, programs of at most this many history tokens prefetch all of them into
+#                     L2 while the query rotation runs: 8K x 1 17.3 against 18.3 us; longer chunks lose
+#                     (their prefetches queue in front of the rotation's own loads)
+#   window_stages     pipeline stages of the 16-bit window loop, or "auto" (see _window_stages): 2
 _LARGE = {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
           "programs_per_sm": 40, "min_chunk": 320, "prefetch": True, "maxnreg": 0, "pdl": True,
           "l2_prefetch": 192, "window_stages": 2}
@@ -409,12 +348,11 @@ def _heads_per_program(qg: int, h: int, cfg: dict) -> int:
 
 def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
     """Pipeline stages of the 16-bit window loop: the configured number, or for ``"auto"`` one
-    stage when the INT2 history holds at least 8x the window's bytes (two otherwise). With the
-    round-2f batch-32 tiles (one head, 128 registers) the window's pipeline buffers made the
-    kernel need 16 instead of 9 KB of shared memory, so 13 one-warp programs fit an SM instead of
-    16; one stage paid where the history dominates (128K x 32, H100: 1069-1075 against 1108-1111
-    us) and lost where the window's share is large (8K x 32: 128-130 against 120 us). No regime
-    takes it since round 2g (its tiles are register-bound: two stages)."""
+    stage when the INT2 history holds at least 8x the window's bytes (two otherwise). One stage
+    needs less shared memory (9 instead of 16 KB), so more one-warp programs fit an SM: it paid for
+    one-head, 128-register tiles where the history dominates (128K x 32) and lost where the window's
+    share is large (8K x 32). The default tiles are register-bound and keep two stages
+    (see docs/design/kernels.md)."""
     ws = cfg["window_stages"]
     if ws != "auto":
         return int(ws)

@@ -56,11 +56,11 @@ parts in shared memory and loops over row blocks (``programs_per_sm``, default 2
 program per 64-row block). ``maxnreg`` caps the registers per thread.
 
 Kernel cost (H100, 128K tokens x 8 heads, d = 128, bf16 in, 3.0 TB/s copy;
-``scripts/bench/bench_kernels.py``, ``scripts/bench/results/bench_kernels_h100_round2i.json``): rotate + clip +
-quantise + pack at the bundled zoo's clip ratios (0.88-0.95 over the heads: 7-16 tournament
-rounds) 441 us (695 GB/s, 23% of copy); at clip ratio 0.96 (6 rounds) 332 us (31%). Round 2h
-(``bench_kernels_h100_round2h.json``, 0.96, before the sign bits): 353 us; dividing instead of
-thresholds 481 us, one program per row block 392 us. Rotate without clip 223 us (46%).
+``scripts/bench/bench_kernels.py``; see docs/design/kernels.md): rotate + clip + quantise + pack at
+the bundled zoo's clip ratios (0.88-0.95 over the heads: 7-16 tournament rounds) 441 us (695 GB/s,
+23% of copy); at clip ratio 0.96 (6 rounds) 332 us (31%). Dividing instead of thresholds took 36%
+longer, one program per row block instead of the persistent grid 11% longer. Rotate without clip
+223 us (46%).
 Without rotation: with clip 218 us (47%), neither 143 us (71%; Nsight Compute: memory-bound, 76%
 of DRAM peak). With rotation and clip Nsight Compute finds 132 M warp instructions for 1 M rows at
 42% issue, the ALU pipe (compares, min/max, selects) 61% busy and 94% without the rotation: the
@@ -215,34 +215,29 @@ def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
 
 # the compiled kernel of the latest Triton launch (register/spill reports for benchmarks)
 LAST_LAUNCH: dict = {}
-# Round by round, with what was not adopted: docs/kernel-rounds.md.
-# The plane-wise kernel (rows of one byte block, d == 4 * min(G, d/4)) runs wherever it applies
-# (H100, 128K tokens x 8 heads, round 2d: 147 us against 223 us without rotation or clip). With a
-# rotation it takes one [BT, d] product split into planes ("split"; four narrow products: 565 us)
-# and the tournament clip selection ("select": "sorted"): 428 us against 480 us for rounds and 565
-# us for the general kernel. Unrotated 16-bit input keeps the rounds over integer keys (289 us
-# against 356 us for a tournament over the keys in round 2c, which needed 255 registers; removed).
+# Tuning defaults of the write kernels (H100, 128K tokens x 8 heads, d = 128, rotation and clip unless
+# said; the measurements and the variants not adopted: see docs/design/kernels.md). The plane-wise
+# kernel runs wherever it applies (without rotation or clip 147 against 223 us for the general one); its
+# clip threshold comes from the tournament ("select": "sorted": 428 against 480 us for rounds), except
+# for unrotated 16-bit input, whose rounds over integer keys beat a tournament (289 against 356 us).
+# the rotation as one [BT, d] product split into the four planes (four narrow products: 565 against 428 us)
 DEFAULT_SPLIT = True
 # programs per SM of the persistent grid with a resident rotation (0: one program per row block):
-# 2 (two stages) 428 us against 456 us per block and 972 us for 1 per SM (H100, round 2d)
+# 2 (two stages) 428 us against 456 us per block and 972 us for 1 per SM
 DEFAULT_PROGRAMS_PER_SM = 2
 RESIDENT_BYTES = 64 * 1024
 # tile of the persistent grid (rows per block, warps, pipeline stages): 128 rows over 8 warps with
-# 3 stages 397-412 us against 427-431 us for 64 rows, 4 warps, 2 stages (H100, round 2e, three
-# runs each; without clip 259 against 268 us). Not faster: 64 rows on 8 warps 1300 us, 32 rows on
-# 4 warps (3 per SM) 1090 us, 128 rows with 1 or 3 programs per SM 726-807 / 516 us.
+# 3 stages 397-412 us against 427-431 us for 64 rows, 4 warps, 2 stages; other tiles were slower
 RESIDENT_TILE = {"BT": 128, "num_warps": 8, "num_stages": 3}
 # plane-wise kernel: codes by three exact thresholds per group ("thresholds") or by division
 DEFAULT_QUANTIZE = "thresholds"
 # codes by thresholds from the unclipped values, the clip entering only through each group's
 # extremes (exact: a per-group check sends a block to the clipped division otherwise)
 DEFAULT_LATE_CLIP = True
-# tournament columns keep their three largest values (the count check refuses a miss): off. It
-# paid only where a head's clip needs few rounds (m = d - floor(clip * d)): at the bench's former
-# clip 0.96 (m = 6) 333.6 against 339.7 us, but at the bundled zoo's ratios (0.85-0.99, median
-# 0.92: m = 2-20, median 11) a column often holds four of a row's top m and the block selects
-# again: 0.92 546.5 against 411.0 us, 0.88 1163.9 against 497.3, the zoo's spread 599.9 against
-# 430.5 (H200, scripts/bench/results/bench_kernels_h200_write_clips_round2i.json)
+# tournament columns keep their three largest values (the count check refuses a miss): off. It pays
+# only where a head's clip needs few rounds (m = d - floor(clip * d)); at the bundled zoo's ratios
+# (0.85-0.99, median m = 11) a column often holds four of a row's top m and the block selects again:
+# the zoo's spread of ratios 599.9 against 430.5 us (H200)
 DEFAULT_SELECT_TOP3 = False
 # each group's thresholds re-checked by the reference arithmetic (two divisions per threshold);
 # without, the derivation's exactness rests on its proof (``_write_triton._thresholds``), and only
@@ -250,7 +245,7 @@ DEFAULT_SELECT_TOP3 = False
 DEFAULT_CHECK_THRESHOLDS = False
 # compares as the sign bit of a difference (``y >= T`` as ``pred(T) - y < 0``) in the codes and the
 # tie check: a subtraction on the FMA pipe and a shift instead of a compare and a select on the
-# busier ALU pipe
+# busier ALU pipe (clip ratio 0.96: 332 against 353 us)
 DEFAULT_SIGN_BITS = True
 
 

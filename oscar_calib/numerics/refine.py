@@ -14,7 +14,7 @@ is quantised (no recent window: the harshest case, as in the clip fit of :mod:`.
 
 Generalisation: fitted and judged on one sequence's 512 rows, the rotations fit that sequence
 (measured on SmolLM2, ``scripts/experiments/refine_generalisation.py``: the objective drops 20–65% per head on
-it and −5% to +3% on average on other sequences; README, "Ablation"). With several held-out sequences (``heldout_seqs``) the last quarter only chooses the
+it and −5% to +3% on average on other sequences; docs/design/numerics.md). With several held-out sequences (``heldout_seqs``) the last quarter only chooses the
 step and the rest is fitted (:func:`split_sequences`).
 
 Parametrisation: ``R = R₀ · C(A)``, ``C(A) = (I − A)⁻¹(I + A)`` the Cayley transform of a

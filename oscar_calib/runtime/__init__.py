@@ -5,7 +5,9 @@ name                        module                 what it is
 ==========================  =====================  ==============================================
 :class:`OscarCache`         :mod:`.cache`          **the real cache**: packed INT2 history written by
                                                    the write kernel, decode steps through the INT2
-                                                   decode kernel (``with cache.attach(model):``)
+                                                   decode kernel (``with cache.attach(model):``);
+                                                   ``cache.generate(model, ids, ...)`` decodes on
+                                                   the fastest path that applies
 :class:`OscarAttention`     :mod:`.attention`      the registered attention function's route
 :class:`DecodeGraph`        :mod:`.graph`          a decode step of the real cache replayed from a
                                                    CUDA graph (no per-kernel host cost)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheError
-from ..model.capture import AttentionRoute, _base_function
+from ..model.capture import AttentionRoute, attention_function
 from .attend import allowed_mask, attend_cached
 from .storage import write_step
 
@@ -43,7 +43,9 @@ ATTENTION_NAME = "oscar_int2"
 _ACTIVE: list["OscarAttention"] = []
 
 
-def _registered_attention(module, query, key, value, attention_mask, **kwargs):
+def registered_attention(module, query, key, value, attention_mask, **kwargs):
+    """The function registered as :data:`ATTENTION_NAME`: the innermost active route's cache layer
+    when it holds this call's K/V, else plain sdpa."""
     layer_idx = getattr(module, "layer_idx", None)
     for route in reversed(_ACTIVE):
         layers = route.cache.layers
@@ -53,7 +55,7 @@ def _registered_attention(module, query, key, value, attention_mask, **kwargs):
             raise CacheError(f"layer {layer_idx}: the model changed K/V between cache.update and attention; "
                              "OscarCache cannot serve this attention module")
         return layer_attention(layers[layer_idx], module, query, key, value, attention_mask, kwargs)
-    return _base_function("sdpa", module)(module, query, key, value, attention_mask, **kwargs)
+    return attention_function("sdpa", module)(module, query, key, value, attention_mask, **kwargs)
 
 
 def new_token_rows(mask: torch.Tensor | None, batch: int, t: int):
@@ -88,13 +90,11 @@ def kernel_decodes(layer, query: torch.Tensor, softcap) -> bool:
     """Whether a decode step of ``layer`` runs the Triton kernel (else the chunked torch path):
     full-attention layers, no soft-cap, a 16-bit window, a shape the kernel takes, and the
     backend (``auto``: CUDA tensors)."""
-    from ..kernels._common import resolve_backend
-    from ..kernels.decode import _triton_support
+    from ..kernels.decode import decode_backend
 
     if layer.is_sliding or softcap or layer.store.plan.window_dtype not in (torch.bfloat16, torch.float16):
         return False
-    view = layer.store.kernel_view()
-    return resolve_backend(layer.backend, [query, view.k_codes], _triton_support(view, query[:, :, 0])) == "triton"
+    return decode_backend(query[:, :, 0], layer.store.kernel_view(), layer.backend) == "triton"
 
 
 def layer_attention(layer, module, query, key, value, mask, kwargs):
@@ -123,7 +123,7 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
         return out.to(query.dtype), None
     valid, allowed = new_token_rows(mask, bsz, t)
     if max(store.exact_counts()) == 0:
-        out, _ = _base_function("sdpa", module)(module, query, key, value, mask, **kwargs)
+        out, _ = attention_function("sdpa", module)(module, query, key, value, mask, **kwargs)
         layer.write(key, value, valid)
         return out, None
     counts = torch.tensor([t if v is None else len(v) for v in valid], device=query.device)
@@ -156,7 +156,7 @@ class OscarAttention(AttentionRoute):
     def __enter__(self) -> "OscarAttention":
         from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTENTION_NAME, _registered_attention)
+        AttentionInterface.register(ATTENTION_NAME, registered_attention)
         self._route("sdpa")
         for layer in self.cache.layers:
             layer.attached += 1

@@ -27,6 +27,7 @@ against (same numbers within the tolerances stated in ``tests/runtime``).
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -209,6 +210,39 @@ class OscarCache(Cache):
         from .attention import OscarAttention
 
         return OscarAttention(model, self)
+
+    def generate(self, model, input_ids: torch.Tensor, *, fast: bool | str = "auto", compile: bool = False,
+                 **generate_kwargs):
+        """``model.generate(input_ids, past_key_values=self, **generate_kwargs)`` with the cache
+        attached, on the fastest path that applies: on one GPU every new token replays a CUDA graph
+        (:func:`~oscar_calib.runtime.graph.graph_decoding`; ~6x the tokens/s of eager steps on
+        an 8B model), elsewhere eager steps.
+
+        ``fast``: ``"auto"`` takes the graph where it applies and eager steps otherwise (a CPU model,
+        one spread over several GPUs or offloaded, beam search, attentions or hidden states in the
+        output); ``True`` refuses with one line where the graph does not apply; ``False`` always
+        runs eager steps. ``compile=True`` records the graph through ``torch.compile`` (about 30%
+        more tokens/s at 1 x 16K-128K on an H100, for 25-40 s of compiling at the first call of
+        each batch size): worth it for long generations; it needs the graph.
+
+        >>> cache = OscarCache.from_artifact("zoo/smollm2-135m", model)
+        >>> out = cache.generate(model, ids, max_new_tokens=256)          # graph on a GPU, eager on a CPU
+        """
+        from .graph import graph_decoding, graph_refusal
+
+        if fast not in ("auto", True, False):
+            raise InputError(f"OscarCache.generate: fast must be 'auto', True or False, not {fast!r}")
+        why = graph_refusal(model, **generate_kwargs) if fast is not False else "fast=False"
+        if why and fast is True:
+            raise InputError(f"OscarCache.generate(fast=True): no graph decoding here: {why} "
+                             "(fast='auto' falls back to eager steps)")
+        if compile and why:
+            raise InputError(f"OscarCache.generate(compile=True) compiles the graph step, which does not apply: {why}")
+        if not why:
+            generate_kwargs["custom_generate"] = (functools.partial(graph_decoding, compile=True) if compile
+                                                  else graph_decoding)
+        with attached(self, model):
+            return model.generate(input_ids, past_key_values=self, **generate_kwargs)
 
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""

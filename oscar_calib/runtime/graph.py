@@ -59,7 +59,7 @@ class DecodeGraph:
     left as it was. The logits then follow the eager step up to the rounding of the fused kernels,
     not bit for bit. H200, Qwen3-8B shapes, 36 layers, 1 x 16K: 8.00 -> 5.96-6.25 ms per replayed
     step, for ~8 s of compiling in the first two calls. It raises torch._dynamo's recompile limit
-    for the process (one compile per layer of the attention module's first part)."""
+    for the process (each batch size compiles again)."""
 
     def __init__(self, model, cache, *, compile: bool = False):
         from .cache import OscarCache
@@ -84,21 +84,24 @@ class DecodeGraph:
         self.compile = bool(compile)
         self._layers = None
         if self.compile:
-            found = self._layers = _decoder_layers(model)
+            found = self._layers = decoder_layers(model)
             if found is None:
                 raise InputError("DecodeGraph(compile=True) needs the model's decoder layers "
                                  "(model.get_decoder().layers)")
-            # the attention module's part before the cache update is compiled once per layer (its
-            # index, passed to the update, is a constant to torch.compile): room for every layer,
-            # where the default of 8 recompiles per function would leave the rest eager. Raised for
-            # the process (never lowered); set inside the compiling call it did not take effect.
+            # each batch size (and each cache a process decodes with) compiles the layers' code
+            # again: room for them, where the default of 8 recompiles per function would leave
+            # the rest eager. Raised for the process (never lowered); set inside the compiling
+            # call it did not take effect.
             dyn = torch._dynamo.config
             dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(found) + 8)
         self._ids = self._pos = self._logits = None
         self._gate = torch.ones(self.batch, dtype=torch.bool, device=device)   # rows that store their token
 
     def _step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with _compiled_layers(self._layers, self.cache) if self.compile else contextlib.nullcontext():
+        from .attention import ATTENTION_NAME, registered_attention
+
+        compiled = compiled_layers(self._layers, self.cache, ATTENTION_NAME, registered_attention)
+        with compiled if self.compile else contextlib.nullcontext():
             return self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
                               use_cache=True).logits
 
@@ -175,34 +178,37 @@ class DecodeGraph:
         return self._logits
 
 
-def _decoder_layers(model):
+def decoder_layers(model):
+    """``model``'s decoder layers (``model.get_decoder().layers``), or None where it has none."""
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(dec, "layers", None)
     return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
 
 
 @contextlib.contextmanager
-def _compiled_layers(layers, cache):
-    """Each of the decoder ``layers`` (found once, by :class:`DecodeGraph`) runs its forward through
-    ``torch.compile`` (one compiled code shared by the layers), with the cache's update and the
-    attention function left out of it (graph breaks), so the model's own small ops between them
-    (norms, RoPE, residual adds, the MLP's activation) fuse. The model is as before on exit; a
-    recorded step keeps the compiled kernels."""
+def compiled_layers(layers, cache, attention_name: str, attention):
+    """Each of the decoder ``layers`` runs its forward through ``torch.compile`` (one compiled code
+    shared by the layers), with ``cache.update`` and the attention function registered as
+    ``attention_name`` left out of it (graph breaks), so the model's own small ops between them
+    (norms, RoPE, residual adds, the MLP's activation) fuse. The model is as before on exit; a step
+    recorded in a CUDA graph keeps the compiled kernels. :class:`DecodeGraph` uses it for the real
+    cache; the decode benchmark uses it for its BF16 baseline, so both compile alike."""
     from transformers import AttentionInterface
 
-    from .attention import ATTENTION_NAME, _registered_attention
-
-    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(_registered_attention))
+    AttentionInterface.register(attention_name, torch.compiler.disable(attention))
     cache.update = torch.compiler.disable(type(cache).update.__get__(cache))
     for layer in layers:
         layer.forward = _compiled_forward(type(layer)).__get__(layer)
     try:
-        yield
+        # a layer's integer attributes (its index) as inputs, not constants: one compiled code for
+        # every layer instead of one per layer
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            yield
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
         cache.__dict__.pop("update", None)
-        AttentionInterface.register(ATTENTION_NAME, _registered_attention)
+        AttentionInterface.register(attention_name, attention)
 
 
 _COMPILED: dict = {}
@@ -226,6 +232,25 @@ def _refusal(generation_config, model_kwargs, synced_gpus) -> str | None:
     if model_kwargs.get("inputs_embeds") is not None:
         return "it takes input_ids, not inputs_embeds"
     return None
+
+
+def graph_refusal(model, **generate_kwargs) -> str | None:
+    """Why ``generate(**generate_kwargs)`` on ``model`` cannot decode from a CUDA graph (None: it
+    can): the model is not on one GPU (a CPU model, one spread over several devices or offloaded),
+    or the call asks for what :func:`graph_decoding` does not run (beam search, attentions or
+    hidden states in the output, ``inputs_embeds``, ``synced_gpus``)."""
+    import copy
+
+    if graph_device(model) is None:
+        where = sorted({str(p.device) for p in model.parameters()})
+        if "meta" in where:
+            return "the model is offloaded (a CUDA graph records one GPU's work)"
+        if len(where) > 1:
+            return f"the model is spread over {', '.join(where)} (a CUDA graph records one GPU's work)"
+        return f"the model is on {where[0]}, not a GPU"
+    config = copy.deepcopy(generate_kwargs.get("generation_config") or model.generation_config)
+    rest = config.update(**{k: v for k, v in generate_kwargs.items() if k != "generation_config"})
+    return _refusal(config, rest, bool(generate_kwargs.get("synced_gpus")))
 
 
 def prompt_positions(mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -348,4 +373,5 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     return ids
 
 
-__all__ = ["DecodeGraph", "graph_decoding", "graph_device", "prompt_positions"]
+__all__ = ["DecodeGraph", "compiled_layers", "decoder_layers", "graph_decoding", "graph_device", "graph_refusal",
+           "prompt_positions"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -16,8 +17,10 @@ from ..errors import InputError
 from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
 
 # whose INT2 arithmetic stores the history: oscar's kernels, the OSCAR SGLang fork's (uniform / Lloyd-Max),
-# or calibrated 4-level codebooks on oscar's fp16 group parameters (an ablation, simulation only)
-QUANTIZERS = ("oscar", "fork", "fork-lloyd", "codebook", "codebook-std")
+# vLLM's (pull request #46774) or llama.cpp's q2_0 (OSCAR's branch): :mod:`oscar_calib.numerics.engines`
+QUANTIZERS = ("oscar", "fork", "fork-lloyd", "vllm", "llamacpp")
+ENGINE_QUANTIZERS = ("vllm", "llamacpp")
+
 
 @dataclass
 class KVScheme:
@@ -32,11 +35,14 @@ class KVScheme:
     ``oscar`` (our kernels: fp16 scale and offset, ``2 + 32/G`` bits), ``fork`` or ``fork-lloyd``
     (the OSCAR SGLang fork: float32 scale and zero, ``2 + 64/G`` bits, uniform or Lloyd-Max buckets;
     K/V/Q are rotated and held in ``window_dtype`` in the rotated basis as the fork's KV pool does).
-    ``codebook`` / ``codebook-std``: oscar's fp16 group parameters (min/max scale and offset, or mean
-    and std) with 4 calibrated levels per layer, KV head and cache (``k_levels[i]``/``v_levels[i]``
-    ``[kv_heads, 4]``, None = the coding's initial levels; :mod:`oscar_calib.numerics.codebook`),
-    ``2 + 32/G`` bits. Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork and
-    codebook quantisers; the real caches store with ``oscar``'s.
+    Only :class:`~oscar_calib.runtime.simulate.SimulatedKV` reads the fork's quantisers; the real
+    caches store with ``oscar``'s. A subclass may accept other names (:attr:`quantizers`) that it
+    registers with :func:`~oscar_calib.runtime.simulate.register_quantizer`
+    (:mod:`oscar_calib.experimental`).
+
+    ``vllm`` / ``llamacpp``: those engines' quantisers (:mod:`oscar_calib.numerics.engines`; read
+    only by :class:`~oscar_calib.runtime.simulate.SimulatedKV`). ``native_layers``: layers whose
+    history is not quantised at all (vLLM keeps its first and last two in the model's dtype).
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
     budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
@@ -59,21 +65,25 @@ class KVScheme:
     # time, like the OSCAR SGLang fork with SGLANG_OSCAR_ABSORB_V_ROTATION=1)
     v_output: list = field(default_factory=list)
     quantizer: str = "oscar"
-    k_levels: list = field(default_factory=list)
-    v_levels: list = field(default_factory=list)
     k_groups: list = field(default_factory=list)
     v_groups: list = field(default_factory=list)
+    native_layers: tuple = ()
+
+    # the quantizer names this class accepts, and its per-layer list fields (empty: None per layer)
+    quantizers: ClassVar[tuple[str, ...]] = QUANTIZERS
+    per_layer: ClassVar[tuple[str, ...]] = ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output")
 
     def __post_init__(self):
-        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output", "k_levels", "v_levels"):
+        for name in self.per_layer:
             lst = getattr(self, name)
             if not lst:
                 setattr(self, name, [None] * self.num_layers)
             elif len(lst) != self.num_layers:
                 raise InputError(f"{self.name}: {name} has {len(lst)} layers, expected {self.num_layers}")
         check_window(self.sink, self.recent)
-        if self.quantizer not in QUANTIZERS:
-            raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from {', '.join(QUANTIZERS)}")
+        if self.quantizer not in self.quantizers:
+            raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from "
+                             f"{', '.join(self.quantizers)}")
         if self.group_size is not None:
             check_group_size(None, self.group_size)
         for name in ("k_groups", "v_groups"):
@@ -99,8 +109,22 @@ class KVScheme:
             return float(torch.finfo(self.window_dtype).bits) if self.window_dtype else 32.0
         return sum(self.layer_bits(i) for i in range(self.num_layers)) / self.num_layers
 
+    def quantizes(self, i: int) -> bool:
+        """Layer ``i``'s history is stored quantised (not a native layer, and the scheme quantises)."""
+        return self.quantized and i not in self.native_layers
+
     def layer_bits(self, i: int) -> float:
         """Stored bits per history element of layer ``i``, K and V averaged (they hold as many)."""
+        if not self.quantizes(i):
+            return float(torch.finfo(self.window_dtype).bits) if self.window_dtype else 32.0
+        if self.quantizer == "llamacpp":
+            from ..numerics.engines import Q2_0_BITS
+
+            return Q2_0_BITS
+        if self.quantizer == "vllm":
+            from ..numerics.engines import VLLM_PARAM_BITS
+
+            return sum(2.0 + VLLM_PARAM_BITS / g for g in self.groups(i)) / 2
         if self.quantizer in ("fork", "fork-lloyd"):
             from ..numerics.quant import FORK_PARAM_BITS
 
@@ -120,7 +144,7 @@ class KVScheme:
 
     def require_oscar_quantizer(self, cache: str) -> None:
         """Refuse, in one line, a quantiser a real cache cannot store (the fork's float32 and
-        Lloyd-Max arithmetic, calibrated codebooks: perplexity-simulation only)."""
+        Lloyd-Max arithmetic, or an experimental quantiser: perplexity-simulation only)."""
         if self.quantizer != "oscar":
             raise InputError(f"{self.name}: {cache} stores oscar's uniform INT2; the {self.quantizer!r} quantiser "
                              "exists only in the perplexity simulation (SimulatedKV)")
@@ -220,6 +244,46 @@ class KVScheme:
                    sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
                    recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
                    window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [], quantizer=quantizer)
+
+
+    @classmethod
+    def engine_from_artifact(cls, artifact, engine: str, *, clips: tuple[float, float] | None = None,
+                             sink: int | None = None, recent: int | None = None) -> "KVScheme":
+        """What another engine serves for this artifact with ``oscar export --target ENGINE``'s
+        settings (:mod:`oscar_calib.numerics.engines` says where each rule comes from): the layer's
+        shared rotation (float32) for every KV head and the global clip pair (default the
+        artifact's fitted one), and
+
+        * ``vllm``: one INT2 group per head vector (fp16 scale and minimum), no high-precision
+          window, the first and last two layers native (the pull request's revision 9195dd08f3);
+        * ``llamacpp``: ``q2_0`` with ONE clip ratio (K's) for K and V, the artifact's sink and
+          recent window (or the given ones) in F16."""
+        from ..errors import ArtifactError
+        from ..numerics.engines import Q2_0_BLOCK, boundary_layers
+        from ..spec.artifact import Artifact, load_artifact
+
+        art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
+        why = fork_unavailable(art, clips_given=clips is not None)
+        if why:
+            raise ArtifactError(why.replace("for the fork", f"for {engine}"))
+        k_clip, v_clip = clips or art.shared_clips()
+        h, n, d = art.num_kv_heads, art.num_layers, art.head_dim
+        rot = {w: [art.shared_rotation(i, w)[0].float().expand(h, -1, -1).contiguous() for i in range(n)]
+               for w in ("k", "v")}
+        md = art.metadata
+        if engine == "vllm":
+            ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in (k_clip, v_clip))
+            return cls(engine, n, d, rot["k"], rot["v"], [ck] * n, [cv] * n, sink=0, recent=0,
+                       quantizer="vllm", native_layers=tuple(boundary_layers(n)))
+        if engine == "llamacpp":
+            if d % Q2_0_BLOCK:
+                raise InputError(f"{engine}: head_dim {d} is not a whole number of q2_0 blocks of {Q2_0_BLOCK}")
+            c = None if k_clip >= 1 else torch.full((h,), float(k_clip))
+            return cls(engine, n, Q2_0_BLOCK, rot["k"], rot["v"], [c] * n, [c] * n,
+                       sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
+                       recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
+                       window_dtype=torch.float16, quantizer="llamacpp")
+        raise InputError(f"unknown engine {engine!r}; choose from {', '.join(ENGINE_QUANTIZERS)}")
 
 
 def fork_unavailable(artifact, *, clips_given: bool = False) -> str | None:

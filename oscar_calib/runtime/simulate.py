@@ -9,6 +9,9 @@ sliding-window masks and GQA are honoured, math is float32. With nothing quantis
 plain attention (tested). It de-quantises every key for every layer: memory and time grow with
 the context like a full-precision cache, so it measures accuracy only.
 
+A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
+(:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).
+
 A scheme whose ``quantizer`` is ``fork`` or ``fork-lloyd`` is read the way the OSCAR SGLang fork's
 main stores it (:func:`fork_rows`): query, keys and values rotated in BF16 as its KV pool holds
 them, the history clipped and quantised with its float32 scale and zero (or its Lloyd-Max buckets),
@@ -29,7 +32,7 @@ import torch
 from ..errors import EvalError
 from ..model.capture import AttentionRoute
 from .attend import allowed_mask
-from .scheme import KVScheme
+from .scheme import QUANTIZERS, KVScheme
 
 SIM_NAME = "oscar_kv_sim"
 
@@ -104,9 +107,14 @@ class SimulatedKV(AttentionRoute):
         qpos = (torch.arange(t, device=q.device) + (s - t) if positions is None
                 else torch.as_tensor(positions, device=q.device)).unsqueeze(1)                   # [T, 1]
         allowed = self._allowed(mask, b, t, s, window, q.device, qpos)                    # [B|1, 1, T, S]
-        rows = {"oscar": oscar_rows, "codebook": codebook_rows, "codebook-std": codebook_rows}.get(sch.quantizer,
-                                                                                                  fork_rows)
-        qf, keys, values, k_lo, v_lo, back = rows(sch, layer, q, k, v)
+        rows = ROWS.get(sch.quantizer)
+        if rows is None:
+            raise EvalError(f"{sch.name}: no simulation of the {sch.quantizer!r} quantiser; registered: "
+                            f"{', '.join(ROWS)}")
+        qf, keys, values, k_lo, v_lo, back, *engine = rows(sch, layer, q, k, v)
+        q_lo, hp_weights = engine if engine else (None, None)
+        if k_lo is not None and layer in sch.native_layers:
+            k_lo = v_lo = None
         if k_lo is not None:
             kpos = torch.arange(s, device=q.device).unsqueeze(0)
             hi = (kpos < sch.sink) | (qpos - kpos < sch.recent)                             # [T, S]
@@ -114,18 +122,26 @@ class SimulatedKV(AttentionRoute):
             values = torch.cat([v_lo, values], dim=2)
             allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)                     # [B|1, 1, T, 2S]
         keys, values = keys.repeat_interleave(grp, 1), values.repeat_interleave(grp, 1)
-        if not softcap:
+        if not softcap and q_lo is None:
             o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=allowed, scale=scaling)
         else:
-            sc = (qf @ keys.transpose(-1, -2)) * scaling
-            sc = torch.tanh(sc / softcap) * softcap
-            o = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1) @ values
+            if q_lo is not None and k_lo is not None:   # the INT2 half scored with its own query rounding
+                sc = torch.cat([q_lo @ keys[:, :, :s].transpose(-1, -2), qf @ keys[:, :, s:].transpose(-1, -2)], -1)
+            else:
+                sc = qf @ keys.transpose(-1, -2)
+            sc = sc * scaling
+            if softcap:
+                sc = torch.tanh(sc / softcap) * softcap
+            p = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1)
+            if hp_weights is not None and k_lo is not None:   # weights of the window half rounded as the engine does
+                p = torch.cat([p[..., :s], _round(p[..., s:], hp_weights)], -1)
+            o = p @ values
         if back is not None:
             o = back(o)
         return o.transpose(1, 2)
 
 
-def _unrotate(r: torch.Tensor, grp: int, dtype=None):
+def output_unrotation(r: torch.Tensor, grp: int, dtype=None):
     """``o -> o @ Rᵀ`` per query head (``r`` [Hkv, d, d], query head j reads KV head j // grp), with
     operands and result rounded to ``dtype`` when given (a 16-bit GEMM with fp32 accumulation)."""
     rq = _round(r.repeat_interleave(grp, 0), dtype)
@@ -141,12 +157,21 @@ def _round(x: torch.Tensor, dtype) -> torch.Tensor:
     return x.float() if dtype is None else x.to(dtype).float()
 
 
-def oscar_rows(sch: KVScheme, layer: int, q, k, v):
-    """oscar's storage: ``(query, bf16 keys, bf16 values, INT2 keys, INT2 values, output map)``, all in
-    the model's basis (the INT2 rows rotated, clipped, quantised with fp16 scale/offset exactly as
-    :mod:`oscar_calib.kernels` stores them, then rotated back); the query as it comes."""
+def kernel_store(x: torch.Tensor, rotation, clip, group_size: int, cache: str) -> torch.Tensor:
+    """oscar's INT2 history: rows ``x [B, S, Hkv, d]`` rotated, clipped, quantised with fp16
+    scale/offset exactly as :func:`oscar_calib.kernels.quantize_kv` stores them and dequantised
+    (float32, still rotated). ``cache`` (``"k"`` or ``"v"``) is unused here."""
     from ..kernels import quantize_kv
 
+    return quantize_kv(x, rotation, clip, group_size).dequantize()
+
+
+def oscar_rows(sch: KVScheme, layer: int, q, k, v, store=kernel_store):
+    """oscar's storage: ``(query, bf16 keys, bf16 values, INT2 keys, INT2 values, output map)``, all in
+    the model's basis (the INT2 rows rotated, clipped, quantised by ``store``, then rotated back);
+    the query as it comes. ``store(x, rotation, clip, group_size, cache)`` (see :func:`kernel_store`)
+    is how another 4-level quantiser on oscar's rotations and clips is simulated
+    (:mod:`oscar_calib.experimental`)."""
     wd = sch.window_dtype
     k_in = k.to(wd) if wd is not None else k
     v_in = v.to(wd) if wd is not None else v
@@ -154,47 +179,13 @@ def oscar_rows(sch: KVScheme, layer: int, q, k, v):
     if sch.quantized:
         rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
         gk, gv = sch.groups(layer)
-        kq = quantize_kv(k_in.transpose(1, 2), rk, ck, gk).dequantize()     # [B, S, Hkv, d] rotated
-        vq = quantize_kv(v_in.transpose(1, 2), rv, cv, gv).dequantize()
+        kq = store(k_in.transpose(1, 2), rk, ck, gk, "k")     # [B, S, Hkv, d] rotated
+        vq = store(v_in.transpose(1, 2), rv, cv, gv, "v")
         k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
         v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
     out_rot = sch.v_output[layer]        # absorbed R_v: map the output back, o @ Rᵀ per KV head
-    back = _unrotate(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) if out_rot is not None else None
-    return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
-
-
-def codebook_rows(sch: KVScheme, layer: int, q, k, v):
-    """:func:`oscar_rows` with the INT2 rows stored as calibrated codebooks (``sch.quantizer``
-    ``codebook``: the group's min/max scale and offset, ``codebook-std``: its mean and std, both
-    rounded to fp16 as the kernels store parameters; levels ``sch.k_levels[layer]`` /
-    ``v_levels[layer]`` per KV head). With uniform levels ``codebook`` equals ``oscar`` (tested)."""
-    from ..numerics.codebook import fake_quant_codebook, initial_levels
-    from ..numerics.quant import clip_rows
-
-    wd = sch.window_dtype
-    coding = "std" if sch.quantizer == "codebook-std" else "range"
-    k_in = k.to(wd) if wd is not None else k
-    v_in = v.to(wd) if wd is not None else v
-    k_lo = v_lo = None
-    if sch.quantized:
-        rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
-
-        def int2(x, r, c, levels, g):                   # x [B, H, S, d] -> dequantised, model basis
-            y = x.float().transpose(1, 2)                 # [B, S, H, d]
-            if r is not None:
-                y = torch.einsum("bshd,hde->bshe", y, r)
-            if c is not None:
-                y = clip_rows(y, c.to(torch.float64))
-            out = torch.stack([fake_quant_codebook(y[:, :, h], initial_levels(coding) if levels is None else
-                                                   levels[h], g, coding, torch.float16)
-                               for h in range(y.shape[2])], dim=2)
-            return torch.einsum("bshe,hde->bhsd", out, r) if r is not None else out.transpose(1, 2)
-
-        gk, gv = sch.groups(layer)
-        k_lo = int2(k_in, rk, ck, sch.k_levels[layer], gk)
-        v_lo = int2(v_in, rv, cv, sch.v_levels[layer], gv)
-    out_rot = sch.v_output[layer]
-    back = _unrotate(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) if out_rot is not None else None
+    back = output_unrotation(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) \
+        if out_rot is not None else None
     return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
 
 
@@ -235,5 +226,84 @@ def fork_rows(sch: KVScheme, layer: int, q, k, v):
         gk, gv = sch.groups(layer)
         k_lo, v_lo = int2(kr, ck, gk), int2(vr, cv, gv)
     out = rv if rv is not None else sch.v_output[layer]
-    back = _unrotate(out.to(q.device, torch.float32), grp, hp) if out is not None else None
+    back = output_unrotation(out.to(q.device, torch.float32), grp, hp) if out is not None else None
     return qr, kr, vr, k_lo, v_lo, back
+
+
+def vllm_rows(sch: KVScheme, layer: int, q, k, v):
+    """vLLM's storage (pull request #46774; :mod:`oscar_calib.numerics.engines`), in the rotated basis:
+    query, keys and values rotated in float32 by the layer's ``R``; the INT2 history clipped (one K and
+    one V ratio) and stored as one group per head vector with fp16 scale and minimum; the output
+    mapped back with ``o @ R_vᵀ`` in float32. The window (none at the cited revision) holds the
+    rotated rows in ``window_dtype``."""
+    from ..numerics.engines import fake_quant_vllm
+    from ..numerics.quant import clip_rows
+
+    wd = sch.window_dtype
+    if not sch.quantizes(layer):              # a native layer: vLLM's own attention, K/V in the model's dtype
+        return q.float(), _round(k, wd), _round(v, wd), None, None, None
+    grp = q.shape[1] // k.shape[1]
+    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+
+    def rotate(x, r):
+        return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
+
+    qr = rotate(q, None if rk is None else rk.repeat_interleave(grp, 0))
+    kr, vr = rotate(k, rk), rotate(v, rv)
+
+    def int2(x, c):
+        return fake_quant_vllm(x if c is None else clip_rows(x, c.to(torch.float64).view(-1, 1)))
+
+    k_lo, v_lo = int2(kr, ck), int2(vr, cv)
+    back = output_unrotation(rv, grp) if rv is not None else None
+    return qr, _round(kr, wd), _round(vr, wd), k_lo, v_lo, back
+
+
+def llamacpp_rows(sch: KVScheme, layer: int, q, k, v):
+    """llama.cpp's storage (OSCAR's ``zhongzhu/llamacpp`` branch; :mod:`oscar_calib.numerics.engines`),
+    in the rotated basis: float32 rotations (``attn_k_rot`` / ``attn_v_rot``); the history as
+    ``q2_0`` written over each token's whole row (KV heads concatenated) with ONE clip ratio and read
+    back per head; the sink and recent window in F16; the query scored against the ``q2_0`` keys as
+    ``q8_0`` and against the window as F16, the window's attention weights rounded to F16 before they
+    meet its F16 values (the CPU path of ``build_attn``'s joint LP+HP softmax); the output mapped back
+    with ``o @ R_vᵀ`` in float32."""
+    from ..numerics.engines import fake_quant_q2_0, fake_quant_q8_0
+
+    b, hkv, s, d = k.shape
+    grp = q.shape[1] // hkv
+    rk, ck, rv, _ = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+
+    def rotate(x, r):
+        return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
+
+    qr = rotate(q, None if rk is None else rk.repeat_interleave(grp, 0))
+    kr, vr = rotate(k, rk), rotate(v, rv)
+    clip = None if ck is None else float(ck[0])
+    k_lo = v_lo = q_lo = None
+    if sch.quantizes(layer):
+        def q2(x):                                   # [B, H, S, d] -> rows [B, S, H*d] -> back
+            rows = x.transpose(1, 2).reshape(b, s, hkv * d)
+            return fake_quant_q2_0(rows, d, clip).reshape(b, s, hkv, d).transpose(1, 2)
+
+        k_lo, v_lo = q2(kr), q2(vr)
+        q_lo = fake_quant_q8_0(qr)
+    wd = sch.window_dtype
+    back = output_unrotation(rv, grp) if rv is not None else None
+    return _round(qr, wd), _round(kr, wd), _round(vr, wd), k_lo, v_lo, back, q_lo, wd
+
+
+# How SimulatedKV reads each quantiser (KVScheme.quantizer): ``rows(scheme, layer, q, k, v)`` returns
+# ``(query, bf16 keys, bf16 values, INT2 keys, INT2 values, output map)`` (see :func:`oscar_rows`), and for
+# an engine's scheme also its low-precision query and window dtype (:func:`llamacpp_rows`).
+ROWS = {"oscar": oscar_rows, "fork": fork_rows, "fork-lloyd": fork_rows, "vllm": vllm_rows, "llamacpp": llamacpp_rows}
+assert set(ROWS) == set(QUANTIZERS)
+
+
+def register_quantizer(name: str, rows) -> None:
+    """Let :class:`SimulatedKV` read schemes whose ``quantizer`` is ``name`` with ``rows`` (same
+    signature and result as :func:`oscar_rows`). The one extension point for quantisers outside
+    the product: :mod:`oscar_calib.experimental` registers its own on import. The built-in names
+    cannot be replaced."""
+    if name in QUANTIZERS:
+        raise ValueError(f"quantizer {name!r} is built in")
+    ROWS[name] = rows

@@ -1,16 +1,13 @@
-"""The artifact contract, format version 1: tensor names, metadata keys, reading and writing.
+"""The artifact contract, format version 1: the artifact in memory, reading and writing.
 
-This module is the one place that names the tensors and metadata of ``oscar.safetensors``.
-
-Layout of an artifact directory::
-
-    <out>/oscar.safetensors     rotations, clips and eigenvalues (float32)
-    <out>/README.md             model card
-    <out>/calibration.json      per-layer report, timings, settings
+The names of its files, tensors and metadata keys are in :mod:`.layout`, every check in
+:mod:`.checks`, the content digest in :mod:`.digest`; this module builds on them.
 
 Writes are atomic (temporary name in the same directory, then ``os.replace``) and
 deterministic: the safetensors header is serialised with sorted keys, so the same tensors and
-metadata give byte-identical files (the stock serialiser orders metadata by hash).
+metadata give byte-identical files (the stock serialiser orders metadata by hash). Every write
+stores the content digest (``content_sha256``) of what it writes, and every read refuses a file
+whose content no longer matches it.
 
 Importing this module does not import torch (``oscar zoo list`` and ``oscar validate`` read
 headers and check structure without it); the functions that build or load tensors import it.
@@ -19,68 +16,35 @@ headers and check structure without it); the functions that build or load tensor
 from __future__ import annotations
 
 import json
-import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import FORMAT_VERSION
-from ..errors import ArtifactError
+from ..errors import ArtifactError, OscarError, OscarWarning
 from ..fsutil import atomic_write_files
+from . import stfile
+from .checks import inspect_bytes, read_file
+from .digest import content_digest
+from .layout import (
+    CARD_NAME,
+    DIGEST_KEY,
+    GEOMETRY_KEYS,
+    LAYER_GROUPS_METADATA,
+    LAYER_V_GROUPS_METADATA,
+    MODEL_SOURCE_METADATA,
+    REPORT_NAME,
+    SHARED_CLIP_METADATA,
+    SHARED_KINDS,
+    TENSOR_KINDS,
+    WEIGHTS_NAME,
+    dtype_name,
+    tensor_name,
+)
+from .values import layer_group_problems, model_source_problems
 
 if TYPE_CHECKING:
     import torch
-
-WEIGHTS_NAME = "oscar.safetensors"
-CARD_NAME = "README.md"
-REPORT_NAME = "calibration.json"
-PULL_RECORD = ".oscar-pull.json"      # where an artifact came from, written by `oscar pull` (hidden: never pushed)
-FORMAT_NAME = "oscar-rotations"
-
-TENSOR_KINDS = ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")
-# Optional, additive (toolkit 0.2): one rotation per layer shared by all its KV heads, computed from the
-# pooled statistics, for engines that take one rotation per layer (the OSCAR SGLang fork's main). All of
-# them or none, for every layer; eigenvalues descending like the per-head ones.
-SHARED_KINDS = ("k_layer_rotation", "v_layer_rotation", "k_layer_eigenvalues", "v_layer_eigenvalues")
-# Optional metadata (toolkit 0.2): the one K and one V clip ratio fitted for the shared rotations
-# (an engine that applies one ratio per cache for the whole model).
-SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
-# Optional metadata (toolkit 0.3): the INT2 group size of every layer, comma separated (K and V of a layer
-# share it), when a bit budget gave layers different sizes (`oscar calibrate --bit-budget`). ``group_size``
-# then holds the closest uniform size within the same budget (what an engine with one size serves).
-LAYER_GROUPS_METADATA = "layer_group_sizes"
-# Optional metadata (toolkit 0.4): the values' INT2 group size of every layer, comma separated, when keys and
-# values use different sizes (`oscar calibrate --bit-budget B --split-kv`). ``layer_group_sizes`` (or, without
-# it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys' size:
-# more bits for the values, never fewer.
-LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
-
-REQUIRED_METADATA = (
-    "format", "format_version", "model_id", "model_fingerprint", "num_layers",
-    "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "bits", "sink_tokens",
-    "recent_tokens", "k_objective", "v_objective", "composition", "granularity", "calibration",
-    "toolkit_version",
-)
-INT_METADATA = ("format_version", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-                "group_size", "bits", "sink_tokens", "recent_tokens")
-
-
-def tensor_name(layer: int, kind: str) -> str:
-    if kind not in TENSOR_KINDS and kind not in SHARED_KINDS:
-        raise KeyError(kind)
-    return f"layers.{layer}.{kind}"
-
-
-def tensor_shape(kind: str, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    if kind in ("k_layer_rotation", "v_layer_rotation"):
-        return (head_dim, head_dim)
-    if kind in ("k_layer_eigenvalues", "v_layer_eigenvalues"):
-        return (head_dim,)
-    if kind.endswith("rotation"):
-        return (num_kv_heads, head_dim, head_dim)
-    if kind.endswith("clip"):
-        return (num_kv_heads,)
-    return (num_kv_heads, head_dim)
 
 
 @dataclass
@@ -107,6 +71,7 @@ class Artifact:
     metadata: dict[str, str]
     path: Path | None = None
     report: dict = field(default_factory=dict)
+    content_sha256: str | None = None       # the digest of the content as loaded or last written
 
     @property
     def num_layers(self) -> int:
@@ -188,57 +153,43 @@ def layer_group_sizes(md: dict[str, str], key: str = LAYER_GROUPS_METADATA) -> l
     return None if raw is None else [int(x) for x in raw.split(",")]
 
 
-def layer_group_problems(md: dict[str, str]) -> list[str]:
-    """Why ``layer_group_sizes`` or ``layer_v_group_sizes`` is unusable (empty when absent or fine)."""
-    out = []
-    for key in (LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA):
-        raw = md.get(key)
-        if raw is None:
-            continue
-        parts = str(raw).split(",")
-        if not all(x.strip().isdigit() for x in parts):
-            out.append(f"metadata {key!r} is not comma-separated integers: {raw[:60]!r}")
-            continue
-        sizes, n, d = [int(x) for x in parts], str(md.get("num_layers", "")), str(md.get("head_dim", ""))
-        if n.isdigit() and len(sizes) != int(n):
-            out.append(f"metadata {key!r} has {len(sizes)} sizes for {n} layers")
-            continue
-        bad = [g for g in sizes if g <= 0 or g & (g - 1) or (d.isdigit() and int(d) % g)]
-        if bad:
-            out.append(f"metadata {key!r}: {bad[0]} is not a power of two dividing head_dim {d}")
-    return out
+def model_source(md: dict[str, str]) -> dict[str, str] | None:
+    """The ``model_source`` record (None when absent); :class:`ArtifactError` when malformed
+    (:func:`model_source_problems`)."""
+    problems = model_source_problems(md)
+    if problems:
+        raise ArtifactError(problems[0])
+    raw = md.get(MODEL_SOURCE_METADATA)
+    return None if raw is None else json.loads(raw)
 
 
 # ----------------------------------------------------------------------------- bytes
 
-_DTYPE_TAG = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-              "int32": "I32", "uint8": "U8", "int8": "I8"}
-
-
-def dtype_name(t) -> str:
-    """``float32`` for a torch or numpy float32 tensor (and so on): the dtype without its library."""
-    return str(t.dtype).removeprefix("torch.")
-
-
-def serialize_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """Canonical safetensors bytes: tensors in name order, header JSON with sorted keys,
-    padded with spaces to 8 bytes. Readable by every safetensors reader."""
+def tensor_entries(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """``(name, dtype tag, shape, bytes)`` of torch tensors, as a safetensors file stores them."""
     import torch
 
-    header: dict = {"__metadata__": {k: str(v) for k, v in sorted(metadata.items())}}
-    chunks, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        if dtype_name(t) not in _DTYPE_TAG:
+    out = []
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        if dtype_name(t) not in stfile.DTYPE_TAGS:
             raise ArtifactError(f"cannot store dtype {t.dtype} for {name}")
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _DTYPE_TAG[dtype_name(t)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        chunks.append(raw)
-        offset += len(raw)
-    hjson = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    hjson += b" " * (-len(hjson) % 8)
-    return struct.pack("<Q", len(hjson)) + hjson + b"".join(chunks)
+        out.append((name, stfile.DTYPE_TAGS[dtype_name(t)], tuple(t.shape), raw))
+    return out
+
+
+def serialize_artifact(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """Canonical safetensors bytes of an artifact (:func:`.stfile.serialize`) with its content
+    digest stored in the metadata (``content_sha256``; one given is replaced)."""
+    entries = tensor_entries(tensors)
+    return stfile.serialize(entries, stamp(metadata, entries))
+
+
+def stamp(metadata: dict[str, str], entries) -> dict[str, str]:
+    """``metadata`` (values as strings) with ``content_sha256`` set to the digest of it and ``entries``."""
+    md = {str(k): str(v) for k, v in metadata.items() if k != DIGEST_KEY}
+    return md | {DIGEST_KEY: content_digest(md, entries)}
 
 
 # ----------------------------------------------------------------------------- read / write
@@ -251,32 +202,41 @@ def write_artifact_files(directory: Path, artifact: Artifact, card: str, report:
     """Write the three files of an artifact into an existing ``directory``. All three are written
     under temporary names first and then renamed into place, the safetensors file last, so a kill
     or a full disk while writing leaves the old artifact (or none), never a new card beside old
-    tensors or a partial ``oscar.safetensors``."""
+    tensors or a partial ``oscar.safetensors``. The artifact's metadata, and the report written,
+    gain the content digest that was written (:func:`stamp`)."""
     directory = Path(directory)
+    entries = tensor_entries(artifact.tensors())
+    metadata = stamp(artifact.metadata, entries)
+    report = dict(report, **{DIGEST_KEY: metadata[DIGEST_KEY]})
     atomic_write_files(directory, {
         REPORT_NAME: (json.dumps(report, indent=2, sort_keys=True) + "\n").encode(),
         CARD_NAME: card.encode(),
-        WEIGHTS_NAME: serialize_safetensors(artifact.tensors(), artifact.metadata),
+        WEIGHTS_NAME: stfile.serialize(entries, metadata),
     }, last=WEIGHTS_NAME)
-    artifact.path = directory
+    artifact.path, artifact.metadata, artifact.content_sha256 = directory, metadata, metadata[DIGEST_KEY]
     return directory / WEIGHTS_NAME
 
 
+def stamp_artifact(artifact: Artifact) -> str:
+    """Store the content digest of ``artifact`` (as it would be written) in its metadata and
+    return it: what a writer calls before it renders a card or report that shows the digest."""
+    entries = tensor_entries(artifact.tensors())
+    artifact.metadata = stamp(artifact.metadata, entries)
+    artifact.content_sha256 = artifact.metadata[DIGEST_KEY]
+    return artifact.content_sha256
+
+
 def read_metadata(path: Path) -> dict[str, str]:
-    """Read only the header of a safetensors file (no tensor data)."""
+    """The metadata of an artifact file, reading only its header (no tensor data, no digest check:
+    for listings; a reader uses :func:`load_artifact`)."""
     path = _weights_path(path)
     try:
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) != 8:
-                raise ArtifactError(f"{path}: truncated safetensors header")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > 100_000_000 or n > path.stat().st_size - 8:
-                raise ArtifactError(f"{path}: corrupt safetensors header length {n}")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
-    return dict(header.get("__metadata__") or {})
+        header, _ = stfile.read_header(path)
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot read ({e.strerror or e})") from None
+    except OscarError as e:
+        raise ArtifactError(f"{path}: {e}") from None
+    return {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
 
 
 def _weights_path(path: Path) -> Path:
@@ -288,79 +248,38 @@ def _weights_path(path: Path) -> Path:
     return path
 
 
-def load_artifact(path: Path, *, check: bool = True) -> Artifact:
-    """Load an artifact directory (or its ``oscar.safetensors``). With ``check`` (the default) it is
-    refused (:class:`ArtifactError`, the first problem) unless it has the contract's structure and
-    sound values (finite, orthogonal rotations, clips in (0, 1], ...: :mod:`.values`), so no reader
-    ever uses a NaN or a non-orthogonal rotation."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_artifact(path: Path) -> Artifact:
+    """Load an artifact directory (or its ``oscar.safetensors``), refused (:class:`ArtifactError`,
+    the first problem) unless every check of :mod:`.checks` passes on the bytes read: the contract's
+    structure, sound metadata and values (finite, orthogonal rotations, clips in (0, 1], ...) and a
+    content digest that matches, so no reader ever uses a NaN, a non-orthogonal rotation or a file
+    changed after it was written. A file without a digest loads with an :class:`OscarWarning`.
+    The tensors are built from the same bytes that were checked."""
+    import numpy as np
+    import torch
 
     wpath = _weights_path(path)
-    metadata = read_metadata(wpath)
-    try:
-        tensors = load_file(str(wpath))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ArtifactError(f"{wpath}: cannot read tensors ({e})") from None
-    if check:
-        from .values import value_problems
-
-        problems = check_structure(tensors, metadata)
-        problems = problems or value_problems(tensors, metadata)
-        if problems:
-            raise ArtifactError(f"{wpath}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-    n = int(metadata["num_layers"])
+    report, arrays = inspect_bytes(read_file(wpath), path)
+    if not report.ok:
+        raise report.error()
+    for w in report.warnings:
+        warnings.warn(f"{path}: {w}", OscarWarning, stacklevel=2)
+    tensors = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}
+    n = int(report.metadata["num_layers"])
     layers = [LayerRotations(**{k: tensors.get(tensor_name(i, k)) for k in TENSOR_KINDS + SHARED_KINDS})
               for i in range(n)]
-    report = {}
+    rep = {}
     rpath = wpath.parent / REPORT_NAME
     if rpath.exists():
         try:
-            report = json.loads(rpath.read_text())
+            rep = json.loads(rpath.read_text())
         except ValueError:
-            report = {}
-    return Artifact(layers=layers, metadata=metadata, path=wpath.parent, report=report)
-
-
-def check_structure(tensors: dict, metadata: dict[str, str]) -> list[str]:
-    """Format-v1 structure checks: metadata keys and types, every tensor present with its shape.
-    ``tensors`` may hold torch tensors or numpy arrays (anything with ``shape`` and ``dtype``).
-    Returns one message per problem (empty when fine)."""
-    problems = []
-    if metadata.get("format") != FORMAT_NAME:
-        problems.append(f"metadata 'format' is {metadata.get('format')!r}, expected {FORMAT_NAME!r}")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
-        problems.append(f"unsupported format_version {metadata.get('format_version')!r} (this toolkit reads {FORMAT_VERSION})")
-    missing = [k for k in REQUIRED_METADATA if k not in metadata]
-    if missing:
-        problems.append(f"metadata missing {', '.join(missing)}")
-    for k in INT_METADATA:
-        if k in metadata and not str(metadata[k]).isdigit():
-            problems.append(f"metadata {k!r} is not a non-negative integer: {metadata[k]!r}")
-    if problems:
-        return problems
-    n, h, d = (int(metadata[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
-    kinds = TENSOR_KINDS
-    if any(name.endswith(SHARED_KINDS) for name in tensors):      # optional: all of them or none
-        kinds = TENSOR_KINDS + SHARED_KINDS
-    expected = {tensor_name(i, k): tensor_shape(k, h, d) for i in range(n) for k in kinds}
-    for name, shape in expected.items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name}")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
-        elif dtype_name(tensors[name]) != "float32":
-            problems.append(f"{name} has dtype {dtype_name(tensors[name])}, expected float32")
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        problems.append(f"unexpected tensors: {', '.join(extra[:5])}")
-    return problems
+            rep = {}
+    return Artifact(layers=layers, metadata=report.metadata, path=wpath.parent, report=rep,
+                    content_sha256=report.content_sha256)
 
 
 # ----------------------------------------------------------------------------- artifact vs model
-
-GEOMETRY_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
-
 
 def compatibility_problems(metadata: dict[str, str], geometry, fingerprint: str | None, *,
                            model_name: str = "this model") -> list[str]:

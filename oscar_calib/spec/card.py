@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def model_card(report: dict) -> str:
     s, g, cal, summ = report["settings"], report["geometry"], report["calibration"], report["summary"]
@@ -10,7 +12,7 @@ def model_card(report: dict) -> str:
         "---",
         "library_name: oscar",
         "tags: [kv-cache, quantization, int2, oscar]",
-        f"base_model: {report['model_id']}",
+        *([f"base_model: {hub_id(report)}"] if hub_id(report) else []),
         "---",
         "",
         f"# OSCAR rotations for {report['model_id']}",
@@ -20,12 +22,14 @@ def model_card(report: dict) -> str:
         "",
         "| setting | value |",
         "|---|---|",
-        f"| base model | `{report['model_id']}` (fingerprint `{report['model_fingerprint'][:16]}…`) |",
+        f"| base model | `{report['model_id']}`{_where(report)} (fingerprint `{report['model_fingerprint'][:16]}…`) |",
         f"| geometry | {g['num_layers']} layers, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']} |",
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
         f"| calibration data | {cal['data']}, {cal['tokens']} tokens in {cal['sequences']} sequences of ≤{cal['seq_len']}, seed {cal['seed']} |",
+        *([f"| content digest | `{report['content_sha256']}` (sha256 of the tensors and metadata; `verify.json` records "
+           "the digest it verified) |"] if report.get("content_sha256") else []),
         "",
         "## Measured quality (held-out rows, every token INT2)",
         "",
@@ -44,17 +48,66 @@ def model_card(report: dict) -> str:
         "",
     ]
     lines += _eval_section(report)
-    lines += [
+    lines += _engines_section(report)
+    lines += _use_section(report)
+    return "\n".join(lines)
+
+
+def hub_id(report: dict) -> str | None:
+    """The model's hub id, when known: the ``model_source`` record's, else a ``model_id`` of the
+    form ORG/NAME from an artifact without one. Never a local folder's name."""
+    src = report.get("model_source")
+    if isinstance(src, dict):
+        return src.get("hub_id")
+    model_id = str(report.get("model_id", ""))
+    return model_id if model_id.count("/") == 1 and not model_id.startswith((".", "/", "~")) else None
+
+
+def _where(report: dict) -> str:
+    """`` (local directory `/abs/path`, a copy of `org/name`)`` for a model read from disk."""
+    src = report.get("model_source")
+    if not isinstance(src, dict) or src.get("kind") not in ("local", "gguf"):
+        return ""
+    what = "GGUF file" if src["kind"] == "gguf" else "local directory"
+    copy = f", a copy of `{src['hub_id']}`" if src.get("hub_id") else ""
+    return f" ({what} `{src.get('path')}`{copy})"
+
+
+def _use_section(report: dict) -> list[str]:
+    """``## Use``: loading the base model and an ``OscarCache`` in Python (the MODEL argument that
+    loads it here: a pip-shipped model's alias, its path, or its hub id), the sink + recent rule,
+    and the command line."""
+    load = report.get("model_load") or {"model": report["model_id"]}
+    model = json.dumps(load["model"])                   # a Python string literal, double-quoted
+    s = report["settings"]
+    sink, recent = s["sink_tokens"], s["recent_tokens"]
+    return [
         "## Use",
         "",
+        *([f"The base model loads with `load_model({model})`: {load['note']}.", ""] if load.get("note") else []),
+        "```python",
+        "from oscar_calib.model.load import load_model",
+        "from oscar_calib.runtime import OscarCache",
+        "",
+        f"lm = load_model({model})",
+        'cache = OscarCache.from_artifact("<this directory>", lm.model)',
+        'ids = lm.tokenizer("The capital of France is", return_tensors="pt")',
+        "with cache.attach(lm.model):",
+        "    out = lm.model.generate(**ids, past_key_values=cache, max_new_tokens=32)",
+        "print(lm.tokenizer.decode(out[0]))",
         "```",
-        "oscar verify <this directory> --model <base model>",
-        "oscar fold-weights <base model> <this directory> --out folded/",
+        "",
+        f"Attention reads INT2 only for tokens outside the BF16 windows (the first {sink} tokens and the latest "
+        f"{recent}): a sequence of at most {sink} + {recent} = {sink + recent} tokens, prompt and generated tokens "
+        "together, never reaches INT2.",
+        "",
+        "```",
+        "oscar verify <this directory>",
+        f"oscar fold-weights {load['model']} <this directory> --out folded/",
         "oscar export <this directory> --out serve/      # the OSCAR SGLang fork: serve/launch.sh",
         "```",
         "",
     ]
-    return "\n".join(lines)
 
 
 _EVAL_LABELS = (("bf16", "BF16 KV cache"), ("naive", "naive INT2"), ("hadamard", "Hadamard (QuaRot-INT2), clips 0.96/0.92"),
@@ -117,3 +170,58 @@ def _groups(report: dict) -> str:
     return (f"{sizes} (bit budget {b['bits']:g}: "
             f"{b['mean_bits']:.3f} bits per element, {b['long_bits']:.3f} at long contexts; an engine with one size "
             f"serves group {b['uniform_group_size']}, {b['uniform_bits']:g} bits)")
+
+
+# what each engine's scheme is, for the engine-cost table (the methods of ``oscar eval``)
+_ENGINE_ROWS = (("bf16", "BF16 KV cache (reference)"),
+                ("oscar", "**this artifact** in oscar's own cache (per-KV-head rotations and clips, fp16 scales)"),
+                ("fork", "the OSCAR SGLang fork (`--target sglang-fork`; upstream SGLang's `sglang` loads the same "
+                         "files): one rotation per layer in BF16, one K and one V clip, float32 scales"),
+                ("vllm", "vLLM (`--target vllm`): one rotation per layer, one INT2 group per head vector with fp16 "
+                         "scale and minimum, no BF16 window, first and last two layers in BF16"),
+                ("llamacpp", "llama.cpp (`--target llamacpp`): `q2_0` (mean-subtracted 128-value chunks, 4 Lloyd-Max "
+                             "levels per 32 values), one clip ratio for K and V, F16 window, `q8_0` query"))
+
+
+def _engines_section(report: dict) -> list[str]:
+    """``## What each engine costs``: the perplexity of this artifact as each engine serves it
+    (``oscar eval --methods bf16,oscar,fork,vllm,llamacpp --record``, stored under
+    ``eval_results["engines"]``) and, per engine, the commands that serve it or why it cannot
+    (``engine_serving``, :func:`oscar_calib.tools.export.serving_table`)."""
+    res = (report.get("eval_results") or {}).get("engines")
+    serving = report.get("engine_serving")
+    if not res and not serving:
+        return []
+    lines = ["## What each engine costs", ""]
+    if res:
+        s = res["settings"]
+        by = {r["method"]: r for r in res["rows"]}
+        ref = by.get("oscar")
+        lines += [f"Held-out perplexity ({s['sequences']} × {s['seq_len']} tokens of {s['data']}) with the KV cache "
+                  "each engine would keep for this artifact, simulated from the exported settings:", "",
+                  "| engine's scheme | bits/elem | perplexity | vs this artifact |", "|---|---|---|---|"]
+        for m, label in _ENGINE_ROWS:
+            r = by.get(m)
+            if r is None:
+                continue
+            gap = f"{r['ppl'] / ref['ppl'] - 1:+.1%}" if ref and m not in ("oscar", "bf16") else "–"
+            lines.append(f"| {label} | {r['bits_per_element']:.2f} | {r['ppl']:.3f} | {gap} |")
+        lines += ["", "Bits per element average every layer (vLLM's two BF16 boundary layers at each end count 16). "
+                  "An engine listed as refused below cannot serve this model today; its row says what its scheme "
+                  "would cost if it could.", ""]
+    if serving:
+        lines += ["Serving commands (each engine's loader rules checked against the revision named):", ""]
+        for row in serving:
+            lines.append(f"**{row['engine']}** (`--target {row['target']}`, {row['checked']}, {row['status']}):")
+            lines.append("")
+            if row.get("refused"):
+                lines += [f"refused: {row['refused']}", ""]
+                continue
+            block = [row["export"]]
+            if row.get("argv"):
+                block += [f"{k}={v}" for k, v in row["env"].items()] + [" ".join(row["argv"])]
+            block += [f"# {n}" for n in row.get("notes") or [] if not row.get("argv")]
+            lines += ["```", *block, "```", ""]
+            lines += [f"- warning: {w}" for w in row.get("warnings") or []]
+            lines += [""] if row.get("warnings") else []
+    return lines

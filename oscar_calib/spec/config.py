@@ -45,7 +45,7 @@ class CalibrationConfig:
     heldout_tokens: int = 512
     heldout_seqs: int = 1
     pilot_tokens: int = 2048
-    k_objective: str = "ktk"            # measured: beats qqt on SmolLM2 and Gemma-3 (README, ablation)
+    k_objective: str = "ktk"            # measured: beats qqt on SmolLM2 and Gemma-3 (docs/design/numerics.md)
     v_objective: str = "sst"
     composition: str = "u_h_pbr"
     granularity: str = "head"
@@ -145,10 +145,10 @@ def from_mapping(data: dict, *, where: str = "config") -> CalibrationConfig:
 # command-line values that mean "not given" (the YAML file's value, else the default, stays)
 UNSET_OPTIONS = {"dtype": "auto", "device": "auto", "trust_remote_code": False}
 
-# ``oscar calibrate --quick``: a first try in well under a minute on two CPU cores. A quarter of the
+# ``oscar calibrate --quick``: a first try in about a minute on two CPU cores. A quarter of the
 # default token budget in half-length sequences, and half the held-out rows the clips are fitted on
 # (clip fitting costs the square of their length). What it costs in accuracy is measured in the
-# README ("A first run"). The verify that follows uses ``tools.verify.QUICK_VERIFY``.
+# docs/guides/calibrate.md ("--quick"). The verify that follows uses ``tools.verify.QUICK_VERIFY``.
 QUICK = {"tokens": 2048, "seq_len": 512, "heldout_tokens": 256}
 
 

@@ -9,6 +9,8 @@ name                        meaning
 ``BASELINE_CLIPS``          the reference repo's global (K, V) clip ratios: (0.96, 0.92)
 ``ORTHOGONALITY_TOL``       ``‖R Rᵀ − I‖∞`` below this (float32 rotations, float64 math)
 ``BITS``                    bits per quantised element code: 2
+``MIN_GROUP_SIZE`` …        the bounds an artifact's metadata must keep (group size,
+                            head_dim, layer and head counts, windows): see below
 ``K_OBJECTIVES`` …          the method names a calibration accepts (objectives,
                             compositions, granularities) and :func:`choose`
 ==========================  ==========================================================
@@ -28,6 +30,16 @@ ORTHOGONALITY_TOL = 1e-5
 # rotation refinement (numerics.refine; off unless --refine-steps is given): Adam's learning rate
 DEFAULT_REFINE_LR = 2e-3
 BITS = 2
+
+# Bounds an artifact's metadata must keep (spec.values.check_metadata_values): what the kernels and
+# engines take, and caps far above every supported model that refuse a corrupt value (a flipped
+# bit, a typo, an edit) before it sizes anything.
+MIN_GROUP_SIZE = 4            # smaller groups store 2 + 32/G >= 18 bits per element: more than BF16's 16
+HEAD_DIM_MULTIPLE = 4         # the INT2 cache packs four 2-bit codes per byte
+MAX_HEAD_DIM = 1024           # (the Triton kernels take powers of two 16..256, the torch kernels any multiple of 4)
+MAX_LAYERS = 1024
+MAX_HEADS = 1024              # query heads; KV heads divide them
+MAX_WINDOW_TOKENS = 1 << 24   # sink + recent BF16 tokens per sequence (16,777,216)
 
 # method names -> the accumulator (``calibrate.stats``) each objective reads
 K_OBJECTIVES = {"qqt": "q", "ktk": "k"}

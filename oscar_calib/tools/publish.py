@@ -7,9 +7,12 @@ Hugging Face       ``hf:ORG/NAME``          (``https://huggingface.co/ORG/NAME``
 ModelScope         ``modelscope:ORG/NAME``  (``https://modelscope.cn/models/ORG/NAME``)
 =================  ==========================================================================
 
-Push validates first (:mod:`oscar_calib.tools.validate`) and never uploads an invalid artifact. It also
-wants the artifact *verified*: its directory holds ``verify.json`` with ``"passed": true``
-(written by ``oscar verify``); ``force=True`` waives only that requirement. The files uploaded
+Push validates first (:mod:`oscar_calib.tools.validate`) and never uploads an invalid artifact, nor
+one without a content digest (``oscar validate --fix-digest`` adds it). It also wants the artifact
+*verified* on the content it holds now: its directory holds ``verify.json`` with ``"passed": true``
+(written by ``oscar verify``) recording the artifact's current content digest
+(:mod:`oscar_calib.spec.verification`); a verification of other content is *stale*.
+``force=True`` waives only that requirement, and the plan says what it skipped. The files uploaded
 are the artifact directory's regular top-level files except hidden ones and temporaries
 (``oscar.safetensors``, ``README.md`` — the model card, required — ``calibration.json``,
 ``verify.json``, ...); a dry run lists exactly these.
@@ -20,8 +23,9 @@ by ``modelscope login`` (its cookie jar). A push without either fails with one l
 to log in. Pull needs no token for public repositories.
 
 Pull downloads into ``$OSCAR_CACHE/zoo/<hf|modelscope>/<ORG>/<NAME>`` (``OSCAR_CACHE`` defaults to
-``~/.cache/oscar``) or ``out``: into a temporary sibling first, then validates, then renames, so
-the destination only ever holds a complete, valid artifact. A repeated pull into the cache
+``~/.cache/oscar``) or ``out``: into a temporary sibling first, then validates (a stored digest
+must match), stores the content digest when the artifact came without one, then renames, so the
+destination only ever holds a complete, valid artifact that carries its digest. A repeated pull into the cache
 replaces the cached copy; an explicit ``out`` that already holds files needs ``overwrite``.
 """
 
@@ -37,7 +41,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 from huggingface_hub import get_token as hf_get_token
-from huggingface_hub import snapshot_download as hf_snapshot_download
+from huggingface_hub import snapshot_download as _hf_snapshot_download
 
 from ..errors import (
     ArtifactError,
@@ -46,9 +50,20 @@ from ..errors import (
     PublishError,
 )
 from ..fsutil import staged_dir
-from ..spec.artifact import CARD_NAME, WEIGHTS_NAME
-from .validate import ModelReference, ValidationReport, require_valid, validate_artifact
-from .zoo import PULL_RECORD, VERIFY_NAME  # PULL_RECORD is a hidden file: never pushed
+from ..spec.layout import (  # PULL_RECORD is hidden: never pushed
+    CARD_NAME,
+    PULL_RECORD,
+    WEIGHTS_NAME,
+)
+from ..spec.verification import Verification
+from .hub import require_online
+from .validate import (
+    ModelReference,
+    ValidationReport,
+    fix_digest,
+    require_valid,
+    validate_artifact,
+)
 
 HUBS = {"hf": "Hugging Face", "modelscope": "ModelScope"}
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
@@ -114,8 +129,13 @@ class PushPlan:
     commit_message: str
     private: bool = False
     revision: str | None = None
-    verified: bool = False
+    verification: Verification = field(default_factory=lambda: Verification("none", "not checked"))
+    content_sha256: str = ""
     validation: ValidationReport | None = field(default=None, repr=False)
+
+    @property
+    def verified(self) -> bool:
+        return self.verification.verified
 
     @property
     def total_bytes(self) -> int:
@@ -125,7 +145,8 @@ class PushPlan:
         return {"target": str(self.target), "url": self.target.url, "hub": self.target.hub,
                 "repo_id": self.target.repo_id, "folder": str(self.folder), "revision": self.revision,
                 "private": self.private, "commit_message": self.commit_message, "verified": self.verified,
-                "files": [{"name": n, "bytes": s} for n, s in self.files], "total_bytes": self.total_bytes}
+                "verification": self.verification.state, "verification_why": self.verification.why,
+                "content_sha256": self.content_sha256, "files": [{"name": n, "bytes": s} for n, s in self.files], "total_bytes": self.total_bytes}
 
 
 def publish_files(folder: Path) -> list[tuple[str, int]]:
@@ -137,25 +158,12 @@ def publish_files(folder: Path) -> list[tuple[str, int]]:
     return out
 
 
-def verification_status(folder: Path) -> tuple[bool, str]:
-    """``(verified, why)`` from ``verify.json``."""
-    path = Path(folder) / VERIFY_NAME
-    if not path.exists():
-        return False, f"no {VERIFY_NAME} (run `oscar verify {folder} --model MODEL`)"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False, f"{VERIFY_NAME} is not readable JSON"
-    if not isinstance(doc, dict) or doc.get("passed") is not True:
-        return False, f"{VERIFY_NAME} does not say \"passed\": true"
-    return True, "verified"
-
-
 def plan_push(artifact: Path, target: Target | str, *, revision: str | None = None, private: bool = False,
               commit_message: str | None = None, force: bool = False,
               model: ModelReference | None = None) -> PushPlan:
-    """Validate the artifact and list what would be uploaded. Raises for an invalid artifact,
-    a missing model card, or an unverified artifact without ``force``."""
+    """Validate the artifact and list what would be uploaded. Raises for an invalid artifact, one
+    without a content digest, a missing model card, or an artifact not verified on its current
+    content (no ``verify.json``, a failed or a stale one) without ``force``."""
     folder = Path(artifact)
     if folder.is_file() and folder.name == WEIGHTS_NAME:
         folder = folder.parent
@@ -167,13 +175,18 @@ def plan_push(artifact: Path, target: Target | str, *, revision: str | None = No
     report = require_valid(folder, model=model)
     if not (folder / CARD_NAME).is_file():
         raise ArtifactError(f"{folder}: no model card ({CARD_NAME}); every pushed artifact carries one")
-    verified, why = verification_status(folder)
-    if not verified and not force:
-        raise ArtifactError(f"{folder} is not verified: {why}; or pass --force to push it anyway")
+    if not report.has_digest:
+        raise ArtifactError(f"{folder}: carries no content digest, so its readers could not tell a changed copy; run "
+                            f"`oscar validate --fix-digest {folder}` (a verify.json stays valid)")
+    ver = report.verification or Verification("none", "not checked")
+    if not ver.verified and not force:
+        what = "is stale" if ver.state == "stale" else "is not verified"
+        raise ArtifactError(f"{folder} {what}: {ver.why}; or pass --force to push it unverified")
     md = report.metadata
     message = commit_message or (f"OSCAR rotations for {md.get('model_id', '?')} "
                                  f"({md.get('granularity', '?')} granularity, oscar {md.get('toolkit_version', '?')})")
-    return PushPlan(target, folder, publish_files(folder), message, private, revision, verified, report)
+    return PushPlan(target, folder, publish_files(folder), message, private, revision, ver, report.content_sha256,
+                    report)
 
 
 def hf_token() -> str:
@@ -284,6 +297,9 @@ def pull(source: Target | str, *, revision: str | None = None, out: Path | None 
         if not report.ok:
             more = f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
             raise ArtifactError(f"{target}: downloaded artifact is invalid: {report.problems[0]}{more}")
+        if not report.has_digest:            # an older artifact: the local copy carries its digest
+            fix_digest(tmp, record=False)
+            report = validate_artifact(tmp)
         record = {"source": str(target), "url": target.url, "revision": revision, "pulled_at": int(time.time())}
         (tmp / PULL_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     report.path = dest
@@ -311,7 +327,16 @@ def download_snapshot(target: Target, revision: str | None, local_dir: Path, *,
                            f"or revision?): {first}") from None
 
 
+def hf_snapshot_download(**kwargs):
+    """huggingface_hub's ``snapshot_download``, once the hub answers (:func:`.hub.require_online`:
+    without a network, one line in seconds instead of its retries)."""
+    require_online("hf")
+    return _hf_snapshot_download(**kwargs)
+
+
 def modelscope_snapshot_download():
+    """ModelScope's ``snapshot_download``, once ModelScope answers (see :func:`hf_snapshot_download`)."""
+    require_online("modelscope")
     from modelscope.hub.snapshot_download import snapshot_download
 
     return snapshot_download

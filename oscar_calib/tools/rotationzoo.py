@@ -7,16 +7,18 @@ and how the fork's scripts serve the model (clips, group size, windows).
 
 The repository's layout could not be verified from here, so none is hard-coded. The file list
 (``list_repo_files``) is searched for directories holding a K and a V rotation file
-(``k_rotation_*.pt`` / ``v_rotation_*.pt``; ``k_rotation_qqt_r_h_pbr.pt`` / ``v_rotation_sst_r_h_pbr.pt``,
-the fork's defaults, preferred when a directory holds several) whose path has a component naming
+(``k_rotation_*.pt`` / ``v_rotation_*.pt``; when a directory holds several, the per-KV-head
+``k_rotation_perhead.pt`` / ``v_rotation_perhead.pt`` are preferred, then the fork's defaults
+``k_rotation_qqt_r_h_pbr.pt`` / ``v_rotation_sst_r_h_pbr.pt``) whose path has a component naming
 the model (any of the config's ``names``, else the model id's name; compared ignoring case, ``-``,
 ``_`` and ``.``). A component ``seq<T>_prompt<N>_group<G>`` is the calibration tag (T calibration
 tokens, N prompts, INT2 group size G). Of several candidates the one ``--tag`` names is taken (a
 tag, or any part of the directory path), else the config's pinned tag, else the only one; anything
 else is one clear error listing what the repository holds for the model.
 
-The pair is imported with :func:`~oscar_calib.tools.sglang.import_sglang` (``torch.load(weights_only=
-True)`` only; every file the fork loads is accepted), for:
+The pair is imported with :func:`~oscar_calib.tools.export.import_files` (``torch.load(weights_only=
+True)`` only; every file SGLang loads is accepted: V1 ``[d, d]`` per layer, or V2 ``[h, d, d]``, the
+Hub's per-head ``k_rotation_perhead.pt`` / ``v_rotation_perhead.pt``), for:
 
 * ``--model M`` given: the fingerprint of M's ``config.json`` (a model built on the meta device; no
   weights are read, a hub id fetches only its config), so the artifact matches that model;
@@ -44,13 +46,19 @@ from ..fsutil import atomic_write_text
 
 PREFIX = "rotationzoo:"
 TAG = re.compile(r"seq(\d+)_prompt(\d+)_group(\d+)")
-PREFERRED = ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt")
+# preferred file names, best first: the Hub's per-KV-head V2 files (its Qwen3-30B-A3B/ layout), then the
+# fork's default V1 pair
+PREFERRED = (("k_rotation_perhead.pt", "k_rotation_qqt_r_h_pbr.pt"),
+             ("v_rotation_perhead.pt", "v_rotation_sst_r_h_pbr.pt"))
 
 
 # the hub, in two functions (tests replace them)
 def list_repo_files(repo_id: str, revision: str | None) -> list[str]:
     from huggingface_hub import HfApi
 
+    from .hub import require_online
+
+    require_online("hf")           # without a network: one line in seconds, not the client's retries
     return list(HfApi().list_repo_files(repo_id, repo_type="model", revision=revision))
 
 
@@ -74,17 +82,19 @@ class ZooPair:
         return parse_tag(self.tag)
 
     def files(self) -> tuple[str, str]:
-        """The K and V paths: the fork's default names, else the only file of each kind."""
+        """The K and V paths: the per-head V2 pair, else the fork's default V1 names, else the only
+        file of each kind."""
         picked = []
         for files, preferred in ((self.k_files, PREFERRED[0]), (self.v_files, PREFERRED[1])):
             names = {PurePosixPath(f).name: f for f in files}
-            if preferred in names:
-                picked.append(names[preferred])
-            elif len(files) == 1:
-                picked.append(files[0])
-            else:
+            hit = next((names[p] for p in preferred if p in names), None)
+            if hit is None and len(files) == 1:
+                hit = files[0]
+            if hit is None:
                 raise InputError(f"{self.directory} holds several rotation files ({', '.join(sorted(names))}) and "
-                                 f"none is {preferred}; import the pair you want with `oscar import K.pt V.pt`")
+                                 f"none is {' or '.join(preferred)}; import the pair you want with `oscar import K.pt "
+                                 "V.pt`")
+            picked.append(hit)
         return picked[0], picked[1]
 
 
@@ -166,7 +176,7 @@ def find_config(name: str):
 def _target(cfg, model: str | None, trust_remote_code: bool):
     """The :class:`ModelTarget` the artifact records: ``model``'s config.json, else configs/ geometry."""
     from ..model.geometry import config_fingerprint, geometry_of
-    from .sglang import ModelTarget
+    from .export import ModelTarget
 
     if model is None:
         g = cfg.geometry
@@ -195,8 +205,7 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
                      trust_remote_code: bool = False) -> ZooPull:
     """Fetch a model's K/V pair from OSCAR's RotationZoo and import it (module docstring)."""
     from ..model.load import cache_root
-    from ..spec.artifact import PULL_RECORD
-    from .sglang import import_sglang
+    from ..spec.layout import PULL_RECORD
 
     name = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
     cfg = find_config(name)
@@ -234,7 +243,9 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
         except Exception as e:  # noqa: BLE001
             raise PublishError(f"cannot download {k_file} / {v_file} from hf:{rz.repo}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
-        result = import_sglang(k_path, v_path, target, out, clip=clips, group_size=group, sink_tokens=rz.sink,
+        from .export import import_files  # torch: only once the hub has answered
+
+        result = import_files("sglang-fork", [k_path, v_path], target, out, clip=clips, group_size=group, sink_tokens=rz.sink,
                                recent_tokens=rz.recent, overwrite=overwrite or _in_cache(out), source=source)
     record = {"source": f"{PREFIX}{cfg.name}", "repository": f"hf:{rz.repo}", "revision": revision,
               "directory": pair.directory, "tag": pair.tag, "pulled_at": int(time.time())}

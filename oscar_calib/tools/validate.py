@@ -1,15 +1,21 @@
 """``oscar validate``: check artifacts against the format-v1 contract, one line per problem.
 
+The checks are the contract's own (:mod:`oscar_calib.spec.checks`, the one function every reader
+goes through), run on the file's bytes:
+
 =====================  ======================================================================
 check                  what must hold
 =====================  ======================================================================
-file                   a complete safetensors file: 8-byte header length, JSON header, every
-                       tensor's data inside the file (a truncated download is caught here)
-metadata               ``format``/``format_version`` and every required key
-                       (:func:`oscar_calib.spec.artifact.check_structure`), integer fields, ``bits``
-                       = 2, a known ``granularity``/``composition``/objectives, ``group_size`` a
-                       power of two dividing ``head_dim``, query heads a multiple of KV heads,
-                       ``calibration`` a JSON object, ``model_fingerprint`` 64 hex digits
+file                   a complete safetensors file: 8-byte header length, JSON header, tensors
+                       back to back covering the file exactly (a truncated download or an
+                       edited offset is caught here)
+metadata               ``format``/``format_version`` and every required key, integer fields
+                       within bounds (layers, heads, head_dim a multiple of 4, windows),
+                       ``bits`` = 2, a known ``granularity``/``composition``/objectives,
+                       ``group_size`` a power of two dividing ``head_dim``, query heads a
+                       multiple of KV heads, ``calibration`` a JSON object,
+                       ``model_fingerprint`` 64 hex digits, ``model_type`` well formed; metadata
+                       that every tensor contradicts is named once as the root cause
 shapes                 every tensor of every layer present, float32, with its contract shape
 finite                 no NaN/Inf anywhere
 orthogonal             ‖R Rᵀ − I‖∞ < 1e-5 for every stored (float32) rotation, computed in float64
@@ -23,8 +29,16 @@ granularity            ``layer``: one rotation repeated for every KV head
 group_sizes            the optional ``layer_group_sizes`` and ``layer_v_group_sizes`` (a bit
                        budget; the values' sizes when K and V differ): one power of two
                        dividing ``head_dim`` per layer
+model_source           the optional record of where the model came from: a JSON object with a
+                       known ``kind`` and the ``alias`` / ``path`` / ``hub_id`` it needs
+digest                 the stored ``content_sha256`` matches the content (none stored: a
+                       warning; ``--fix-digest`` adds it)
 model (``--model``)    fingerprint, layers, query/KV heads and head_dim equal the model's
 =====================  ======================================================================
+
+Beside the checks, each local artifact's ``verify.json`` is compared with its content
+(:mod:`oscar_calib.spec.verification`): ``verified`` is ``yes``, ``stale`` (it verified other
+content), ``no`` or ``none``. That is not a problem of the artifact; ``oscar push`` acts on it.
 
 A PATH may be an artifact directory, an ``oscar.safetensors`` (or any ``.safetensors``) file, or a
 directory holding artifact directories at any depth (``oscar validate zoo``). The zoo's own
@@ -39,34 +53,16 @@ transformers, so ``oscar validate`` without ``--model`` starts in well under a s
 from __future__ import annotations
 
 import json
-import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from .. import FORMAT_VERSION
-from ..errors import OscarError
-from ..spec.artifact import (
-    FORMAT_NAME,
-    INT_METADATA,
-    REQUIRED_METADATA,
-    SHARED_CLIP_METADATA,
-    WEIGHTS_NAME,
-    check_structure,
-    compatibility_problems,
-)
-from ..spec.defaults import COMPOSITIONS, GRANULARITIES, K_OBJECTIVES, V_OBJECTIVES
-from ..spec.stfile import read_header
-from ..spec.values import EIGENVALUE_TOL, check_values  # noqa: F401 (re-exported: the value checks' home is spec)
-
-IMPORTED = "imported"        # objective/composition of an artifact made by ``oscar import``
-
-# safetensors dtype tags numpy reads; the others (BF16, FP8) are described by name and shape only
-_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-                 "U8": "u1", "BOOL": "?", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
-_DTYPE_NAMES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+from ..errors import ArtifactError
+from ..fsutil import atomic_write_bytes, atomic_write_files
+from ..spec import stfile
+from ..spec.artifact import compatibility_problems
+from ..spec.checks import ValidationReport, inspect_bytes, read_file
+from ..spec.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
+from ..spec.verification import verification_of
 
 
 @dataclass
@@ -96,34 +92,6 @@ def model_reference(spec: str, *, trust_remote_code: bool = False) -> ModelRefer
 
     lm = load_model(spec, device="cpu", trust_remote_code=trust_remote_code)
     return ModelReference.from_model(lm.model, spec, lm.source.model_id)
-
-
-@dataclass
-class ValidationReport:
-    """The result for one artifact: ``problems`` is empty when it is valid."""
-
-    path: Path
-    problems: list[str] = field(default_factory=list)
-    metadata: dict[str, str] = field(default_factory=dict)
-    checks: dict[str, bool] = field(default_factory=dict)   # check name -> passed (absent: not run)
-    findings: list[tuple[str, str]] = field(default_factory=list)   # (check name, problem), as added
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def add(self, check: str, problems: list[str]) -> None:
-        self.checks[check] = self.checks.get(check, True) and not problems
-        self.problems.extend(problems)
-        self.findings.extend((check, p) for p in problems)
-
-    def to_dict(self) -> dict:
-        md = self.metadata
-        return {"path": str(self.path), "ok": self.ok, "problems": list(self.problems), "checks": dict(self.checks),
-                "model_id": md.get("model_id"), "format_version": md.get("format_version"),
-                "num_layers": md.get("num_layers"), "num_kv_heads": md.get("num_kv_heads"),
-                "head_dim": md.get("head_dim"), "granularity": md.get("granularity"),
-                "composition": md.get("composition")}
 
 
 # ----------------------------------------------------------------------------- finding artifacts
@@ -171,132 +139,32 @@ def is_zoo_index(path: Path) -> bool:
         return False
 
 
-# ----------------------------------------------------------------------------- reading
-
-@dataclass
-class _Unread:
-    """A tensor numpy cannot hold (bfloat16, FP8): its shape and dtype, for the structure check."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-
-def read_tensors(path: Path, header: dict, data_start: int) -> dict[str, np.ndarray | _Unread]:
-    """Every tensor of a safetensors file whose ``header`` :func:`read_header` checked, as numpy
-    arrays (little-endian, as stored)."""
-    raw = path.read_bytes()
-    out: dict[str, np.ndarray | _Unread] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        shape = tuple(int(x) for x in info["shape"])
-        if info["dtype"] not in _NUMPY_DTYPES:
-            out[name] = _Unread(shape, _DTYPE_NAMES.get(info["dtype"], info["dtype"]))
-            continue
-        start = data_start + int(info["data_offsets"][0])
-        out[name] = np.frombuffer(raw, dtype=_NUMPY_DTYPES[info["dtype"]], count=math.prod(shape),
-                                  offset=start).reshape(shape)
-    return out
-
-
 # ----------------------------------------------------------------------------- checks
-
-def _header_metadata_ok(md: dict[str, str]) -> bool:
-    """The conditions under which :func:`check_structure` goes on to check tensors."""
-    return (md.get("format") == FORMAT_NAME and md.get("format_version") == str(FORMAT_VERSION)
-            and all(k in md for k in REQUIRED_METADATA) and all(str(md[k]).isdigit() for k in INT_METADATA))
-
-
-def check_metadata_values(md: dict[str, str]) -> list[str]:
-    """Value checks beyond :func:`check_structure` (which checks presence and integer syntax)."""
-    problems = []
-    ints = {}
-    for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "bits"):
-        v = str(md.get(k, ""))
-        if v.isdigit():
-            ints[k] = int(v)
-    for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size"):
-        if ints.get(k) == 0:
-            problems.append(f"metadata {k!r} must be positive")
-    if "bits" in ints and ints["bits"] != 2:
-        problems.append(f"metadata 'bits' is {ints['bits']}, format v1 stores 2-bit settings only")
-    h, kv = ints.get("num_attention_heads"), ints.get("num_kv_heads")
-    if h and kv and h % kv:
-        problems.append(f"{h} query heads do not split evenly over {kv} KV heads")
-    d, g = ints.get("head_dim"), ints.get("group_size")
-    if d and g and (g & (g - 1) or d % g):
-        problems.append(f"group_size {g} must be a power of two dividing head_dim {d}")
-    if md.get("granularity", "head") not in GRANULARITIES:
-        problems.append(f"unknown granularity {md.get('granularity')!r} (expected one of {', '.join(GRANULARITIES)})")
-    if md.get("composition", IMPORTED) not in (*COMPOSITIONS, IMPORTED):
-        problems.append(f"unknown composition {md.get('composition')!r}")
-    if md.get("k_objective", IMPORTED) not in (*K_OBJECTIVES, IMPORTED):
-        problems.append(f"unknown k_objective {md.get('k_objective')!r}")
-    if md.get("v_objective", IMPORTED) not in (*V_OBJECTIVES, IMPORTED):
-        problems.append(f"unknown v_objective {md.get('v_objective')!r}")
-    fp = md.get("model_fingerprint")
-    if fp is not None and not re.fullmatch(r"[0-9a-f]{64}", fp):
-        problems.append("model_fingerprint is not a sha256 hex digest")
-    if "calibration" in md:
-        try:
-            cal = json.loads(md["calibration"])
-        except ValueError:
-            cal = None
-        if not isinstance(cal, dict):
-            problems.append("metadata 'calibration' is not a JSON object")
-    present = [k for k in SHARED_CLIP_METADATA if k in md]
-    if present and len(present) != len(SHARED_CLIP_METADATA):
-        problems.append(f"metadata has {present[0]!r} without {[k for k in SHARED_CLIP_METADATA if k not in md][0]!r}")
-    for k in present:
-        try:
-            c = float(md[k])
-        except ValueError:
-            c = float("nan")
-        if not 0 < c <= 1:
-            problems.append(f"metadata {k!r} is {md[k]!r}, expected a clip ratio in (0, 1]")
-    if md.get("v_folded", "false") not in ("true", "false"):
-        problems.append(f"metadata 'v_folded' is {md.get('v_folded')!r}, expected 'true' or 'false'")
-    return problems
-
 
 def check_against_model(md: dict[str, str], ref: ModelReference) -> list[str]:
     return compatibility_problems(md, ref, ref.fingerprint, model_name=ref.spec or ref.model_id)
 
 
 def validate_artifact(path: Path, *, model: ModelReference | None = None) -> ValidationReport:
-    """Run every check on one artifact (directory or safetensors file); never raises for a bad
-    artifact: problems are returned in the report."""
+    """Run every check on one artifact (directory or safetensors file) and read its verification;
+    never raises for a bad artifact: problems are returned in the report."""
     path = Path(path)
     wpath = path / WEIGHTS_NAME if path.is_dir() else path
-    report = ValidationReport(path=path)
     if not wpath.is_file():
+        report = ValidationReport(path=path)
         report.add("file", [f"no {WEIGHTS_NAME} here"])
         return report
     try:
-        header, data_start = read_header(wpath)
-        report.metadata = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
-        tensors = read_tensors(wpath, header, data_start)
-    except OscarError as e:
-        report.add("file", [str(e)])
+        raw = read_file(wpath)
+    except ArtifactError as e:
+        report = ValidationReport(path=path)
+        report.add("file", [str(e).removeprefix(f"{wpath}: ")])
         return report
-    except OSError as e:
-        report.add("file", [f"cannot read ({e.strerror or e})"])
-        return report
-    report.add("file", [])
-    md = report.metadata
-    structure = check_structure(tensors, md)
-    if not _header_metadata_ok(md):
-        # check_structure stops at metadata problems: without them the expected shapes are unknown
-        report.add("metadata", structure)
-        return report
-    report.add("metadata", check_metadata_values(md))
-    report.add("shapes", structure)
-    if not (report.checks["metadata"] and report.checks["shapes"]):
-        return report
-    for name, problems in check_values(tensors, md).items():
-        report.add(name, problems)
-    if model is not None:
-        report.add("model", check_against_model(md, model))
+    report, _ = inspect_bytes(raw, path)
+    if report.content_sha256 is not None:
+        report.verification = verification_of(wpath.parent, report.content_sha256)
+    if model is not None and report.checks.get("metadata") and report.checks.get("shapes"):
+        report.add("model", check_against_model(report.metadata, model))
     return report
 
 
@@ -314,10 +182,61 @@ def validate_paths(paths: list[Path], *, model: ModelReference | None = None,
 
 def require_valid(path: Path, *, model: ModelReference | None = None) -> ValidationReport:
     """Validate or raise :class:`~oscar_calib.errors.ArtifactError` naming the first problem."""
-    from ..errors import ArtifactError
-
     report = validate_artifact(path, model=model)
     if not report.ok:
-        more = f" (+{len(report.problems) - 1} more; run `oscar validate {path}`)" if len(report.problems) > 1 else ""
-        raise ArtifactError(f"{path}: {report.problems[0]}{more}")
+        raise report.error(path)
     return report
+
+
+# ----------------------------------------------------------------------------- --fix-digest
+
+def fix_digest(path: Path, *, record: bool = True) -> str:
+    """Store the content digest in an artifact that has none (``oscar validate --fix-digest``):
+    the file is rewritten canonically under a temporary name and renamed into place, its tensors
+    byte for byte as they were. Refused (:class:`ArtifactError`, one line) unless the artifact is
+    otherwise valid; a stored digest that does not match is never replaced (the content changed
+    after it was written: that is what the digest exists to catch). When ``calibration.json``
+    is there it records the digest too, and a model card generated from it (unedited) is
+    generated again, showing it (``record=False``: only the safetensors file). The digest leaves itself out, so a ``verify.json`` written
+    before still matches. Returns one line saying what was done."""
+    path = Path(path)
+    wpath = path / WEIGHTS_NAME if path.is_dir() else path
+    raw = read_file(wpath)
+    report, _ = inspect_bytes(raw, wpath)
+    if not report.ok:
+        raise report.error(path)
+    digest = report.content_sha256
+    if report.has_digest:
+        return f"{path}: content digest already stored ({digest[:16]}…)"
+    header, start = stfile.parse(raw)
+    data = stfile.serialize(stfile.tensor_entries(raw, header, start), report.metadata | {DIGEST_KEY: digest})
+    check, _ = inspect_bytes(data, wpath)
+    if not check.ok or check.content_sha256 != digest or check.warnings:      # never write what would not load
+        raise ArtifactError(f"{path}: rewriting it would change its content; left as it was")
+    atomic_write_bytes(wpath, data)
+    recorded = _record_digest(wpath.parent, digest) if record else ""
+    return f"{path}: stored content digest {digest[:16]}…" + (f"; {recorded}" if recorded else "")
+
+
+def _record_digest(directory: Path, digest: str) -> str:
+    """``calibration.json`` records ``content_sha256``; the model card is generated again when it is
+    exactly the one generated from the report (so nothing a user wrote is lost)."""
+    from ..spec.card import model_card
+
+    rpath, cpath = directory / REPORT_NAME, directory / CARD_NAME
+    try:
+        report = json.loads(rpath.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return ""
+    if not isinstance(report, dict):
+        return ""
+    try:
+        generated = cpath.is_file() and cpath.read_text() == model_card(report)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):   # not a calibration report's card
+        generated = False
+    report[DIGEST_KEY] = digest
+    files = {REPORT_NAME: (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()}
+    if generated:
+        files[CARD_NAME] = model_card(report).encode()
+    atomic_write_files(directory, files)
+    return f"recorded in {REPORT_NAME}" + (f" and {CARD_NAME}" if generated else "")

@@ -12,9 +12,10 @@ a local path               as :func:`~oscar_calib.tools.validate.find_artifacts`
 
 With ``changed_files`` the local paths are the files a change touches (pre-commit passes the
 staged files its ``files`` pattern matches): a ``.safetensors`` file is validated; a zoo's
-``index.json`` stands for its whole zoo, so every artifact below its directory is validated and
-the index must be current (what ``oscar zoo index`` would write); any other file, such as an
-unrelated ``index.json``, is skipped.
+``index.json`` stands for its whole zoo, so every artifact below its directory is validated, the
+index must be current (what ``oscar zoo index`` would write), and every zoo artifact must carry
+its content digest and, when it has a ``verify.json``, one that verified its current content (not
+stale); any other file, such as an unrelated ``index.json``, is skipped.
 
 GitHub annotations follow the workflow-command syntax ``::error file=F,title=T::MESSAGE``; data
 escapes ``%``, CR and LF, properties also ``:`` and ``,`` (the runner's own escaping rules).
@@ -30,7 +31,7 @@ from pathlib import Path
 from ..errors import PublishError
 from ..spec.artifact import WEIGHTS_NAME
 from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
-from .zoo import INDEX_NAME, index_is_current
+from .zoo import INDEX_NAME, index_is_current, scan
 
 _HUB_PREFIX = re.compile(r"(hf|huggingface|modelscope|ms):", re.IGNORECASE)
 
@@ -82,13 +83,33 @@ def expand_changed_files(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     return targets, indexes
 
 
-def check_index(index: Path) -> ValidationReport:
-    """The zoo index must equal what ``oscar zoo index`` writes for the artifacts beside it."""
+def check_index(index: Path, invalid: set[Path] = frozenset()) -> ValidationReport:
+    """The zoo index must equal what ``oscar zoo index`` writes for the artifacts beside it, and
+    every artifact of the zoo carry its content digest and no stale ``verify.json``
+    (:func:`zoo_problems`; ``invalid``: artifact directories whose validation failed already)."""
+    root = Path(index).parent
     report = ValidationReport(path=Path(index))
-    problem = [] if index_is_current(Path(index).parent) else [
-        f"stale: it does not describe the artifacts beside it; run `oscar zoo index --zoo {Path(index).parent}`"]
+    problem = [] if index_is_current(root) else [
+        f"stale: it does not describe the artifacts beside it; run `oscar zoo index --zoo {root}`"]
     report.add("index", problem)
+    report.add("zoo", zoo_problems(root, invalid))
     return report
+
+
+def zoo_problems(root: Path, invalid: set[Path] = frozenset()) -> list[str]:
+    """What a committed zoo may not hold: an artifact without its content digest, or one whose
+    ``verify.json`` verified other content. Damaged artifacts (``invalid``, or unreadable) are the
+    validation's to report."""
+    out = []
+    skip = {Path(p).resolve() for p in invalid}
+    for e in scan(root, source="zoo"):
+        if e.error or Path(e.path).resolve() in skip:
+            continue
+        if e.content_sha256 is None:
+            out.append(f"{e.name}: carries no content digest; run `oscar validate --fix-digest {e.path}`")
+        if e.verification == "stale":
+            out.append(f"{e.name}: its verify.json verified other content; run `oscar verify {e.path}` again")
+    return out
 
 
 def validate_sources(sources: list[str], *, model: ModelReference | None = None, allow_empty: bool = False,
@@ -106,8 +127,10 @@ def validate_sources(sources: list[str], *, model: ModelReference | None = None,
     def flush() -> None:
         if changed_files:
             targets, indexes = expand_changed_files(local)
-            reports.extend(validate_paths(targets, model=model, allow_empty=True))
-            reports.extend(check_index(i) for i in indexes)
+            found = validate_paths(targets, model=model, allow_empty=True)
+            invalid = {r.path if r.path.is_dir() else r.path.parent for r in found if not r.ok}
+            reports.extend(found)
+            reports.extend(check_index(i, invalid) for i in indexes)
         elif local:
             reports.extend(validate_paths(local, model=model, allow_empty=allow_empty))
         local.clear()
@@ -154,16 +177,22 @@ def annotation_file(report: ValidationReport, cwd: Path | None = None) -> str | 
 
 
 def github_lines(reports: list[ValidationReport], cwd: Path | None = None) -> list[str]:
-    """One ``::error`` annotation per problem, one plain ``ok`` line per valid artifact, and a
-    closing count."""
+    """One ``::error`` annotation per problem; for a valid artifact one ``::warning`` per warning (no
+    content digest, a stale verification) and a plain ``ok`` line; and a closing count."""
     lines = []
     for r in reports:
+        file = annotation_file(r, cwd)
+        notes = [("digest" if "digest" in w else "metadata", w) for w in r.warnings]
+        if getattr(r.verification, "state", None) == "stale":
+            notes.append(("verified", f"verified: stale: {r.verification.why}"))
+        for check, note in notes if r.ok else ():          # an invalid artifact: its errors say what matters
+            lines.append(workflow_command("warning", note if file else f"{r.path}: {note}", file=file,
+                                          title=f"oscar validate: {check}"))
         if r.ok:
             md = r.metadata
             about = f" ({md['model_id']}, {md.get('num_layers', '?')} layers)" if "model_id" in md else ""
             lines.append(f"ok {r.path}{about}")
             continue
-        file = annotation_file(r, cwd)
         for check, problem in r.findings or [("", p) for p in r.problems]:
             message = problem if file else f"{r.path}: {problem}"
             lines.append(workflow_command("error", message, file=file,

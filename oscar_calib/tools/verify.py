@@ -30,7 +30,11 @@ Pass when the artifact's mean ``attn`` error is below the baseline's and no laye
 error exceeds ``--max-layer-error`` (default 0.5). Measured on SmolLM2-135M at depths
 512/1024/2048: calibrated rotations give 0.04–0.35 per layer (mean ≈ 0.11), the Hadamard
 baseline 0.06–0.49 (mean ≈ 0.16); identity rotations without clipping fail on the mean.
-Writes ``verify.json`` and ``verify.png`` into the artifact directory.
+Writes ``verify.json`` and ``verify.png`` into the artifact directory. ``verify.json`` records what
+it measured (:func:`~oscar_calib.spec.verification.provenance`): the content digest of the artifact
+as it was read (``content_sha256``), the fingerprint of the model it ran and the toolkit version, so
+the verification holds for that content only (``oscar push``, ``oscar validate``: "verified: stale"
+once the artifact changes).
 """
 
 from __future__ import annotations
@@ -50,15 +54,21 @@ from ..model.load import LoadedModel
 from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
 from ..progress import ProgressFn, counter, step
-from ..spec.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA, load_artifact, require_compatible
+from ..spec.artifact import (
+    LAYER_GROUPS_METADATA,
+    LAYER_V_GROUPS_METADATA,
+    load_artifact,
+    require_compatible,
+)
 from ..spec.defaults import BASELINE_CLIPS
+from ..spec.layout import VERIFY_NAME
+from ..spec.verification import provenance
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
 # what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024
 QUICK_VERIFY = {"depths": (512, 1024), "sequences": 1}
 DEFAULT_MAX_LAYER_ERROR = 0.5
 POSITION_STRIDE = 7
-VERIFY_NAME = "verify.json"
 PLOT_NAME = "verify.png"
 
 
@@ -69,6 +79,7 @@ class VerifyResult:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)   # what was verified: content digest, model, toolkit
 
     def summary(self) -> dict:
         mean = lambda k, m: sum(r[m][k] for r in self.layers) / len(self.layers)  # noqa: E731
@@ -81,13 +92,23 @@ class VerifyResult:
         } | ({"mean_attn_error_fork": mean("attn", "fork")} if all("fork" in r for r in self.layers) else {})
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "summary": self.summary(), "settings": self.settings, "layers": self.layers,
-                "timings": self.timings}
+        return {"passed": self.passed, **self.provenance, "summary": self.summary(), "settings": self.settings,
+                "layers": self.layers, "timings": self.timings}
+
+
+def check_backend(backend: str) -> None:
+    """Refuse, before any model loads, a kernel backend this install cannot run: an unknown name, or
+    ``triton`` where the triton package does not import (it has wheels for Linux only)."""
+    from ..kernels import BACKENDS, triton_available
+
+    if backend not in BACKENDS:
+        raise InputError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
+    if backend == "triton" and not triton_available():
+        raise InputError("--backend triton needs the triton package, which is not installed here (it has wheels "
+                         "for Linux only); use --backend auto or torch")
 
 
 def _backend(backend: str, device: torch.device) -> str:
-    if backend not in ("auto", "triton", "torch"):
-        raise InputError(f"unknown backend {backend!r}; choose auto, triton or torch")
     if backend == "triton" and device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")   # CPU: the Triton interpreter
     return backend
@@ -228,27 +249,32 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     (:class:`~oscar_calib.model.placement.Placement`) spreads a big one over GPUs, CPU and disk.
     A spread model's captures are kept on the CPU and checked one layer at a time on the device
     its inputs go to. The artifact is validated first (``oscar validate``'s rules: a NaN or a
-    non-orthogonal rotation is refused with its line)."""
-    from ..calibrate.corpus import plan_tokens
+    non-orthogonal rotation is refused with its line).
+
+    ``backend``: the kernels' (``auto``: Triton on CUDA where triton is installed, the torch
+    references otherwise). ``triton`` where triton is not installed (it has wheels for Linux only)
+    is refused with one :class:`InputError` before anything loads, rather than falling back: a run
+    that asks for the kernels must not silently check the references instead."""
+    from ..calibrate.corpus import load_texts, plan_tokens
     from ..model.capture import Capture, capture_forward
     from ..model.load import load_model
-    from .validate import require_valid
 
     t0 = time.perf_counter()
+    check_backend(backend)
     path = Path(path)
     if loaded is not None and not isinstance(loaded, LoadedModel):
         raise TypeError("verify_artifact(loaded=...) takes a LoadedModel (LoadedModel.wrap(model, tokenizer, source))")
-    require_valid(path)
-    art = load_artifact(path)
+    art = load_artifact(path)           # every check of oscar validate, the content digest included
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 2:
         raise InputError("--depths must be integers ≥ 2")
     if not 0 < max_layer_error:
         raise InputError("--max-layer-error must be positive")
+    documents = load_texts(data)         # a bad --data is reported before the model loads
     if loaded is None:
-        from ..model.load import spec_for_model_id
+        from ..model.load import model_for_artifact
 
-        model = model or spec_for_model_id(art.metadata.get("model_id", ""))
+        model = model or model_for_artifact(art.metadata)
         loaded = load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     lm = loaded
     require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
@@ -259,7 +285,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     sink, recent, group_size = int(art.metadata["sink_tokens"]), int(art.metadata["recent_tokens"]), art.group_size
     max_depth = depths[-1]
     plan = plan_tokens(lm.tokenizer, data=data, tokens=max_depth, seq_len=max_depth, heldout_tokens=max_depth,
-                       heldout_seqs=sequences, seed=seed + 1, corpus_split="heldout")
+                       heldout_seqs=sequences, seed=seed + 1, corpus_split="heldout", documents=documents)
     ids = torch.stack(plan.heldout)                                    # [B, max_depth]
     caps: dict[int, dict] = {}
     info: dict[int, dict] = {}
@@ -329,7 +355,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                             "sink_tokens": fork.sink, "recent_tokens": fork.recent,
                             "simulation": "pure torch: shared rotation in bf16, float32 scale/zero"}
     result = VerifyResult(rows, settings, not reasons, reasons,
-                          {"capture_s": t_capture, "total_s": time.perf_counter() - t0})
+                          {"capture_s": t_capture, "total_s": time.perf_counter() - t0},
+                          provenance(art.content_sha256, lm.fingerprint))
     if write:
         atomic_write_text(path / VERIFY_NAME, json.dumps(result.to_json(), indent=2, sort_keys=True) + "\n")
         if plot:

@@ -2,7 +2,7 @@
 ``$OSCAR_CACHE/zoo/<hf|modelscope>/<ORG>/<NAME>``.
 
 ``zoo/index.json`` describes the committed entries; ``oscar zoo index`` regenerates it and
-``oscar zoo table`` renders the README's table from it, so the two never disagree. The index is
+``oscar zoo table`` renders the zoo's markdown tables from it, so the two never disagree. The index is
 deterministic (sorted entries, relative paths, no timestamps): regenerating an unchanged zoo
 gives a byte-identical file, and ``oscar zoo index --check`` fails when it is stale.
 
@@ -11,9 +11,12 @@ The index also lists the ``upstream`` seed models: OSCAR's own rotations in the 
 their pull recipe (``oscar pull rotationzoo:NAME``, :mod:`oscar_calib.tools.rotationzoo`).
 
 Each entry's figures come from the artifact's own files: the header of ``oscar.safetensors``
-(model, geometry, method), ``calibration.json``'s ``summary`` (held-out attention error of OSCAR
-and of the Hadamard baseline), ``verify.json`` (``passed`` and its summary numbers) and an
-``eval`` section (``calibration.json``'s ``eval`` key or an ``eval.json`` file) when present.
+(model, geometry, method, its stored content digest), ``calibration.json``'s ``summary`` (held-out
+attention error of OSCAR and of the Hadamard baseline), ``verify.json`` (``passed`` and its summary
+numbers; ``verification`` says whether it verified the content the artifact holds now:
+:mod:`oscar_calib.spec.verification`) and an ``eval`` section (``calibration.json``'s ``eval`` key
+or an ``eval.json`` file) when present. An entry whose content no longer matches its digest is
+listed with that as its ``error``.
 """
 
 from __future__ import annotations
@@ -26,12 +29,20 @@ from pathlib import Path
 
 from ..errors import InputError, OscarError
 from ..fsutil import atomic_write_text
-from ..spec.artifact import PULL_RECORD, REPORT_NAME, WEIGHTS_NAME, read_metadata
+from ..spec import stfile
+from ..spec.digest import content_digest, digest_problem
+from ..spec.layout import (
+    DIGEST_KEY,
+    PULL_RECORD,
+    REPORT_NAME,
+    VERIFY_NAME,
+    WEIGHTS_NAME,
+)
+from ..spec.verification import verification_of
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "oscar-zoo-index"
 INDEX_VERSION = 1
-VERIFY_NAME = "verify.json"
 EVAL_NAME = "eval.json"
 SUMMARY_KEYS = ("mean_attn_error_oscar", "mean_attn_error_hadamard", "layers_better_than_hadamard", "num_layers")
 
@@ -72,9 +83,11 @@ class ZooEntry:
     v_objective: str | None = None
     calibration_tokens: int | None = None
     bytes: int = 0
-    sha256: str | None = None
+    sha256: str | None = None                        # of the file
+    content_sha256: str | None = None                # the stored content digest (None: none, or not matching)
     quality: dict = field(default_factory=dict)      # calibration.json summary
-    verified: bool | None = None                     # None: no verify.json
+    verified: bool | None = None                     # verify.json passed on this content; None: no verify.json
+    verification: str | None = None                  # "yes", "stale", "no"; None: no verify.json
     verify: dict = field(default_factory=dict)       # verify.json's scalar fields
     eval: dict | None = None
     remote: str | None = None                        # hf:ORG/NAME a pulled entry came from
@@ -110,11 +123,19 @@ def describe(directory: Path, *, name: str, source: str, with_hash: bool = False
     wpath = directory / WEIGHTS_NAME
     entry = ZooEntry(name=name, source=source, path=directory)
     try:
-        md = read_metadata(wpath)
-        entry.bytes = wpath.stat().st_size
-    except (OscarError, OSError) as e:
-        entry.error = str(e)
+        raw = wpath.read_bytes()
+        header, data_start = stfile.parse(raw)
+    except OSError as e:
+        entry.error = f"{wpath}: cannot read ({e.strerror or e})"
         return entry
+    except OscarError as e:
+        entry.error = f"{wpath}: {e}"
+        return entry
+    entry.bytes = len(raw)
+    md = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
+    digest = content_digest(md, stfile.tensor_entries(raw, header, data_start))
+    entry.error = digest_problem(md.get(DIGEST_KEY), digest)
+    entry.content_sha256 = md.get(DIGEST_KEY) if entry.error is None else None
     entry.model_id, entry.model_type = md.get("model_id"), md.get("model_type")
     for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size"):
         setattr(entry, k, _int(md.get(k)))
@@ -125,11 +146,7 @@ def describe(directory: Path, *, name: str, source: str, with_hash: bool = False
     except (ValueError, TypeError, AttributeError):
         entry.calibration_tokens = None
     if with_hash:
-        h = hashlib.sha256()
-        with open(wpath, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        entry.sha256 = h.hexdigest()
+        entry.sha256 = hashlib.sha256(raw).hexdigest()
     report = _read_json(directory / REPORT_NAME)
     if isinstance(report, dict):
         summary = report.get("summary")
@@ -140,12 +157,12 @@ def describe(directory: Path, *, name: str, source: str, with_hash: bool = False
     ev = _read_json(directory / EVAL_NAME)
     if isinstance(ev, dict):
         entry.eval = ev
+    verification = verification_of(directory, digest)
+    if verification.state != "none":
+        entry.verification, entry.verified = verification.state, verification.verified
     ver = _read_json(directory / VERIFY_NAME)
     if isinstance(ver, dict):
-        entry.verified = ver.get("passed") is True
         entry.verify = _scalars(ver)
-    elif (directory / VERIFY_NAME).exists():
-        entry.verified = False
     pulled = _read_json(directory / PULL_RECORD)
     if isinstance(pulled, dict):
         entry.remote = pulled.get("source")
@@ -239,7 +256,7 @@ def eval_text(ev: dict | None) -> str:
 
 
 def markdown_table(index: dict) -> str:
-    """The README's zoo table, generated from ``index.json``."""
+    """The zoo's markdown table, generated from ``index.json``."""
     entries = index.get("entries", [])
     if not entries:
         return "_The zoo is empty: no artifacts are committed yet._\n"
@@ -249,7 +266,7 @@ def markdown_table(index: dict) -> str:
         q = e.get("quality") or {}
         err = (f"{_fmt(q.get('mean_attn_error_oscar'))} / {_fmt(q.get('mean_attn_error_hadamard'))}"
                if q else "–")
-        verified = {True: "yes", False: "**no**", None: "–"}[e.get("verified")]
+        verified = {"yes": "yes", "stale": "**stale**", "no": "**no**"}.get(e.get("verification"), "–")
         geometry = f"{_fmt(e.get('num_layers'))} × {_fmt(e.get('num_kv_heads'))} × {_fmt(e.get('head_dim'))}"
         method = f"{e.get('composition')}, {e.get('granularity')}"
         lines.append(f"| [`{e['name']}`](zoo/{e['path']}) | `{e.get('model_id')}` | {geometry} | {method} | {err} "
@@ -258,7 +275,7 @@ def markdown_table(index: dict) -> str:
 
 
 def upstream_table(index: dict) -> str:
-    """The README's table of upstream seed models (OSCAR's RotationZoo) and their pull recipe."""
+    """The markdown table of upstream seed models (OSCAR's RotationZoo) and their pull recipe."""
     ups = index.get("upstream") or []
     if not ups:
         return ""

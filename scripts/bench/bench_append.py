@@ -18,27 +18,37 @@ alternating rounds, medians; the outputs of the three are compared. For scale, t
 with a static BF16 cache (``BF16 cache + SDPA``: the row written at a device position, then
 ``scaled_dot_product_attention`` over the context; fewer layers where 36 would not fit).
 
-    python scripts/bench/bench_append.py --out scripts/bench/results/bench_append_h200.json      # GPU, ~1 min
-    python scripts/bench/bench_append.py --quick                                             # CPU check
+    python scripts/bench/bench_append.py                     # GPU, ~1 min; bench_out/append-DEVICE.json
+    python scripts/bench/bench_append.py --save              # the same, accepted as the current result
+    python scripts/bench/bench_append.py --sections step     # one section (--save keeps the other's figures)
+    python scripts/bench/bench_append.py --quick             # CPU check of the script (Triton interpreter)
 
-Prints a table (microseconds per call) and writes JSON with the device's name.
+Prints a table (microseconds per call) and writes the result JSON (``harness.py``: device, commit,
+date, command, versions); timing is ``harness.graph_ms`` with L2 warm (``flush="none"``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-from oscar_calib.fsutil import atomic_write_text  # noqa: E402
+from harness import (  # noqa: E402
+    add_output_args,
+    describe_device,
+    graph_ms,
+    new_result,
+    out_dir,
+    write_result,
+)
+
 from oscar_calib.kernels import decode_attention  # noqa: E402
 from oscar_calib.kernels.append import append_token, decode_view  # noqa: E402
 from oscar_calib.kernels.testing import random_rotation  # noqa: E402
@@ -66,34 +76,8 @@ def layer_buffers(batch, heads, d, sink, recent, cap, device):
 
 
 def time_step(fn, reps: int, cuda: bool) -> float:
-    """Median seconds of ``fn`` (one decode step's calls), replayed from a CUDA graph on a GPU."""
-    if not cuda:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    """Median seconds of ``fn`` (one decode step's calls), replayed from a CUDA graph on a GPU, L2 warm."""
+    return graph_ms(fn, cuda=cuda, flush="none", warmup=1, reps=reps, cpu_reps=reps) / 1e3
 
 
 STEP_METHODS = ("rotation kernel", "in append_token", "in append_token, no PDL")
@@ -115,7 +99,7 @@ def filled_layer(batch, heads, d, sink, recent, context, device, gen):
     return b
 
 
-def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
+def step_section(a, reps, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
     """Write + decode per layer, the query rotated by the decode call or by ``append_token``."""
     shapes = [(1, 32768), (1, 131072), (8, 131072), (32, 32768)] if cuda else [(1, 200)]
     if a.contexts:
@@ -125,7 +109,7 @@ def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
     rows = []
     for batch, ctx in shapes:
         per_layer = batch * ctx * 2 * heads * (d // 4 + 4)
-        layers = max(2, min(a.layers, int(a.step_bytes // per_layer))) if cuda else 2
+        layers = max(2, min(a.layers, int(a.step_bytes // per_layer))) if cuda else 1
         gen = torch.Generator(device=dev).manual_seed(0)
         bufs = [filled_layer(batch, heads, d, sink, recent, ctx, dev, gen) for _ in range(layers)]
         k = torch.randn(batch, heads, d, device=dev).to(torch.bfloat16)
@@ -159,7 +143,7 @@ def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
         times = {m: [] for m in STEP_METHODS}
         for _ in range(STEP_ROUNDS if cuda else 1):
             for m in STEP_METHODS:
-                times[m].append(1e6 * time_step(lambda m=m: step(m), a.reps, cuda) / layers)
+                times[m].append(1e6 * time_step(lambda m=m: step(m), reps, cuda) / layers)
         for m in STEP_METHODS:
             us = statistics.median(times[m])
             err = ((got[m].float() - base).norm() / base.norm()).item()
@@ -171,7 +155,7 @@ def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
         outs.clear()
         if cuda:
             torch.cuda.empty_cache()
-        us, layers_bf = sdpa_step(a, batch, ctx, heads, qg, d, cuda, dev)
+        us, layers_bf = sdpa_step(a, reps, batch, ctx, heads, qg, d, cuda, dev)
         rows.append({"batch": batch, "context": ctx, "method": "BF16 cache + SDPA", "layers": layers_bf,
                      "us_per_layer": us, "rel_diff_vs_rotation_kernel": None})
         print(f"batch {batch:3d} x {ctx:6d}  {'BF16 cache + SDPA':24s} {us:8.2f} us per layer (write + attention)",
@@ -179,11 +163,11 @@ def step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) -> list[dict]:
     return rows
 
 
-def sdpa_step(a, batch, ctx, heads, qg, d, cuda, dev) -> tuple[float, int]:
+def sdpa_step(a, reps, batch, ctx, heads, qg, d, cuda, dev) -> tuple[float, int]:
     """The same step with a static BF16 cache, as transformers' StaticCache + SDPA run it: the new
     K/V row written at a device position (``index_copy_``), then SDPA over ``ctx`` cached tokens."""
     per_layer = batch * heads * ctx * d * 2 * 2
-    layers = max(1, min(a.layers, int(a.step_bytes // per_layer))) if cuda else 2
+    layers = max(1, min(a.layers, int(a.step_bytes // per_layer))) if cuda else 1
     caches = [(torch.randn(batch, heads, ctx + 8, d, device=dev).to(torch.bfloat16),
                torch.randn(batch, heads, ctx + 8, d, device=dev).to(torch.bfloat16)) for _ in range(layers)]
     k = torch.randn(batch, heads, 1, d, device=dev).to(torch.bfloat16)
@@ -197,17 +181,22 @@ def sdpa_step(a, batch, ctx, heads, qg, d, cuda, dev) -> tuple[float, int]:
             vc.index_copy_(2, pos, v)
             torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :ctx], vc[:, :, :ctx], enable_gqa=True)
 
-    times = [1e6 * time_step(step, a.reps, cuda) / layers for _ in range(STEP_ROUNDS if cuda else 1)]
+    times = [1e6 * time_step(step, reps, cuda) / layers for _ in range(STEP_ROUNDS if cuda else 1)]
     caches.clear()
     if cuda:
         torch.cuda.empty_cache()
     return statistics.median(times), layers
 
 
+NO_GPU = ("error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the Triton "
+          "interpreter)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CPU, 2 layers, batch 1 (checks the script)")
-    ap.add_argument("--out", type=Path, default=Path("bench_out/bench_append.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU, one small layer, batch 1, one timed call (checks the script)")
+    add_output_args(ap)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--reps", type=int, default=30)
@@ -220,24 +209,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     sections = set(a.sections.split(","))
     if not sections <= {"append", "step"}:
-        print(f"error: --sections takes append and step, got {a.sections!r}", file=sys.stderr)
-        return 2
+        raise SystemExit(f"error: --sections takes append and step, got {a.sections!r}")
+    if a.save and a.quick:
+        raise SystemExit("error: --save accepts a GPU run only, not --quick")
     if not torch.cuda.is_available() and not a.quick:
-        print("error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under "
-              "the Triton interpreter)", file=sys.stderr)
-        return 2
+        raise SystemExit(NO_GPU)
     cuda = not a.quick
     torch.manual_seed(0)
     if a.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = "cuda" if cuda else "cpu"
-    heads, d, sink, recent = (8, 128, 64, 256) if not a.quick else (2, 64, 4, 8)
-    layers, reps = (a.layers, a.reps) if not a.quick else (2, 2)
+    heads, d, sink, recent = (8, 128, 64, 256) if not a.quick else (1, 64, 4, 8)
+    layers, reps = (a.layers, a.reps) if not a.quick else (1, 1)
     batches = [int(b) for b in a.batches.split(",")] if not a.quick else [1]
-    name = torch.cuda.get_device_name() if cuda else "cpu"
+    device = describe_device(cuda=cuda)
+    settings = {"layers": layers, "heads": heads, "head_dim": d, "group_size": d, "sink": sink, "recent": recent,
+                "batches": batches, "reps": reps, "sections": sorted(sections), "quick": a.quick}
+    res = new_result("append", device, script=__file__, argv=argv, settings=settings)
     rot = random_rotation(2 * heads, d, generator=torch.Generator().manual_seed(0)).float().to(dev)
     clip = torch.full((2 * heads,), 0.92, device=dev)
-    rows = []
+    rows = res["rows"]
     for batch in (batches if "append" in sections else []):
         bufs = [layer_buffers(batch, heads, d, sink, recent, 4096 if cuda else 64, dev) for _ in range(layers)]
         k = torch.randn(batch, heads, d, dtype=torch.bfloat16, device=dev)
@@ -254,12 +245,10 @@ def main(argv=None) -> int:
             us = 1e6 * time_step(step, reps, cuda) / layers
             rows.append({"batch": batch, "variant": variant, "us_per_call": us})
             print(f"batch {batch:3d}  {variant:16s} {us:8.2f} us per call", flush=True)
-    step_rows = step_section(a, rot, clip, heads, d, sink, recent, cuda, dev) if "step" in sections else []
-    res = {"device": name, "torch": torch.__version__, "layers": layers, "heads": heads, "head_dim": d,
-           "rows": rows, "step": step_rows}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(a.out, json.dumps(res, indent=1))
-    print(f"wrote {a.out}")
+    res["step"] = step_section(a, reps, rot, clip, heads, d, sink, recent, cuda, dev) if "step" in sections else []
+    res["not_measured"] = [k for k, sec in (("rows", "append"), ("step", "step")) if sec not in sections]
+    path = write_result(res, save=a.save, out=out_dir(a))
+    print(f"wrote {path}")
     return 0
 
 

@@ -22,7 +22,8 @@ What is measured (one process per budget, so peak RSS is that budget's own):
   per-batch finiteness checks), checkpointing off.
 Both are timed alternately ``--repeats`` times; the medians give the overhead ratio.
 Peak memory: ``ru_maxrss`` of the process (CPU) or ``torch.cuda.max_memory_allocated`` minus the
-weights (GPU). Writes JSON to ``$OUT/bench_calibrate.json`` (default ./bench_out) and prints a table.
+weights (GPU). Writes ``calibrate-DEVICE.json`` (``harness.py``'s format) to ``--out`` (default
+``$OUT`` or ./bench_out), with ``--save`` also as the current result, and prints a table.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from harness import add_output_args, describe_device, new_result, out_dir, write_result  # noqa: E402
 
 
 def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: int, device: str) -> dict:
@@ -94,8 +100,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
             "times": times}
 
 
-def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # run from a source tree too
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--budgets", default="8192,65536", help="comma-separated token budgets")
@@ -109,11 +114,14 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)   # child mode: one budget, JSON on stdout
     ap.add_argument("--dp-worker", help=argparse.SUPPRESS)       # child mode: one data-parallel rank
-    args = ap.parse_args()
+    add_output_args(ap)
+    args = ap.parse_args(argv)
     if args.dp_worker:
         return dp_worker(json.loads(args.dp_worker))
+    if args.save and args.small:
+        raise SystemExit("error: --save accepts a real run only, not --small")
     if args.gpu:
-        return gpu_main(args)
+        return gpu_main(args, argv)
     if args.one:
         res = one_budget(args.model, args.one, args.seq_len, args.batch_size, args.repeats, args.device)
         print("RESULT " + json.dumps(res))
@@ -127,11 +135,12 @@ def main() -> None:
         if proc.returncode or not line:
             sys.exit(f"budget {b} failed:\n{proc.stderr[-3000:]}")
         results.append(json.loads(line[0][7:]))
-    out = Path(os.environ.get("OUT", "bench_out"))
-    out.mkdir(parents=True, exist_ok=True)
     lo, hi = results[0]["peak_bytes"], results[-1]["peak_bytes"]
-    doc = {"model": args.model, "results": results, "memory_growth": hi / lo - 1}
-    (out / "bench_calibrate.json").write_text(json.dumps(doc, indent=2))
+    settings = {"model": args.model, "budgets": [r["tokens"] for r in results], "seq_len": args.seq_len,
+                "batch_size": args.batch_size, "repeats": args.repeats, "device": args.device}
+    doc = new_result("calibrate", describe_device(cuda=False), script=__file__, argv=argv, settings=settings)
+    doc.update(rows=results, memory_growth=hi / lo - 1)
+    print(f"wrote {write_result(doc, save=args.save, out=out_dir(args))}")
     print(f"\n{'tokens':>8} {'plain s':>9} {'capture s':>10} {'overhead':>9} {'tok/s':>8} {'peak MiB':>9}")
     for r in results:
         print(f"{r['tokens']:>8} {r['median_plain_s']:>9.2f} {r['median_capture_s']:>10.2f} {r['overhead']:>8.1%} "
@@ -415,7 +424,7 @@ def dp_worker(job: dict) -> None:
             Path(job["result"]).write_text(json.dumps(res))
 
 
-def gpu_main(args) -> None:
+def gpu_main(args, argv=None) -> None:
     import tempfile
 
     import torch
@@ -425,28 +434,28 @@ def gpu_main(args) -> None:
     _small(args)
     if _cuda() and not torch.cuda.is_available():
         sys.exit("--gpu needs CUDA (or --gpu-device cpu --small for a dry run)")
-    out = Path(os.environ.get("OUT", "bench_out"))
-    out.mkdir(parents=True, exist_ok=True)
     dev_name = torch.cuda.get_device_name(0) if _cuda() else "cpu (dry run)"
     ngpu = torch.cuda.device_count() if _cuda() else 2
     if _cuda():
         torch.cuda.set_device(0)
     t0 = time.perf_counter()
     lm, weights = qwen3_8b_geometry("cuda:0" if _cuda() else "cpu")
-    doc = {"device": dev_name, "gpus": ngpu, "torch": torch.__version__, "small": SMALL,
-           "model": "random-init Qwen3-8B geometry, bf16, sdpa", "weights_bytes": weights,
-           "build_s": time.perf_counter() - t0, "tokens": "embedded corpus through a byte tokenizer"}
+    settings = {"gpu": True, "small": SMALL, "model": "random-init Qwen3-8B geometry, bf16, sdpa",
+                "tokens": GPU_TOKENS, "text": "embedded corpus through a byte tokenizer", "shapes": SHAPES,
+                "memory_budgets": MEM_BUDGETS, "repeats": args.repeats, "quick": SMALL}
+    doc = new_result("calibrate", describe_device(cuda=_cuda()), script=__file__, argv=argv, settings=settings)
+    doc.update(gpus=ngpu, weights_bytes=weights, build_s=time.perf_counter() - t0)
     print(f"{dev_name}: model built in {doc['build_s']:.1f} s, weights {weights / 2**30:.2f} GiB", flush=True)
-    doc["shapes"], run0 = [], None
+    run0 = None
     for seq_len, bs in SHAPES:
         row, run = time_shape(lm, seq_len, bs, args.repeats)
-        doc["shapes"].append(row)
+        doc["rows"].append(row)
         run0 = run0 or run
         print(f"seq {seq_len} x {bs}: plain {row['plain_s']:.3f} s, capture {row['capture_s']:.3f} s "
               f"(overhead {row['overhead']:+.1%}, streaming only {row['overhead_streaming']:+.1%}; statistics "
               f"{row['statistics_s']:.3f} s, gather {row['gather_s']:.3f} s, held-out {row['heldout_s']:.3f} s)",
               flush=True)
-    a = doc["shapes"][0]
+    a = doc["rows"][0]
     doc["memory"] = peak_memory(lm, weights, a["seq_len"], a["batch_size"])
     doc["update_microbench"] = update_microbench(lm, a["seq_len"], a["batch_size"], a["plain_s"] / a["batches"])
     print(json.dumps(doc["update_microbench"]), flush=True)
@@ -466,12 +475,12 @@ def gpu_main(args) -> None:
         dp["speedup_vs_1gpu"] = a["capture_s"] / dp["capture_s"]
         dp["speedup_streaming_vs_1gpu"] = a["statistics_s"] / dp["statistics_s"]
         doc["data_parallel"] = dp
-    (out / "bench_calibrate_gpu.json").write_text(json.dumps(doc, indent=2))
+    print(f"wrote {write_result(doc, save=args.save, out=out_dir(args))}")
     gib = 2**30
     print(f"\n{dev_name}, random-init Qwen3-8B geometry (bf16, sdpa), weights {weights / gib:.2f} GiB")
     print(f"{'tokens':>7} {'seq x batch':>11} {'plain s':>8} {'capture s':>9} {'tok/s':>8} {'overhead':>9} "
           f"{'streaming':>9}")
-    for r in doc["shapes"]:
+    for r in doc["rows"]:
         print(f"{r['tokens']:>7} {r['seq_len']:>6} x {r['batch_size']:<2} {r['plain_s']:>8.3f} {r['capture_s']:>9.3f} "
               f"{r['tokens_per_s']:>8.0f} {r['overhead']:>8.1%} {r['overhead_streaming']:>9.1%}")
     for m in doc["memory"]:

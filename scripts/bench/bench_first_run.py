@@ -20,7 +20,9 @@ Parts:
   the held-out half) and ``oscar eval`` perplexity (bf16, hadamard, oscar; 2 × 2048 held-out tokens).
 
 The machine is shared: every row records the load average before it. Writes
-``OUT/bench_first_run.json`` and prints a table. The commands run with ``HF_HUB_OFFLINE=1`` and
+``first_run-cpu.json`` (``harness.py``'s format; rows, each with its ``part``) to ``--out``
+(default ``$OUT`` or ./bench_out), with ``--save`` also as the current result (the parts not run
+are kept from it), and prints a table. The commands run with ``HF_HUB_OFFLINE=1`` and
 ``TOKENIZERS_PARALLELISM=false``, as the Makefile sets them.
 """
 
@@ -36,7 +38,13 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[2]
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from harness import ROOT as HERE  # noqa: E402
+from harness import add_output_args, describe_device, new_result, out_dir, write_result  # noqa: E402
+
+PARTS = ("startup", "demo", "quick", "accuracy")
 
 
 def run(tree: Path, args: list[str], *, cwd: Path | None = None, extra_env: dict | None = None) -> dict:
@@ -114,18 +122,19 @@ def accuracy(tmp: Path, demo_dir: Path | None, quick_dir: Path | None) -> list[d
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="startup,demo,quick,accuracy")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--baseline", type=Path, help="another checkout to time in the same run (alternating)")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also time the baseline with this environment (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
-    args = ap.parse_args()
+    add_output_args(ap)
+    args = ap.parse_args(argv)
     parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        raise SystemExit(f"error: --parts takes {', '.join(PARTS)}, got {args.parts!r}")
     trees = [HERE] + ([args.baseline.resolve()] if args.baseline else [])
-    args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="oscar-first-run-") as t:
         tmp = Path(t)
@@ -145,7 +154,13 @@ def main() -> None:
             last = lambda part: next((Path(r["out"]) for r in reversed(rows)          # noqa: E731
                                       if r["part"] == part and r["tree"] == str(HERE) and r["rc"] == 0), None)
             rows += accuracy(tmp, last("demo"), last("quick"))
-    (args.out / "bench_first_run.json").write_text(json.dumps(rows, indent=2))
+    settings = {"parts": parts, "repeats": args.repeats, "baseline": str(args.baseline) if args.baseline else None,
+                "baseline_env": args.baseline_env, "cpus": os.cpu_count()}
+    doc = new_result("first_run", describe_device(cuda=False), script=__file__, argv=argv, settings=settings)
+    del doc["rows"]  # one section per part, so a run of some parts keeps the others' rows when saved
+    doc.update({p: [r for r in rows if r["part"] == p] for p in PARTS},
+               not_measured=[p for p in PARTS if p not in parts])
+    path = write_result(doc, save=args.save, out=out_dir(args))
     for r in rows:
         if r["part"] == "startup":
             print(f"startup  {r['command']:<14} {Path(r['tree']).name:<14} median {r['median_s']:.2f} s  "
@@ -157,7 +172,7 @@ def main() -> None:
         else:
             print(f"accuracy {r['artifact']:<8} verify attn {r['verify_mean_attn_error']:.4f} (Hadamard "
                   f"{r['verify_mean_attn_error_hadamard']:.4f})  ppl {json.dumps(r['ppl'])}")
-    print(f"JSON: {args.out / 'bench_first_run.json'}")
+    print(f"JSON: {path}")
 
 
 if __name__ == "__main__":

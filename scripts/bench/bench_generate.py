@@ -4,7 +4,7 @@ A random-init Qwen3-8B-shaped model (36 layers, 32 query / 8 KV heads, head_dim 
 weights needed for speed) decodes ``--new`` tokens through ``model.generate()`` after contexts
 of 16K / 64K / 128K tokens at batch 1 and 64K at batch 4 and 8, with
 
-* ``dynamic``: ``DynamicCache`` + SDPA (transformers' default, BF16), the baseline;
+* ``dynamic``: ``DynamicCache`` + SDPA (transformers' default, BF16);
 * ``oscar``: :class:`~oscar_calib.runtime.OscarCache` (BF16 sink 64 + recent 256, INT2 history,
   G = 128; random orthogonal K rotations, clips 0.96/0.92, V folded as ``oscar fold-weights``
   leaves it), decode steps through the Triton INT2 kernel;
@@ -12,8 +12,8 @@ of 16K / 64K / 128K tokens at batch 1 and 64K at batch 4 and 8, with
 
 Per run: decode tokens/s (wall, eager), peak ``max_memory_allocated`` during decode, GPU busy
 time per decode step (torch profiler: the sum of kernel times, i.e. what the step costs once host
-overhead is gone), and GPU time per step replayed from a CUDA graph (``oscar`` vs a
-``StaticCache`` + SDPA baseline, both with preallocated static buffers; for ``oscar`` also the
+overhead is gone), and GPU time per step replayed from a CUDA graph (``oscar`` and
+``StaticCache`` + SDPA, both with preallocated static buffers; for ``oscar`` also the
 wall tokens/s of a greedy loop through :class:`~oscar_calib.runtime.DecodeGraph`), and decode
 tokens/s of ``generate()`` itself after a real prompt (section ``generate``: DynamicCache,
 OscarCache eager, OscarCache with ``custom_generate=graph_decoding``; with ``--compile`` also
@@ -24,11 +24,15 @@ separately with real prefills through ``generate(max_new_tokens=1)`` at batch 1.
 context that fits is probed by filling caches until an allocation fails (decode of 2 tokens; a
 prefill that long would need chunked prefill).
 
-    python scripts/bench/bench_generate.py                 # GPU, writes bench_out/bench_generate.json
-    python scripts/bench/bench_generate.py --quick         # tiny model on the CPU (checks the script)
+    python scripts/bench/bench_generate.py                    # GPU, writes bench_out/generate-DEVICE.json
+    python scripts/bench/bench_generate.py --sections graph --save   # one section, accepted as current
+    python scripts/bench/bench_generate.py --quick            # tiny model on the CPU (checks the script)
 
-Results go to ``--out`` as JSON after every measurement (a run cut short keeps what it had); the
-table printed last is what the README shows.
+The result (``harness.py``'s format; sections ``rows`` (eager decode), ``graph``, ``generate``,
+``ttft``, ``max_context``) is written to ``--out`` after every measurement (a run cut short keeps
+what it had), and with ``--save`` installed as the current result at the end; the tables of
+docs/benchmarks.md (``report.py``) are printed last. ``StaticCache`` + SDPA is transformers' stock
+path for a static cache, slow at decode: a reference point, not a baseline for speed-ups.
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
+    sys.path.append(str(Path(__file__).resolve().parent))
 
+import report  # noqa: E402
 from bench_generate_runs import (  # noqa: E402
     QWEN3_8B,
-    Results,
     build_model,
     busy_ms,
     decode,
@@ -58,6 +62,24 @@ from bench_generate_runs import (  # noqa: E402
     max_context,
     ttft,
 )
+from harness import add_output_args, describe_device, new_result, out_dir, write_result  # noqa: E402
+
+SECTIONS = {"fair": "fair", "profile": "profile", "capacity": "capacity", "decode": "rows", "graph": "graph", "generate": "generate", "ttft": "ttft", "maxctx": "max_context"}
+QUICK_WINDOW = (8, 16)  # --quick: sink, recent (contexts of ~100 tokens still reach the INT2 history)
+
+
+class Results:
+    """The result document, written to ``folder`` after every measurement."""
+
+    def __init__(self, doc: dict, folder: Path):
+        self.data, self.folder = doc, folder
+
+    def add(self, section: str, item) -> None:
+        if isinstance(self.data[section], list):
+            self.data[section].append(item)
+        else:
+            self.data[section].update(item)
+        write_result(self.data, save=False, out=self.folder)
 
 
 def _free(*objs):
@@ -110,13 +132,15 @@ def graph_record(model, kind, batch, tokens, args) -> dict:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU, short contexts")
-    ap.add_argument("--out", type=Path, default=Path("bench_out/bench_generate.json"))
-    ap.add_argument("--new", type=int, default=None, help="new tokens per generate (default 128; quick 8)")
+    add_output_args(ap)
+    ap.add_argument("--new", type=int, default=None, help="new tokens per generate (default 128; quick 4)")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--fill-chunk", type=int, default=65536, help="tokens written per call when filling")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip what is left after this many seconds")
-    ap.add_argument("--sections", default="decode,graph,generate,ttft,maxctx",
-                    help="comma-separated: decode, graph, generate, ttft, maxctx")
+    ap.add_argument("--sections", default="fair,decode,graph,generate,ttft,maxctx",
+                    help="comma-separated: fair (the fair BF16 baseline and each step's roofline), capacity "
+                         "(sequences of 128K per GPU), profile (kernel time by category), decode, graph, "
+                         "generate, ttft, maxctx")
     ap.add_argument("--compile", action="store_true",
                     help="also time DecodeGraph(compile=True) in the graph section and "
                          "custom_generate=partial(graph_decoding, compile=True) in the generate section")
@@ -124,40 +148,41 @@ def parse(argv=None):
 
 
 def main(argv=None) -> dict:
-    import transformers
-
     args = parse(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        raise SystemExit(f"error: --sections takes {', '.join(SECTIONS)}, got {args.sections!r}")
+    if args.save and args.quick:
+        raise SystemExit("error: --save accepts a GPU run only, not --quick")
     t_start = time.perf_counter()
     dev = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
-    args.new = args.new or (8 if args.quick else 128)
+    args.new = args.new or (4 if args.quick else 128)
+    args.window = QUICK_WINDOW if args.quick else (64, 256)
     if args.quick:
         args.group_size = min(args.group_size, 64)
-        configs, ttfts, gens = [(1, 400), (1, 900), (2, 600)], [400, 900], [(1, 400)]
+        configs, ttfts, gens = [(1, 96), (2, 64)], [96], [(1, 64)]
     else:
         configs, ttfts = [(1, 16384), (1, 65536), (1, 131072), (4, 65536), (8, 65536)], [16384, 65536, 131072]
         gens = [(1, 16384), (4, 4096)]
     model = build_model(args.quick, dev)
-    meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": "random-init Qwen3-8B shapes" if not args.quick
-            else "tiny random Qwen3", "config": {k: getattr(model.config, k, None) for k in QWEN3_8B},
-            "new_tokens": args.new, "group_size": args.group_size, "sink": 64, "recent": 256,
-            "weights_gib": torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None,
-            "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if dev == "cuda" else None}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    settings = {"model": "random-init Qwen3-8B shapes" if not args.quick else "tiny random Qwen3",
+                "config": {k: getattr(model.config, k, None) for k in QWEN3_8B}, "new_tokens": args.new,
+                "group_size": args.group_size, "sink": args.window[0], "recent": args.window[1],
+                "sections": sorted(sections), "compile": args.compile, "quick": args.quick}
+    doc = new_result("generate", describe_device(cuda=dev == "cuda"), script=__file__, argv=argv, settings=settings)
+    doc.update(fair=[], profile=[], capacity=[], graph=[], generate=[], ttft=[], max_context={}, errors=[],
+               not_measured=[key for sec, key in SECTIONS.items() if sec not in sections],
+               weights_gib=torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None,
+               gpu_total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30 if dev == "cuda" else None)
     kinds = ["dynamic", "oscar"]
     try:
         import optimum.quanto  # noqa: F401
 
         kinds.append("quantized")
     except ImportError:
-        meta["quantized"] = "optimum-quanto is not installed here: transformers' QuantizedCache not measured"
-    res = Results(args.out, meta)
-    sections = set(args.sections.split(","))
+        doc["quantized"] = "optimum-quanto is not installed here: transformers' QuantizedCache not measured"
+    folder = out_dir(args)
+    res = Results(doc, folder)
 
     def late(what):
         if time.perf_counter() - t_start > args.budget_s:
@@ -165,6 +190,31 @@ def main(argv=None) -> dict:
             return True
         return False
 
+    fair_configs = [(1, 16384), (1, 65536), (1, 131072), (4, 65536)]
+    if dev == "cuda" and sections & {"fair", "capacity", "profile"}:
+        from bench_generate_fair import (
+            capacity,
+            copy_bandwidth,
+            fair_record,
+            profile_record,
+        )
+
+        res.data["copy_bandwidth"] = copy_bandwidth()
+        for batch, tokens in fair_configs if "fair" in sections else []:
+            if late(f"fair {batch}x{tokens}"):
+                break
+            rec = {"batch": batch, "tokens": tokens}
+            rec.update(_attempt(res, f"fair {batch}x{tokens}",
+                                lambda: fair_record(model, batch, tokens, args, res.data["copy_bandwidth"])))
+            res.add("fair", rec)
+            print(json.dumps(rec), flush=True)
+        for batch, tokens in [(1, 16384), (1, 131072)] if "profile" in sections else []:
+            if late(f"profile {batch}x{tokens}"):
+                break
+            res.add("profile", _attempt(res, f"profile {batch}x{tokens}",
+                                        lambda: profile_record(model, batch, tokens, args)))
+        if "capacity" in sections and not late("capacity"):
+            res.add("capacity", _attempt(res, "capacity", lambda: capacity(model, 131072, args)))
     for batch, tokens in configs if sections & {"decode", "graph"} else []:
         for kind in kinds if "decode" in sections else ():
             if kind == "quantized" and batch * tokens > 16384 and not args.quick:
@@ -174,7 +224,7 @@ def main(argv=None) -> dict:
             rec = {"batch": batch, "tokens": tokens, "cache": kind}
             rec.update(_attempt(res, f"decode {kind} {batch}x{tokens}",
                                 lambda: decode_record(model, kind, batch, tokens, args)))
-            res.add("runs", rec)
+            res.add("rows", rec)
             print(json.dumps(rec), flush=True)
         for kind in ("static", "oscar") if "graph" in sections and dev == "cuda" else ():
             if late(f"graph {kind} {batch}x{tokens}"):
@@ -182,10 +232,11 @@ def main(argv=None) -> dict:
             rec = {"batch": batch, "tokens": tokens, "cache": f"{kind}+graph"}
             rec.update(_attempt(res, f"graph {kind} {batch}x{tokens}",
                                 lambda: graph_record(model, kind, batch, tokens, args)))
-            res.add("runs", rec)
+            res.add("graph", rec)
             print(json.dumps(rec), flush=True)
     for batch, tokens in gens if "generate" in sections else []:
-        for method in ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos") + (("oscar+graph+compile",) * args.compile):
+        methods = ("dynamic", "oscar", "oscar+graph", "oscar+graph+eos") + (("oscar+graph+compile",) * args.compile)
+        for method in methods:
             if late(f"generate {method} {batch}x{tokens}"):
                 break
             rec = {"batch": batch, "tokens": tokens, "method": method}
@@ -205,55 +256,12 @@ def main(argv=None) -> dict:
         if late(f"max context {kind}"):
             break
         res.add("max_context", {kind: _attempt(res, f"max context {kind}", lambda: max_context(model, kind, args))})
-    res.data["meta"]["elapsed_s"] = time.perf_counter() - t_start
+    res.data["elapsed_s"] = time.perf_counter() - t_start
     res.add("max_context", {})                     # (writes the file with the elapsed time)
-    print(table(res.data))
+    if args.save:
+        print(f"current result: {write_result(res.data, save=True, out=folder)}")
+    print("\n".join(report.generate(res.data)))
     return res.data
-
-
-def _ctx(t: int) -> str:
-    return f"{t // 1024}K" if t >= 1024 else str(t)
-
-
-def _fmt(x, spec=".1f"):
-    return "–" if x is None else format(x, spec)
-
-
-def table(data: dict) -> str:
-    """The README table: one row per (batch, context), eager and CUDA-graph columns per cache."""
-    runs = {(r["batch"], r["tokens"], r["cache"]): r for r in data["runs"]}
-    keys = sorted({(b, t) for b, t, _ in runs})
-    lines = ["| batch × context | cache | decode tok/s (eager) | ms/step wall | GPU busy ms/step | CUDA-graph ms/step "
-             "| decode peak GiB |", "|---|---|---|---|---|---|---|"]
-    for b, t in keys:
-        for kind, graph in (("dynamic", "static+graph"), ("oscar", "oscar+graph"), ("quantized", None)):
-            g = runs.get((b, t, graph), {}) if graph else {}
-            r = runs.get((b, t, kind), {} if g else None)     # (a graph-only run: the eager columns empty)
-            if r is None:
-                continue
-            gms = "OOM" if g.get("oom") else _fmt(g.get("graph_ms"), ".2f")
-            if g.get("graph_tok_s"):
-                gms += f" ({g['graph_tok_s']:.1f} tok/s with DecodeGraph"
-                if g.get("compiled_graph_tok_s"):
-                    gms += f"; {g['compiled_graph_tok_s']:.1f} compiled, {g['compiled_graph_wall_ms_per_step']:.2f} ms/step"
-                gms += ")"
-            if r.get("oom"):
-                lines.append(f"| {b} × {_ctx(t)} | {kind} | OOM | | | {gms} | |")
-                continue
-            lines.append(f"| {b} × {_ctx(t)} | {kind} | {_fmt(r.get('tok_s'))} | {_fmt(r.get('ms_per_step'))} | "
-                         f"{_fmt(r.get('busy_ms'), '.2f')} | {gms} | {_fmt(r.get('peak_gib'), '.2f')} |")
-    for r in data.get("generate", []):
-        if "generate_tok_s" in r:
-            lines.append(f"| generate() {r['batch']} × {_ctx(r['tokens'])} | {r['method']} | "
-                         f"{_fmt(r['generate_tok_s'])} | | | | |")
-    for r in data["ttft"]:
-        if "ttft_s" in r:
-            lines.append(f"| TTFT 1 × {_ctx(r['tokens'])} | {r['cache']} | {r['ttft_s']:.2f} s | | | | "
-                         f"{_fmt(r.get('prefill_peak_gib'), '.2f')} (prefill) |")
-    for kind, r in data["max_context"].items():
-        if isinstance(r, dict) and r.get("max_tokens"):
-            lines.append(f"| max context, batch 1 | {kind} | {r['max_tokens']:,} tokens | | | | |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,15 @@
 """Measurements for ``scripts/bench/bench_generate.py``: the model, the caches filled with random K/V,
 eager decode through ``generate()``, GPU busy time (profiler), CUDA-graph replay, time to first
-token and the largest context that fits. Results are written after every measurement."""
+token and the largest context that fits."""
 
 from __future__ import annotations
 
 import functools
 import gc
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
+from harness import graph_ms as _graph_ms
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6)
@@ -32,15 +30,20 @@ def build_model(quick: bool, device: str):
     return model
 
 
-def oscar_scheme(cfg, group_size: int):
+def oscar_scheme(cfg, group_size: int, window: tuple[int, int] = (64, 256)):
+    """Random orthogonal K rotations, clips 0.96 / 0.92, V folded (no V rotation); ``window``: sink, recent."""
+    return _scheme(cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, group_size, window)
+
+
+@functools.lru_cache(maxsize=4)
+def _scheme(h: int, d: int, n: int, group_size: int, window: tuple[int, int]):
     from oscar_calib.kernels.testing import random_rotation
     from oscar_calib.runtime import KVScheme
 
     g = torch.Generator().manual_seed(0)
-    h, d, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     rk = [random_rotation(h, d, generator=g) for _ in range(n)]
     ck, cv = torch.full((h,), 0.96), torch.full((h,), 0.92)
-    return KVScheme("oscar", n, group_size, rk, [None] * n, [ck] * n, [cv] * n)   # V folded: no V rotation
+    return KVScheme("oscar", n, group_size, rk, [None] * n, [ck] * n, [cv] * n, sink=window[0], recent=window[1])
 
 
 def _rand(shape, device, dtype):
@@ -56,7 +59,7 @@ def make_cache(kind: str, model, batch: int, tokens: int, extra: int, args):
     if kind == "oscar":
         from oscar_calib.runtime import OscarCache
 
-        cache = OscarCache(cfg, oscar_scheme(cfg, args.group_size))
+        cache = OscarCache(cfg, oscar_scheme(cfg, args.group_size, args.window))
         cache.reserve(tokens + extra)
         for layer in cache.layers:
             for a in range(0, tokens, args.fill_chunk):
@@ -142,30 +145,13 @@ def busy_ms(model, cache, batch: int, tokens: int, steps: int = 6) -> float | No
 
 
 def graph_ms(model, cache, batch: int, tokens: int, replays: int = 20) -> float | None:
-    """GPU time per decode step replayed from a CUDA graph (static buffers on both sides)."""
+    """GPU time per decode step replayed from a CUDA graph (static buffers on both sides; median of
+    ``replays``, L2 warm: ``harness.graph_ms``)."""
     if model.device.type != "cuda":
         return None
     step = _step(model, cache, batch, tokens)
     with _attached(cache, model), torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        g.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-    del g
-    return a.elapsed_time(b) / replays
+        return _graph_ms(step, cuda=True, flush="none", warmup=2, reps=replays)
 
 
 def graph_decode(model, batch: int, tokens: int, new: int, args, compile: bool = False) -> dict:
@@ -292,21 +278,3 @@ def max_context(model, kind: str, args) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
     return {"max_tokens": None, "estimate": est, "tried": tried}
-
-
-class Results:
-    def __init__(self, path: Path, meta: dict):
-        self.path, self.data = path, {"meta": meta, "runs": [], "generate": [], "ttft": [], "max_context": {},
-                                       "errors": []}
-
-    def add(self, section: str, item) -> None:
-        if isinstance(self.data[section], list):
-            self.data[section].append(item)
-        else:
-            self.data[section].update(item)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
-
-

@@ -63,8 +63,16 @@ if ARGS.quick:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from oscar_calib.kernels import bits_per_element, decode_attention, decode_attention_reference  # noqa: E402
-from oscar_calib.kernels.testing import random_int2_cache, random_rotation, relative_error  # noqa: E402
+from oscar_calib.kernels import (  # noqa: E402
+    bits_per_element,
+    decode_attention,
+    decode_attention_reference,
+)
+from oscar_calib.kernels.testing import (  # noqa: E402
+    random_int2_cache,
+    random_rotation,
+    relative_error,
+)
 
 GPU = torch.cuda.is_available() and not ARGS.quick
 DEV = "cuda" if GPU else "cpu"

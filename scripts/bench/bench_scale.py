@@ -38,14 +38,15 @@ timed runs (``checkpoint_every`` beyond the batch count), so rank counts compare
     python scripts/bench/bench_scale.py --mode dp-scaling --scale-ranks 1,2,4 --scale-tokens 32768
     python scripts/bench/bench_scale.py --small --device cpu          # dry run on the CPU (tiny, gloo)
 
-Writes ``scale-{device}.json`` (e.g. ``scale-h100x4.json``) into ``$OUT`` (default ./bench_out),
-with the logs of every scenario beside it, and prints a table last.
+Writes ``scale-{device}.json`` (``harness.py``'s format; the device slug counts the GPUs the
+scenarios use, e.g. ``scale-h100x4.json``) into ``--out`` (default ``$OUT`` or ./bench_out) after
+each scenario, with the logs of every scenario beside it, and prints a table last; ``--save`` also
+installs it as the current result (a GPU run only: a dry run is refused).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -57,10 +58,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+if str(HERE) not in sys.path:  # imported rather than run (the tests)
+    sys.path.append(str(HERE))
+
+from harness import (  # noqa: E402
+    ROOT,
+    add_output_args,
+    describe_device,
+    new_result,
+    out_dir,
+    write_result,
+)
+
 TESTS = ROOT / "tests"
 
 QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
@@ -632,7 +645,7 @@ def scenario_settings(args, name: str) -> dict:
 def run_scenario(args, name: str, work: Path) -> list[dict]:
     """One scenario in its own process group, killed at ``args.scenario_timeout`` (rows saying so)."""
     result = work / f"{name}.rows.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--scenario", name, "--work", str(work), *sys.argv[1:]]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--scenario", name, "--work", str(work), *args.argv]
     logf = open(work / f"{name}.log", "w")
     limit = max(min(scenario_timeout(args.scenario_timeout, name), args.deadline - (time.perf_counter() - T0)), 1)
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
@@ -683,38 +696,31 @@ def stop_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def device_slug(name: str, count: int) -> str:
-    """``h100x4`` for 4 'NVIDIA H100 80GB HBM3', ``h200`` for one H200, ``cpu`` without GPUs."""
-    if not count:
-        return "cpu"
-    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper())
-    base = m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "", name.lower())[:12]
-    return base if count == 1 else f"{base}x{count}"
+def gpus_used(args, visible: int) -> int:
+    """How many of the ``visible`` GPUs the chosen scenarios use (the device slug counts them): all
+    of them for the spread layout, ranks × GPUs per rank for the others, the largest rank count
+    for dp-scaling, both nodes' ranks for torchrun."""
+    per = max(visible // args.ranks, 1)
+    layouts = {"spread": visible, "ranks-x-spread": per * args.ranks, "ranks": args.ranks}
+    need = {"layouts": max((layouts.get(x, 0) for x in args.layouts.split(",") if x), default=0),
+            "dp-scaling": max((int(x) for x in args.scale_ranks.split(",") if x), default=0),
+            "torchrun": 2 * args.node_ranks}
+    return min(visible, max((need[m] for m in args.mode.split(",") if m), default=0))
 
 
-def versions() -> dict:
-    import accelerate
-    import torch
-    import transformers
-
-    import oscar_calib
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-         "accelerate": accelerate.__version__, "oscar_calib": oscar_calib.__version__}
-    if torch.cuda.is_available():
-        v.update(cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
-    return v
-
-
-def commit() -> str:
-    env = os.environ.get("OSCAR_COMMIT")
-    if env:
-        return env
+def extra_versions() -> dict:
+    """What this benchmark depends on beyond the harness's versions: accelerate (the device map)
+    and NCCL (the all-reduces)."""
+    out = {}
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        out["accelerate"] = metadata.version("accelerate")
+    except metadata.PackageNotFoundError:
+        out["accelerate"] = None
+    import torch
+
+    if torch.cuda.is_available():
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return out
 
 
 def gpu_info() -> tuple[str, int]:
@@ -759,57 +765,60 @@ def parse_args(argv=None):
     ap.add_argument("--scenario-timeout", default="900",
                     help="seconds for one scenario, or per scenario: layouts=300,torchrun=150,dp-scaling=150")
     ap.add_argument("--node-timeout", type=float, default=300.0, help="seconds for one torchrun run")
-    ap.add_argument("--out", help="the JSON's folder (default $OUT, else ./bench_out)")
+    add_output_args(ap)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)      # what the scenarios' processes get
+    unknown = [m for m in args.mode.split(",") if m and m not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"error: --mode {','.join(unknown)}: use {', '.join(SCENARIOS)}")
+    if args.save and (args.small or args.device == "cpu"):
+        raise SystemExit("error: --save accepts a GPU run only; a dry run (--small, --device cpu) is never "
+                         "a current result")
     if args.small:
         args.shape = args.scale_shape = "small"
     return args
 
 
-def main() -> None:
-    sys.path.insert(0, str(ROOT))          # run from a source tree too
-    sys.path.insert(0, str(HERE))          # bench_calibrate's ByteTokenizer
+def main(argv=None) -> None:
     for k, v in NCCL_SAFE.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("OSCAR_DIST_TIMEOUT", "300")
-    args = parse_args()
+    args = parse_args(argv)
     if args.job:
         return job_worker(json.loads(Path(args.job).read_text()))
-    name, count = gpu_info() if args.device == "cuda" else ("cpu", 0)
+    count = gpu_info()[1] if args.device == "cuda" else 0
     args.gpus = count if args.device == "cuda" else 2
     if args.scenario:
         rows = SCENARIOS[args.scenario](args, scenario_settings(args, args.scenario), Path(args.work))
         (Path(args.work) / f"{args.scenario}.rows.json").write_text(json.dumps(rows))
         return
     if args.device == "cuda" and count < 2:
-        sys.exit("bench_scale needs 2 or more GPUs (or --small --device cpu for a dry run)")
-    out = Path(args.out or os.environ.get("OUT", "bench_out"))
-    out.mkdir(parents=True, exist_ok=True)
-    slug = device_slug(name, count)
-    doc = {"benchmark": "scale", "device": slug, "device_name": name, "gpus": count, "commit": commit(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python", "scripts/bench/bench_scale.py", *sys.argv[1:]]), "versions": versions(),
-           "settings": {k: v for k, v in vars(args).items() if k not in ("job", "scenario", "work", "out")},
-           "rows": []}
-    path = out / f"scale-{slug}.json"
+        sys.exit("error: bench_scale needs 2 or more GPUs (or --small --device cpu for a dry run)")
+    out = out_dir(args)
+    device = describe_device(cuda=True, count=gpus_used(args, count)) if args.device == "cuda" else \
+        describe_device(cuda=False)
+    settings = {k: v for k, v in vars(args).items() if k not in ("job", "scenario", "work", "out", "save", "argv")}
+    doc = new_result("scale", device, script=__file__, argv=args.argv,
+                     settings={**settings, "quick": args.small or args.device == "cpu"})
+    doc["versions"].update(extra_versions())
+    slug = doc["device"]
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     for scen in [m for m in args.mode.split(",") if m]:
-        if scen not in SCENARIOS:
-            sys.exit(f"--mode {scen!r}: use {', '.join(SCENARIOS)}")
         if time.perf_counter() - T0 > args.deadline - 30:
             doc["rows"].append({"scenario": scen, "error": "not run: out of time (--deadline)"})
             continue
         log(f"scenario {scen}")
         doc["rows"] += run_scenario(args, scen, work)
-        path.write_text(json.dumps(doc, indent=2))                  # after each scenario
+        write_result(doc, save=False, out=out)                      # after each scenario
         for logname in (f"{scen}.log",):
             if (work / logname).exists():
                 (out / f"scale-{slug}-{logname}").write_text((work / logname).read_text()[-2_000_000:])
-    path.write_text(json.dumps(doc, indent=2))
+    path = write_result(doc, save=args.save, out=out)
     print_tables(doc)
+    print(f"\n{'current result' if args.save else 'wrote'}: {path}")
 
 
 def gib(b) -> str:
@@ -817,7 +826,7 @@ def gib(b) -> str:
 
 
 def print_tables(doc: dict) -> None:
-    print(f"\n{doc['device_name']} x{doc['gpus']} ({doc['device']}), commit {doc['commit'][:10]}, {doc['date']}")
+    print(f"\n{doc['device_name']} ({doc['device']}), commit {doc['commit']}, {doc['date']}")
     for r in doc["rows"]:
         if "error" in r:
             print(f"{r['scenario']:>10} {r.get('name', '')}: ERROR {r['error'][:300]}")

@@ -5,7 +5,7 @@ Compiles a kernel for an NVIDIA target (default sm_90, Hopper) with the installe
 ships its own ``ptxas`` and ``nvdisasm``, disassembles the cubin and reports the registers, the
 shared memory and each loop of the SASS: its instruction count and, for the main loop, the opcode
 mix and the instructions per cached token. The decode kernel at batch 1 is bound by its
-dependent instruction stream (README "Kernel speed"), so the main loop's count is a first
+dependent instruction stream (docs/design/kernels.md), so the main loop's count is a first
 measure of a change before any GPU time is spent; the GPU benchmark (``bench_kernels.py``) has
 the last word.
 
@@ -151,7 +151,7 @@ def opcode(text: str) -> str:
     return text.split()[0].split(".")[0] if text else ""
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", nargs="?", default="decode", choices=["decode", "write"])
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=None)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     const, opts = defaults(args.kernel)
     for item in args.set:
         name, sep, val = item.partition("=")

@@ -8,7 +8,7 @@ Two steps, on the GPU machine, after ``scripts/bench/bench_kernels.py`` has writ
    --section SchedulerStats --section InstructionStats \\
    python scripts/dev/ncu_kernels.py target --report R.json --labels L.json > ncu.csv``
    runs one decode call per configuration the report lists under ``ncu_decode`` (128K context;
-   the round-1 tuning, the library default and the sweep's best per batch) and one write call
+   the first tuning, the library default and the sweep's best per batch) and one write call
    per configuration under ``write_profile``; ``L.json`` lists the kernels launched, in launch order;
 2. ``python scripts/dev/ncu_kernels.py merge --report R.json --labels L.json --csv ncu.csv`` adds
    per-kernel metrics and a bound to the report and prints them.
@@ -28,7 +28,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parents[1] / "bench") not in sys.path:  # bench_kernels' parts, the harness
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+
+from kernels_common import int2_bytes  # noqa: E402
 
 DRAM = "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
 ISSUE = ("smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__inst_issued.avg.pct_of_peak_sustained_active")
@@ -58,9 +61,10 @@ def target(args) -> None:
     from oscar_calib.kernels.testing import random_int2_cache, random_rotation
 
     rep = json.loads(Path(args.report).read_text())
-    shp = rep["shape"]
+    settings = rep["settings"]
+    shp = settings["shape"]
     h, qh, d, g = shp["kv_heads"], shp["q_heads"], shp["head_dim"], shp["group_size"]
-    sink, recent = rep["sink"], rep["recent"]
+    sink, recent = settings["sink"], settings["recent"]
     labels = []
     by_batch: dict[int, list] = {}
     for e in rep.get("ncu_decode", []):
@@ -74,7 +78,7 @@ def target(args) -> None:
             torch.cuda.synchronize()
             names = ["rotate_query_kernel", "decode_kernel", "decode_merge_kernel"]
             labels += [{"kernel": k, "what": f"decode 128K B={batch} {e['name']}", "config": e["config"],
-                        "bytes": _int2_bytes(batch, h, d, g, 131072 - sink - recent, sink + recent)
+                        "bytes": int2_bytes(batch, h, d, g, 131072 - sink - recent, sink + recent)
                         if k == "decode_kernel" else None} for k in names]
         del cache
         torch.cuda.empty_cache()
@@ -97,11 +101,6 @@ def target(args) -> None:
         kern = getattr(write_mod.LAST_LAUNCH.get("write"), "name", None) or "quantize_kv"
         labels.append({"kernel": kern, "what": f"write {w['name']}", "config": w["config"], "bytes": nbytes})
     Path(args.labels).write_text(json.dumps(labels, indent=1))
-
-
-def _int2_bytes(batch, kvh, d, g, hist, window) -> int:
-    per_tok = 2 * (d // 4 + 2 * 2 * (d // g))
-    return batch * kvh * (hist * per_tok + window * 2 * d * 2)
 
 
 def _rows(csv_path: str) -> tuple[list[dict], dict]:
@@ -169,7 +168,9 @@ def merge(args) -> None:
         m["bound"] = classify(m)
         out.append({**lab, "metrics": m})
     rep["ncu"] = out
-    rep_path.write_text(json.dumps(rep, indent=2, default=str))
+    from oscar_calib.fsutil import atomic_write_text
+
+    atomic_write_text(rep_path, json.dumps(rep, indent=1, default=str) + "\n")
     print("kernel bounds (Nsight Compute, one call each):")
     for o in out:
         m = o["metrics"]
@@ -187,7 +188,7 @@ def _pipes(m: dict) -> str:
     return ("; pipes " + " ".join(f"{n} {v:.0f}%" for n, v in have)) if have else ""
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("target")
@@ -197,7 +198,7 @@ def main():
     mg.add_argument("--report", required=True)
     mg.add_argument("--labels", required=True)
     mg.add_argument("--csv", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     target(args) if args.cmd == "target" else merge(args)
 
 

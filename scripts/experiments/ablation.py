@@ -44,7 +44,7 @@ variant            options
                    with ``--heldout-seqs 8`` the last 2 held-out sequences choose the step
 ``refine-lrL``
 ``codebook``       the default's rotations and clips; 4 calibrated levels per (layer, KV head)
-                   and K/V between each group's min and max (``numerics.codebook``, ``range``
+                   and K/V between each group's min and max (``experimental.codebook``, ``range``
                    coding: same fp16 scale/offset, same bits), Lloyd-fitted on the held-out rows
                    the clips are fitted on (rotated and clipped); simulation only
 ``codebook-std``   the same with each group stored as fp16 mean and std and the levels in
@@ -178,7 +178,7 @@ def stats_run(lm, cfg, cache: Path):
     return run, timing
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -202,14 +202,15 @@ def main() -> None:
                          "VARIANT (repeatable; a NIAH column in the table)")
     ap.add_argument("--render", action="store_true",
                     help="only re-write --out's table (with --niah attached) from its JSON; loads no model")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.render:
         if args.out is None or not args.out.is_file():
             raise SystemExit("error: --render needs --out naming an existing ablation JSON")
         results = json.loads(args.out.read_text())
         attach_niah(results, args.niah)
         if args.niah:
-            results["render_command"] = "python scripts/experiments/ablation.py " + " ".join(sys.argv[1:])
+            results["render_command"] = "python scripts/experiments/ablation.py " + " ".join(argv)
         write_results(results, args.out)
         print(table(results))
         return
@@ -253,7 +254,7 @@ def main() -> None:
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
                            "threads": torch.get_num_threads()}
-    results["command"] = "python scripts/experiments/ablation.py " + " ".join(sys.argv[1:])
+    results["command"] = "python scripts/experiments/ablation.py " + " ".join(argv)
     attach_niah(results, args.niah)
 
     def save():
@@ -514,12 +515,11 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
     rows, and a summary: mean levels and the squared error on those rows (rotated and clipped) with
     the fitted levels relative to uniform INT2 (``k``, ``v``) and to the initial levels, averaged over
     layers and KV heads."""
-    import dataclasses
-
     import torch
 
     from oscar_calib.calibrate.pipeline import heldout_layer
-    from oscar_calib.numerics.codebook import (
+    from oscar_calib.experimental.codebook import (
+        CodebookScheme,
         fake_quant_codebook,
         fit_layer_levels,
         initial_levels,
@@ -548,7 +548,7 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
                "k_levels_mean": torch.stack(kl).mean((0, 1)).tolist(),
                "v_levels_mean": torch.stack(vl).mean((0, 1)).tolist(),
                "heldout_mse_ratio": {w: sum(r) / len(r) for w, r in ratios.items()}}
-    return dataclasses.replace(scheme, name=quantizer, quantizer=quantizer, k_levels=kl, v_levels=vl), summary
+    return CodebookScheme.of(scheme, quantizer, kl, vl, name=quantizer), summary
 
 
 def table(results: dict) -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Why calibrated codebooks lose (README, "Calibrated 4-level codebooks"): energy and gain of the
+"""Why calibrated codebooks lose (docs/design/numerics.md, "What was tried and not adopted"): energy and gain of the
 reconstruction on the rows the levels are fitted on, uniform INT2 against fitted levels.
 
     python scripts/experiments/codebook_gain.py > scripts/experiments/results/codebook_gain_smollm2-135m.md
@@ -28,7 +28,7 @@ def main() -> None:
         heldout_layer,
         prepare_model,
     )
-    from oscar_calib.numerics.codebook import fake_quant_codebook, fit_layer_levels
+    from oscar_calib.experimental.codebook import fake_quant_codebook, fit_layer_levels
     from oscar_calib.numerics.quant import clip_rows, fake_quant_int2
     from oscar_calib.spec.config import CalibrationConfig
 

@@ -81,7 +81,7 @@ def test_fits_take_rotations_and_covariances_from_the_cpu():
     assert errors != errors_h and all(v > 0 for v in errors.values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the GPU machine)")
+@pytest.mark.gpu
 def test_fits_on_a_gpu_equal_the_cpu_fits():
     held = held_layer(t=160, hq=8, hkv=2, d=64)
     rot, cq = rotations(d=64)

@@ -4,12 +4,14 @@ plain lines off a terminal (a live bar on one), and leaves stdout to tables and 
 from __future__ import annotations
 
 import json
-import sys
 import time
 
-from oscar_calib.cli import _progress, main
+from factories import oscar
+
+from oscar_calib.cli import _progress
 from oscar_calib.progress import counter, report, step
 
+# (a quick run with its verify pass: the verify stages are drawn too)
 FAST_ARGS = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--device", "cpu"]
 
 
@@ -71,18 +73,48 @@ def test_off_and_rich_are_chosen_by_environment(monkeypatch):
     assert _progress.display_kind() == "plain"           # pytest's stderr is not a terminal
 
 
-def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, capsys, tmp_path, tiny_llama_dir):
-    monkeypatch.setenv("OSCAR_PROGRESS", "plain")
+def test_calibrate_shows_every_stage_and_keeps_stdout_clean(monkeypatch, tmp_path, tiny_llama_dir):
     monkeypatch.setattr(_progress, "ANNOUNCE_AFTER_S", 0.0)   # the tiny model's stages take milliseconds
-    monkeypatch.setattr(sys, "argv", ["oscar", "calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "a"),
-                                      *FAST_ARGS, "--json"])
-    try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, 1)                          # a random-init model may fail verify's comparison
-    cap = capsys.readouterr()
-    doc = json.loads(cap.out)                            # stdout: the JSON document only
+    code, out, err = oscar("calibrate", tiny_llama_dir, "--out", tmp_path / "a", *FAST_ARGS, "--json",
+                           env={"OSCAR_PROGRESS": "plain"})
+    assert code in (0, 1), err                           # a random-init model may fail verify's comparison
+    doc = json.loads(out)                                # stdout: the JSON document only
     assert doc["verify"]["passed"] in (True, False)
-    done = [line.split(": done in ")[0] for line in cap.err.splitlines() if ": done in " in line]
-    assert done == ["loading model", "tokenising data", "capture", "held-out rows", "rotations + clips",
-                    "shared rotations", "verify: held-out pass", "verify: INT2 kernels"], cap.err
+    done = [line.split(": done in ")[0] for line in err.splitlines() if ": done in " in line]
+    # the data is read and tokenised before the weights load: a bad --data costs no model load
+    stages = ["loading tokenizer", "tokenising data", "loading model", "capture", "held-out rows", "rotations + clips",
+              "shared rotations", "verify: held-out pass", "verify: INT2 kernels"]
+    assert done == stages, err
+    # the JSON's time: every stage, and the rest as "other", adding up to the total in tenths
+    t = doc["time"]
+    assert [name for name, _ in t["stages"]] == stages and t["other_s"] >= 0
+    assert sum(round(sec * 10) for _, sec in t["stages"]) + round(t["other_s"] * 10) == round(t["total_s"] * 10)
+    assert "next:" not in err                        # --json: no advice on stderr
+
+
+def test_stage_clock_accounts_for_every_second(monkeypatch):
+    """Stages are timed whether a display draws them or not; the parts, each rounded to a tenth,
+    add up to the total exactly, the untimed rest being "other"."""
+    clock = Clock()
+    drawn = []
+    c = _progress.StageClock(clock=clock).wrap(lambda *a: drawn.append(a))
+    clock.t = 101.26                                     # start-up before the first stage
+    with step(c, "loading model"):
+        clock.t = 104.31
+    tick = counter(c, "capture", 2, "tokens")
+    clock.t = 104.40
+    tick(1)
+    clock.t = 106.07
+    tick(2)
+    clock.t = 106.2                                      # writing files: between stages
+    with step(c, "verify"):
+        clock.t = 107.0
+    with step(c, "loading model"):                       # a stage that comes back adds up
+        clock.t = 107.04
+    clock.t = 107.49
+    parts, total = c.breakdown()
+    assert dict(parts) == {"loading model": 3.1, "capture": 1.8, "verify": 0.8, "other": 1.8} and total == 7.5
+    assert c.line() == "time: loading model 3.1 s, capture 1.8 s, verify 0.8 s, other 1.8 s; total 7.5 s"
+    assert c.to_dict() == {"total_s": 7.5, "stages": [["loading model", 3.1], ["capture", 1.8], ["verify", 0.8]],
+                           "other_s": 1.8}
+    assert drawn[0] == ("loading model", 0, None, "") and len(drawn) == 9     # every report passed on

@@ -1,37 +1,46 @@
-"""scripts/bench/bench_append.py: a CPU smoke run under --quick, one line and a non-zero exit without a GPU."""
+"""scripts/bench/bench_append.py, in this process: a --quick run (one small layer, the Triton
+interpreter) times every variant and the step section and writes its result; bad input and a
+machine without a GPU are one line and exit non-zero, nothing written."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from factories import load_script, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_append.py"
+pytestmark = pytest.mark.script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench/bench_append.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")
-def test_bench_append_without_gpu_says_so_in_one_line(tmp_path):
-    out = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and not out.exists()
-    assert [ln for ln in res.stderr.splitlines() if ln.strip()] == [
+def test_without_gpu_says_so_in_one_line(bench, tmp_path):
+    assert script_error(bench.main, ["--out", str(tmp_path)]) == (
         "error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the Triton "
-        "interpreter)"]
+        "interpreter)")
+    assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
-def test_bench_append_quick_times_every_variant(tmp_path):
-    out = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    data = json.loads(out.read_text())
+@pytest.mark.parametrize("bad, why", [(["--sections", "decode"], "--sections takes append and step"),
+                                      (["--save"], "--save accepts a GPU run only")])
+def test_bad_input_is_one_line(bench, tmp_path, bad, why):
+    assert why in script_error(bench.main, ["--quick", "--out", str(tmp_path / "out"), *bad])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or interpreter_problem() is not None,
+                    reason=str(interpreter_problem() or "--quick is the CPU smoke run; a GPU runs the benchmark"))
+def test_quick_times_every_variant_and_the_step(bench, tmp_path):
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "append-cpu.json").read_text())
+    assert data["benchmark"] == "append" and data["settings"]["quick"] and data["not_measured"] == []
     variants = [r["variant"] for r in data["rows"]]
-    assert variants[0] == "default" and "torch reference" in variants and len(variants) == len(set(variants))
+    assert variants == list(bench.VARIANTS)
     assert all(r["us_per_call"] > 0 for r in data["rows"])
     methods = [r["method"] for r in data["step"]]
     assert methods == ["rotation kernel", "in append_token", "in append_token, no PDL", "BF16 cache + SDPA"]
@@ -39,9 +48,3 @@ def test_bench_append_quick_times_every_variant(tmp_path):
     # rounding; a wrong query would be off by order 1)
     assert all(r["us_per_layer"] > 0 for r in data["step"])
     assert all(r["rel_diff_vs_rotation_kernel"] < 1e-2 for r in data["step"][:3])
-
-
-def test_bench_append_refuses_unknown_sections(tmp_path):
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--sections", "decode", "--out",
-                          str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "--sections" in res.stderr and not (tmp_path / "b.json").exists()

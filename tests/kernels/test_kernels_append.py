@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import grid
 
 from oscar_calib.errors import InputError
 from oscar_calib.kernels.append import (
@@ -86,10 +87,12 @@ def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=F
     return ref, tri
 
 
-@pytest.mark.parametrize("group_size,d,dtype", [
+@pytest.mark.parametrize("group_size,d,dtype", grid([
     (128, 128, torch.bfloat16), (128, 128, torch.float16), (128, 128, torch.float32),
     (64, 128, torch.bfloat16), (32, 128, torch.bfloat16), (16, 64, torch.float16), (256, 256, torch.bfloat16),
-    ((32, 128), 128, torch.bfloat16), ((32, 256), 256, torch.bfloat16), ((64, 16), 64, torch.float16)])
+    ((32, 128), 128, torch.bfloat16), ((32, 256), 256, torch.bfloat16), ((64, 16), 64, torch.float16)],
+    # under the interpreter: each input dtype, groups of 16 to 256, one and two byte blocks, K and V apart
+    [(128, 128, torch.float32), (16, 64, torch.float16), (256, 256, torch.bfloat16), ((64, 16), 64, torch.float16)]))
 def test_append_token_equals_the_reference_bit_for_bit(device, group_size, d, dtype):
     """Exact rotations (signed permutations): every slot, code, parameter, count and length is the
     reference's, across the sink, the ring of the recent window and the history."""
@@ -114,7 +117,7 @@ def test_append_token_masked_rows_and_history_ring(device):
         assert not torch.equal(got[1, :, :, -1], untouched[1, :, :, -1])
 
 
-@pytest.mark.parametrize("real", [None, [True, True, False]])
+@pytest.mark.parametrize("real", grid([None, [True, True, False]], [[True, True, False]]))
 def test_append_token_gate_is_a_second_condition(device, real):
     """``gate``: a row stores its token only when it is real and its gate is set."""
     ref, tri = run_steps(device, real=real, gate=[False, True, True], steps=3)
@@ -183,7 +186,8 @@ def test_append_token_refuses_bad_input(device):
         append_token(k, k, *st.tensors(), query=torch.zeros(2, 3, 128, device=device), **kw)
 
 
-@pytest.mark.parametrize("qg,d,kb", [(4, 128, None), (3, 64, None), (1, 128, 32), (8, 256, None)])
+@pytest.mark.parametrize("qg,d,kb", grid([(4, 128, None), (3, 64, None), (1, 128, 32), (8, 256, None)],
+                                          [(3, 64, None), (1, 128, 32)]))
 def test_append_token_rotates_the_query_with_the_keys_rotation(device, qg, d, kb):
     """``query=``: the K programs return ``q @ R_k`` per KV head (float32, the decode kernel's
     query) from the ``R`` they hold; the cache writes are unchanged by it. A strided query view

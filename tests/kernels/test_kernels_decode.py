@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from factories import grid
 
 from oscar_calib.errors import InputError
 from oscar_calib.kernels import (
@@ -25,8 +26,10 @@ from oscar_calib.numerics import quant
 
 SMALL = {"BLOCK_N": 16, "BLOCK16": 16}
 # (code mode, KV heads per program) variants of the INT2 kernel (see _decode_triton); the
-# inline-PTX mode 1 exists only on the GPU (the interpreter runs mode 0 for it)
-DECODE_VARIANTS = [(0, 1), (0, 2), (0, 4)] + ([(1, 1), (1, 2), (1, 4)] if torch.cuda.is_available() else [])
+# inline-PTX mode 1 exists only on the GPU. Under the interpreter: 4 heads per program over 2 KV
+# heads (slots past the end); 1 head runs in the library-tuning test (every regime's default), 2 in
+# the prefetch test.
+DECODE_VARIANTS = grid([(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)], [(0, 4)])
 
 
 def _window_fake(x, r):
@@ -100,7 +103,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# under the interpreter: one case per regime (the two left out have their own tests below: two
+# byte blocks with G = 32, and pages of 32 tokens)
+@pytest.mark.parametrize("name", grid(CASES, ["d64_mixed_lengths", "d128_one_kv_head", "d256_g64",
+                                              "paged_page8_shuffled", "history_zero", "int2_only",
+                                              "d64_three_heads_qg3"]))
 def test_decode_matches_reference(name, device):
     q, cache, rk, rv, _ = _case(**CASES[name], seed=len(name), device=device)
     _run(q, cache, rk, rv)
@@ -122,8 +129,7 @@ def test_decode_kernel_variants(mode, hp, device):
     _run(q, cache, rk, rv, config={**SMALL, "mode": mode, "heads_per_program": hp})
 
 
-@pytest.mark.parametrize("hp", [1, 2])
-@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("hp,page", grid([(1, None), (2, None), (1, 16), (2, 16)], [(2, 16)]))
 def test_decode_prefetch_register_cap_pdl(hp, page, device):
     # software prefetch of the next step's offsets and parameters (paged: the block-table
     # entries too), a register cap and programmatic dependent launch (the last two act on the
@@ -140,7 +146,7 @@ def test_decode_prefetch_register_cap_pdl(hp, page, device):
     assert relative_error(a.float(), b) < 2e-3
 
 
-@pytest.mark.parametrize("hp", [2, 4])
+@pytest.mark.parametrize("hp", grid([2, 4], [4]))
 def test_decode_heads_per_program_with_missing_heads(hp, device):
     # 3 KV heads: the last program's head slots past the end are computed on a clamped head
     # and never stored; paged layout for the per-token page lookups
@@ -149,8 +155,8 @@ def test_decode_heads_per_program_with_missing_heads(hp, device):
     _run(q, cache, rk, rv, config={**SMALL, "heads_per_program": hp})
 
 
-@pytest.mark.parametrize("pairs", [True, False])
-@pytest.mark.parametrize("d,page", [(128, None), (256, 16)])
+@pytest.mark.parametrize("pairs,d,page", grid([(True, 128, None), (False, 128, None), (True, 256, 16),
+                                                (False, 256, 16)], [(True, 128, None), (False, 256, 16)]))
 def test_decode_value_codes_as_pairs_or_words(pairs, d, page, device):
     # value codes loaded as 16-bit pairs (default) or 32-bit words: the same attention, with two
     # byte blocks per row (d=256), paged, and partial last steps
@@ -159,7 +165,8 @@ def test_decode_value_codes_as_pairs_or_words(pairs, d, page, device):
     _run(q, cache, rk, rv, config={**SMALL, "value_pairs": pairs, "BLOCK_N": 32})
 
 
-@pytest.mark.parametrize("page,block_n,off32", [(16, 16, True), (16, 16, False), (8, 16, True), (32, 16, False)])
+@pytest.mark.parametrize("page,block_n,off32", grid([(16, 16, True), (16, 16, False), (8, 16, True), (32, 16, False)],
+                                                   [(8, 16, True), (32, 16, False)]))
 def test_decode_paged_step_entries_and_offsets(page, block_n, off32, device):
     # a step inside one page takes one block-table entry (page % BLOCK_N == 0), otherwise one per
     # token; offsets 32- or 64-bit; prefetched steps, a partial last step and an empty split
@@ -287,8 +294,9 @@ def test_decode_prerotated_query_equals_rotation(device):
     assert relative_error(a, b) < 1e-3
 
 
-@pytest.mark.parametrize("batch,qg", [(9, 4), (5, 3), (3, 8), (2, 32)])
-@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("batch,qg,grouped", grid([(b, qg, grouped) for grouped in (True, False)
+                                                   for b, qg in ((9, 4), (5, 3), (3, 8), (2, 32))],
+                                                  [(9, 4, True), (5, 3, True), (2, 32, False)]))
 def test_query_rotation_kernel_groups_sequences(batch, qg, grouped, device):
     """The rotation kernel, with sequences grouped into the 16 rows of its product (a partial last
     group; 3 query heads padded to 4; 32 heads taking 32 rows) or one sequence per program, equals

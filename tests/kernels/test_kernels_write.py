@@ -4,6 +4,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from factories import grid
 
 from oscar_calib.errors import InputError
 from oscar_calib.kernels import QuantizedKV, quantize_kv, quantize_kv_reference
@@ -72,17 +73,20 @@ def _check_close(res: QuantizedKV, ref: QuantizedKV, exact: bool = False):
     assert dev.mean() <= 2e-3 * step.mean()
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize(
-    "dtype,d,g,tokens,heads",
-    [
-        (torch.bfloat16, 64, 32, 37, 2),
-        (torch.float16, 128, 128, 50, 1),
-        (torch.bfloat16, 128, 64, 9, 3),
-        (torch.float32, 256, 32, 20, 2),
-        (torch.bfloat16, 256, 128, 33, 1),
-    ],
-)
+SHAPES = [  # dtype, head_dim, group size, tokens, KV heads
+    (torch.bfloat16, 64, 32, 37, 2),
+    (torch.float16, 128, 128, 50, 1),
+    (torch.bfloat16, 128, 64, 9, 3),
+    (torch.float32, 256, 32, 20, 2),
+    (torch.bfloat16, 256, 128, 33, 1),
+]
+
+
+# every kernel on every shape; under the interpreter every kernel once and every shape at least
+# once (kernel i on shape i mod 5)
+@pytest.mark.parametrize("kernel,dtype,d,g,tokens,heads",
+                         grid([(k, *s) for s in SHAPES for k in KERNELS],
+                              [(k, *SHAPES[i % len(SHAPES)]) for i, k in enumerate(KERNELS)]))
 def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, device):
     gen = torch.Generator().manual_seed(d * 7 + g + tokens)
     x = kv_rows((tokens, heads, d), dtype, generator=gen, device=device)
@@ -100,8 +104,10 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("kernel", ["general", "planes", "planes_sorted", "planes_divide", "planes_early",
-                                    "planes_top3"])
+# (under the interpreter: the general kernel and the default plane-wise one; every variant is
+# compared with the reference above, and the tournaments on degenerate groups below)
+@pytest.mark.parametrize("kernel", grid(["general", "planes", "planes_sorted", "planes_divide", "planes_early",
+                                         "planes_top3"], ["general", "planes_sorted"]))
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
     """Without a rotation the kernel's arithmetic is the reference's: bit-identical output,
     even on a grid of values full of clip ties and rounding ties."""
@@ -122,7 +128,7 @@ def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
             _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), g), exact=True)
 
 
-@pytest.mark.parametrize("kernel", ["planes_sorted", "planes_early", "planes_top3"])
+@pytest.mark.parametrize("kernel", grid(["planes_sorted", "planes_early", "planes_top3"], ["planes_sorted", "planes_top3"]))
 def test_write_kernel_degenerate_groups(kernel, device):
     """Groups whose values are all equal, or differ by a few ulps around a large offset, after the
     clip: codes by thresholds of unclipped values cannot stand in for the clipped ones there (the

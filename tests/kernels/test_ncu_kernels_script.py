@@ -1,13 +1,14 @@
-"""scripts/dev/ncu_kernels.py merge: Nsight Compute's raw CSV into per-kernel metrics and a bound."""
+"""scripts/dev/ncu_kernels.py merge, in this process: Nsight Compute's raw CSV into per-kernel metrics
+and a bound."""
 
 import csv
 import io
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "ncu_kernels.py"
+import pytest
+from factories import load_script
+
+pytestmark = pytest.mark.script
 
 
 def _csv(rows: list[dict]) -> str:
@@ -33,7 +34,7 @@ def _row(i, name, dram, issue, alu, wait, barrier):
             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": str(barrier)}
 
 
-def test_merge_adds_metrics_pipes_and_bounds(tmp_path):
+def test_merge_adds_metrics_pipes_and_bounds(tmp_path, capsys):
     rows = [_row(0, "quantize_kv_planes_kernel", 23.5, 41.0, 56.39, 1.1, 0.7),
             _row(1, "decode_kernel", 81.0, 30.0, 20.0, 0.2, 0.1),
             _row(2, "quantize_kv_planes_kernel", 20.0, 75.0, 80.0, 0.3, 0.2)]
@@ -43,10 +44,8 @@ def test_merge_adds_metrics_pipes_and_bounds(tmp_path):
               {"kernel": "quantize_kv_planes_kernel", "what": "write b", "config": {"x": 1}, "bytes": None}]
     (tmp_path / "labels.json").write_text(json.dumps(labels))
     (tmp_path / "rep.json").write_text(json.dumps({"shape": {}}))
-    res = subprocess.run([sys.executable, str(SCRIPT), "merge", "--report", str(tmp_path / "rep.json"),
-                          "--labels", str(tmp_path / "labels.json"), "--csv", str(tmp_path / "ncu.csv")],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
+    load_script("dev/ncu_kernels.py").main(["merge", "--report", str(tmp_path / "rep.json"),
+                                            "--labels", str(tmp_path / "labels.json"), "--csv", str(tmp_path / "ncu.csv")])
     got = json.loads((tmp_path / "rep.json").read_text())["ncu"]
     assert [g["what"] for g in got] == ["write a", "decode", "write b"]
     a, dec, b = (g["metrics"] for g in got)
@@ -55,4 +54,4 @@ def test_merge_adds_metrics_pipes_and_bounds(tmp_path):
     assert (a["alu_pipe_pct"], a["fma_pipe_pct"], a["tensor_pipe_pct"]) == (56.39, 4.84, 17.84)
     assert a["bound"] == "latency (wait)" and dec["bound"] == "memory" and b["bound"] == "instruction issue"
     assert abs(a["achieved_GBps_at_ncu_clock"] - 302e6 / 390.5e-6 / 1e9) < 1e-6
-    assert "pipes ALU 56% FMA 5% tensor 18%" in res.stdout
+    assert "pipes ALU 56% FMA 5% tensor 18%" in capsys.readouterr().out

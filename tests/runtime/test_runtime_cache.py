@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 from transformers import DynamicCache
 
 from oscar_calib.errors import ArtifactError, CacheError
@@ -105,7 +105,8 @@ def test_kernel_path_equals_torch_path():
     against the pure-torch path, model level, GQA (4 query / 2 KV heads), batch 2."""
     dev = "cuda" if ON_GPU else "cpu"
     m = tiny_model("llama", layers=2, head_dim=64).to(dev)
-    ids = torch.randint(1, 120, (2, 16), generator=torch.Generator().manual_seed(3)).to(dev)
+    # 10 tokens of prefill (an INT2 history of 5 behind the 2 + 3 window), then 3 decode steps
+    ids = torch.randint(1, 120, (2, 13), generator=torch.Generator().manual_seed(3)).to(dev)
     sch = scheme(m, group_size=32)
     tri_cache = OscarCache(m.config, sch, backend="triton")
     tri = step_logits(m, tri_cache, ids, 10)
@@ -154,17 +155,17 @@ def test_memory_report():
     assert mem["bf16_bytes"] == geo.num_layers * 2 * 40 * h * d * 2
 
 
-def test_v_folded_artifact_keeps_values_rotated(demo_artifact, tmp_path):
+def test_v_folded_artifact_keeps_values_rotated(zoo_smollm2):
     from oscar_calib.spec.artifact import load_artifact
 
-    art = load_artifact(demo_artifact)
+    art = load_artifact(zoo_smollm2)
     assert KVScheme.from_artifact(art).v_rotation[0] is not None
     art.metadata["v_folded"] = "true"
     folded = KVScheme.from_artifact(art)
     assert all(r is None for r in folded.v_rotation) and folded.k_rotation[0] is not None
 
 
-def test_bad_artifacts_are_refused_before_any_cache(demo_artifact, smollm2, tmp_path, monkeypatch):
+def test_bad_artifacts_are_refused_before_any_cache(zoo_smollm2, smollm2, tmp_path, monkeypatch):
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -176,7 +177,7 @@ def test_bad_artifacts_are_refused_before_any_cache(demo_artifact, smollm2, tmp_
     monkeypatch.setattr(cache_mod.OscarLayer, "__init__",
                         lambda self, *a, **k: built.append(1) or pytest.fail("a layer was built"))
     bad = tmp_path / "nan"
-    shutil.copytree(demo_artifact, bad)
+    shutil.copytree(zoo_smollm2, bad)
     tensors = load_file(str(bad / "oscar.safetensors"))
     from safetensors import safe_open
 
@@ -187,17 +188,15 @@ def test_bad_artifacts_are_refused_before_any_cache(demo_artifact, smollm2, tmp_
     with pytest.raises(ArtifactError, match="layers.3.k_rotation"):
         OscarCache.from_artifact(bad, model)
     with pytest.raises(ArtifactError):
-        OscarCache.from_artifact(demo_artifact, tiny_model("llama"))            # another model
+        OscarCache.from_artifact(zoo_smollm2, tiny_model("llama"))              # another model
     assert not built
 
 
-def test_smollm2_zoo_artifact_generates_like_the_simulation(smollm2):
+def test_smollm2_zoo_artifact_generates_like_the_simulation(smollm2, zoo_smollm2):
     """Greedy text through the real cache equals the simulation on the zoo artifact (SmolLM2,
     64 + 256 BF16 tokens, G = 64); the prompt is long enough for an INT2 history."""
-    from pathlib import Path
-
     model, tok, _ = smollm2
-    art = Path(__file__).resolve().parents[2] / "zoo" / "smollm2-135m"
+    art = zoo_smollm2
     from oscar_calib.calibrate.corpus import embedded_texts
 
     ids = tok(embedded_texts()[3][:2400], return_tensors="pt").input_ids[:, :400]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import UnsupportedModelError
 from oscar_calib.runtime.compat import (

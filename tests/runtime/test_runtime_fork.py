@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import InputError
 from oscar_calib.model.geometry import geometry_of
@@ -139,3 +139,22 @@ def test_fork_scheme_bits_and_checks():
     with pytest.raises(InputError, match="group size = head_dim"):   # Lloyd-Max only with one group per row
         SimulatedKV(None, fork_scheme(1, 2, 16, 8, quantizer="fork-lloyd")).attend(
             0, torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16), None, 0.25, None, None)
+
+
+@pytest.mark.parametrize("quantizer", ["fork", "fork-lloyd"])
+def test_real_caches_refuse_a_quantiser_they_cannot_store(quantizer):
+    """SimulatedCache and OscarCache store oscar's uniform INT2 only: the fork's quantisers are refused
+    in one line instead of being stored silently as uniform INT2."""
+    import dataclasses
+
+    from oscar_calib.runtime.cache import OscarCache
+    from oscar_calib.runtime.simulated import SimulatedCache
+
+    m = tiny_model("llama", layers=2)
+    geo = geometry_of(m)
+    sch = fork_scheme(geo.num_layers, geo.num_kv_heads, geo.head_dim, 8, quantizer=quantizer)
+    for cls in (SimulatedCache, OscarCache):
+        with pytest.raises(InputError, match=f"'{quantizer}' quantiser exists only in the perplexity simulation"):
+            cls(m.config, sch)
+    for cls in (SimulatedCache, OscarCache):                  # the same scheme with oscar's quantiser is taken
+        cls(m.config, dataclasses.replace(sch, quantizer="oscar"))

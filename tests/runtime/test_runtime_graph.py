@@ -11,12 +11,11 @@ import functools
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 
 from oscar_calib.errors import CacheError, InputError
 from oscar_calib.runtime import DecodeGraph
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (GPU machine)")
 PROMPT = 500                                         # past sink + window: the INT2 history is in use
 
 
@@ -46,7 +45,7 @@ def _prefill(model, cache, prompt):
         return model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:]
 
 
-@gpu
+@pytest.mark.gpu
 def test_greedy_decode_from_the_graph_equals_eager_steps():
     model = _model("cuda")
     prompt = torch.randint(0, 128, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
@@ -84,7 +83,7 @@ def test_greedy_decode_from_the_graph_equals_eager_steps():
     assert graphed.layers[0].store.exact_counts() == [PROMPT + steps + 1] * 2
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind,backend", [("gemma3", "auto"), ("qwen3", "torch")])
 def test_graph_replays_the_torch_decode_path_as_the_history_grows(kind, backend):
     """Layers that decode in torch (a sliding layer whose ring is not full yet; every layer with
@@ -111,7 +110,7 @@ def test_graph_replays_the_torch_decode_path_as_the_history_grows(kind, backend)
     assert max(rel) < 2e-3, rel                         # the same logits up to summation order
 
 
-@gpu
+@pytest.mark.gpu
 def test_graph_refuses_to_run_past_the_reserved_history():
     model = _model("cuda")
     cache = _cache(model, PROMPT)
@@ -163,7 +162,7 @@ def _padded_prompt(device, length=PROMPT, pads=37):
 def _generate(model, cache, ids, mask, custom, **kw):
     from oscar_calib.runtime import graph_decoding
 
-    if custom == "compile":        # the opt-in spelled as the README spells it
+    if custom == "compile":        # the opt-in spelled as the docs spell it
         extra = {"custom_generate": functools.partial(graph_decoding, compile=True)}
     else:
         extra = {"custom_generate": graph_decoding} if custom else {}
@@ -252,7 +251,7 @@ def _stored(out, mask, stop):
     return [int(m) + f for m, f in zip(mask.sum(-1).tolist(), fed)]
 
 
-@gpu
+@pytest.mark.gpu
 def test_graph_decoding_on_the_gpu_equals_eager_generate():
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -285,7 +284,7 @@ def test_graph_decoding_on_the_gpu_equals_eager_generate():
     assert graphed.layers[0].store.exact_counts() == _stored(got, mask, stop)
 
 
-@gpu
+@pytest.mark.gpu
 def test_compiled_graph_steps_follow_eager_steps():
     """``DecodeGraph(compile=True)``: the model's own ops between the cache update and the attention
     compiled (torch.compile, per decoder layer), recorded and replayed; the logits follow eager
@@ -314,7 +313,8 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
     """The layers ``DecodeGraph(compile=True)`` records: each decoder layer through torch.compile
     (one compiled code for all layers), the cache update and the attention left out of it; steps
     through it give the eager steps' logits (float32 here) and the model is restored after."""
-    from oscar_calib.runtime.graph import _compiled_layers, _decoder_layers
+    from oscar_calib.runtime.attention import ATTENTION_NAME, registered_attention
+    from oscar_calib.runtime.graph import compiled_layers, decoder_layers
 
     torch.manual_seed(0)
     model = _model("cpu")
@@ -327,7 +327,7 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
         with cache.attach(model), torch.no_grad():
             ids, pos = logits.argmax(-1), torch.tensor([[300]])
             for i in range(3):
-                with _compiled_layers(_decoder_layers(model), cache) if compiled else contextlib.nullcontext():
+                with compiled_layers(decoder_layers(model), cache, ATTENTION_NAME, registered_attention) if compiled else contextlib.nullcontext():
                     out = model(ids, past_key_values=cache, position_ids=pos + i, use_cache=True).logits[:, -1:]
                 assert "update" not in cache.__dict__
                 outs.append(out.float())
@@ -337,3 +337,59 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
     ref, got = steps(False), steps(True)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def test_cache_generate_takes_the_fastest_path_that_applies():
+    """``OscarCache.generate``: on the CPU ``fast="auto"`` runs eager steps and gives ``generate()``'s
+    own tokens; ``fast=True`` and ``compile=True`` say in one line why the graph does not apply;
+    beam search falls back to eager steps under ``"auto"``."""
+    from oscar_calib.runtime.graph import graph_refusal
+
+    model = _model("cpu")
+    ids, mask = _padded_prompt("cpu")
+    want = _generate(model, _cache(model, 600), ids, mask, False, do_sample=False)
+    with torch.no_grad():
+        got = _cache(model, 600).generate(model, ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                                          do_sample=False)
+        assert torch.equal(got, want)
+        for kw, match in ((dict(fast=True), r"fast=True\): no graph decoding here: the model is on cpu"),
+                          (dict(compile=True), "compile=True"), (dict(fast="yes"), "fast must be")):
+            with pytest.raises(InputError, match=match):
+                _cache(model, 600).generate(model, ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **kw)
+    assert graph_refusal(model) == "the model is on cpu, not a GPU"
+
+
+def test_graph_refusal_names_what_the_graph_does_not_run(monkeypatch):
+    from oscar_calib.runtime import graph as graph_mod
+
+    model = _model("cpu")
+    monkeypatch.setattr(graph_mod, "graph_device", lambda m: torch.device("cuda", 0))   # as if on one GPU
+    assert graph_mod.graph_refusal(model, max_new_tokens=4) is None
+    assert "num_beams" in graph_mod.graph_refusal(model, num_beams=2)
+    assert "output_attentions" in graph_mod.graph_refusal(model, output_attentions=True, return_dict_in_generate=True)
+    assert "inputs_embeds" in graph_mod.graph_refusal(model, inputs_embeds=torch.zeros(1, 2, 8))
+    monkeypatch.undo()
+    spread = _model("cpu")
+    spread.lm_head.to("meta")
+    assert "offloaded" in graph_mod.graph_refusal(spread)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_cache_generate_on_the_gpu_decodes_from_the_graph(compile, monkeypatch):
+    """On one GPU ``OscarCache.generate`` runs ``graph_decoding`` (and its ``compile`` option): the
+    tokens of ``custom_generate=graph_decoding``."""
+    from oscar_calib.runtime import graph as graph_mod
+
+    calls = []
+    real = graph_mod.DecodeGraph
+    monkeypatch.setattr(graph_mod, "DecodeGraph", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model = _model("cuda")
+    ids, mask = _padded_prompt("cuda")
+    want = _generate(model, _cache(model, 600), ids, mask, "compile" if compile else True, do_sample=False)
+    calls.clear()
+    with torch.no_grad():
+        got = _cache(model, 600).generate(model, ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                                          do_sample=False, compile=compile)
+    assert calls == [{"compile": compile}]
+    assert torch.equal(got, want)

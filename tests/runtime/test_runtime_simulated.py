@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from factories import tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -125,9 +125,9 @@ def test_sliding_layers_keep_window_and_mask_sizes():
     assert sl.get_seq_length() == 11 == cache.get_seq_length()
 
 
-def test_from_artifact(demo_artifact, smollm2):
+def test_from_artifact(zoo_smollm2, smollm2):
     model, tok, _ = smollm2
-    cache = SimulatedCache.from_artifact(demo_artifact, model)
+    cache = SimulatedCache.from_artifact(zoo_smollm2, model)
     assert cache.scheme.group_size == 64 and cache.scheme.sink == 64 and cache.scheme.recent == 256
     assert isinstance(cache.layers[0], SimulatedLayer)
     ids = tok("def f(x):\n    return", return_tensors="pt").input_ids
@@ -135,5 +135,5 @@ def test_from_artifact(demo_artifact, smollm2):
                          pad_token_id=tok.eos_token_id)
     assert out.shape[1] == ids.shape[1] + 3
     with pytest.raises(ArtifactError):
-        SimulatedCache.from_artifact(demo_artifact, tiny_model("llama"))
+        SimulatedCache.from_artifact(zoo_smollm2, tiny_model("llama"))
 

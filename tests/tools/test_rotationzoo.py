@@ -4,24 +4,25 @@ config.json, what the card records, the zoo listing, and one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from factories import assert_one_line_error, oscar
 
-from oscar_calib.cli import app
 from oscar_calib.errors import InputError, PublishError
 from oscar_calib.tools import rotationzoo
-from oscar_calib.tools.sglang import payload
-from oscar_calib.tools.sglang.fileformat import save_bytes
+from oscar_calib.tools.export.sglang import payload
+from oscar_calib.tools.export.sglang.fileformat import save_bytes
 
-runner = CliRunner()
 TAG_8B = "seq20000_prompt83_group128"
 
 
+@functools.cache
 def rotations(n: int, d: int, seed: int) -> list[torch.Tensor]:
+    """``n`` random orthogonal ``[d, d]`` matrices (cached: compare, never change them)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float() for _ in range(n)]
 
@@ -104,10 +105,13 @@ def test_pull_qwen3_8b_from_the_mock_layout(monkeypatch, cache):
     assert "| clips | k=0.96, v=0.92 (configs/qwen3-8b.yaml: the fork's scripts) |" in card
     (entry,) = list_entries(cache / "empty-zoo")
     assert (entry.source, entry.remote, entry.model_id) == ("rotationzoo", "rotationzoo:qwen3-8b", "Qwen/Qwen3-8B")
-    # the other calibration by --tag (a tag or any part of the path), into --out
-    other = rotationzoo.pull_rotationzoo("rotationzoo:qwen3-8b", tag="LongBench", out=cache / "lb")
-    assert other.source["calibration_tag"] == "seq150000_prompt44_group128"
-    assert torch.equal(load_artifact(cache / "lb").layers[0].k_rotation[0], rotations(36, 128, 10)[0])
+    # the other calibration by --tag: a tag or any part of the path (a pull with --tag and --out,
+    # end to end: test_choosing_the_tag_and_clear_errors, on a tiny model)
+    pairs = rotationzoo.model_pairs(rotationzoo.rotation_pairs(list(layout_8b())), ["qwen3-8b"])
+    other = rotationzoo.choose_pair(pairs, tag="LongBench", pinned=TAG_8B, what="Qwen/Qwen3-8B")
+    assert other.tag == "seq150000_prompt44_group128"
+    assert other.files() == (f"qwen3-8B/LongBench/{other.tag}/rotations/k_rotation_qqt_r_h_pbr.pt",
+                             f"qwen3-8B/LongBench/{other.tag}/rotations/v_rotation_sst_r_h_pbr.pt")
 
 
 def tiny_config(directory: Path, *, tag: str | None = None, **zoo) -> Path:
@@ -177,14 +181,14 @@ def test_model_option_takes_the_fingerprint_of_its_config(monkeypatch, cache, tm
     assert validate_artifact(tmp_path / "a", model=model_reference(str(tiny_llama_dir))).ok
     assert f"fingerprint from the config.json of {tiny_llama_dir}" in (tmp_path / "a" / "README.md").read_text()
     # the CLI: --json, and the rotationzoo options refused for hub artifacts
-    r = runner.invoke(app, ["pull", "rotationzoo:tiny-llama", "--out", str(tmp_path / "b"), "--clip", "k=1,v=0.8",
-                            "--json"])
+    r = oscar("pull", "rotationzoo:tiny-llama", "--out", str(tmp_path / "b"), "--clip", "k=1,v=0.8",
+              "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["source"] == "rotationzoo:tiny-llama" and doc["calibration_tag"] == "seq1_prompt1_group16"
     assert doc["clips"].startswith("k=1, v=0.8")
-    r = runner.invoke(app, ["pull", "hf:org/name", "--tag", "x"])
-    assert isinstance(r.exception, InputError) and "rotationzoo:MODEL sources only" in str(r.exception)
+    r = oscar("pull", "hf:org/name", "--tag", "x")
+    assert_one_line_error(r.exit_code, r.stderr, "rotationzoo:MODEL sources only")
 
 
 def test_upstream_seed_models_in_the_zoo_index(tmp_path):

@@ -17,14 +17,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from factories import (
+    assert_one_line_error,
+    bad_clips,
+    make_artifact,
+    oscar,
+    skewed_rotation,
+)
 from safetensors.torch import load_file
-from test_validate import _bad_clip, _scale_rotation, make_artifact
-from typer.testing import CliRunner
 
 import oscar_calib.tools.publish as publish
-from oscar_calib.cli import app
 from oscar_calib.errors import InputError
-from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata, serialize_safetensors
+from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata, serialize_artifact
 from oscar_calib.tools.validate_ci import (
     escape_data,
     escape_property,
@@ -38,7 +42,6 @@ from oscar_calib.tools.validate_ci import (
 from oscar_calib.tools.zoo import write_index
 
 REPO = Path(__file__).resolve().parents[2]
-runner = CliRunner()
 ANNOTATION = re.compile(r"^::error (?P<props>[^:]*)::(?P<message>.*)$")
 
 
@@ -81,8 +84,8 @@ def test_escaping_follows_the_runner_rules():
 def test_format_github_names_file_and_check(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_artifact(tmp_path / "zoo" / "good")
-    make_artifact(tmp_path / "zoo" / "bad", mutate=lambda t: (_bad_clip(t), _scale_rotation(t)))
-    result = runner.invoke(app, ["validate", "zoo", "--format", "github"])
+    make_artifact(tmp_path / "zoo" / "bad", mutate=lambda t: (bad_clips(t), skewed_rotation(t)))
+    result = oscar("validate", "zoo", "--format", "github")
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     errors = [parse_annotation(ln) for ln in lines if ln.startswith("::")]
@@ -96,11 +99,11 @@ def test_format_github_names_file_and_check(tmp_path, monkeypatch):
     assert github_lines(validate_sources([str(tmp_path / "zoo" / "bad")]), cwd=tmp_path)[0].startswith(
         "::error file=zoo/bad/oscar.safetensors,")
     # --json stays an alias of --format json; the two must not disagree
-    doc = json.loads(runner.invoke(app, ["validate", "zoo/good", "--json"]).stdout)
+    doc = json.loads(oscar("validate", "zoo/good", "--json").stdout)
     assert doc["ok"] is True
-    assert json.loads(runner.invoke(app, ["validate", "zoo/good", "--format", "json"]).stdout) == doc
-    result = runner.invoke(app, ["validate", "zoo/good", "--json", "--format", "github"])
-    assert isinstance(result.exception, InputError)
+    assert json.loads(oscar("validate", "zoo/good", "--format", "json").stdout) == doc
+    result = oscar("validate", "zoo/good", "--json", "--format", "github")
+    assert_one_line_error(result.exit_code, result.stderr, "--format")
 
 
 # ----------------------------------------------------------------------------- zoos: good and broken
@@ -124,7 +127,7 @@ def zoos(tmp_path_factory) -> dict[str, Path]:
         f = out[name] / "zoo" / "gemma3-270m" / WEIGHTS_NAME
         tensors, md = load_file(str(f)), read_metadata(f)
         tensors["layers.3.k_rotation"][0] *= 1.01
-        f.write_bytes(serialize_safetensors(tensors, md))
+        f.write_bytes(serialize_artifact(tensors, md))
     return out
 
 
@@ -152,11 +155,45 @@ def test_the_hook_manifest():
     assert "scripts/dev/run_hook.py oscar-validate zoo" in (REPO / "Makefile").read_text()
 
 
+PINNED = re.compile(r"(?:rev: |uses: OWNER/oscar@)(\S+)")
+
+
+def test_the_documented_pins_agree_and_resolve():
+    """The hook's and the workflow's documents pin one full commit SHA (oscar makes no releases: a
+    tag would not resolve). In a git checkout that commit is in this history, and its pyproject
+    requires triton on Linux only, so the pinned hook installs on macOS and Windows."""
+    files = (".pre-commit-hooks.yaml", "docs/examples/validate-zoo.yml", "action.yml")
+    texts = {f: (REPO / f).read_text() for f in files}
+    assert not any("v0.1.0" in t for t in texts.values())
+    pins = {f: set(PINNED.findall(texts[f])) for f in files[:2]}
+    assert all(pins.values()) and len(set().union(*pins.values())) == 1, pins
+    sha = pins[files[0]].pop()
+    assert re.fullmatch(r"[0-9a-f]{40}", sha), sha
+    git = ["git", "-C", str(REPO)]
+    if shutil.which("git") is None or subprocess.run(git + ["rev-parse", "--git-dir"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the pinned commit cannot be looked up")
+    assert subprocess.run(git + ["merge-base", "--is-ancestor", sha, "HEAD"]).returncode == 0, \
+        f"the pinned commit {sha} is not in this repository's history: pin a commit of it"
+    pyproject = subprocess.run(git + ["show", f"{sha}:pyproject.toml"], capture_output=True, text=True,
+                               check=True).stdout
+    from packaging.requirements import Requirement
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the same parser as a package
+        import tomli as tomllib
+    triton = next(r for r in map(Requirement, tomllib.loads(pyproject)["project"]["dependencies"])
+                  if r.name == "triton")
+    assert triton.marker.evaluate({"platform_system": "Linux"})
+    assert not triton.marker.evaluate({"platform_system": "Darwin"})
+
+
 def run_hook(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "dev" / "run_hook.py"), "oscar-validate"], cwd=root,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.script
 def test_hook_passes_the_committed_zoo(zoos, tmp_path):
     proc = run_hook(zoos["good"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -164,6 +201,7 @@ def test_hook_passes_the_committed_zoo(zoos, tmp_path):
     assert proc.stderr == ""
 
 
+@pytest.mark.script
 @pytest.mark.parametrize("damage,expected", [
     ("corrupt", ["zoo/smollm2-135m: truncated file: tensor data needs"]),
     ("rotation", ["zoo/gemma3-270m: layers.3.k_rotation is not orthogonal"]),
@@ -257,7 +295,7 @@ def test_changed_files_zoo_index_stands_for_its_zoo(tmp_path, monkeypatch):
     # an artifact changed without `oscar zoo index`: its index is stale
     make_artifact(tmp_path / "zoo" / "b", seed=2)
     reports = validate_sources(["zoo/index.json"], changed_files=True)
-    assert [r.checks for r in reports][-1] == {"index": False}
+    assert [r.checks for r in reports][-1] == {"index": False, "zoo": True}
     # without --changed-files a zoo index is skipped and a non-zoo file is a problem (unchanged)
     assert [r.ok for r in validate_sources(["zoo/index.json", "site/index.json"])] == [False]
 
@@ -297,16 +335,16 @@ def test_hub_repository_validated_in_place_nothing_kept(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()                       # and the pull cache untouched
     # one artifact at the repository's root, through the CLI
     monkeypatch.setattr(publish, "hf_snapshot_download", fake_snapshot(make_artifact(tmp_path / "one"), calls))
-    result = runner.invoke(app, ["validate", "huggingface:my-org/tiny-oscar", "--format", "github"])
+    result = oscar("validate", "huggingface:my-org/tiny-oscar", "--format", "github")
     assert result.exit_code == 0 and calls[1]["revision"] is None
     assert result.stdout.splitlines()[0] == "ok hf:my-org/tiny-oscar (test/tiny, 2 layers)"
 
 
 def test_modelscope_bad_artifact_and_failures(tmp_path, monkeypatch):
-    bad = make_artifact(tmp_path / "bad", mutate=_bad_clip)
+    bad = make_artifact(tmp_path / "bad", mutate=bad_clips)
     calls = []
     monkeypatch.setattr(publish, "modelscope_snapshot_download", lambda: fake_snapshot(bad, calls))
-    result = runner.invoke(app, ["validate", "ms:org/name@v2", "--format", "github"])
+    result = oscar("validate", "ms:org/name@v2", "--format", "github")
     assert result.exit_code == 1 and calls[0]["revision"] == "v2" and calls[0]["repo_id"] == "org/name"
     errors = [parse_annotation(ln) for ln in result.stdout.splitlines() if ln.startswith("::")]
     assert len(errors) == 2 and all("file" not in p and p["title"] == "oscar validate: clips" for p, _ in errors)

@@ -107,11 +107,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _save(model, tokenizer, directory: Path, artifact: Artifact, artifact_sha: str, dtype: torch.dtype,
           shard_size: str | int) -> None:
-    from ...model.load import _quiet
+    from ...model.load import quiet_loading
 
     if dtype != torch.float32:
         model.to(dtype)
-    with _quiet():
+    with quiet_loading():
         model.save_pretrained(directory, max_shard_size=shard_size)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(directory)
@@ -125,9 +125,9 @@ def reload_check(directory: Path, input_ids: torch.Tensor, logits0: torch.Tensor
     original logits; raise :class:`NumericalError` beyond :data:`RELOAD_TOLERANCE`."""
     from transformers import AutoModelForCausalLM
 
-    from ...model.load import _quiet
+    from ...model.load import quiet_loading
 
-    with _quiet():
+    with quiet_loading():
         m = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     saved = json.loads((Path(directory) / "config.json").read_text()).get(CONFIG_KEY, {})
     if not saved.get(FOLDED_KEY):
@@ -193,14 +193,11 @@ def fold_checkpoint(model_spec: str, artifact_path: Path, out: Path, *, dtype: s
     refused with its line). The input model and artifact are never written to; ``out`` appears
     only when the checkpoint is complete and has passed both checks.
     """
-    from ..validate import require_valid
-
     t0 = time.perf_counter()
     out, artifact_path = Path(out), Path(artifact_path)
     out_dtype = _resolve_dtype(dtype)
     shard_size = _parse_shard_size(shard_size)
-    require_valid(artifact_path)
-    artifact = load_artifact(artifact_path)
+    artifact = load_artifact(artifact_path)         # every check of oscar validate, the digest included
     refuse_folded_artifact(artifact)
     if loaded is None:
         from .fp8 import fold_fp8_checkpoint, fp8_checkpoint

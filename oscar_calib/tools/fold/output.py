@@ -17,7 +17,7 @@ from ...spec.artifact import (
     REPORT_NAME,
     WEIGHTS_NAME,
     Artifact,
-    serialize_safetensors,
+    serialize_artifact,
 )
 from .weights import FOLDED_KEY
 
@@ -53,7 +53,7 @@ def write_artifact_copy(directory: Path, artifact: Artifact, source_sha256: str)
     """The artifact, marked ``v_folded = "true"``, beside the checkpoint it was folded into."""
     directory.mkdir(parents=True, exist_ok=True)
     meta = dict(artifact.metadata, **{FOLDED_KEY: "true"})
-    atomic_write_bytes(directory / WEIGHTS_NAME, serialize_safetensors(artifact.tensors(), meta))
+    atomic_write_bytes(directory / WEIGHTS_NAME, serialize_artifact(artifact.tensors(), meta))
     src = Path(artifact.path) if artifact.path else None
     if src is not None and (src / REPORT_NAME).exists():
         shutil.copyfile(src / REPORT_NAME, directory / REPORT_NAME)

@@ -33,7 +33,7 @@ from ...model.geometry import (
 from ...model.registry import ArchSpec, arch_for
 from ...progress import ProgressFn, counter
 from ...spec.artifact import Artifact, require_compatible
-from ..validate import check_metadata_values, check_values
+from ...spec.values import check_metadata_values, check_values
 
 CONFIG_KEY = "oscar"
 FOLDED_KEY = "v_folded"
@@ -56,7 +56,7 @@ def require_valid_values(artifact: Artifact) -> None:
     """The validator's metadata and value checks (finite, orthogonal, clips, ...) on an artifact in
     memory; raise :class:`ArtifactError` with its first line, as ``oscar validate`` words it."""
     md = artifact.metadata
-    problems = check_metadata_values(md)
+    problems, _ = check_metadata_values(md)
     for found in check_values(artifact.tensors(), md).values():
         problems.extend(found)
     if problems:

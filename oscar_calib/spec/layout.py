@@ -1,0 +1,85 @@
+"""The names of the artifact contract, format version 1: files, tensors and metadata keys.
+
+The one place that names what an artifact holds. It imports nothing, so every other module of
+the contract (:mod:`.values`, :mod:`.digest`, :mod:`.checks`, :mod:`.artifact`) builds on it
+without importing each other in a circle.
+
+Layout of an artifact directory::
+
+    <out>/oscar.safetensors     rotations, clips and eigenvalues (float32)
+    <out>/README.md             model card
+    <out>/calibration.json      per-layer report, timings, settings
+    <out>/verify.json           what ``oscar verify`` measured, and on which content (optional)
+"""
+
+from __future__ import annotations
+
+WEIGHTS_NAME = "oscar.safetensors"
+CARD_NAME = "README.md"
+REPORT_NAME = "calibration.json"
+VERIFY_NAME = "verify.json"
+PULL_RECORD = ".oscar-pull.json"      # where an artifact came from, written by `oscar pull` (hidden: never pushed)
+FORMAT_NAME = "oscar-rotations"
+IMPORTED = "imported"                 # objective/composition of an artifact made by ``oscar import``
+
+TENSOR_KINDS = ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")
+# Optional, additive (toolkit 0.2): one rotation per layer shared by all its KV heads, computed from the
+# pooled statistics, for engines that take one rotation per layer (the OSCAR SGLang fork's main). All of
+# them or none, for every layer; eigenvalues descending like the per-head ones.
+SHARED_KINDS = ("k_layer_rotation", "v_layer_rotation", "k_layer_eigenvalues", "v_layer_eigenvalues")
+# Optional metadata (toolkit 0.2): the one K and one V clip ratio fitted for the shared rotations
+# (an engine that applies one ratio per cache for the whole model).
+SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
+# Optional metadata (toolkit 0.3): the INT2 group size of every layer, comma separated (K and V of a layer
+# share it), when a bit budget gave layers different sizes (`oscar calibrate --bit-budget`). ``group_size``
+# then holds the closest uniform size within the same budget (what an engine with one size serves).
+LAYER_GROUPS_METADATA = "layer_group_sizes"
+# Optional metadata (toolkit 0.4): the values' INT2 group size of every layer, comma separated, when keys and
+# values use different sizes (`oscar calibrate --bit-budget B --split-kv`). ``layer_group_sizes`` (or, without
+# it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys' size:
+# more bits for the values, never fewer.
+LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
+# Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
+# sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
+# (:mod:`.digest`). A reader refuses a file whose content no longer matches it.
+DIGEST_KEY = "content_sha256"
+
+REQUIRED_METADATA = (
+    "format", "format_version", "model_id", "model_fingerprint", "num_layers",
+    "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "bits", "sink_tokens",
+    "recent_tokens", "k_objective", "v_objective", "composition", "granularity", "calibration",
+    "toolkit_version",
+)
+INT_METADATA = ("format_version", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                "group_size", "bits", "sink_tokens", "recent_tokens")
+GEOMETRY_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
+
+
+def tensor_name(layer: int, kind: str) -> str:
+    if kind not in TENSOR_KINDS and kind not in SHARED_KINDS:
+        raise KeyError(kind)
+    return f"layers.{layer}.{kind}"
+
+
+def tensor_shape(kind: str, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    if kind in ("k_layer_rotation", "v_layer_rotation"):
+        return (head_dim, head_dim)
+    if kind in ("k_layer_eigenvalues", "v_layer_eigenvalues"):
+        return (head_dim,)
+    if kind.endswith("rotation"):
+        return (num_kv_heads, head_dim, head_dim)
+    if kind.endswith("clip"):
+        return (num_kv_heads,)
+    return (num_kv_heads, head_dim)
+
+
+def dtype_name(t) -> str:
+    """``float32`` for a torch or numpy float32 tensor (and so on): the dtype without its library."""
+    return str(t.dtype).removeprefix("torch.")
+# Optional metadata (toolkit 0.3): where the model came from, a JSON object (``model_id`` stays the
+# model's name): ``kind`` (alias | local | gguf | hub); ``alias`` (a pip-shipped model's name) or
+# ``path`` (the absolute directory or .gguf file a local model was read from); ``hub_id`` when
+# known. Tools load the model from it (``model.load.model_for_artifact``); the card shows it.
+MODEL_SOURCE_METADATA = "model_source"
+MODEL_SOURCE_KINDS = ("alias", "local", "gguf", "hub")
+MODEL_SOURCE_FIELDS = ("kind", "alias", "path", "hub_id")

@@ -1,0 +1,286 @@
+"""What every export target shares: the engine revision its rules were restated from, the
+settings a user passes, the launch settings an export writes, and the staged write that re-reads
+the files with the engine's restated loader checks before anything is installed.
+
+A target (one module per engine) subclasses :class:`ExportTarget` and supplies
+
+* :meth:`~ExportTarget.refusals`: one line per thing the engine cannot serve for this artifact;
+* :meth:`~ExportTarget.write`: the engine's files in a staging directory, and its :class:`Launch`;
+* :meth:`~ExportTarget.load_problems`: the engine's loader rules restated as oscar's own checks
+  (the engine's code is read, cited, never copied);
+* :meth:`~ExportTarget.read`: the K and V rotations back from the engine's files, for ``oscar import``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ... import __version__
+from ...errors import ArtifactError, InputError
+from ...fsutil import atomic_write_text, staged_dir
+from ...numerics.rotation import orthogonality_error
+from ...spec.artifact import Artifact, load_artifact
+
+SETTINGS_FILE = "settings.json"
+ENV_FILE = "serve.env"
+LAUNCH_FILE = "launch.sh"
+
+# transformers model types with sliding-window attention layers (their KV cache is windowed per layer)
+SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
+
+STATUSES = {
+    "checked": "loader code read at the cited revision; its rules are restated in oscar's checks and tests",
+    "partial": "loader code read, but the engine's pull request moved: some rules come from another revision",
+    "unchecked": "no loader code readable: oscar refuses to write for it",
+}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The engine code a target's rules were restated from."""
+
+    repo: str                       # owner/name (and branch or pull request)
+    revision: str                   # the commit(s) read
+    where: tuple[str, ...]          # "path: function" for each rule's source
+    status: str = "checked"         # a key of STATUSES
+    note: str = ""                  # what could not be checked
+
+    def line(self) -> str:
+        return f"{self.repo} @ {self.revision}"
+
+
+@dataclass
+class ExportSettings:
+    """What a user may set for an export; None means the artifact's (or the engine's) value."""
+
+    model_path: str | None = None
+    clip: tuple[float | None, float | None] = (None, None)
+    sink: int | None = None
+    recent: int | None = None
+    group_size: int | None = None
+    folded: bool | None = None
+    gguf: Path | None = None                # llama.cpp: the model GGUF the rotations are baked into
+    onnx: Path | None = None                # ONNX Runtime: a GQA graph to patch
+    prefill_backend: str = "fa3"            # SGLang
+
+
+@dataclass
+class Launch:
+    """How the engine is started: environment variables and the command line, explicit values."""
+
+    env: dict[str, str]
+    argv: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    def serve_env(self, title: str, warnings: list[str]) -> str:
+        lines = [f"# {title}, written by `oscar export` (oscar {__version__})",
+                 "# Load with `set -a; . serve.env; set +a`, or run ./launch.sh.",
+                 *[f"# {n}" for n in self.notes], *[f"# WARNING: {w}" for w in warnings]]
+        lines += [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        return "\n".join(lines) + "\n"
+
+    def launch_sh(self, title: str, relocate: dict[str, str]) -> str:
+        """A script that loads serve.env, re-points the variables in ``relocate`` (env name -> file
+        name) at its own directory, and runs :attr:`argv` with any extra arguments appended."""
+        moves = "".join(f'export {k}="$here/{v}"\n' for k, v in relocate.items())
+        cmd = " ".join(shlex.quote(a) for a in self.argv)
+        return (f"#!/usr/bin/env bash\n# {title} (written by `oscar export`, oscar {__version__}).\n"
+                f"# Usage: ./{LAUNCH_FILE} [more arguments for the engine]\nset -euo pipefail\n"
+                f'here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"\nset -a\n. "$here/{ENV_FILE}"\nset +a\n'
+                f"{moves}exec {cmd} \"$@\"\n")
+
+
+@dataclass
+class Written:
+    """What :meth:`ExportTarget.write` produced in the staging directory."""
+
+    files: list[str]
+    launch: Launch
+    relocate: dict[str, str] = field(default_factory=dict)   # env name -> file name inside the export
+    settings: dict = field(default_factory=dict)             # engine settings for settings.json
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    target: str
+    files: list[str]
+    launch: Launch
+    settings: dict
+    checked: Checked
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"out": str(self.out), "target": self.target, "files": [str(self.out / f) for f in self.files],
+                "env": self.launch.env, "argv": self.launch.argv, "settings": self.settings,
+                "checked": asdict(self.checked), "warnings": self.warnings}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a loader check needs to know about the model: its decoder layers (global ids of the
+    layers that hold a KV cache), KV heads and head_dim."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_ids: tuple[int, ...] | None = None
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.layer_ids if self.layer_ids is not None else tuple(range(self.num_layers))
+
+    @classmethod
+    def of(cls, art: Artifact) -> "Geometry":
+        return cls(art.num_layers, art.num_kv_heads, art.head_dim)
+
+
+@dataclass
+class ReadRotations:
+    """One cache's rotations read back from an engine's files: ``rotations[i]`` ``[1, d, d]``
+    (shared by the layer's KV heads) or ``[h, d, d]``, float32, for every layer of the model."""
+
+    source: str                         # file (or file#part) it came from
+    format_version: str                 # the engine's form, e.g. "vllm", "gguf-f32-transposed"
+    rotations: list[torch.Tensor]
+    sha256: str
+    eigenvalues: list[torch.Tensor | None] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    source_dtype: str = "float32"
+
+    def __post_init__(self):
+        if not self.eigenvalues:
+            self.eigenvalues = [None] * len(self.rotations)
+
+    @property
+    def per_head(self) -> bool:
+        return any(r.shape[0] > 1 for r in self.rotations)
+
+
+class ExportTarget:
+    """One serving engine's form of an artifact (see the module docstring)."""
+
+    name: str = ""
+    engine: str = ""
+    summary: str = ""
+    checked: Checked
+    reads: str = ""            # what `oscar import --from NAME` takes, for --help and errors
+
+    # -- to implement -----------------------------------------------------------------------
+    def refusals(self, art: Artifact, s: ExportSettings) -> list[str]:
+        return []
+
+    def write(self, art: Artifact, tmp: Path, final: Path, s: ExportSettings) -> Written:
+        raise NotImplementedError
+
+    def load_problems(self, out: Path, geo: Geometry) -> list[str]:
+        raise NotImplementedError
+
+    def read(self, paths: list[Path], geo: Geometry) -> tuple[ReadRotations, ReadRotations]:
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------
+    def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:
+        """Write the engine's files for the artifact into ``out``: refused in one line when the
+        engine cannot serve it; the files are re-read by :meth:`load_problems` in the staging
+        directory and installed only when they pass."""
+        if self.checked.status == "unchecked":
+            raise InputError(f"--target {self.name}: {self.checked.note or 'no loader code could be read'}; "
+                             "oscar does not write for a loader it could not check")
+        art = load_artifact(artifact_path)              # every check of oscar validate, the digest included
+        why = self.refusals(art, s)
+        if why:
+            raise ArtifactError(f"{self.engine} cannot serve {artifact_path}: {why[0]}")
+        out = Path(out)
+        with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
+            w = self.write(art, tmp, out.resolve(), s)
+            problems = self.load_problems(tmp, Geometry.of(art))
+            if problems:
+                raise ArtifactError(f"the files written for {self.engine} fail its loader's checks: {problems[0]}")
+            title = f"{self.engine} settings for {art.metadata.get('model_id')} ({self.checked.line()})"
+            settings = {"target": self.name, "engine": self.engine, "checked": asdict(self.checked),
+                        "artifact": str(Path(artifact_path).resolve()), "model_id": art.metadata.get("model_id"),
+                        "model_fingerprint": art.metadata.get("model_fingerprint"), "env": w.launch.env,
+                        "argv": w.launch.argv, **w.settings, "warnings": w.warnings, "toolkit_version": __version__}
+            launch_files = [ENV_FILE, LAUNCH_FILE] if w.launch.argv else []    # an engine with a command line
+            if launch_files:
+                atomic_write_text(tmp / ENV_FILE, w.launch.serve_env(title, w.warnings))
+                atomic_write_text(tmp / LAUNCH_FILE, w.launch.launch_sh(title, w.relocate))
+                os.chmod(tmp / LAUNCH_FILE, 0o755 & ~_umask())
+            atomic_write_text(tmp / SETTINGS_FILE, json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
+        files = [*w.files, *launch_files, SETTINGS_FILE]
+        return ExportResult(out, self.name, files, w.launch, w.settings, self.checked, w.warnings)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ----------------------------------------------------------------------------- helpers for targets
+
+def sliding_window_note(art: Artifact) -> str | None:
+    """Why the artifact's model has sliding-window layers (None when it has none)."""
+    types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
+    if "sliding_attention" in types:
+        n = sum(t == "sliding_attention" for t in types)
+        return f"{art.metadata.get('model_id')} has {n} sliding-window attention layers"
+    if art.metadata.get("model_type") in SLIDING_MODEL_TYPES:
+        return f"{art.metadata.get('model_id')} ({art.metadata.get('model_type')}) has sliding-window attention layers"
+    return None
+
+
+def shared_rotations(art: Artifact, which: str, engine: str) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Every layer's one ``[d, d]`` rotation for ``which`` (``"k"``/``"v"``) and its eigenvalues,
+    or :class:`ArtifactError` saying what an engine that loads one rotation per layer loses."""
+    missing = shared_missing(art)
+    if missing:
+        raise ArtifactError(f"{engine}: {missing}")
+    pairs = [art.shared_rotation(i, which) for i in range(art.num_layers)]
+    return [p[0].float() for p in pairs], [p[1] for p in pairs]
+
+
+def shared_missing(art: Artifact) -> str | None:
+    """One line when the artifact has per-KV-head rotations and no shared per-layer ones."""
+    if any(art.shared_rotation(i, "k") is None or art.shared_rotation(i, "v") is None
+           for i in range(art.num_layers)):
+        return ("it loads one [head_dim, head_dim] rotation per layer, and this artifact has only per-KV-head "
+                f"rotations ({art.num_kv_heads} per layer) and no shared per-layer ones (made before oscar 0.2): "
+                "re-run `oscar calibrate` to add them; serving one head's rotation for all would lose the per-head fit")
+    return None
+
+
+def per_head_note(art: Artifact, engine: str, method: str) -> str | None:
+    """What exporting the shared rotation of a per-KV-head artifact gives up (None otherwise);
+    ``method``: the ``oscar eval`` method that measures the engine's scheme."""
+    if art.granularity == "head" and art.num_kv_heads > 1:
+        return (f"{engine} loads one rotation per layer: this export serves the artifact's shared per-layer rotations, "
+                f"not its {art.num_kv_heads} per-KV-head ones (`oscar eval --methods oscar,{method}` shows the cost)")
+    return None
+
+
+def rotation_problem(r, where: str, shape: tuple[int, ...], tol: float) -> str | None:
+    """The first reason ``r`` is not a finite, orthogonal floating tensor of ``shape``, or None."""
+    if not isinstance(r, torch.Tensor):
+        return f"{where} is not a tensor"
+    if tuple(r.shape) != tuple(shape):
+        return f"{where} has shape {list(r.shape)}, expected {list(shape)}"
+    if not r.is_floating_point() or not torch.isfinite(r).all():
+        return f"{where} is not a finite floating-point tensor"
+    err = orthogonality_error(r)
+    if err >= tol:
+        return f"{where} is not orthogonal (‖RRᵀ − I‖∞ = {err:.2e})"
+    return None
+
+
+def wrong_paths(target: ExportTarget, paths, wanted: str):
+    """Raise the one-line error for ``oscar import --from TARGET`` given the wrong number of paths."""
+    raise InputError(f"--from {target.name} reads {wanted} ({target.reads}); got {len(paths)} path(s)")

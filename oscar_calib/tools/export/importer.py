@@ -1,0 +1,214 @@
+"""``oscar import``: rotations read back from any engine's files (:meth:`~.base.ExportTarget.read`)
+as a validated format-v1 artifact.
+
+Pickles are opened with ``torch.load(weights_only=True)`` only. Choices for what the files do not
+carry:
+
+* clips: fixed, ``0.96`` for K and ``0.92`` for V (the reference's globals) unless ``--clip``; they
+  are also recorded as the artifact's global clips (``fork_k_clip``/``fork_v_clip``), so an
+  export serves exactly what was imported;
+* eigenvalues: from the file when present (sorted descending, the artifact's order; the fork writes
+  them ascending and they only describe the spectrum), otherwise zeros; ``calibration.json`` records
+  which;
+* granularity ``layer`` when both caches hold one rotation per layer (repeated per KV head), else
+  ``head``; ``composition`` and objectives ``"imported"``;
+* fingerprint, model_id and geometry: from the model (a :class:`~oscar_calib.model.load.LoadedModel`,
+  or any :class:`ModelTarget`, e.g. one built from ``configs/`` geometry when the weights are not at
+  hand); group size ``min(128, head_dim)``, sink 64, recent 256 unless given.
+
+The artifact is built in a temporary directory, validated, and only then moved into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ... import FORMAT_VERSION, __version__
+from ...errors import OutputExistsError
+from ...fsutil import staged_dir
+from ...spec.artifact import (
+    Artifact,
+    LayerRotations,
+    stamp_artifact,
+    write_artifact_files,
+)
+from ...spec.defaults import (
+    BASELINE_CLIPS,
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    check_clip,
+    check_group_size,
+    check_window,
+    default_group_size,
+)
+from ...spec.layout import (
+    DIGEST_KEY,
+    FORMAT_NAME,
+    IMPORTED,
+    MODEL_SOURCE_METADATA,
+    SHARED_CLIP_METADATA,
+    WEIGHTS_NAME,
+)
+from ..validate import require_valid
+from .base import Geometry, ReadRotations
+
+
+@dataclass
+class ModelTarget:
+    """What an imported artifact records about its model."""
+
+    model_id: str
+    model_type: str
+    fingerprint: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: list[str] = field(default_factory=list)
+    note: str = ""                     # e.g. "fingerprint from configs/qwen3-8b.yaml geometry"
+    source: dict | None = None         # where a loaded model came from (ModelSource.record)
+
+    @classmethod
+    def from_loaded(cls, lm) -> "ModelTarget":
+        g = lm.geometry
+        return cls(lm.source.model_id, g.model_type, lm.fingerprint, g.num_layers, g.num_attention_heads,
+                   g.num_kv_heads, g.head_dim, list(g.layer_types), source=lm.source.record())
+
+    def geometry(self) -> dict:
+        return {"model_type": self.model_type, "num_layers": self.num_layers,
+                "num_attention_heads": self.num_attention_heads, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "layer_types": self.layer_types}
+
+
+@dataclass
+class ImportResult:
+    out: Path
+    artifact: Artifact
+    report: dict
+
+    def to_dict(self) -> dict:
+        return {"out": str(self.out), "model_id": self.artifact.metadata["model_id"],
+                "granularity": self.artifact.metadata["granularity"], "num_layers": self.artifact.num_layers,
+                "imported": self.report["imported"]}
+
+
+def _eigen(f: ReadRotations, i: int, h: int, d: int) -> tuple[torch.Tensor, str]:
+    e = f.eigenvalues[i]
+    if e is None:
+        return torch.zeros(h, d), "zeros"
+    return e.expand(h, d).sort(dim=-1, descending=True).values.contiguous(), "file"
+
+
+def model_target(model, *, trust_remote_code: bool = False) -> "ModelTarget":
+    """``model`` (a MODEL spec, a :class:`~oscar_calib.model.load.LoadedModel` or a :class:`ModelTarget`)
+    as a :class:`ModelTarget`; a spec is loaded on the CPU."""
+    if isinstance(model, ModelTarget):
+        return model
+    if isinstance(model, str):
+        from ...model.load import load_model
+
+        model = load_model(model, device="cpu", trust_remote_code=trust_remote_code)
+    return ModelTarget.from_loaded(model)
+
+
+def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float | None, float | None] = (None, None),
+                     group_size: int | None = None, sink_tokens: int = DEFAULT_SINK,
+                     recent_tokens: int = DEFAULT_RECENT, overwrite: bool = False, trust_remote_code: bool = False,
+                     source: dict | None = None) -> ImportResult:
+    """Build a format-v1 artifact for ``model`` from an engine's K and V rotations: ``read(geometry)``
+    returns the two :class:`~.base.ReadRotations` (an engine target's reader bound to its files).
+    ``source`` (e.g. the hub repository a file came from) is recorded in the report and card."""
+    k_clip = check_clip("k", BASELINE_CLIPS[0] if clip[0] is None else clip[0])
+    v_clip = check_clip("v", BASELINE_CLIPS[1] if clip[1] is None else clip[1])
+    check_window(sink_tokens, recent_tokens)
+    out = Path(out)
+    if out.is_dir() and (out / WEIGHTS_NAME).exists() and not overwrite:
+        raise OutputExistsError(f"{out} already holds an artifact; pass --overwrite to replace it")
+    target = model_target(model, trust_remote_code=trust_remote_code)
+    n, h, d = target.num_layers, target.num_kv_heads, target.head_dim
+    group_size = group_size or default_group_size(d)
+    check_group_size(d, group_size)
+    kf, vf = read(Geometry(n, h, d))
+    granularity = "head" if kf.per_head or vf.per_head else "layer"
+    layers, eig_src = [], {"k": set(), "v": set()}
+    for i in range(n):
+        ke, ks = _eigen(kf, i, h, d)
+        ve, vs = _eigen(vf, i, h, d)
+        eig_src["k"].add(ks)
+        eig_src["v"].add(vs)
+        layers.append(LayerRotations(
+            k_rotation=kf.rotations[i].expand(h, d, d).clone(), v_rotation=vf.rotations[i].expand(h, d, d).clone(),
+            k_clip=torch.full((h,), k_clip), v_clip=torch.full((h,), v_clip), k_eigenvalues=ke, v_eigenvalues=ve))
+    imported = {which: {"file": f.source, "sha256": f.sha256, "format_version": f.format_version,
+                        "eigenvalues": "+".join(sorted(eig_src[which])), "dtype": f.source_dtype,
+                        "notes": f.notes, "per_head": f.per_head}
+                for which, f in (("k", kf), ("v", vf))}
+    imported["engine"] = engine
+    if source:
+        imported["source"] = source
+    calibration = {"data": IMPORTED, "tokens": 0, "sequences": 0, "seq_len": 0, "seed": 0, "clip": "fixed",
+                   "imported": imported}
+    metadata = {
+        "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": target.model_id,
+        "model_fingerprint": target.fingerprint, "num_layers": str(n),
+        "num_attention_heads": str(target.num_attention_heads), "num_kv_heads": str(h), "head_dim": str(d),
+        "group_size": str(group_size), "bits": "2", "sink_tokens": str(sink_tokens),
+        "recent_tokens": str(recent_tokens), "k_objective": IMPORTED, "v_objective": IMPORTED,
+        "composition": IMPORTED, "granularity": granularity, "calibration": json.dumps(calibration, sort_keys=True),
+        "toolkit_version": __version__, "model_type": target.model_type,
+        **dict(zip(SHARED_CLIP_METADATA, (f"{k_clip:g}", f"{v_clip:g}"))),
+        **({MODEL_SOURCE_METADATA: json.dumps(target.source, sort_keys=True)} if target.source else {}),
+    }
+    artifact = Artifact(layers=layers, metadata=metadata)
+    report = {"format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": target.model_id,
+              **({"model_source": target.source} if target.source else {}), "model_fingerprint": target.fingerprint, "group_size": group_size, "calibration": calibration,
+              "geometry": target.geometry(), "imported": imported, "fingerprint_note": target.note,
+              "settings": {"k_clip": k_clip, "v_clip": v_clip, "granularity": granularity,
+                           "sink_tokens": sink_tokens, "recent_tokens": recent_tokens}}
+    report[DIGEST_KEY] = stamp_artifact(artifact)          # what the card shows and the file stores
+    with staged_dir(out, overwrite=overwrite, merge=True, last=WEIGHTS_NAME) as tmp:
+        write_artifact_files(tmp, artifact, import_card(report), report)
+        require_valid(tmp)
+    artifact.path = out
+    return ImportResult(out, artifact, report)
+
+
+def import_card(report: dict) -> str:
+    from ...spec.card import hub_id
+
+    g, s, imp = report["geometry"], report["settings"], report["imported"]
+    src = imp.get("source") or {}
+    notes = [f"{w.upper()}: {note}." for w in ("k", "v") for note in imp[w]["notes"]]
+    rows = [
+        f"| base model | `{report['model_id']}` (fingerprint `{report['model_fingerprint'][:16]}…`"
+        f"{'; ' + report['fingerprint_note'] if report.get('fingerprint_note') else ''}) |",
+        f"| geometry | {g['num_layers']} layers, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, "
+        f"head_dim {g['head_dim']} |",
+        f"| files | K `{imp['k']['file']}` (format_version {imp['k']['format_version']}, sha256 "
+        f"`{imp['k']['sha256'][:16]}…`), V `{imp['v']['file']}` (format_version {imp['v']['format_version']}, "
+        f"sha256 `{imp['v']['sha256'][:16]}…`) |",
+    ]
+    rows += [f"| {k} | {v} |" for k, v in src.items()]
+    rows += [
+        f"| granularity | {s['granularity']} |",
+        f"| clips | fixed k={s['k_clip']}, v={s['v_clip']} (also the global pair an export serves) |",
+        f"| eigenvalues | K: {imp['k']['eigenvalues']}, V: {imp['v']['eigenvalues']} |",
+        f"| quantisation | INT2, group {report['group_size']}, BF16 sink {s['sink_tokens']} + recent "
+        f"{s['recent_tokens']} tokens |",
+        *([f"| content digest | `{report[DIGEST_KEY]}` (sha256 of tensors and metadata) |"] if report.get(DIGEST_KEY)
+          else []),
+    ]
+    return "\n".join([
+        "---", "library_name: oscar", "tags: [kv-cache, quantization, int2, oscar]",
+        *([f"base_model: {hub_id(report)}"] if hub_id(report) else []), "---", "",
+        f"# OSCAR rotations for {report['model_id']} (imported)", "",
+        f"Imported by the `oscar` toolkit {report['toolkit_version']} from {imp['engine']} rotation files "
+        f"(artifact format v{report['format_version']}).", "",
+        "| setting | value |", "|---|---|", *rows, "",
+        *([" ".join(notes), ""] if notes else []),
+        "Quality has not been measured by oscar; run `oscar verify` on this directory.", "",
+    ])

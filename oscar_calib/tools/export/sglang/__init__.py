@@ -1,0 +1,102 @@
+"""SGLang's three OSCAR loaders as export targets: the OSCAR fork's main (``sglang-fork``), the fork's
+newer per-KV-head code (``sglang-fork-v2``) and upstream SGLang's pull request #32129 (``sglang``).
+Files and loader rules: :mod:`.fileformat`; the export itself (files, ``serve.env``, ``launch.sh``,
+``clips.json``): :mod:`.export`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..base import (
+    Checked,
+    ExportResult,
+    ExportSettings,
+    ExportTarget,
+    Geometry,
+    Launch,
+    wrong_paths,
+)
+from .export import (
+    CLIPS_FILE,
+    ENV_FILE,
+    LAUNCH_FILE,
+    ServeSettings,
+    SGLangExport,
+    export_sglang,
+    serving_clips,
+)
+from .fileformat import (
+    PER_HEAD_TARGETS,
+    TARGETS,
+    file_name,
+    fork_load_problems,
+    identity_payload,
+    payload,
+    read_rotation_file,
+)
+
+FORK_MAIN = Checked(
+    "FutureMLS-Lab/OSCAR (main)", "473ff3f9d",
+    ("sglang-research/python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations",
+     "sglang-research/python/sglang/srt/environ.py: SGLANG_OSCAR_* / SGLANG_MIXED_KV_*",
+     "rotation/compute_kv_rotation.py: the V1 writer"))
+FORK_V2 = Checked(
+    "FutureMLS-Lab/OSCAR (newer code; PR #20)", "8dbf789065",
+    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations, load_oscar_rotation_field",),
+    status="partial",
+    note="PR #20's head was not readable; the rules are the fork's newer code, which carries the per-head loader")
+UPSTREAM = Checked(
+    "sgl-project/sglang (PR #32129)", "166afca4bc",
+    ("python/sglang/srt/mem_cache/unified_kv_pool.py: UnifiedInt2HPKVPool.__init__ (calls load_oscar_rotations "
+     "for a contiguous layer range; group size defaults to head_dim; windows multiples of N_Q)",),
+    status="partial",
+    note="the PR's memory_pool.py (its load_oscar_rotations) was not readable at that revision; its files are "
+         "checked as the fork's main loader, which the PR says it ports")
+
+
+class SGLangTarget(ExportTarget):
+    engine = "SGLang"
+    reads = "K.pt V.pt (the fork's files: V1 [d, d] or V2 [h, d, d] per layer)"
+
+    def __init__(self, name: str, checked: Checked):
+        self.name, self.checked, self.summary = name, checked, TARGETS[name]
+        self.engine = {"sglang-fork": "the OSCAR SGLang fork", "sglang-fork-v2": "the OSCAR SGLang fork (per-head)",
+                       "sglang": "upstream SGLang"}[name]
+
+    def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:
+        r: SGLangExport = export_sglang(artifact_path, out, target=self.name, model_path=s.model_path, clip=s.clip,
+                                        sink=s.sink, recent=s.recent, folded=s.folded,
+                                        prefill_backend=s.prefill_backend, overwrite=overwrite)
+        final = Path(out).resolve()
+        launch = Launch(r.settings.env(final / r.files[0], final / r.files[1]),
+                        ["python", "-m", "sglang.launch_server", "--model-path", r.settings.model_path,
+                         *r.settings.server_flags(), "--prefill-attention-backend", r.settings.prefill_backend])
+        settings = r.to_dict()["settings"] | {"clip_source": r.clip_source, "format_version": r.format_version}
+        return ExportResult(Path(out), self.name, r.files, launch, settings, self.checked, r.warnings)
+
+    def load_problems(self, out: Path, geo: Geometry) -> list[str]:
+        names = sorted(p.name for p in Path(out).glob("*_rotation_*.pt"))
+        problems = []
+        for which in ("k", "v"):
+            files = [n for n in names if n.startswith(f"{which}_rotation_")]
+            if len(files) != 1:
+                problems.append(f"{out} holds {len(files)} {which.upper()} rotation files, expected one")
+                continue
+            problems += [f"{files[0]}: {p}" for p in fork_load_problems(
+                Path(out) / files[0], num_layers=geo.num_layers, head_dim=geo.head_dim, target=self.name,
+                num_kv_heads=geo.num_kv_heads, layer_ids=geo.layer_ids)]
+        return problems
+
+    def read(self, paths: list[Path], geo: Geometry):
+        if len(paths) != 2:
+            wrong_paths(self, paths, "a K file and a V file")
+        return tuple(read_rotation_file(p, num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads,
+                                        head_dim=geo.head_dim, layer_ids=geo.layer_ids) for p in paths)
+
+
+TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN), SGLangTarget("sglang-fork-v2", FORK_V2),
+               SGLangTarget("sglang", UPSTREAM)]
+
+__all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",
+           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems", "identity_payload",
+           "payload", "read_rotation_file", "serving_clips"]

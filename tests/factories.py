@@ -1,0 +1,307 @@
+"""What tests share: tiny models and tokenizers, calibration settings, hand-made artifacts, the CLI
+run in-process, and the kernel tests' parameter grids.
+
+Test modules import from here (``from factories import ...``; ``tests/`` is on pytest's
+``pythonpath``), never from one another. Fixtures built from these helpers live in
+``conftest.py``; worker scripts that tests start as processes import this module too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- calibration settings
+
+# The real SmolLM2 calibrated in about a minute on a CPU (the session's ``demo_artifact``).
+FAST = dict(tokens=1024, seq_len=256, batch_size=2, heldout_tokens=128, pilot_tokens=256, checkpoint_every=1,
+            device="cpu")
+# A tiny model calibrated in about a second: 4 batches of 2 x 64 tokens.
+TINY_FAST = dict(FAST, tokens=512, seq_len=64, heldout_tokens=48, pilot_tokens=64)
+# `oscar calibrate` options of a quick run on a tiny checkpoint (no verify pass).
+FAST_ARGS = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--no-verify", "--device", "cpu"]
+
+# ----------------------------------------------------------------------------- tiny models
+
+TINY = {
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "llama_mha": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2),
+    "gemma3": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+}
+
+
+def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed: int = 0, **overrides):
+    """A random-init causal LM of family ``kind`` (see TINY), float32, eval mode; ``overrides``
+    go to its config (``vocab_size`` defaults to 128)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY[kind])
+    model_type = spec.pop("model_type")
+    spec.update(overrides)
+    vocab = spec.pop("vocab_size", 128)
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=layers, head_dim=head_dim, max_position_embeddings=512, **spec)
+    if model_type == "qwen2":
+        cfg.use_sliding_window = False
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.requires_grad_(False)
+    return model
+
+
+class CharTokenizer:
+    """A minimal in-memory tokenizer for tiny models: bytes mod vocab, EOS = 0 (not saveable)."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + (b % 120) for b in text.encode()]}
+
+
+def byte_tokenizer():
+    """A saveable byte-level BPE tokenizer built in code (no files, no network): 256 bytes + EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+def ascii_tokenizer():
+    """A saveable character-level tokenizer (printable ASCII, one token per character, EOS 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
+
+
+def loaded_tiny(kind: str = "llama", **kw):
+    """A tiny random-init model (``tiny_model(kind, **kw)``) wrapped as the LoadedModel every
+    tool takes, with a CharTokenizer."""
+    from oscar_calib.model.geometry import geometry_of, model_fingerprint
+    from oscar_calib.model.load import LoadedModel, ModelSource
+
+    model = tiny_model(kind, **kw)
+    src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")
+    return LoadedModel(model, CharTokenizer(), src, geometry_of(model), model_fingerprint(model))
+
+
+def save_checkpoint(directory: Path, model, tokenizer) -> Path:
+    """``model`` and ``tokenizer`` saved as a Hugging Face checkpoint directory (what the CLI loads)."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def calibrate_tiny(out: Path, kind: str = "llama", loaded=None, *, overwrite: bool = False, **settings):
+    """``calibrate()`` of a tiny model (``loaded``, else a fresh ``loaded_tiny(kind)``) with
+    TINY_FAST settings updated by ``settings``; returns its CalibrationResult."""
+    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.spec.config import CalibrationConfig
+
+    return calibrate(CalibrationConfig(**{**TINY_FAST, **settings}), out, loaded=loaded or loaded_tiny(kind),
+                     overwrite=overwrite)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+# ----------------------------------------------------------------------------- hand-made artifacts
+
+
+FAKE_FINGERPRINT = hashlib.sha256(b"not a real model").hexdigest()
+
+
+def random_rotation(heads: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """Random orthogonal ``[heads, d, d]`` float32 (the kernels' test helper, seeded by ``gen``)."""
+    from oscar_calib.kernels.testing import random_rotation as rotation
+
+    return rotation(heads, d, generator=gen)
+
+
+def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, d: int = 8,
+                   granularity: str = "head", seed: int = 0, metadata: dict | None = None):
+    """A format-v1 Artifact in memory: random orthogonal K and V rotations per layer and KV head
+    (one per layer, shared by the heads, with ``granularity="layer"``), clips 0.95 / 0.9 and
+    descending random eigenvalues.
+
+    With ``model`` the geometry (layers, KV and query heads, head_dim) and the fingerprint are the
+    model's, so the artifact fits it; otherwise ``layers`` x ``kv`` x ``d`` with ``heads`` query
+    heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys.
+    """
+    from oscar_calib import FORMAT_VERSION
+    from oscar_calib.spec.artifact import Artifact, LayerRotations
+    from oscar_calib.spec.defaults import default_group_size
+    from oscar_calib.spec.layout import FORMAT_NAME
+
+    fingerprint, model_type = FAKE_FINGERPRINT, "llama"
+    if model is not None:
+        from oscar_calib.model.geometry import geometry_of, model_fingerprint
+
+        geo = geometry_of(model)
+        layers, kv, heads, d = geo.num_layers, geo.num_kv_heads, geo.num_attention_heads, geo.head_dim
+        fingerprint, model_type = model_fingerprint(model), model.config.model_type
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(layers):
+        k, v = random_rotation(kv, d, gen), random_rotation(kv, d, gen)
+        if granularity == "layer":
+            k, v = k[:1].expand(kv, d, d).clone(), v[:1].expand(kv, d, d).clone()
+        eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
+        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone()))
+    md = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": "test/tiny",
+          "model_fingerprint": fingerprint, "num_layers": str(layers), "num_attention_heads": str(heads),
+          "num_kv_heads": str(kv), "head_dim": str(d), "group_size": str(default_group_size(d)), "bits": "2",
+          "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
+          "composition": "u_h_pbr", "granularity": granularity,
+          "calibration": json.dumps({"data": "test", "tokens": 0}), "toolkit_version": "0.1.0",
+          "model_type": model_type}
+    md.update(metadata or {})
+    return Artifact(layers=rows, metadata=md)
+
+
+def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | None = None, **build) -> Path:
+    """``build_artifact(model, **build)`` written to the directory ``out`` (card, report and
+    tensors, as calibrate writes them); ``mutate(tensors)`` may damage the tensors first (see
+    ``bad_clips``, ``skewed_rotation``). Returns ``out``."""
+    from oscar_calib.spec.artifact import (
+        WEIGHTS_NAME,
+        serialize_artifact,
+        write_artifact_files,
+    )
+
+    art = build_artifact(model, **build)
+    layers = art.num_layers
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"summary": {"mean_attn_error_oscar": 0.5, "mean_attn_error_hadamard": 0.7,
+                          "layers_better_than_hadamard": layers, "num_layers": layers}}
+    write_artifact_files(out, art, "# test artifact\n", report)
+    if mutate is not None:
+        tensors = art.tensors()
+        mutate(tensors)
+        (out / WEIGHTS_NAME).write_bytes(serialize_artifact(tensors, art.metadata))
+    return out
+
+
+def bad_clips(tensors: dict) -> None:
+    """Two clip ratios outside (0, 1] (layer 1's V clip of head 0, layer 0's K clip of head 1)."""
+    tensors["layers.1.v_clip"][0] = 1.5
+    tensors["layers.0.k_clip"][1] = 0.0
+
+
+def nan_k_rotation(tensors: dict) -> None:
+    """One NaN in layer 1's K rotation (head 0)."""
+    tensors["layers.1.k_rotation"][0, 2, 3] = float("nan")
+
+
+def skewed_rotation(tensors: dict) -> None:
+    """Layer 1's K rotation of head 1 scaled by 1.001: no longer orthogonal."""
+    tensors["layers.1.k_rotation"][1] *= 1.001
+
+# ----------------------------------------------------------------------------- the CLI in-process
+
+
+class CliResult(NamedTuple):
+    """What ``oscar ARGS`` did: exit code, standard output, standard error."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def oscar(*args, env: dict[str, str | None] | None = None) -> CliResult:
+    """``oscar ARGS`` run in this process through the console script's entry point
+    (``oscar_calib.cli.main``: the typed-error mapping to one ``error: ...`` line and its exit
+    code, warnings as one line each), with stdin, stdout, stderr and ``env`` isolated by Typer's
+    CliRunner. An exception the CLI does not map propagates, as a bug should."""
+    from typer.testing import CliRunner
+
+    from oscar_calib.cli import main
+
+    runner = CliRunner()
+    with runner.isolation(env=env) as (out, err, _):
+        argv, sys.argv = sys.argv, ["oscar", *map(str, args)]
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = argv
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return CliResult(code, stdout, stderr)
+
+
+def assert_one_line_error(code: int, err: str, pattern: str) -> None:
+    """A failed command whose last stderr line is ``error: ...`` containing ``pattern``, no traceback."""
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and pattern in lines[-1], err
+    assert "Traceback" not in err
+
+# ----------------------------------------------------------------------------- scripts in-process
+
+
+def load_script(relpath: str):
+    """The script ``scripts/<relpath>`` imported as a module (once per session), with its folder on
+    ``sys.path`` as when it runs, so its ``main(argv)`` can be called in the test's process."""
+    path = REPO / "scripts" / relpath
+    mod = sys.modules.get(path.stem)
+    if mod is not None and Path(getattr(mod, "__file__", "")).resolve() == path:
+        return mod
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def script_error(main, argv) -> str:
+    """The one-line error a script's ``main(argv)`` exits with (Python prints it on stderr, status 1)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str), e.value.code
+    return e.value.code
+
+# ----------------------------------------------------------------------------- kernel test grids
+
+
+def grid(full: Iterable, interpreted: Sequence) -> list:
+    """A kernel test's parameters: the ``full`` grid where the kernels compile for a GPU, the
+    subset ``interpreted`` (one case per regime; each must be in ``full``) under the Triton CPU
+    interpreter, which runs a kernel program by program in Python (seconds per case)."""
+    full = list(full)
+    missing = [p for p in interpreted if p not in full]
+    assert not missing, f"interpreted cases outside the full grid: {missing}"
+    return full if ON_GPU else list(interpreted)

@@ -1,0 +1,114 @@
+"""scripts/bench/harness.py (device slugs, the CPU timing path, the result format, installing a current
+result) and scripts/bench/report.py: the committed docs/benchmarks.md is the rendering of the
+committed results, and every current result carries its device, commit, date and command."""
+
+import json
+
+import pytest
+from factories import REPO, load_script
+
+pytestmark = pytest.mark.script
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return load_script("bench/harness.py")
+
+
+@pytest.mark.parametrize("name, count, slug", [("NVIDIA H100 80GB HBM3", 1, "h100"), ("NVIDIA H200", 1, "h200"),
+                                               ("NVIDIA H100 80GB HBM3", 4, "h100x4"), ("NVIDIA H200", 2, "h200x2"),
+                                               ("NVIDIA A100-SXM4-80GB", 1, "a100"), ("NVIDIA L40S", 1, "l40s"),
+                                               ("cpu (x86_64)", 1, "cpu")])
+def test_device_slug(harness, name, count, slug):
+    assert harness.device_slug(name, count) == slug
+
+
+def test_cpu_timing_calls_each_copy_in_turn(harness):
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    assert harness.graph_ms(fns, cuda=False, cpu_reps=4) >= 0
+    assert calls == [0, 1, 2, 0]                        # no warm-up on the CPU, the copies in rotation
+    assert harness.rotating_copies(10 << 20, 50 << 20, cuda=True) == 15
+    assert harness.rotating_copies(200 << 20, 50 << 20, cuda=True) == 1
+    assert harness.rotating_copies(1, 50 << 20, cuda=True) == 16 and harness.rotating_copies(1, 4, cuda=False) == 1
+
+
+def _doc(harness, **over):
+    dev = harness.Device(name="NVIDIA H100 80GB HBM3", slug="h100", cuda=True)
+    doc = harness.new_result("append", dev, script=REPO / "scripts/bench/bench_append.py", argv=["--sections", "step"],
+                             settings={"quick": False})
+    doc.update(over)
+    return doc
+
+
+def test_new_result_header(harness):
+    doc = _doc(harness)
+    assert doc["command"] == "python scripts/bench/bench_append.py --sections step"
+    assert doc["device"] == "h100" and doc["commit"] and doc["date"].endswith("+00:00")
+    assert set(doc["versions"]) == {"python", "torch", "triton", "transformers", "cuda", "gpu"}
+    assert harness.check_result(doc) is doc
+    with pytest.raises(ValueError, match="missing commit"):
+        harness.check_result({k: v for k, v in doc.items() if k != "commit"})
+    with pytest.raises(ValueError, match="benchmark 'nope'"):
+        harness.new_result("nope", harness.Device(name="cpu", slug="cpu"), script="x.py", argv=[])
+
+
+def test_install_keeps_the_sections_a_run_did_not_measure(harness, tmp_path):
+    first = _doc(harness, rows=[{"variant": "default", "us_per_call": 6.0}], step=[{"method": "a"}], not_measured=[])
+    path = harness.install_result(first, tmp_path)
+    assert path == tmp_path / "append-h100.json"
+    second = _doc(harness, rows=[], step=[{"method": "b"}], not_measured=["rows"], commit="abc1234")
+    harness.install_result(second, tmp_path)
+    got = json.loads(path.read_text())
+    assert got["step"] == [{"method": "b"}] and got["rows"] == first["rows"] and got["commit"] == "abc1234"
+    assert got["carried"] == {"rows": {"commit": first["commit"], "date": first["date"], "command": first["command"]}}
+    third = _doc(harness, rows=[], step=[{"method": "c"}], not_measured=["rows"], commit="def5678")
+    harness.install_result(third, tmp_path)                  # carried again: still the run that measured it
+    assert json.loads(path.read_text())["carried"]["rows"]["commit"] == first["commit"]
+    # a section the old file has but empty is not carried (nothing measured it)
+    harness.install_result(_doc(harness, rows=[], step=[], not_measured=[]), tmp_path)
+    harness.install_result(_doc(harness, rows=[{"variant": "x"}], step=[], not_measured=["step"]), tmp_path)
+    assert "carried" not in json.loads(path.read_text())
+    with pytest.raises(ValueError, match="--quick run"):
+        harness.install_result(_doc(harness, settings={"quick": True}), tmp_path)
+    out = harness.write_result(_doc(harness), save=False, out=tmp_path / "out")
+    assert out == tmp_path / "out" / "append-h100.json" and json.loads(out.read_text())["benchmark"] == "append"
+
+
+def test_load_results_refuses_a_misnamed_file(harness, tmp_path):
+    (tmp_path / "append-h200.json").write_text(json.dumps(_doc(harness)))
+    with pytest.raises(ValueError, match="its name must be append-h100.json"):
+        harness.load_results(tmp_path)
+
+
+def test_current_results_carry_device_commit_date_command(harness):
+    docs = harness.load_results()
+    assert 1 <= len(docs) <= 15
+    for d in docs:
+        assert d["device"] and d["commit"] and d["date"] and d["command"].startswith("python scripts/bench/bench_")
+        assert d["command"].split()[1] == f"scripts/bench/bench_{d['benchmark']}.py"
+        assert not d["settings"].get("quick")
+        for key, c in d.get("carried", {}).items():
+            assert d.get(key) and c["commit"] and c["date"] and c["command"]
+
+
+def test_benchmarks_page_is_the_rendering_of_the_results(tmp_path):
+    report = load_script("bench/report.py")
+    page = REPO / "docs" / "benchmarks.md"
+    assert page.read_text() == report.render(), "run: python scripts/bench/report.py"
+    assert report.main(["--check"]) == 0
+    stale = tmp_path / "b.md"
+    stale.write_text(page.read_text().replace("speed-up", "speedup", 1))
+    assert report.main(["--check", "--page", str(stale)]) == 1
+    text = page.read_text()
+    assert "transformers' stock path" in text and "round" not in text.lower().replace("rounds", "")
+
+
+def test_run_lists_and_refuses_unknown_names(capsys):
+    run = load_script("bench/run.py")
+    assert run.main(["list"]) == 0
+    assert "kernels    scripts/bench/bench_kernels.py  current: h100" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no benchmark 'nope'"):
+        run.main(["nope"])
+    with pytest.raises(SystemExit, match="accept needs one or more result files"):
+        run.main(["accept"])
