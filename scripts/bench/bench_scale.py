@@ -476,7 +476,7 @@ def save_model_dir(geo: dict, path: Path) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     sys.path.insert(0, str(TESTS))
-    from helpers import byte_tokenizer
+    from factories import byte_tokenizer
 
     tok = byte_tokenizer()
     cfg = Qwen3Config(**{**geo, "vocab_size": max(geo["vocab_size"], len(tok))}, max_position_embeddings=40960,
