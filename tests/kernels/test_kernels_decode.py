@@ -213,7 +213,7 @@ def test_window_stages_auto_follows_history_share():
 
     def cache(history, window=320):
         return SimpleNamespace(history_capacity=history, window_capacity=window, head_dim=128, group_size=128,
-                               k_bf16=torch.empty(0, dtype=torch.bfloat16))
+                               v_group_size=128, k_bf16=torch.empty(0, dtype=torch.bfloat16))
 
     stages = decode_mod._window_stages
     assert stages({"window_stages": "auto"}, cache(7872)) == 2       # 8K context: 3.5x
