@@ -23,7 +23,7 @@ call), random caches (``kernels.testing.random_int2_cache``), several copies of 
 library versions) and prints a table. ``--quick``: tiny shapes under the Triton interpreter on the
 CPU (a smoke test of the script).
 
-Usage: ``python scripts/bench/bench_kernels_split.py [--baseline DIR] [--out DIR] [--quick]``.
+Usage: ``python scripts/experiments/kernels_split.py [--baseline DIR] [--out DIR] [--quick]``.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main() -> None:
     contexts = [32768, 131072] if GPU else [400]
     batches = [1, 32] if GPU else [1, 2]
     report = {"benchmark": "kernels_split", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "command": "python scripts/bench/bench_kernels_split.py " + " ".join(sys.argv[1:]),
+              "command": "python scripts/experiments/kernels_split.py " + " ".join(sys.argv[1:]),
               "commit": _commit(), "device": _device(), "versions": _versions(), "sink": SINK, "recent": RECENT,
               "baseline": str(ARGS.baseline) if ARGS.baseline else None, "checks": [], "uniform_vs_baseline": [],
               "forms": []}
