@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]    # factories, this checkout's package
 
 import torch  # noqa: E402
 
