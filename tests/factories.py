@@ -152,8 +152,8 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     """
     from oscar_calib import FORMAT_VERSION
     from oscar_calib.spec.artifact import Artifact, LayerRotations
-    from oscar_calib.spec.layout import FORMAT_NAME
     from oscar_calib.spec.defaults import default_group_size
+    from oscar_calib.spec.layout import FORMAT_NAME
 
     fingerprint, model_type = FAKE_FINGERPRINT, "llama"
     if model is not None:

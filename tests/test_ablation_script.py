@@ -66,3 +66,46 @@ def test_render_writes_the_table_without_a_model(tmp_path, capsys):
     assert "0.25 [0.15, 0.35] at 8192 (a)" in capsys.readouterr().out
     assert script_error(_module().main, ["--render", "--out", str(tmp_path / "none.json")]) == (
         "error: --render needs --out naming an existing ablation JSON")
+
+
+def _tiny_split_scheme():
+    import torch
+    from factories import tiny_model
+
+    from oscar_calib.kernels.testing import random_rotation
+    from oscar_calib.model.geometry import geometry_of
+    from oscar_calib.runtime.scheme import KVScheme
+
+    m = tiny_model("llama", layers=2)
+    geo = geometry_of(m)
+    d, h = geo.head_dim, geo.num_kv_heads
+    rot = [random_rotation(h, d, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    sch = KVScheme("s", 2, d, rot, rot, [torch.full((h,), 0.95)] * 2, [torch.full((h,), 0.9)] * 2, sink=4, recent=8,
+                   window_dtype=None, k_groups=[d // 4, d], v_groups=[d, d // 2])
+    return m, geo, sch
+
+
+def test_real_cache_perplexity_equals_the_simulation_one_step_at_a_time():
+    """``--real-cache 1``: teacher forcing through OscarCache one decode step per token reads what the
+    perplexity simulation reads (K and V in groups of different sizes here)."""
+    import torch
+
+    mod = _module()
+    m, _, sch = _tiny_split_scheme()
+    ids = torch.randint(1, 120, (60,), generator=torch.Generator().manual_seed(0))
+    sim = mod.perplexity(m, [ids], sch)
+    real = mod.perplexity(m, [ids], sch, real_chunk=1)
+    assert abs(real / sim - 1) < 1e-5 and mod.real_storable(sch)
+
+
+def test_lever_simulation_equals_the_plain_one_with_every_lever_off():
+    """levers.py: with fp16 parameters and no lever, LeverKV reads what SimulatedKV reads; a lever's
+    bits count its parameters and sparse entries."""
+    levers = load_script("experiments/levers.py")
+
+    _, geo, sch = _tiny_split_scheme()
+    assert levers.self_check(sch, geo.head_dim) < 1e-4
+    d = geo.head_dim
+    lev = levers.lever_scheme(sch, d, params="fp8", sparse=1)
+    assert lev.layer_bits(0) == pytest.approx((2 + 16 / (d // 4) + 2 + 16 / d) / 2 + (8 + 4) / d)
+    assert lev.bits_per_element < sch.bits_per_element

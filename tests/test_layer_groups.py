@@ -7,7 +7,7 @@ import pytest
 import torch
 from factories import make_artifact, tiny_model
 
-from oscar_calib.errors import ArtifactError, InputError
+from oscar_calib.errors import ArtifactError
 from oscar_calib.model.geometry import geometry_of
 from oscar_calib.runtime import OscarCache, SimulatedCache
 from oscar_calib.runtime.scheme import KVScheme
@@ -27,6 +27,30 @@ def test_round_trip_and_the_scheme_reads_per_layer_sizes(tmp_path):
     assert forced.k_groups == [16] * 3 and forced.uniform_groups
 
 
+def test_key_and_value_sizes_round_trip_and_validate(tmp_path):
+    """``layer_v_group_sizes``: the values' sizes beside the keys' (``layer_group_sizes``, or
+    ``group_size`` without it); the scheme reads both, a bad list is refused by every reader."""
+    path = make_artifact(tmp_path / "s", layers=3, d=16, metadata={"layer_group_sizes": "4,4,8",
+                                                                   "layer_v_group_sizes": "16,8,8", "group_size": "8"})
+    assert validate_artifact(path).ok
+    art = load_artifact(path)
+    assert art.layer_groups == [(4, 16), (4, 8), (8, 8)]
+    sch = KVScheme.from_artifact(art)
+    assert sch.k_groups == [4, 4, 8] and sch.v_groups == [16, 8, 8] and not sch.uniform_groups
+    assert sch.bits_per_element == pytest.approx(sum(2 + 32 / g for g in (4, 4, 8, 16, 8, 8)) / 6)
+    only_v = load_artifact(make_artifact(tmp_path / "v", layers=2, d=16, metadata={"layer_v_group_sizes": "16,4"}))
+    assert only_v.layer_groups == [(16, 16), (16, 4)]
+    bad = make_artifact(tmp_path / "bad", layers=2, d=16, metadata={"layer_v_group_sizes": "16,6"})
+    res = validate_artifact(bad)
+    assert not res.ok and any("layer_v_group_sizes" in p and "6 is not a power of two" in p
+                              for p in res.problems)
+    with pytest.raises(ArtifactError, match="'layer_v_group_sizes': 6 is not a power of two"):
+        load_artifact(bad)
+    short = make_artifact(tmp_path / "short", layers=2, d=16, metadata={"layer_v_group_sizes": "16"})
+    with pytest.raises(ArtifactError, match="'layer_v_group_sizes' has 1 sizes for 2 layers"):
+        load_artifact(short)
+
+
 def test_old_artifacts_read_as_one_size(tmp_path):
     art = load_artifact(make_artifact(tmp_path / "old", layers=2, d=16))
     assert "layer_group_sizes" not in art.metadata
@@ -35,8 +59,9 @@ def test_old_artifacts_read_as_one_size(tmp_path):
 
 
 def test_real_cache_and_simulations_store_each_layer_with_its_size():
-    """Per-layer sizes (K = V within a layer): the real cache, the decode simulation and the
-    perplexity simulation read the same values (float32 window), and differ from one uniform size."""
+    """Per-layer sizes, K = V within a layer or K and V apart: the real cache, the decode simulation
+    and the perplexity simulation read the same values (float32 window), and differ from one uniform
+    size."""
     from runtime.test_runtime_cache import step_logits
 
     from oscar_calib.runtime.simulate import SimulatedKV
@@ -61,10 +86,17 @@ def test_real_cache_and_simulations_store_each_layer_with_its_size():
     assert (real - sim).abs().max() < 1e-4 and (ppl_path - sim).abs().max() < 1e-4
     uniform = step_logits(m, SimulatedCache(m.config, make([d, d])), ids, 1)
     assert (uniform - sim).abs().max() > 1e-3
-    split = KVScheme("s", 2, d, rot, rot, k_groups=[d, d], v_groups=[d, d // 2])
-    for cache in (OscarCache, SimulatedCache):
-        with pytest.raises(InputError, match=f"layer 1 stores K in groups of {d} and V in groups of {d // 2}"):
-            cache(m.config, split)
+    # keys and values in groups of different sizes (layer 0: K smaller, layer 1: V smaller): the same
+    # agreement, and a different result from the tied sizes
+    split = KVScheme("s", 2, d, rot, rot, sink=2, recent=3, window_dtype=None, k_groups=[d // 4, d],
+                     v_groups=[d, d // 2], **clips)
+    real = step_logits(m, OscarCache(m.config, split), ids, 1)
+    sim = step_logits(m, SimulatedCache(m.config, split), ids, 1)
+    with torch.no_grad(), SimulatedKV(m, split):
+        ppl_path = m(ids).logits
+    assert (real - sim).abs().max() < 1e-4 and (ppl_path - sim).abs().max() < 1e-4
+    tied = step_logits(m, SimulatedCache(m.config, make([d // 4, d])), ids, 1)
+    assert (tied - sim).abs().max() > 1e-3
 
 
 def test_a_bad_layer_group_list_is_refused_by_every_reader(tmp_path):

@@ -290,6 +290,32 @@ def test_bit_budget_writes_per_layer_group_sizes(tmp_path, tiny_bit_budget):
     assert "layer_group_sizes" not in plain.artifact.metadata and plain.artifact.metadata["group_size"] == "64"
 
 
+def test_bit_budget_split_kv_writes_key_and_value_sizes(tmp_path):
+    """--bit-budget 2.75 --split-kv on three layers of d = 64 (sizes 64: 2.5 bits, 32: 3 bits): keys
+    and values move apart, three halvings of six caches fit (2.75 bits; one size per layer affords
+    one layer, 2.667). The artifact stores both lists, validates, and every reader takes them."""
+    from oscar_calib.runtime.scheme import KVScheme
+    from oscar_calib.tools.validate import validate_artifact
+
+    loaded = loaded_tiny("llama", head_dim=64, layers=3)
+    res = calibrate_tiny(tmp_path / "s", loaded=loaded, bit_budget=2.75, split_kv=True)
+    b = res.report["bit_budget"]
+    groups = list(zip(b["layer_group_sizes"], b["layer_v_group_sizes"]))
+    assert b["mean_bits"] == pytest.approx(2.75) and sum(g == 32 for pair in groups for g in pair) == 3
+    assert [(r["k_group_size"], r["v_group_size"]) for r in res.report["layers"]] == groups
+    md = res.artifact.metadata
+    assert json.loads(md["calibration"])["split_kv"] is True and md["group_size"] == "64"
+    assert validate_artifact(res.out).ok
+    sch = KVScheme.from_artifact(res.out)
+    assert list(zip(sch.k_groups, sch.v_groups)) == groups
+    assert sch.bits_per_element == pytest.approx(2.75)
+    tied = calibrate_tiny(tmp_path / "t", loaded=loaded, bit_budget=2.75)
+    assert tied.report["bit_budget"]["mean_bits"] == pytest.approx(8 / 3)
+    assert "layer_v_group_sizes" not in tied.artifact.metadata
+    with pytest.raises(InputError, match="--split-kv .* needs --bit-budget"):
+        CalibrationConfig(split_kv=True).validate()
+
+
 def test_bit_budget_reuses_the_tables_fits_exactly(tmp_path, monkeypatch):
     """--bit-budget computes each layer's rotations once and takes the clips and held-out figures
     the budget's tables fitted at the chosen sizes: the artifact and the report's rows equal a

@@ -404,3 +404,20 @@ def test_per_layer_group_sizes_export_the_closest_uniform_scheme_with_one_line(t
     assert not [w for w in export_sglang(plain, tmp_path / "serve2").warnings if "one group size" in w]
     result = oscar("export", str(art), "--out", str(tmp_path / "serve3"))
     assert result.exit_code == 0 and "the fork takes one group size" in result.output
+
+
+def test_a_key_value_split_exports_the_closest_uniform_scheme_with_one_line(tmp_path):
+    """Keys and values in groups of different sizes (``layer_v_group_sizes``): the fork takes one size
+    for both caches, so the export serves ``group_size`` and its one line names both lists' ranges."""
+    art = shared_artifact(tmp_path / "s", granularity="layer", d=16,
+                          metadata={"layer_group_sizes": "4,4", "layer_v_group_sizes": "16,8", "group_size": "8"})
+    res = export_sglang(art, tmp_path / "serve")
+    assert res.settings.group_size == 8
+    note = [w for w in res.warnings if "one group size" in w]
+    assert len(note) == 1 and "\n" not in note[0]
+    assert "the keys' per-layer sizes 4–4 and the values' 8–16" in note[0]
+    assert "cost not recorded" in note[0]
+    # the values alone apart from one uniform size: still one line
+    only_v = shared_artifact(tmp_path / "v", granularity="layer", d=16,
+                             metadata={"layer_v_group_sizes": "16,16", "group_size": "8"})
+    assert [w for w in export_sglang(only_v, tmp_path / "serve2").warnings if "one group size" in w]

@@ -28,7 +28,7 @@ import torch
 from ..errors import InputError
 from ..kernels.pack import bits_per_element
 from ..numerics.clip import HeldoutLayer, heldout_errors
-from ..spec.artifact import LAYER_GROUPS_METADATA
+from ..spec.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
 from ..spec.defaults import check_group_size
 
 MIN_BUDGET_GROUP = 32      # smallest candidate group size (3 bits per element)
@@ -176,20 +176,22 @@ def closest_uniform(sizes: tuple[int, ...], budget: float) -> int:
 
 
 def spend_budget(tables: list[torch.Tensor], layer_info: dict, cfg, geo) -> tuple[Allocation, dict]:
-    """``oscar calibrate --bit-budget``: per-layer group sizes (K = V within a layer, so one kernel
-    call per layer stores both) chosen by :func:`allocate` on every layer's held-out table
-    (:func:`budget_tables` over :func:`candidate_sizes` of the head dim), within the mean and
-    long-context bounds (full-attention layers: those without a sliding window in ``layer_info``).
-    Returns the allocation and its record for the report, with the closest uniform size and both
-    schemes' held-out attention errors (mean over layers)."""
+    """``oscar calibrate --bit-budget``: per-layer group sizes chosen by :func:`allocate` on every
+    layer's held-out table (:func:`budget_tables` over :func:`candidate_sizes` of the head dim),
+    within the mean and long-context bounds (full-attention layers: those without a sliding window
+    in ``layer_info``); K and V of a layer at one size, or apart with ``cfg.split_kv``. Returns the
+    allocation and its record for the report, with the closest uniform size and both schemes'
+    held-out attention errors (mean over layers)."""
     sizes = candidate_sizes(geo.head_dim)
     longs = [i for i in range(len(tables)) if not (layer_info.get(i) or {}).get("sliding_window")]
-    alloc = allocate(tables, sizes, cfg.bit_budget, tied=True, long_layers=longs)
+    split = bool(getattr(cfg, "split_kv", False))
+    alloc = allocate(tables, sizes, cfg.bit_budget, tied=not split, long_layers=longs)
     uniform = closest_uniform(sizes, cfg.bit_budget)
     u = sizes.index(uniform)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     record = {"bits": cfg.bit_budget, "mean_bits": alloc.mean_bits, "long_bits": alloc.long_bits,
               "full_attention_layers": longs, "layer_group_sizes": [k for k, _ in alloc.groups],
+              **({"layer_v_group_sizes": [v for _, v in alloc.groups]} if split else {}),
               "uniform_group_size": uniform, "uniform_bits": bits_per_element(uniform),
               "heldout_attn": {"per_layer": mean([float(t[sizes.index(k), sizes.index(v)])
                                                   for t, (k, v) in zip(tables, alloc.groups)]),
@@ -198,11 +200,15 @@ def spend_budget(tables: list[torch.Tensor], layer_info: dict, cfg, geo) -> tupl
 
 
 def budget_metadata(metadata: dict, record: dict) -> dict[str, str]:
-    """The artifact metadata a bit budget adds: the per-layer sizes (left out when they all equal the
-    uniform ``group_size``) and the budget in ``calibration``."""
-    out = {"calibration": json.dumps({**json.loads(metadata["calibration"]), "bit_budget": record["bits"]},
-                                     sort_keys=True)}
+    """The artifact metadata a bit budget adds: the per-layer sizes of the keys (left out when they
+    all equal the uniform ``group_size``), of the values (left out when they equal the keys') and the
+    budget in ``calibration``."""
+    extra = {"bit_budget": record["bits"], **({"split_kv": True} if "layer_v_group_sizes" in record else {})}
+    out = {"calibration": json.dumps({**json.loads(metadata["calibration"]), **extra}, sort_keys=True)}
     sizes = record["layer_group_sizes"]
     if any(g != record["uniform_group_size"] for g in sizes):
         out[LAYER_GROUPS_METADATA] = ",".join(str(g) for g in sizes)
+    v_sizes = record.get("layer_v_group_sizes")
+    if v_sizes and v_sizes != sizes:
+        out[LAYER_V_GROUPS_METADATA] = ",".join(str(g) for g in v_sizes)
     return out

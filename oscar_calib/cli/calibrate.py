@@ -70,6 +70,9 @@ def calibrate_command(
                                                         "per element (e.g. 2.5) on a group size per layer, chosen "
                                                         "on the held-out attention error (docs: "
                                                         "guides/calibrate.md).")] = None,
+    split_kv: Annotated[Optional[bool], typer.Option("--split-kv/--tied-kv", help="With --bit-budget: choose the "
+                                                     "keys' and the values' group sizes apart, or one size per "
+                                                     "layer for both (default: tied).", show_default=False)] = None,
     clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
     refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
                                                         "the held-out attention-output error under INT2 (Cayley, "
@@ -113,7 +116,7 @@ def calibrate_command(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        bit_budget=bit_budget, checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
+        bit_budget=bit_budget, split_kv=split_kv, checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
@@ -197,7 +200,9 @@ def _render(result, verdict: dict | None) -> None:
                 "on); Hadamard = the data-free rotation with clips 0.96/0.92."))
     if report.get("bit_budget"):
         b = report["bit_budget"]
-        stdout.print(f"bit budget {b['bits']:g}: group sizes per layer {b['layer_group_sizes']} ({b['mean_bits']:.3f} "
+        sizes = (f"key group sizes per layer {b['layer_group_sizes']}, value {b['layer_v_group_sizes']}"
+                 if b.get("layer_v_group_sizes") else f"group sizes per layer {b['layer_group_sizes']}")
+        stdout.print(f"bit budget {b['bits']:g}: {sizes} ({b['mean_bits']:.3f} "
                      f"bits per element, {b['long_bits']:.3f} at long contexts); held-out attn err "
                      f"{b['heldout_attn']['per_layer']:.4f} vs {b['heldout_attn']['uniform']:.4f} with one size "
                      f"{b['uniform_group_size']} ({b['uniform_bits']:g} bits)")

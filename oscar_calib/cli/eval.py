@@ -48,8 +48,9 @@ def eval_command(
     prompts: Annotated[Optional[int], typer.Option(help="niah: at least this many prompts per length (sets --samples "
                                                    "to ceil(N / depths)); 50 or more tells methods apart, the "
                                                    "default 5 shows a trend.")] = None,
-    haystack: Annotated[str, typer.Option(help="niah filler: corpus (held-out sentences) or noise (RULER's "
-                                          "repeated sentences).")] = "corpus",
+    haystack: Annotated[str, typer.Option(help="niah filler: corpus (held-out sentences), noise (RULER's "
+                                          "repeated sentences) or prose (generated; the same text on every "
+                                          "Python).")] = "corpus",
     seed: Annotated[int, typer.Option(help="Seed for held-out sequences / needles.")] = 0,
     plot: Annotated[Optional[Path], typer.Option(help="PNG to write (default: eval-MODEL-TASK.png in the working "
                                                  "directory, never inside the artifact, which `push` uploads).")]

@@ -69,9 +69,14 @@ _SENTENCES: dict = {}
 
 
 def _filler_text(haystack: str) -> str:
-    """The text filler sentences come from: RULER's noise, or the embedded corpus' held-out half."""
+    """The text filler sentences come from: RULER's noise, generated prose (:mod:`.haystack`), or the
+    embedded corpus' held-out half."""
     if haystack == "noise":
         return NOISE
+    if haystack == "prose":
+        from .haystack import prose_text
+
+        return prose_text()
     if haystack == "corpus":
         from ..calibrate.corpus import embedded_texts
 
@@ -96,7 +101,8 @@ def _filler_sentences(tokenizer, haystack: str) -> tuple[list[str], list[int]]:
 
 def haystack_fingerprint(haystack: str) -> str:
     """sha256 (first 16 hex digits) of the filler text: the ``corpus`` haystack is the running
-    Python's ``pydoc_data`` topics, so two machines' prompts agree only when this does."""
+    Python's ``pydoc_data`` topics, so two machines' prompts agree only when this does (``prose``
+    is the same everywhere)."""
     return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()[:16]
 
 
@@ -172,10 +178,13 @@ def cache_for(method: str, model, prefill, scheme: KVScheme | None):
 
 
 @torch.no_grad()
-def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None,
-                  progress: ProgressFn | None = None) -> EvalResult:
+def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, progress: ProgressFn | None = None,
+                  graph: bool = False, extra_schemes: dict[str, KVScheme] | None = None) -> EvalResult:
     """NIAH accuracy of every method of ``options`` (see the module docstring); ``progress`` hears
-    one stage counting answers (prompts × methods)."""
+    one stage counting answers (prompts × methods). ``graph``: the INT2 methods' answers decode
+    through :func:`~oscar_calib.runtime.graph.graph_decoding` (a CUDA graph per answer; the same
+    tokens, fewer host launches) where the model sits on one GPU. ``extra_schemes``: more methods by
+    name, each an INT2 scheme of the real cache (e.g. a second artifact's), answering the same prompts."""
     t0 = time.perf_counter()
     o = options_for(options, "niah")
     methods, group_size, sink, recent, seed = list(o.methods), o.group_size, o.sink, o.recent, o.seed
@@ -184,12 +193,20 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None,
     model, tok = lm.model, lm.tokenizer
     schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent,
                             real_cache=True)
+    for name, sch in (extra_schemes or {}).items():
+        if name in schemes:
+            raise InputError(f"extra NIAH method {name!r} is already one of the methods")
+        schemes[name] = sch
+        methods.append(name)
     max_ctx = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
     if max_ctx and max(lengths) > max_ctx:
         raise InputError(f"NIAH length {max(lengths)} exceeds the model's context ({max_ctx})")
     dev = input_device(model)     # a spread model: where its inputs go
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rows = []
+    from ..runtime.graph import graph_decoding, graph_device
+
+    on_graph = graph and graph_device(model) is not None
     jobs = [(L, d, s) for L in lengths for d in depths for s in range(samples)]
     tick = counter(progress, "needle in a haystack", len(jobs) * len(methods), "answers")
     for length, depth, s in jobs:
@@ -198,9 +215,10 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None,
         pre = _prefill(model, ids[:, :-1], prefill_chunk)
         for m in methods:
             cache = cache_for(m, model, pre, schemes.get(m))
+            how = {"custom_generate": graph_decoding} if on_graph and isinstance(cache, OscarCache) else {}
             with attached(cache, model):
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                     max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+                                     max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **how)
             answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             row = {"method": m, "length": length, "tokens": ids.shape[1], "depth": depth, "seed": seed + s,
                    "key": sample.key, "expected": sample.value, "answer": answer.strip()[:60],
@@ -213,6 +231,7 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None,
     settings = {"methods": methods, "sink": sink, "recent": recent, "lengths": list(lengths), "depths": list(depths),
                 "samples": samples, "seed": seed, "haystack": haystack,
                 "haystack_sha256": haystack_fingerprint(haystack), "max_new_tokens": max_new_tokens,
+                "decoding": "graph" if on_graph else "eager",
                 "group_size": next((s.group_size for s in schemes.values() if s.quantized), group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None}
     fork = fork_settings(schemes, artifact)

@@ -17,7 +17,8 @@ field              task    meaning (default)
 ``samples``        niah    prompts per (length, depth) (1)
 ``prompts``        niah    at least this many prompts per length: sets ``samples`` to
                            ``ceil(prompts / len(depths))`` (None: use ``samples``)
-``haystack``       niah    filler: ``corpus`` (held-out sentences) or ``noise`` (RULER's)
+``haystack``       niah    filler: ``corpus`` (held-out sentences), ``noise`` (RULER's) or ``prose``
+                           (generated, the same on every Python: :mod:`.haystack`)
 ``max_new_tokens`` niah    answer tokens generated (12)
 ``prefill_chunk``  niah    tokens per prefill forward pass (2048)
 =================  ======  ======================================================================
@@ -36,7 +37,9 @@ from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, chec
 from .methods import DEFAULT_METHODS, parse_methods
 
 TASKS = ("ppl", "niah")
-HAYSTACKS = ("corpus", "noise")       # NIAH filler: held-out corpus sentences, or RULER's repeated noise
+# NIAH filler: held-out corpus sentences, RULER's repeated noise, or prose generated from a committed grammar
+# (the same text on every Python; eval.haystack)
+HAYSTACKS = ("corpus", "noise", "prose")
 
 
 def parse_numbers(value, kind, option: str) -> tuple:

@@ -6,6 +6,10 @@ a sort of ``|y|``), quantise it per group with the reference's arithmetic (IEEE 
 it into its history slot, and update the sequence's lengths. The last program of a sequence to
 finish (a ticket counter) adds the token to the sequence's count, so every program reads the
 count as it was before the call.
+
+Keys and values may be stored in groups of different sizes (``SPLIT``): the K programs then
+quantise with ``G`` (plane width ``W``) into ``scale``/``offset``, the V programs with ``GV``
+(``WV``) into ``v_scale``/``v_offset``, each with its own strides.
 """
 
 from __future__ import annotations
@@ -29,6 +33,29 @@ def _rounded(y, WDT: tl.constexpr):
 
 
 @triton.jit
+def _store_int2(y, codes_ptr, hoff, scale_ptr, off_ptr, poff, D: tl.constexpr, G: tl.constexpr,
+                W: tl.constexpr):
+    """Quantise the clipped row ``y [D]`` per group of ``G`` with the reference's arithmetic, pack
+    it (plane width ``W``) at ``codes_ptr + hoff`` and store the group parameters at ``poff``."""
+    NG: tl.constexpr = D // G
+    yg = tl.reshape(y, (NG, G))
+    s, z = group_params(tl.min(yg, axis=1), tl.max(yg, axis=1))
+    qf = tl.floor(tl.math.div_rn(yg, tl.broadcast_to(s[:, None], yg.shape)) + z[:, None] + 0.5)
+    q = tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
+    # byte bb * W + i holds channels bb * 4W + p * W + i in bits 2p, 2p + 1
+    NB: tl.constexpr = D // (4 * W)
+    q3 = tl.reshape(q, (NB, 4, W))
+    shift = 2 * tl.arange(0, 4)
+    packed = tl.sum(q3 << shift[None, :, None], axis=1)
+    byte = tl.reshape(packed, (NB * W,)).to(tl.uint8)
+    tl.store(codes_ptr + hoff + tl.arange(0, NB * W), byte)
+    pp = poff + tl.arange(0, NG)
+    off = -(z * s)
+    tl.store(scale_ptr + pp, tl.minimum(s, 65504.0).to(tl.float16))
+    tl.store(off_ptr + pp, tl.minimum(tl.maximum(off, -65504.0), 65504.0).to(tl.float16))
+
+
+@triton.jit
 def append_token_kernel(
     k_ptr, v_ptr, s_kb, s_kh, s_vb, s_vh,
     real_ptr, s_real, gate_ptr,
@@ -36,6 +63,7 @@ def append_token_kernel(
     win_ptr, s_wb, s_wk, s_wh, s_ws,
     codes_ptr, s_cb, s_ck, s_ch, s_cs,
     scale_ptr, off_ptr, s_pb, s_pk, s_ph, s_ps,
+    vscale_ptr, voff_ptr, s_vpb, s_vph, s_vps,
     r_ptr, kidx_ptr,
     q_ptr, s_qb, s_qh, qo_ptr,
     H, SINK, RECENT, CAP,
@@ -44,6 +72,7 @@ def append_token_kernel(
     GATE: tl.constexpr = False,
     QG: tl.constexpr = 0, QG2: tl.constexpr = 1,
     PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, GV: tl.constexpr = 0, WV: tl.constexpr = 0,
 ):
     """Grid ``(B, 2H)``. Program ``(b, kh)`` stores row ``kh`` (K heads first, then V) of
     sequence ``b``: window slot and history slot from the count ``n[b]`` (scratch slots when the
@@ -53,7 +82,11 @@ def append_token_kernel(
     of its group with the ``R`` it holds: ``qo[b, h*QG + i] = q[b, h*QG + i] @ R[h]`` (float32,
     ``qo`` contiguous ``[B, H*QG, D]``), so the decode kernel needs no rotation of its own. ``PDL``:
     the next kernel (the decode kernel, launched with programmatic dependent launch) may start now;
-    it waits for this grid to end before it reads anything written here."""
+    it waits for this grid to end before it reads anything written here.
+
+    ``SPLIT``: values in groups of ``GV`` (plane width ``WV``) with their parameters at
+    ``vscale``/``voff`` (strides ``s_vpb, s_vph, s_vps``); ``scale``/``off`` then hold the keys'
+    only (``s_pk`` unused)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     nprog = tl.num_programs(1)
@@ -127,23 +160,17 @@ def append_token_kernel(
         t = tl.sum(tl.where(cols == k, srt, 0.0), axis=0)
         y = tl.maximum(tl.minimum(y, t), -t)
 
-    NG: tl.constexpr = D // G
-    yg = tl.reshape(y, (NG, G))
-    s, z = group_params(tl.min(yg, axis=1), tl.max(yg, axis=1))
-    qf = tl.floor(tl.math.div_rn(yg, tl.broadcast_to(s[:, None], yg.shape)) + z[:, None] + 0.5)
-    q = tl.minimum(tl.maximum(qf, 0.0), 3.0).to(tl.int32)
-    # byte bb * W + i holds channels bb * 4W + p * W + i in bits 2p, 2p + 1
-    NB: tl.constexpr = D // (4 * W)
-    q3 = tl.reshape(q, (NB, 4, W))
-    shift = 2 * tl.arange(0, 4)
-    packed = tl.sum(q3 << shift[None, :, None], axis=1)
-    byte = tl.reshape(packed, (NB * W,)).to(tl.uint8)
     hoff = b.to(tl.int64) * s_cb + kv * s_ck + h * s_ch + hs.to(tl.int64) * s_cs
-    tl.store(codes_ptr + hoff + tl.arange(0, NB * W), byte)
-    poff = b.to(tl.int64) * s_pb + kv * s_pk + h * s_ph + hs.to(tl.int64) * s_ps + tl.arange(0, NG)
-    off = -(z * s)
-    tl.store(scale_ptr + poff, tl.minimum(s, 65504.0).to(tl.float16))
-    tl.store(off_ptr + poff, tl.minimum(tl.maximum(off, -65504.0), 65504.0).to(tl.float16))
+    if SPLIT:
+        if kv == 0:
+            _store_int2(y, codes_ptr, hoff, scale_ptr, off_ptr,
+                        b.to(tl.int64) * s_pb + h * s_ph + hs.to(tl.int64) * s_ps, D, G, W)
+        else:
+            _store_int2(y, codes_ptr, hoff, vscale_ptr, voff_ptr,
+                        b.to(tl.int64) * s_vpb + h * s_vph + hs.to(tl.int64) * s_vps, D, GV, WV)
+    else:
+        _store_int2(y, codes_ptr, hoff, scale_ptr, off_ptr,
+                    b.to(tl.int64) * s_pb + kv * s_pk + h * s_ph + hs.to(tl.int64) * s_ps, D, G, W)
 
     n_new = n + real.to(tl.int64)
     if LENS:  # the decode kernel's lengths (every program of b stores the same values)

@@ -415,17 +415,20 @@ def _l2_prefetch(p):
 
 @triton.jit
 def _warm_l2(lo, hi, b, tab_ptr, s_tb, kc_ptr, vc_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr, hoff_c, hoff_p,
-             s_cb, s_cn, s_pb, s_pn, NT: tl.constexpr, CS: tl.constexpr, PS: tl.constexpr,
-             PAGED: tl.constexpr, PAGE: tl.constexpr):
+             s_cb, s_cn, s_pb, s_pn, hoff_pv, s_vpb, s_vpn, NT: tl.constexpr, CS: tl.constexpr, PS: tl.constexpr,
+             PAGED: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr):
     """L2 prefetches of the codes and parameters of tokens ``lo .. lo+NT-1`` (below ``hi``): one
     per line, i.e. every ``CS``-th token's code row and every ``PS``-th token's parameters
-    (``PS`` at most the page). Tokens past ``hi`` repeat token ``lo`` (in bounds; paged: page 0)."""
+    (``PS`` at most the page). Tokens past ``hi`` repeat token ``lo`` (in bounds; paged: page 0).
+    ``SPLIT``: the value parameters have their own base ``hoff_pv`` and strides."""
     tc = _every_nth(lo, hi, b, tab_ptr, s_tb, s_cb, s_cn, NT // CS, CS, PAGED, PAGE)
     _l2_prefetch(kc_ptr + hoff_c[:, None] + tc[None, :])
     _l2_prefetch(vc_ptr + hoff_c[:, None] + tc[None, :])
     pp = hoff_p[:, None] + _every_nth(lo, hi, b, tab_ptr, s_tb, s_pb, s_pn, NT // PS, PS, PAGED, PAGE)[None, :]
     _l2_prefetch(ks_ptr + pp)
     _l2_prefetch(ko_ptr + pp)
+    if SPLIT:
+        pp = hoff_pv[:, None] + _every_nth(lo, hi, b, tab_ptr, s_tb, s_vpb, s_vpn, NT // PS, PS, PAGED, PAGE)[None, :]
     _l2_prefetch(vs_ptr + pp)
     _l2_prefetch(vo_ptr + pp)
 
@@ -457,19 +460,22 @@ def _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp, hoff_p, nmask, g: tl.conste
 @triton.jit
 def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                 b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
+                hoff_pv, s_vpb, s_vpn,
                 q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                 tc, tw, tp, pks, pko, pvs, pvo,
                 G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr, HP: tl.constexpr,
                 BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr,
                 MASKED: tl.constexpr, INTERP: tl.constexpr, PF: tl.constexpr, V16: tl.constexpr,
-                P32: tl.constexpr = False):
+                P32: tl.constexpr, GV: tl.constexpr, WV: tl.constexpr, NBV: tl.constexpr, SPLIT: tl.constexpr):
     """One step of ``BN`` history tokens for ``HP`` KV heads: scores, online softmax, values.
 
     ``PF``: the token offsets ``tc, tw, tp`` and the (single group's) parameters ``pks`` ..
     ``pvo`` were loaded one step earlier by the caller (software prefetch); otherwise they are
-    computed and loaded here."""
-    NW: tl.constexpr = W // 4
+    computed and loaded here. Keys come in groups of ``G`` (plane width ``W``, ``NB`` byte
+    blocks), values in groups of ``GV`` (``WV``, ``NBV``); ``SPLIT``: the value parameters have
+    their own base ``hoff_pv`` and strides (otherwise the keys' offsets serve both)."""
+    NW: tl.constexpr = WV // 4
     NK: tl.constexpr = M2 * HP
     NGT: tl.constexpr = os_acc.shape[0]
     offs_n = tl.arange(0, BN)
@@ -481,6 +487,12 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
         nm = n < hi
     # per-(token, head) parameter offsets [BN, HP]
     pbase = tp[:, None] + hoff_p[None, :]
+    if SPLIT:
+        _, _, tpv = _tok_offsets(start, hi, b, tab_ptr, s_tb, s_vpb, s_vpn, s_vpb, s_vpn, s_vpb, s_vpn,
+                                 BN, PAGED, PAGE, MASKED, P32)
+        pbase_v = tpv[:, None] + hoff_pv[None, :]
+    else:
+        pbase_v = pbase
     # key codes [HP, BN, W] per block and value words [HP, BN, NW] per block
     offs_b = tl.arange(0, W)
     if ASM:
@@ -496,12 +508,14 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
         vw0 = tl.load(vptr, mask=m3, other=0)
         if NB == 2:
             kc1 = tl.load(kptr + W, mask=m3, other=0)
+        if NBV == 2:
             vw1 = tl.load(vptr + NV, mask=m3, other=0)
     else:
         kc0 = tl.load(kptr)
         vw0 = tl.load(vptr)
         if NB == 2:
             kc1 = tl.load(kptr + W)
+        if NBV == 2:
             vw1 = tl.load(vptr + NV)
 
     # ---- scores [BN, NK] (log2 units) ----
@@ -541,7 +555,7 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
         o1 = o1 * a3
         o2 = o2 * a3
         o3 = o3 * a3
-        if NB == 2:
+        if NBV == 2:
             o4 = o4 * a3
             o5 = o5 * a3
             o6 = o6 * a3
@@ -554,18 +568,18 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
 
     # ---- values ----
     gi = tl.arange(0, NGT)
-    for U in tl.static_range(4 * NB):
-        if (U * W) % G == 0:  # first unit of a group
-            g = (U * W) // G
+    for U in tl.static_range(4 * NBV):
+        if (U * WV) % GV == 0:  # first unit of a group
+            g = (U * WV) // GV
             if PF:
                 vs = pvs.to(tl.float32)
                 vo = pvo.to(tl.float32)
             elif MASKED:
-                vs = tl.load(vs_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
-                vo = tl.load(vo_ptr + pbase + g, mask=nm[:, None], other=0.0).to(tl.float32)
+                vs = tl.load(vs_ptr + pbase_v + g, mask=nm[:, None], other=0.0).to(tl.float32)
+                vo = tl.load(vo_ptr + pbase_v + g, mask=nm[:, None], other=0.0).to(tl.float32)
             else:
-                vs = tl.load(vs_ptr + pbase + g).to(tl.float32)
-                vo = tl.load(vo_ptr + pbase + g).to(tl.float32)
+                vs = tl.load(vs_ptr + pbase_v + g).to(tl.float32)
+                vo = tl.load(vo_ptr + pbase_v + g).to(tl.float32)
             vs = tl.broadcast_to(vs[:, None, :], [BN, M2, HP]).reshape(BN, NK)
             vo = tl.broadcast_to(vo[:, None, :], [BN, M2, HP]).reshape(BN, NK)
             wv = (p * vs).to(tl.float16).reshape(BN, M2, HP)
@@ -611,7 +625,7 @@ def _store_unit(o, os_acc, os3, inv3, op_ptr, off3, m3,
 def decode_kernel(
     q_ptr, s_qb, s_qh,
     kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr,
-    s_cb, s_ch, s_cn, s_pb, s_ph, s_pn,
+    s_cb, s_ch, s_cn, s_pb, s_ph, s_pn, s_vpb, s_vph, s_vpn,
     tab_ptr, s_tb, hlen_ptr,
     k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
     len16_ptr,
@@ -621,15 +635,22 @@ def decode_kernel(
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr,
     HP: tl.constexpr, M16: tl.constexpr, BN: tl.constexpr, BLOCK16: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
+    GV: tl.constexpr, WV: tl.constexpr, NBV: tl.constexpr,
     PARTS: tl.constexpr = 3, PF: tl.constexpr = False, PDL: tl.constexpr = False,
     L2T: tl.constexpr = 0, L2CS: tl.constexpr = 4, L2PS: tl.constexpr = 64, WS: tl.constexpr = 1,
     V16: tl.constexpr = True, P32: tl.constexpr = False, LATE: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
 ):
     """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
     ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
     chunk ``c - S16``; it writes partial slot ``c`` (normalised output and base-2 log-sum-exp).
     ``PARTS`` (3: both kinds of program) can compile a history-only (1, grid ``S2``) or
-    window-only (2, grid ``S16``) specialisation, e.g. to read each one's register use."""
+    window-only (2, grid ``S16``) specialisation, e.g. to read each one's register use.
+
+    Keys are stored in groups of ``G`` channels (plane width ``W``, ``NB`` byte blocks), values in
+    groups of ``GV`` (``WV``, ``NBV``; the keys' in a uniform cache). ``SPLIT``: the value parameters have
+    their own strides ``s_vpb, s_vph, s_vpn`` (a cache whose K and V group sizes differ); otherwise
+    the keys' parameter offsets serve the values too, the code the uniform cache compiles to."""
     VB: tl.constexpr = 2 if V16 else 4  # bytes per value-code element (see _int2_block)
     pid0 = tl.program_id(0) + (S16 if PARTS == 1 else 0)
     pid1 = tl.program_id(1)
@@ -659,6 +680,13 @@ def decode_kernel(
             hoff_c = b.to(tl.int64) * s_cb + heff * s_ch
             hoff_w = b.to(tl.int64) * (s_cb // VB) + heff * (s_ch // VB)
             hoff_p = b.to(tl.int64) * s_pb + heff * s_ph
+        if SPLIT:
+            if PAGED:
+                hoff_pv = heff * s_vph
+            else:
+                hoff_pv = b.to(tl.int64) * s_vpb + heff * s_vph
+        else:
+            hoff_pv = hoff_p
         if V16:
             vcw_ptr = vc_ptr.to(tl.pointer_type(tl.int16))
         else:
@@ -668,7 +696,7 @@ def decode_kernel(
         hi = tl.minimum(lo + CHUNK, L)
         if L2T > 0:  # while the kernel before runs (PDL), DRAM fetches this program's first tokens
             _warm_l2(lo, hi, b, tab_ptr, s_tb, kc_ptr, vc_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr, hoff_c, hoff_p,
-                     s_cb, s_cn, s_pb, s_pn, L2T, L2CS, L2PS, PAGED, PAGE)
+                     s_cb, s_cn, s_pb, s_pn, hoff_pv, s_vpb, s_vpn, L2T, L2CS, L2PS, PAGED, PAGE, SPLIT)
         if LATE:  # the lengths may come from the kernel before: read them after it ends
             tl.extra.cuda.gdc_wait()
             L = tl.load(hlen_ptr + b)
@@ -681,9 +709,10 @@ def decode_kernel(
                                               lo + tl.arange(0, BN) < hi, 0)
         if PDL and not LATE:
             tl.extra.cuda.gdc_wait()
-        NW: tl.constexpr = W // 4
+        NW: tl.constexpr = WV // 4      # value accumulators: 2*NW channel rows per unit
         NK: tl.constexpr = M2 * HP
-        NGT: tl.constexpr = D // G
+        NGT: tl.constexpr = D // G       # key groups (query sums)
+        NGV: tl.constexpr = D // GV     # value groups (offset sums)
         # columns c = hq*HP + hh; rows of the K operand r = hh*W + j
         cc = tl.arange(0, NK)
         hh_c = cc % HP
@@ -742,7 +771,7 @@ def decode_kernel(
         o1 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
         o2 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
         o3 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
-        if NB == 2:
+        if NBV == 2:
             o4 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
             o5 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
             o6 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
@@ -754,7 +783,7 @@ def decode_kernel(
             o7 = 0.0
         m_i = tl.full([NK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([NK], dtype=tl.float32)
-        os_acc = tl.zeros([NGT, NK], dtype=tl.float32)
+        os_acc = tl.zeros([NGV, NK], dtype=tl.float32)
 
         if PF:  # offsets and parameters of step i+1 are loaded before step i runs
             if PAGED:  # (and the block-table entries two steps ahead: the parameter loads need them)
@@ -772,10 +801,10 @@ def decode_kernel(
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
                     lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                     b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
-                    q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                    hoff_pv, s_vpb, s_vpn, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
                     o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                     tc, tw, tp, pks, pko, pvs, pvo,
-                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, True, V16, P32)
+                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, True, V16, P32, GV, WV, NBV, SPLIT)
                 tc, tw, tp = tc1, tw1, tp1
                 pks, pko, pvs, pvo = nks, nko, nvs, nvo
         else:
@@ -783,18 +812,18 @@ def decode_kernel(
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
                     lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                     b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
-                    q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                    hoff_pv, s_vpb, s_vpn, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
                     o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                     0, 0, 0, 0.0, 0.0, 0.0, 0.0,
-                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, False, V16, P32)
+                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, False, V16, P32, GV, WV, NBV, SPLIT)
         if lo + nfull * BN < hi:
             o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
                 lo + nfull * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                 b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
-                q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                hoff_pv, s_vpb, s_vpn, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                 0, 0, 0, 0.0, 0.0, 0.0, 0.0,
-                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP, False, V16, P32)
+                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP, False, V16, P32, GV, WV, NBV, SPLIT)
 
         # ---- epilogue: normalised partial output and log-sum-exp ----
         has = l_i > 0
@@ -813,15 +842,15 @@ def decode_kernel(
                 + ((r % NW) * 4 + r // NW)[None, :, None])
         m3 = ((h0 + hh) < H)[:, None, None] & ((cc2 // 2) < QG)[None, None, :]
         os3 = _cols_to_o(tl.sum(os_acc, axis=0), M2, HP)  # the offset sum when there is one group
-        _store_unit(o0, os_acc, os3, inv3, op_ptr, off3, m3, 0, G, W, M2, HP)
-        _store_unit(o1, os_acc, os3, inv3, op_ptr, off3, m3, 1, G, W, M2, HP)
-        _store_unit(o2, os_acc, os3, inv3, op_ptr, off3, m3, 2, G, W, M2, HP)
-        _store_unit(o3, os_acc, os3, inv3, op_ptr, off3, m3, 3, G, W, M2, HP)
-        if NB == 2:
-            _store_unit(o4, os_acc, os3, inv3, op_ptr, off3, m3, 4, G, W, M2, HP)
-            _store_unit(o5, os_acc, os3, inv3, op_ptr, off3, m3, 5, G, W, M2, HP)
-            _store_unit(o6, os_acc, os3, inv3, op_ptr, off3, m3, 6, G, W, M2, HP)
-            _store_unit(o7, os_acc, os3, inv3, op_ptr, off3, m3, 7, G, W, M2, HP)
+        _store_unit(o0, os_acc, os3, inv3, op_ptr, off3, m3, 0, GV, WV, M2, HP)
+        _store_unit(o1, os_acc, os3, inv3, op_ptr, off3, m3, 1, GV, WV, M2, HP)
+        _store_unit(o2, os_acc, os3, inv3, op_ptr, off3, m3, 2, GV, WV, M2, HP)
+        _store_unit(o3, os_acc, os3, inv3, op_ptr, off3, m3, 3, GV, WV, M2, HP)
+        if NBV == 2:
+            _store_unit(o4, os_acc, os3, inv3, op_ptr, off3, m3, 4, GV, WV, M2, HP)
+            _store_unit(o5, os_acc, os3, inv3, op_ptr, off3, m3, 5, GV, WV, M2, HP)
+            _store_unit(o6, os_acc, os3, inv3, op_ptr, off3, m3, 6, GV, WV, M2, HP)
+            _store_unit(o7, os_acc, os3, inv3, op_ptr, off3, m3, 7, GV, WV, M2, HP)
 
 
 @triton.jit

@@ -16,6 +16,10 @@ tensor              shape                                   written
                                                             decode kernel
 ==================  ======================================  =================================
 
+Keys and values may use different group sizes: ``group_size=(G_K, G_V)`` with ``scale`` and
+``offset`` given as pairs ``(K [B, H, cap + 1, d/G_K], V [B, H, cap + 1, d/G_V])`` (the codes
+keep their shape: ``d/4`` bytes whatever the group size).
+
 Token ``t = counts[b]`` goes to window slot ``t`` (``t < S``) or ``S + (t - S) % R``, and to history
 slot ``t - S`` (``(t - S) % cap`` for a ring), or to the scratch slots (window ``S + R``, history
 ``cap``) before the sink ends or when ``real[b]`` is False (a padded row: its count stays). The
@@ -72,13 +76,33 @@ def history_slot(j: torch.Tensor, cap: int, ring: bool) -> torch.Tensor:
     return torch.where(j >= 0, slot, cap)
 
 
-def decode_view(window: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                lens: tuple[torch.Tensor, torch.Tensor], group_size: int) -> Int2KVCache:
+def kv_groups(group_size: int | tuple[int, int]) -> tuple[int, int]:
+    """``(G_K, G_V)`` from one group size or a pair."""
+    if isinstance(group_size, (tuple, list)):
+        if len(group_size) != 2:
+            raise InputError(f"group_size must be one size or a (K, V) pair, got {group_size!r}")
+        return int(group_size[0]), int(group_size[1])
+    return int(group_size), int(group_size)
+
+
+def kv_params(t, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of a parameter tensor ``[B, 2, H, cap + 1, n]``, or a ``(K, V)`` pair as given."""
+    if isinstance(t, (tuple, list)):
+        if len(t) != 2:
+            raise InputError(f"{name} must be a tensor [B, 2, H, cap + 1, d/G] or a (K, V) pair of tensors")
+        return t[0], t[1]
+    return t[:, 0], t[:, 1]
+
+
+def decode_view(window: torch.Tensor, codes: torch.Tensor, scale, offset,
+                lens: tuple[torch.Tensor, torch.Tensor], group_size: int | tuple[int, int]) -> Int2KVCache:
     """The decode kernel's :class:`~oscar_calib.kernels.cache.Int2KVCache` over the side-by-side K/V
     tensors :func:`append_token` writes (views, no copies); ``lens`` = ``(window, history)``
-    lengths."""
-    return Int2KVCache(codes[:, 0], scale[:, 0], offset[:, 0], codes[:, 1], scale[:, 1], offset[:, 1], lens[1],
-                       window[:, 0], window[:, 1], lens[0], group_size)
+    lengths; ``scale``/``offset`` and ``group_size`` as :func:`append_token` takes them."""
+    gk, gv = kv_groups(group_size)
+    (ks, vs), (ko, vo) = kv_params(scale, "scale"), kv_params(offset, "offset")
+    return Int2KVCache(codes[:, 0], ks, ko, codes[:, 1], vs, vo, lens[1], window[:, 0], window[:, 1], lens[0], gk,
+                       v_group_size=gv)
 
 
 def rotate_kv(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
@@ -98,12 +122,22 @@ def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_siz
             or window.shape[3] != sink + recent + 1:
         raise InputError(f"window must be [B, 2, H, sink + recent + 1, d] = {[b, 2, h, sink + recent + 1, d]}, "
                          f"got {list(window.shape)}")
-    if d % group_size or d % 4:
+    gk, gv = kv_groups(group_size)
+    if d % gk or d % gv or d % 4:
         raise InputError(f"head_dim {d} must be a multiple of 4 and of the group size {group_size}")
     cap = codes.shape[3] - 1 if codes.ndim == 5 else -1
-    want = {"codes": (codes, [b, 2, h, cap + 1, d // 4], torch.uint8),
-            "scale": (scale, [b, 2, h, cap + 1, d // group_size], torch.float16),
-            "offset": (offset, [b, 2, h, cap + 1, d // group_size], torch.float16)}
+    want = {"codes": (codes, [b, 2, h, cap + 1, d // 4], torch.uint8)}
+    if gk == gv and not isinstance(scale, (tuple, list)):
+        want.update(scale=(scale, [b, 2, h, cap + 1, d // gk], torch.float16),
+                    offset=(offset, [b, 2, h, cap + 1, d // gk], torch.float16))
+    else:
+        if not isinstance(scale, (tuple, list)) or not isinstance(offset, (tuple, list)):
+            raise InputError(f"keys in groups of {gk} and values in groups of {gv}: scale and offset must be "
+                             "(K, V) pairs of tensors")
+        for name, pair in (("scale", scale), ("offset", offset)):
+            kt, vt = kv_params(pair, name)
+            want[f"K {name}"] = (kt, [b, h, cap + 1, d // gk], torch.float16)
+            want[f"V {name}"] = (vt, [b, h, cap + 1, d // gv], torch.float16)
     for name, (t, shape, dt) in want.items():
         if list(t.shape) != shape or t.dtype != dt or cap < 1:
             raise InputError(f"{name} must be {str(dt).replace('torch.', '')} {shape} (cap >= 1), "
@@ -123,8 +157,8 @@ def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_siz
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: torch.Tensor,
-                 scale: torch.Tensor, offset: torch.Tensor, counts: torch.Tensor, *, sink: int, recent: int,
-                 group_size: int, rotation: torch.Tensor | None = None, clip: torch.Tensor | None = None,
+                 scale, offset, counts: torch.Tensor, *, sink: int, recent: int,
+                 group_size: int | tuple[int, int], rotation: torch.Tensor | None = None, clip: torch.Tensor | None = None,
                  ring: bool = False, real: torch.Tensor | None = None,
                  lens: tuple[torch.Tensor, torch.Tensor] | None = None, ticket: torch.Tensor | None = None,
                  gate: torch.Tensor | None = None, query: torch.Tensor | None = None, backend: str = "auto",
@@ -144,14 +178,17 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     ``(window, history)`` lengths to refresh, ``ticket [B]`` int32 zeros the kernel uses and leaves
     zero (allocated per call when None). ``config``: ``num_warps``, ``KB`` (rows of ``R`` per
     step of the product; default ``16384 / d``: all of ``R`` at once for d = 128), for benchmarks.
-    Writes in place; returns the rotated query, or None without ``query``."""
+    ``group_size``: one size, or ``(G_K, G_V)`` with ``scale``/``offset`` as ``(K, V)`` pairs (the
+    module docstring). Writes in place; returns the rotated query, or None without ``query``."""
     b, h, d, cap = _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size,
                           sink, recent, real, lens, gate)
     if query is not None:
         check_tensor("query", query, ndim=3, shape={0: b, 2: d})
         if query.shape[1] % h:
             raise InputError(f"query has {query.shape[1]} heads, not a multiple of the {h} KV heads")
-    supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and scale.stride() == offset.stride() \
+    (ks, vs), (ko, vo) = kv_params(scale, "scale"), kv_params(offset, "offset")
+    supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and all(
+        t.stride(-1) == 1 for t in (ks, vs, ko, vo)) and ks.stride() == ko.stride() and vs.stride() == vo.stride() \
         else "the cache tensors must be contiguous in their last dimension"
     if resolve_backend(backend, [k, v, window, codes, counts], supported) == "torch":
         return append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
@@ -159,6 +196,11 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
                                       lens=lens, gate=gate, query=query)
     mod = load_triton_module("_append_triton")
     cfg = config or {}
+    gk, gv = kv_groups(group_size)
+    split = isinstance(scale, (tuple, list))
+    if not split:  # the K and V parameters of one tensor [B, 2, H, cap + 1, d/G]
+        ks = vs = scale
+        ko = vo = offset
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -182,21 +224,23 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         counts, ticket, wl, hl,
         window, window.stride(0), window.stride(1), window.stride(2), window.stride(3),
         codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
-        scale, offset, scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(3),
+        ks, ko, ks.stride(0), 0 if split else ks.stride(1), ks.stride(-3), ks.stride(-2),
+        vs, vo, vs.stride(0), vs.stride(-3), vs.stride(-2),
         r, kidx,
         q_in, q_in.stride(0), q_in.stride(1), q_out if qg else k,
         h, sink, recent, cap,
-        D=d, G=group_size, W=min(group_size, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
+        D=d, G=gk, W=min(gk, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
         LENS=lens is not None, GATE=gate is not None, QG=qg, QG2=next_pow2(max(qg, 1)),
-        PDL=bool(qg) and pdl_capable(k.device), num_warps=int(cfg.get("num_warps", 4)),
+        PDL=bool(qg) and pdl_capable(k.device), SPLIT=split, GV=gv, WV=min(gv, d // 4),
+        num_warps=int(cfg.get("num_warps", 4)),
     )
     if query is None:
         return None
     return q_out if qg else query
 
 
-def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: int, recent: int, group_size: int,
+def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: int, recent: int, group_size,
                            rotation=None, clip=None, ring: bool = False, real=None, lens=None, gate=None,
                            query=None) -> torch.Tensor | None:
     """Pure-torch :func:`append_token` (the same slots and values; torch ops only, no host sync)."""
@@ -211,9 +255,15 @@ def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: 
         hs = torch.where(real, hs, cap)
     rows = torch.stack([k, v], 1).to(window.dtype)                                    # [B, 2, H, d]
     window[rows_b, :, :, ws] = rotate_kv(rows, rotation).to(window.dtype)
-    q = quantize_kv_reference(rows.view(b, 2 * h, d), rotation, clip, group_size)
-    for dst, src in zip((codes, scale, offset), (q.codes, q.scale, q.offset)):
-        dst[rows_b, :, :, hs] = src.view(b, 2, h, -1)
+    gk, gv = kv_groups(group_size)
+    params = (kv_params(scale, "scale"), kv_params(offset, "offset"))
+    for kv, g in enumerate((gk, gv)):
+        part = slice(kv * h, (kv + 1) * h)
+        q = quantize_kv_reference(rows[:, kv], None if rotation is None else rotation[part],
+                                  None if clip is None else clip[part], g)
+        codes[rows_b, kv, :, hs] = q.codes
+        params[0][kv][rows_b, :, hs] = q.scale
+        params[1][kv][rows_b, :, hs] = q.offset
     counts += 1 if real is None else real
     if lens is not None:
         lens[0].copy_(counts.clamp(max=sink + recent))

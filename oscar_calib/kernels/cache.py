@@ -10,7 +10,9 @@ so the decode kernel only needs, per sequence, how many 16-bit tokens and how ma
 are valid; where they sit in the sequence is the caller's business (a serving engine keeps the
 recent window as a ring buffer and moves its oldest token into the history).
 
-Layouts (``B`` sequences, ``H`` KV heads, ``d`` head_dim, ``NG = d/G`` groups):
+Layouts (``B`` sequences, ``H`` KV heads, ``d`` head_dim, ``NG = d/G`` groups; keys and values may
+use different group sizes, ``group_size`` and ``v_group_size``, and then ``NG`` differs between
+``k_*`` and ``v_*``):
 
 =================  =================================  ===========================================
 tensor             contiguous                          paged (``block_table`` given)
@@ -18,7 +20,7 @@ tensor             contiguous                          paged (``block_table`` gi
 ``k_codes``        uint8 ``[B, H, Lcap, d/4]``         uint8 ``[P, H, page, d/4]`` (page pool)
 ``k_scale``        fp16 ``[B, H, Lcap, NG]``           fp16 ``[P, H, page, NG]``
 ``k_offset``       fp16 ``[B, H, Lcap, NG]``           fp16 ``[P, H, page, NG]``
-``v_*``            same as ``k_*``                     same as ``k_*``
+``v_*``            as ``k_*`` (``NG = d/G_V``)          as ``k_*`` (``NG = d/G_V``)
 ``hist_lens``      int32 ``[B]``, ``<= Lcap``          int32 ``[B]``, ``<= max_pages * page``
 ``block_table``    —                                   int32 ``[B, max_pages]``: INT2 token ``t`` of
                                                        sequence ``b`` is slot ``t % page`` of page
@@ -29,8 +31,8 @@ tensor             contiguous                          paged (``block_table`` gi
 
 Head-major order (``H`` before tokens) keeps one head's tokens contiguous, so the kernel reads
 each token's 32 code bytes (d = 128) and its 4 parameter bytes without gaps. Only the last
-dimension must be contiguous; other strides are free, but K and V tensors must share strides.
-``page`` is a power of two.
+dimension must be contiguous; other strides are free, but the K and V code tensors must share
+strides, as must each cache's scale and offset. ``page`` is a power of two.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class Int2KVCache:
     bf16_lens: torch.Tensor
     group_size: int
     block_table: torch.Tensor | None = None
+    v_group_size: int | None = None      # the values' group size (None: ``group_size``)
+
+    def __post_init__(self) -> None:
+        if self.v_group_size is None:
+            self.v_group_size = self.group_size
+
+    @property
+    def split(self) -> bool:
+        """Keys and values stored in groups of different sizes."""
+        return self.v_group_size != self.group_size
 
     @property
     def paged(self) -> bool:
@@ -105,12 +117,13 @@ class Int2KVCache:
         """Check dtypes, shapes and strides; raise :class:`InputError` naming the field."""
         d = self.head_dim
         check_group(d, self.group_size)
-        ng = d // self.group_size
+        check_group(d, self.v_group_size)
+        ngs = {"k": d // self.group_size, "v": d // self.v_group_size}
         check_tensor("cache.k_codes", self.k_codes, ndim=4, dtypes=(torch.uint8,))
         lead = tuple(self.k_codes.shape[:3])
         for name in ("k_codes", "v_codes", "k_scale", "k_offset", "v_scale", "v_offset"):
             t = getattr(self, name)
-            want = lead + ((d // 4,) if name.endswith("codes") else (ng,))
+            want = lead + ((d // 4,) if name.endswith("codes") else (ngs[name[0]],))
             dt = torch.uint8 if name.endswith("codes") else PARAM_DTYPE
             check_tensor(f"cache.{name}", t, dtypes=(dt,))
             if tuple(t.shape) != want:
@@ -119,10 +132,9 @@ class Int2KVCache:
                 raise InputError(f"cache.{name} must be contiguous in its last dimension")
         if self.v_codes.stride() != self.k_codes.stride():
             raise InputError("cache.k_codes and cache.v_codes must have the same strides")
-        ps = self.k_scale.stride()
-        for name in ("k_offset", "v_scale", "v_offset"):
-            if getattr(self, name).stride() != ps:
-                raise InputError(f"cache.{name} must have the same strides as cache.k_scale")
+        for which in "kv":
+            if getattr(self, f"{which}_offset").stride() != getattr(self, f"{which}_scale").stride():
+                raise InputError(f"cache.{which}_offset must have the same strides as cache.{which}_scale")
         b = self.hist_lens.shape[0] if self.hist_lens.ndim == 1 else -1
         check_tensor("cache.hist_lens", self.hist_lens, ndim=1, dtypes=(torch.int32,))
         check_tensor("cache.bf16_lens", self.bf16_lens, ndim=1, dtypes=(torch.int32,), shape={0: b})
@@ -183,6 +195,7 @@ def build_cache(
     k_clip: torch.Tensor | float | None = None,
     v_clip: torch.Tensor | float | None = None,
     group_size: int | None = None,
+    v_group_size: int | None = None,
     sink: int = DEFAULT_SINK,
     recent: int = DEFAULT_RECENT,
     window_dtype: torch.dtype = torch.bfloat16,
@@ -198,7 +211,9 @@ def build_cache(
         k_rotation, v_rotation: ``[H, d, d]`` rotations (None = identity). For values the
             rotation normally lives in v_proj already; pass None then.
         k_clip, v_clip: clip ratios (``[H]`` or a float; None = no clip).
-        group_size: INT2 group size (default ``min(128, d)``).
+        group_size: INT2 group size (default ``min(128, d)``); of the keys when
+            ``v_group_size`` is given.
+        v_group_size: the values' group size (default ``group_size``).
         sink, recent: 16-bit tokens kept at the start and at the end of each sequence.
         window_dtype: dtype of the 16-bit window (bf16 or fp16).
         page_size: None for the contiguous layout; a power of two for the paged layout.
@@ -219,7 +234,9 @@ def build_cache(
     B, T, H, d = k.shape
     if group_size is None:
         group_size = default_group_size(d)
+    v_group_size = group_size if v_group_size is None else v_group_size
     check_group(d, group_size)
+    check_group(d, v_group_size)
     if lengths is None:
         lens = [T] * B
     else:
@@ -230,7 +247,6 @@ def build_cache(
         raise InputError(f"page size {page_size} is not a power of two")
     dev = k.device
     parts = [split_lengths(n, sink, recent) for n in lens]
-    ng = d // group_size
 
     def rot(x, r):
         x = x.float()
@@ -246,10 +262,11 @@ def build_cache(
         v16[b, :, : ns + nr] = vr[b, idx].transpose(0, 1).to(window_dtype)
 
     qk = quantize_kv(k, k_rotation, k_clip, group_size, backend=backend)
-    qv = quantize_kv(v, v_rotation, v_clip, group_size, backend=backend)
+    qv = quantize_kv(v, v_rotation, v_clip, v_group_size, backend=backend)
     hists = [nh for _, nh, _ in parts]
     lcap = max(1, max(hists))
-    store = {n: torch.zeros(B, H, lcap, w, dtype=dt, device=dev) for n, w, dt in _fields(d, ng)}
+    store = {n: torch.zeros(B, H, lcap, w, dtype=dt, device=dev)
+             for n, w, dt in _fields(d, d // group_size, d // v_group_size)}
     srcs = {
         "k_codes": qk.codes, "k_scale": qk.scale, "k_offset": qk.offset,
         "v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset,
@@ -263,15 +280,15 @@ def build_cache(
         torch.tensor(hists, dtype=torch.int32, device=dev),
         k16, v16,
         torch.tensor([s + r for s, _, r in parts], dtype=torch.int32, device=dev),
-        group_size,
+        group_size, v_group_size=v_group_size,
     )
     return cache if page_size is None else to_paged(cache, page_size, generator)
 
 
-def _fields(d: int, ng: int):
+def _fields(d: int, ngk: int, ngv: int):
     return [
-        ("k_codes", d // 4, torch.uint8), ("k_scale", ng, PARAM_DTYPE), ("k_offset", ng, PARAM_DTYPE),
-        ("v_codes", d // 4, torch.uint8), ("v_scale", ng, PARAM_DTYPE), ("v_offset", ng, PARAM_DTYPE),
+        ("k_codes", d // 4, torch.uint8), ("k_scale", ngk, PARAM_DTYPE), ("k_offset", ngk, PARAM_DTYPE),
+        ("v_codes", d // 4, torch.uint8), ("v_scale", ngv, PARAM_DTYPE), ("v_offset", ngv, PARAM_DTYPE),
     ]
 
 

@@ -166,7 +166,7 @@ def _history(cache: Int2KVCache, b: int, which: str) -> torch.Tensor:
         codes, scale, off = gather(codes), gather(scale), gather(off)
     else:
         codes, scale, off = codes[b, :, :n], scale[b, :, :n], off[b, :, :n]
-    return dequantize_packed(codes, scale, off, cache.group_size)
+    return dequantize_packed(codes, scale, off, cache.group_size if which == "k" else cache.v_group_size)
 
 
 def decode_attention_reference(
@@ -201,7 +201,7 @@ def decode_attention_reference(
 
 
 def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
-    d, g = cache.head_dim, cache.group_size
+    d, g = cache.head_dim, min(cache.group_size, cache.v_group_size)
     if not is_power_of_two(d) or not 64 <= d <= 256:
         return f"head_dim {d} (the decode kernel needs 64, 128 or 256)"
     if g < 32:
@@ -357,7 +357,8 @@ def _window_stages(cfg: dict, cache: Int2KVCache) -> int:
     if ws != "auto":
         return int(ws)
     d = cache.head_dim
-    hist = cache.history_capacity * 2 * d * bits_per_element(cache.group_size) / 8
+    bits = bits_per_element(cache.group_size) + bits_per_element(cache.v_group_size)
+    hist = cache.history_capacity * d * bits / 8
     window = cache.window_capacity * 2 * d * cache.k_bf16.element_size()
     return 1 if hist >= 8 * window else 2
 
@@ -417,9 +418,14 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     bsz, hq, d = q.shape
     h = cache.num_kv_heads
     qg = hq // h
-    g = cache.group_size
-    w = min(g, d // 4)
-    nb = d // (4 * w)
+    g, gv = cache.group_size, cache.v_group_size
+    w, wv = min(g, d // 4), min(gv, d // 4)
+    nb, nbv = d // (4 * w), d // (4 * wv)
+    ks, vs = cache.k_scale, cache.v_scale
+    # K and V groups of different sizes (or value parameters laid out apart): the kernel's value loop
+    # takes its own group size, plane width and parameter strides; otherwise it compiles to the
+    # uniform cache's code
+    split = gv != g or vs.stride() != ks.stride()
     dev = q.device
     interp = interpreting()
     cfg = tuning(bsz, h, config, paged=cache.paged)
@@ -428,7 +434,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     block16 = int(cfg["BLOCK16"])
     hp = _heads_per_program(qg, h, cfg)
     # software prefetch of the next step's offsets and parameters (one group per row only)
-    pf = bool(cfg["prefetch"]) and d == g
+    pf = bool(cfg["prefetch"]) and d == g and not split
     m2 = next_pow2(qg)
     hgroups = -(-h // hp)
     # programmatic dependent launch (Hopper+): each kernel launches while the previous one runs
@@ -478,7 +484,6 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     else:
         tab, s_tb, page = cache.hist_lens, 0, 1
     kc = cache.k_codes
-    ks = cache.k_scale
     w16 = cache.k_bf16
     # the decode kernel overlaps the kernel before it: the rotation kernel, or (pdl_input) the one
     # that wrote the query and the lengths, which are then read after the wait (LATE)
@@ -494,7 +499,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         qr, qr.stride(0), qr.stride(1),
         kc, ks, cache.k_offset, cache.v_codes, cache.v_scale, cache.v_offset,
         kc.stride(0), kc.stride(1), kc.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         tab, s_tb, cache.hist_lens,
         w16, cache.v_bf16, w16.stride(0), w16.stride(1), w16.stride(2),
         cache.bf16_lens,
@@ -504,7 +509,8 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
         WS=wstages, V16=bool(cfg.get("value_pairs", True)), P32=_offsets32(cache, cfg), LATE=late and pdl_decode,
-        **_l2_warm_args(cfg, chunk, d, g, page, cache.paged, pdl_decode),
+        GV=gv, WV=wv, NBV=nbv, SPLIT=split,
+        **_l2_warm_args(cfg, chunk, d, min(g, gv), page, cache.paged, pdl_decode),
         num_warps=int(cfg.get("num_warps", 1)), num_stages=num_stages, **launch,
     )
     final_dtype = out.dtype if out is not None else (out_dtype or q.dtype)

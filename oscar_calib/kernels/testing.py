@@ -68,28 +68,29 @@ def _poison_rows(cache, which, idx, generator):
 
 def random_int2_cache(batch: int, heads: int, d: int, group_size: int, hist_len: int, window_len: int, *,
                       window_dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-                      generator: torch.Generator | None = None) -> Int2KVCache:
+                      generator: torch.Generator | None = None, v_group_size: int | None = None) -> Int2KVCache:
     """A contiguous cache filled with random codes, plausible scales/offsets and a random window
-    (for speed measurements: no quantisation needed). All sequences are full."""
-    ng = d // group_size
+    (for speed measurements: no quantisation needed). All sequences are full. ``v_group_size``:
+    the values' group size (default ``group_size``)."""
+    gv = v_group_size or group_size
 
     def codes():
         return torch.randint(0, 256, (batch, heads, max(1, hist_len), d // 4), dtype=torch.uint8,
                              device=device, generator=generator)
 
-    def params(lo, hi):
-        u = torch.rand(batch, heads, max(1, hist_len), ng, device=device, generator=generator)
+    def params(lo, hi, g):
+        u = torch.rand(batch, heads, max(1, hist_len), d // g, device=device, generator=generator)
         return (lo + (hi - lo) * u).to(PARAM_DTYPE)
 
     win = max(1, window_len)
     return Int2KVCache(
-        codes(), params(0.05, 0.5), params(-1.5, -0.1),
-        codes(), params(0.05, 0.5), params(-1.5, -0.1),
+        codes(), params(0.05, 0.5, group_size), params(-1.5, -0.1, group_size),
+        codes(), params(0.05, 0.5, gv), params(-1.5, -0.1, gv),
         torch.full((batch,), hist_len, dtype=torch.int32, device=device),
         torch.randn(batch, heads, win, d, device=device, generator=generator).to(window_dtype),
         torch.randn(batch, heads, win, d, device=device, generator=generator).to(window_dtype),
         torch.full((batch,), window_len, dtype=torch.int32, device=device),
-        group_size,
+        group_size, v_group_size=gv,
     )
 
 

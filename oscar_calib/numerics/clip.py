@@ -14,7 +14,10 @@ Objectives minimised over the clip grid, independently per layer and KV head:
   error of the un-rotated output.
 
 The report's held-out figures are relative RMS errors: logits (``k``), attention output with V
-quantised (``v``), and attention output with both quantised (``attn``).
+quantised (``v``), and attention output with both quantised (``attn``). A layer given ``serving =
+(sink, recent)`` measures them as a serving cache reads its rows: query ``i`` reads key ``j`` in
+full precision when ``j < sink`` or ``i − j < recent``, INT2 otherwise (the bit budget's objective
+on held-out sequences longer than the sliding window, :mod:`oscar_calib.calibrate.budget`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,16 @@ class HeldoutLayer:
     scaling: float
     sliding_window: int | None = None
     softcap: float | None = None
+    serving: tuple[int, int] | None = None       # (sink, recent) read in full precision by heldout_errors
+
+    def exact(self, t: int) -> torch.Tensor | None:
+        """[t, t] boolean: the (query, key) pairs a serving cache reads in full precision (None: none)."""
+        if self.serving is None:
+            return None
+        sink, recent = self.serving
+        i = torch.arange(t, device=self.device).unsqueeze(1)
+        j = torch.arange(t, device=self.device).unsqueeze(0)
+        return (j < sink) | (i - j < recent)
 
     def __post_init__(self):
         self._probs: list[torch.Tensor] | None = None
@@ -66,7 +79,7 @@ class HeldoutLayer:
             return self
         move = lambda xs: [x.to(device) for x in xs]  # noqa: E731
         return HeldoutLayer(move(self.q), move(self.k), move(self.v), move(self.o), self.scaling,
-                            self.sliding_window, self.softcap)
+                            self.sliding_window, self.softcap, self.serving)
 
     @property
     def group(self) -> int:
@@ -182,11 +195,16 @@ def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size:
         kq = _dequant_heads(k, k_rot, k_clip, group_size)
         vq = _dequant_heads(v, v_rot, v_clip, v_group_size or group_size)
         s_q = held.logits(q, kq)
+        exact = held.exact(q.shape[0])
+        if exact is not None:                 # the serving window: those pairs read the rows as they are
+            s_q = torch.where(exact, s_ref, s_q)
         num["k"] += float(((s_q - s_ref) * m).pow(2).sum())
         den["k"] += float((s_ref * m).pow(2).sum())
-        num["v"] += float((held.attend(p, vq) - o_ref).pow(2).sum())
+        attend = held.attend if exact is None else (
+            lambda pr, vx: held.attend(pr * exact, v) + held.attend(pr * ~exact, vx))
+        num["v"] += float((attend(p, vq) - o_ref).pow(2).sum())
         p_q = torch.softmax(s_q.masked_fill(~m, -math.inf), -1)
-        num["attn"] += float((held.attend(p_q, vq) - o_ref).pow(2).sum())
+        num["attn"] += float((attend(p_q, vq) - o_ref).pow(2).sum())
         den["v"] += float(o_ref.pow(2).sum())
         den["attn"] += float(o_ref.pow(2).sum())
     return {key: math.sqrt(num[key] / max(den[key], 1e-300)) for key in num}

@@ -80,10 +80,10 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, scheme_layer: tuple, *, group_size: int, sink: int, recent: int, window_dtype,
+    def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
                  sliding_window: int | None, backend: str = "auto"):
         super().__init__()
-        self.scheme_layer, self.group_size, self.sink, self.recent = scheme_layer, group_size, sink, recent
+        self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
         self.window_dtype, self.backend = window_dtype, backend
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -94,10 +94,10 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.group_size, sink=self.sink,
-                               recent=self.recent, sliding_window=self.sliding_window,
-                               window_dtype=self.window_dtype or key_states.dtype, device=self.device,
-                               backend=self.backend)
+        plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
+                               v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
+                               sliding_window=self.sliding_window, window_dtype=self.window_dtype or key_states.dtype,
+                               device=self.device, backend=self.backend)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -191,8 +191,7 @@ class OscarCache(Cache):
                                 f"{len(windows)} layers")
         self.scheme = scheme
         super().__init__(layers=[
-            OscarLayer(scheme.layer(i), group_size=scheme.layer_group(i, "OscarCache"), sink=scheme.sink,
-                       recent=scheme.recent,
+            OscarLayer(scheme.layer(i), groups=scheme.groups(i), sink=scheme.sink, recent=scheme.recent,
                        window_dtype=scheme.window_dtype, sliding_window=w, backend=backend)
             for i, w in enumerate(windows)])
 

@@ -4,7 +4,8 @@ K and V are handled as one block of ``2H`` heads (K heads first): one rotation t
 ``rot2 [2H, d, d]`` and one clip tensor ``clip2 [2H]``, so a write is one kernel launch for
 both. A missing rotation is the identity and a missing clip the ratio 1 (no clip), which give
 exactly the codes of "no rotation" / "no clip" (``x @ I`` and a clamp at the row maximum are
-exact).
+exact). Keys and values may be stored in groups of different sizes (``group_size`` and
+``v_group_size``); the write then quantises the K and V heads in two launches.
 """
 
 from __future__ import annotations
@@ -25,17 +26,33 @@ class LayerPlan:
     v_rotation: torch.Tensor | None      # [H, d, d] float32, None when V is folded into v_proj (or naive INT2)
     rot2: torch.Tensor | None            # [2H, d, d]: K then V rotations (identity where absent)
     clip2: torch.Tensor | None           # [2H]: K then V clip ratios (1 where absent)
-    group_size: int
+    group_size: int                      # the keys' INT2 group size
     sink: int
     recent: int
     sliding_window: int | None
     window_dtype: torch.dtype
     backend: str = "auto"                # kernel backend of the write and decode kernels
+    v_group_size: int | None = None      # the values' group size (None: group_size)
+
+    def __post_init__(self) -> None:
+        if self.v_group_size is None:
+            self.v_group_size = self.group_size
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """``(G_K, G_V)``."""
+        return self.group_size, self.v_group_size
+
+    @property
+    def split(self) -> bool:
+        return self.group_size != self.v_group_size
 
     @classmethod
     def build(cls, layer: tuple, *, heads: int, d: int, group_size: int, sink: int, recent: int,
-              sliding_window: int | None, window_dtype: torch.dtype, device, backend: str = "auto") -> "LayerPlan":
-        """From a :meth:`KVScheme.layer` tuple ``(k_rotation, k_clip, v_rotation, v_clip)``."""
+              sliding_window: int | None, window_dtype: torch.dtype, device, backend: str = "auto",
+              v_group_size: int | None = None) -> "LayerPlan":
+        """From a :meth:`KVScheme.layer` tuple ``(k_rotation, k_clip, v_rotation, v_clip)``; keys in
+        groups of ``group_size``, values of ``v_group_size`` (default the same)."""
         rk, ck, rv, cv = (None if t is None else t.to(device, torch.float32).contiguous() for t in layer)
         rot2 = clip2 = None
         if rk is not None or rv is not None:
@@ -44,12 +61,19 @@ class LayerPlan:
         if ck is not None or cv is not None:
             one = torch.ones(heads, device=device)
             clip2 = torch.cat([one if ck is None else ck.reshape(heads), one if cv is None else cv.reshape(heads)])
-        return cls(rk, rv, rot2, clip2, group_size, sink, recent, sliding_window, window_dtype, backend)
+        return cls(rk, rv, rot2, clip2, group_size, sink, recent, sliding_window, window_dtype, backend,
+                   v_group_size)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R`` per head."""
         return rotate_kv(x, self.rot2)
 
-    def quantize(self, x: torch.Tensor) -> QuantizedKV:
-        """``x [N, 2H, d]`` -> packed INT2 of ``clip(x @ R)`` (the write kernel)."""
-        return quantize_kv(x, self.rot2, self.clip2, self.group_size, backend=self.backend)
+    def quantize(self, x: torch.Tensor) -> list[QuantizedKV]:
+        """``x [N, 2H, d]`` -> packed INT2 of ``clip(x @ R)`` (the write kernel): one result for the
+        ``2H`` heads, or with K and V group sizes apart one for the K heads and one for the V heads."""
+        if not self.split:
+            return [quantize_kv(x, self.rot2, self.clip2, self.group_size, backend=self.backend)]
+        h = x.shape[1] // 2
+        return [quantize_kv(x[:, part], None if self.rot2 is None else self.rot2[part],
+                            None if self.clip2 is None else self.clip2[part], g, backend=self.backend)
+                for part, g in ((slice(0, h), self.group_size), (slice(h, 2 * h), self.v_group_size))]

@@ -46,9 +46,8 @@ class KVScheme:
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
     budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
-    ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``).
-    The simulations read any split; the real caches (one kernel call per layer) need K and V of a
-    layer to share one size (:meth:`layer_group`).
+    ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``). Every
+    cache and simulation reads any split (the kernels take a K and a V size per layer).
     """
 
     name: str
@@ -143,15 +142,6 @@ class KVScheme:
         """``(K, V)`` group sizes of layer ``i`` (None, None when nothing is quantised)."""
         return self.k_groups[i], self.v_groups[i]
 
-    def layer_group(self, i: int, cache: str = "the real cache") -> int | None:
-        """Layer ``i``'s one group size for K and V, or :class:`InputError` when they differ (the
-        kernels store both caches of a layer with one size)."""
-        gk, gv = self.groups(i)
-        if gk != gv:
-            raise InputError(f"{self.name}: layer {i} stores K in groups of {gk} and V in groups of {gv}; {cache} "
-                             "needs one group size per layer (the simulation alone reads a K/V split)")
-        return gk
-
     def require_oscar_quantizer(self, cache: str) -> None:
         """Refuse, in one line, a quantiser a real cache cannot store (the fork's float32 and
         Lloyd-Max arithmetic, or an experimental quantiser: perplexity-simulation only)."""
@@ -192,7 +182,8 @@ class KVScheme:
     def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
                       recent: int | None = None, window_dtype=torch.bfloat16) -> "KVScheme":
         """The artifact's rotations and clips; group size, sink and window default to its metadata
-        (its per-layer ``layer_group_sizes`` when stored; ``group_size`` given: that size everywhere).
+        (its per-layer K and V sizes, ``layer_group_sizes`` / ``layer_v_group_sizes``, when stored;
+        ``group_size`` given: that size everywhere, for K and V).
 
         An artifact marked ``v_folded = "true"`` (``oscar fold-weights``) belongs to a checkpoint whose
         ``v_proj`` already outputs ``v @ R_v`` and whose ``o_proj`` takes the output in that basis: V
@@ -202,7 +193,8 @@ class KVScheme:
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         md = art.metadata
         folded = md.get("v_folded", "false") == "true"
-        sizes = [int(group_size)] * art.num_layers if group_size else art.layer_group_sizes
+        k_sizes = [int(group_size)] * art.num_layers if group_size else art.layer_group_sizes
+        v_sizes = [int(group_size)] * art.num_layers if group_size else art.layer_v_group_sizes
         return cls(
             name, art.num_layers, int(group_size or art.group_size),
             [lr.k_rotation.float() for lr in art.layers],
@@ -210,7 +202,7 @@ class KVScheme:
             [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
             sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
             recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
-            window_dtype=window_dtype, k_groups=sizes, v_groups=list(sizes))
+            window_dtype=window_dtype, k_groups=k_sizes, v_groups=v_sizes)
 
     @classmethod
     def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,

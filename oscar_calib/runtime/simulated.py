@@ -81,11 +81,11 @@ class _Int2Rows:
 class _Segments:
     """Sink, history and recent segments of one simulated layer (see the module docstring)."""
 
-    def __init__(self, rotations: tuple, group_size: int | None, sink: int, recent: int):
+    def __init__(self, rotations: tuple, groups: tuple[int, int] | None, sink: int, recent: int):
         self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = rotations
-        self.group_size, self.sink, self.recent = group_size, sink, recent
+        self.groups, self.sink, self.recent = groups, sink, recent
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None       # [B, H, n, d]
-        self.hist = _Int2Rows() if group_size is not None else None
+        self.hist = _Int2Rows() if groups is not None else None
         self.hist_k = self.hist_v = None        # history kept as it is when quantisation is off
 
     def n_hist(self) -> int:
@@ -110,8 +110,9 @@ class _Segments:
             else:
                 from ..kernels import quantize_kv
 
-                self.hist.append(quantize_kv(old_k.transpose(1, 2), self.k_rotation, self.k_clip, self.group_size),
-                                 quantize_kv(old_v.transpose(1, 2), self.v_rotation, self.v_clip, self.group_size))
+                gk, gv = self.groups
+                self.hist.append(quantize_kv(old_k.transpose(1, 2), self.k_rotation, self.k_clip, gk),
+                                 quantize_kv(old_v.transpose(1, 2), self.v_rotation, self.v_clip, gv))
 
     def evict(self, n: int) -> None:
         """Drop the ``n`` oldest stored tokens (sink first, then history, then window)."""
@@ -162,10 +163,13 @@ class SimulatedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, *, k_rotation=None, k_clip=None, v_rotation=None, v_clip=None, group_size: int | None = None,
-                 sink: int = 64, recent: int = 256, window_dtype=torch.bfloat16, sliding_window: int | None = None):
+    def __init__(self, *, k_rotation=None, k_clip=None, v_rotation=None, v_clip=None,
+                 groups: tuple[int, int] | None = None, sink: int = 64, recent: int = 256,
+                 window_dtype=torch.bfloat16, sliding_window: int | None = None):
+        """``groups``: the keys' and the values' INT2 group sizes (None: nothing quantised)."""
         super().__init__()
-        self._args = ((k_rotation, k_clip, v_rotation, v_clip), group_size, int(sink), int(recent))
+        self._args = ((k_rotation, k_clip, v_rotation, v_clip), None if groups is None else tuple(groups), int(sink),
+                      int(recent))
         self.window_dtype = window_dtype
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.is_sliding = self.sliding_window is not None
@@ -249,8 +253,8 @@ class SimulatedCache(Cache):
         for i, w in enumerate(windows):
             rk, ck, rv, cv = scheme.layer(i)
             layers.append(SimulatedLayer(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
-                                         group_size=scheme.layer_group(i, "SimulatedCache"), sink=scheme.sink,
-                                         recent=scheme.recent,
+                                         groups=scheme.groups(i) if scheme.quantized else None,
+                                         sink=scheme.sink, recent=scheme.recent,
                                          window_dtype=scheme.window_dtype, sliding_window=w))
         super().__init__(layers=layers)
 

@@ -17,6 +17,10 @@ history ``scale``,  ``[B, 2, H, cap + 1, d/G]`` fp16                per-group sc
 counts ``n``        ``[B]`` int64 (device) and a host list          valid tokens stored per sequence
 ==================  =============================================  ===================================
 
+A layer whose keys and values use different group sizes ``G_K != G_V`` keeps their parameters
+apart: ``[B, 1, H, cap + 1, d/G_K]`` for K and ``[B, 1, H, cap + 1, d/G_V]`` for V (scale and
+offset each), every other part as above.
+
 The host list is exact except after a decode step whose rows carried a mask or a gate (rows that
 finished generating, :class:`~oscar_calib.runtime.graph.DecodeGraph`): such a step writes each row
 only when its token is real and its gate is set (decided on the device, so the step never waits
@@ -86,21 +90,41 @@ class Window:
 
 class Int2Store:
     """Packed INT2 history of one layer (K and V), ``cap`` slots plus one scratch slot; with
-    ``ring=True`` token ``j`` (counted from the first history token) lives in slot ``j % cap``."""
+    ``ring=True`` token ``j`` (counted from the first history token) lives in slot ``j % cap``.
+    ``groups = (G_K, G_V)``: the keys' and the values' group sizes."""
 
-    def __init__(self, batch: int, heads: int, d: int, group_size: int, cap: int, ring: bool, device):
-        self.group_size, self.ring = group_size, ring
-        ng = d // group_size
+    def __init__(self, batch: int, heads: int, d: int, groups: tuple[int, int], cap: int, ring: bool, device):
+        self.groups, self.ring = tuple(groups), ring
         self.codes = torch.zeros(batch, 2, heads, cap + 1, d // 4, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(batch, 2, heads, cap + 1, ng, dtype=PARAM_DTYPE, device=device)
-        self.offset = torch.zeros_like(self.scale)
+        # one [B, 2, H, ·] tensor per parameter when K and V share a group size; else K's and V's apart
+        caches = ((2, self.groups[0]),) if not self.split else ((1, self.groups[0]), (1, self.groups[1]))
+        self.params = [torch.zeros(batch, n, heads, cap + 1, d // g, dtype=PARAM_DTYPE, device=device)
+                       for n, g in caches for _ in ("scale", "offset")]
+
+    @property
+    def split(self) -> bool:
+        return self.groups[0] != self.groups[1]
 
     @property
     def cap(self) -> int:
         return self.codes.shape[3] - 1
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.codes, self.scale, self.offset
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Codes, then the parameters (scale, offset; K's then V's when they are apart)."""
+        return (self.codes, *self.params)
+
+    def set_tensors(self, ts) -> None:
+        self.codes, *params = ts
+        self.params = list(params)
+
+    def kernel_params(self) -> tuple:
+        """``(scale, offset)`` as :func:`~oscar_calib.kernels.append.append_token` and
+        :func:`~oscar_calib.kernels.append.decode_view` take them: the ``[B, 2, H, cap + 1, d/G]``
+        tensors, or ``(K, V)`` pairs of ``[B, H, cap + 1, d/G_·]`` views."""
+        if not self.split:
+            return self.params[0], self.params[1]
+        ks, ko, vs, vo = self.params
+        return (ks[:, 0], vs[:, 0]), (ko[:, 0], vo[:, 0])
 
     def grow(self, need: int) -> bool:
         """Make room for ``need`` history tokens per sequence; True when the buffers moved."""
@@ -109,8 +133,8 @@ class Int2Store:
             return False
         new = _round_up(max(need, old_cap + max(GROW_MIN, old_cap // 4)))
         old = self.tensors()
-        self.codes, self.scale, self.offset = (
-            torch.zeros(*t.shape[:3], new + 1, t.shape[4], dtype=t.dtype, device=t.device) for t in old)
+        self.set_tensors([torch.zeros(*t.shape[:3], new + 1, t.shape[4], dtype=t.dtype, device=t.device)
+                          for t in old])
         for dst, src in zip(self.tensors(), old):
             dst[:, :, :, :old_cap] = src[:, :, :, :old_cap]
         return True
@@ -132,8 +156,22 @@ class Int2Store:
     def dequantize(self, start: int, length: int) -> torch.Tensor:
         """Slots ``[start, start + length)`` as float32 ``[B, 2, H, length, d]`` (rotated basis)."""
         sl = slice(start, start + length)
-        return dequantize_packed(self.codes[:, :, :, sl], self.scale[:, :, :, sl], self.offset[:, :, :, sl],
-                                 self.group_size)
+        if not self.split:
+            return dequantize_packed(self.codes[:, :, :, sl], self.params[0][:, :, :, sl],
+                                     self.params[1][:, :, :, sl], self.groups[0])
+        return torch.cat([dequantize_packed(self.codes[:, kv:kv + 1, :, sl], self.params[2 * kv][:, :, :, sl],
+                                            self.params[2 * kv + 1][:, :, :, sl], self.groups[kv])
+                          for kv in (0, 1)], dim=1)
+
+    def store(self, b: int, slots: torch.Tensor, parts: list, heads: int) -> None:
+        """Write :meth:`LayerPlan.quantize`'s result for tokens ``[N, 2H, ·]`` of sequence ``b`` into
+        history slots ``slots [N]``."""
+        n = slots.shape[0]
+        codes = torch.cat([q.codes for q in parts], dim=1)                                   # [N, 2H, d/4]
+        self.codes[b].index_copy_(2, slots, codes.view(n, 2, heads, -1).permute(1, 2, 0, 3))
+        for i, q in enumerate(parts):             # one part of 2H heads, or K's and V's
+            for dst, src in zip(self.params[2 * i:2 * i + 2], (q.scale, q.offset)):
+                dst[b].index_copy_(2, slots, src.view(n, dst.shape[1], heads, -1).permute(1, 2, 0, 3))
 
 
 class LayerStore:
@@ -147,7 +185,7 @@ class LayerStore:
         self.window = Window(batch, heads, d, s, r, plan.window_dtype, device)
         ring = plan.sliding_window is not None
         cap = plan.sliding_window if ring else _round_up(max(reserve - s, 1))
-        self.hist = Int2Store(batch, heads, d, plan.group_size, cap, ring, device)
+        self.hist = Int2Store(batch, heads, d, plan.groups, cap, ring, device)
         self.n = torch.zeros(batch, dtype=torch.int64, device=device)
         self.counts = [0] * batch
         self.counts_stale = False            # counts may exceed n (see the module docstring)
@@ -177,8 +215,8 @@ class LayerStore:
     def kernel_view(self) -> Int2KVCache:
         """The layer as the decode kernel's contiguous :class:`Int2KVCache` (views, no copies)."""
         if self._view is None:
-            self._view = decode_view(self.window.kv, *self.hist.tensors(), (self.bf16_lens, self.hist_lens),
-                                     self.plan.group_size)
+            self._view = decode_view(self.window.kv, self.hist.codes, *self.hist.kernel_params(),
+                                     (self.bf16_lens, self.hist_lens), self.plan.groups)
         return self._view
 
     def exact_counts(self) -> list[int]:
@@ -205,7 +243,7 @@ class LayerStore:
         """Apply ``fn`` to every per-sequence tensor (beam reorder, repeat, select); ``index``
         says which old sequence each new one comes from."""
         self.window.kv = fn(self.window.kv)
-        self.hist.codes, self.hist.scale, self.hist.offset = (fn(t) for t in self.hist.tensors())
+        self.hist.set_tensors([fn(t) for t in self.hist.tensors()])
         counts = self.exact_counts()
         self.n, self.bf16_lens, self.hist_lens = fn(self.n), fn(self.bf16_lens), fn(self.hist_lens)
         self.counts = [counts[i] for i in index]
@@ -228,9 +266,9 @@ def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Ten
     p = st.plan
     if max(st.counts) + 1 - p.sink > st.hist.cap:
         st.reserve(max(st.counts) + 1)
-    codes, scale, offset = st.hist.tensors()
-    qr = append_token(k[:, :, 0], v[:, :, 0], st.window.kv, codes, scale, offset, st.n, sink=p.sink,
-                      recent=p.recent, group_size=p.group_size, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring,
+    scale, offset = st.hist.kernel_params()
+    qr = append_token(k[:, :, 0], v[:, :, 0], st.window.kv, st.hist.codes, scale, offset, st.n, sink=p.sink,
+                      recent=p.recent, group_size=p.groups, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring,
                       real=real, lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, gate=gate, query=query,
                       backend=p.backend)
     if real is not None or gate is not None:
@@ -259,8 +297,6 @@ def write_tokens(st: LayerStore, k: torch.Tensor, v: torch.Tensor, valid: list[t
         for a in range(max(0, s - n0, m - st.hist.cap if st.hist.ring else 0), m, WRITE_CHUNK):
             part = rows[:, :, a:a + WRITE_CHUNK]
             q = p.quantize(part.permute(2, 0, 1, 3).reshape(part.shape[2], 2 * st.heads, st.d))
-            hs = st.hist.slots(t[a:a + WRITE_CHUNK] - s)
-            for dst, src in zip(st.hist.tensors(), (q.codes, q.scale, q.offset)):
-                dst[b].index_copy_(2, hs, src.view(part.shape[2], 2, st.heads, -1).permute(1, 2, 0, 3))
+            st.hist.store(b, st.hist.slots(t[a:a + WRITE_CHUNK] - s), q, st.heads)
         counts[b] = n0 + m
     st.set_counts(counts)

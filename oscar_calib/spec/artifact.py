@@ -31,6 +31,7 @@ from .layout import (
     DIGEST_KEY,
     GEOMETRY_KEYS,
     LAYER_GROUPS_METADATA,
+    LAYER_V_GROUPS_METADATA,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
     SHARED_CLIP_METADATA,
@@ -90,8 +91,20 @@ class Artifact:
 
     @property
     def layer_group_sizes(self) -> list[int]:
-        """Every layer's INT2 group size: ``layer_group_sizes`` when stored, else ``group_size``."""
+        """Every layer's INT2 group size of the keys (and of the values unless ``layer_v_group_sizes``
+        says otherwise): ``layer_group_sizes`` when stored, else ``group_size``."""
         return layer_group_sizes(self.metadata) or [self.group_size] * self.num_layers
+
+    @property
+    def layer_v_group_sizes(self) -> list[int]:
+        """Every layer's INT2 group size of the values: ``layer_v_group_sizes`` when stored, else the
+        keys' (:attr:`layer_group_sizes`)."""
+        return layer_group_sizes(self.metadata, LAYER_V_GROUPS_METADATA) or self.layer_group_sizes
+
+    @property
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """``(G_K, G_V)`` of every layer."""
+        return list(zip(self.layer_group_sizes, self.layer_v_group_sizes))
 
     @property
     def granularity(self) -> str:
@@ -129,13 +142,14 @@ class Artifact:
         return out
 
 
-def layer_group_sizes(md: dict[str, str]) -> list[int] | None:
-    """The stored per-layer group sizes (None when absent); :class:`ArtifactError` when unreadable
-    or not one power of two dividing head_dim per layer (:func:`layer_group_problems`)."""
+def layer_group_sizes(md: dict[str, str], key: str = LAYER_GROUPS_METADATA) -> list[int] | None:
+    """The stored per-layer group sizes under ``key`` (``layer_group_sizes``: the keys', and the
+    values' unless ``layer_v_group_sizes`` is stored; None when absent); :class:`ArtifactError` when
+    unreadable or not one power of two dividing head_dim per layer (:func:`layer_group_problems`)."""
     problems = layer_group_problems(md)
     if problems:
         raise ArtifactError(problems[0])
-    raw = md.get(LAYER_GROUPS_METADATA)
+    raw = md.get(key)
     return None if raw is None else [int(x) for x in raw.split(",")]
 
 

@@ -158,11 +158,16 @@ def _eval_section(report: dict) -> list[str]:
 
 
 def _groups(report: dict) -> str:
-    """``group G``, or the per-layer sizes of a bit budget with their cost and the uniform alternative."""
+    """``group G``, or the per-layer sizes of a bit budget (the keys' and the values' when they differ)
+    with their cost and the uniform alternative."""
     b = report.get("bit_budget")
-    if not b or all(g == report["group_size"] for g in b["layer_group_sizes"]):
+    v = (b or {}).get("layer_v_group_sizes")
+    if not b or (all(g == report["group_size"] for g in b["layer_group_sizes"]) and not v):
         return f"group {report['group_size']}"
-    return (f"group size per layer {', '.join(map(str, b['layer_group_sizes']))} (bit budget {b['bits']:g}: "
+    sizes = (f"key group size per layer {', '.join(map(str, b['layer_group_sizes']))}, value group size per layer "
+             f"{', '.join(map(str, v))}" if v and v != b["layer_group_sizes"]
+             else f"group size per layer {', '.join(map(str, b['layer_group_sizes']))}")
+    return (f"{sizes} (bit budget {b['bits']:g}: "
             f"{b['mean_bits']:.3f} bits per element, {b['long_bits']:.3f} at long contexts; an engine with one size "
             f"serves group {b['uniform_group_size']}, {b['uniform_bits']:g} bits)")
 

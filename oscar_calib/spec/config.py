@@ -30,7 +30,8 @@ class CalibrationConfig:
 
     ``k_clip``/``v_clip`` of ``None`` mean "fit per layer and KV head"; a number fixes them.
     ``group_size`` of ``None`` means ``min(128, head_dim)``; ``bit_budget`` (bits per stored
-    element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibrate.budget`).
+    element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibrate.budget`),
+    and with ``split_kv`` one for the keys and one for the values of every layer.
     """
 
     model: str = "smollm2-135m"
@@ -50,6 +51,7 @@ class CalibrationConfig:
     granularity: str = "head"
     group_size: int | None = None
     bit_budget: float | None = None     # stored bits per element to spend on per-layer group sizes (calibrate.budget)
+    split_kv: bool = False              # the budget chooses the keys' and the values' group sizes apart
     k_clip: float | None = None
     v_clip: float | None = None
     sink_tokens: int = DEFAULT_SINK
@@ -94,6 +96,8 @@ class CalibrationConfig:
             if self.refine_steps:
                 raise InputError("--bit-budget and --refine-steps cannot be combined (the refinement runs at one "
                                  "group size)")
+        elif self.split_kv:
+            raise InputError("--split-kv splits a bit budget between keys and values: it needs --bit-budget")
         return self
 
     def fingerprint_fields(self) -> dict:

@@ -34,6 +34,11 @@ SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
 # share it), when a bit budget gave layers different sizes (`oscar calibrate --bit-budget`). ``group_size``
 # then holds the closest uniform size within the same budget (what an engine with one size serves).
 LAYER_GROUPS_METADATA = "layer_group_sizes"
+# Optional metadata (toolkit 0.4): the values' INT2 group size of every layer, comma separated, when keys and
+# values use different sizes (`oscar calibrate --bit-budget B --split-kv`). ``layer_group_sizes`` (or, without
+# it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys' size:
+# more bits for the values, never fewer.
+LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
 # Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
 # sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
 # (:mod:`.digest`). A reader refuses a file whose content no longer matches it.

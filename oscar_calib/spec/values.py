@@ -34,6 +34,7 @@ from .defaults import (
 from .layout import (
     IMPORTED,
     LAYER_GROUPS_METADATA,
+    LAYER_V_GROUPS_METADATA,
     MODEL_SOURCE_FIELDS,
     MODEL_SOURCE_KINDS,
     MODEL_SOURCE_METADATA,
@@ -146,29 +147,35 @@ def _transformers_model_types() -> set[str] | None:
 
 
 def layer_group_problems(md: dict[str, str]) -> list[str]:
-    """Why ``layer_group_sizes`` is unusable (empty when absent or fine): one size per layer, each a
-    power of two of at least :data:`~.defaults.MIN_GROUP_SIZE` dividing head_dim."""
-    raw = md.get(LAYER_GROUPS_METADATA)
-    if raw is None:
-        return []
-    parts = str(raw).split(",")
-    if not all(_DIGITS.fullmatch(x.strip()) for x in parts):
-        return [f"metadata {LAYER_GROUPS_METADATA!r} is not comma-separated integers: {raw[:60]!r}"]
-    sizes, n, d = [int(x) for x in parts], metadata_int(md, "num_layers"), metadata_int(md, "head_dim")
-    if n is not None and len(sizes) != n:
-        return [f"metadata {LAYER_GROUPS_METADATA!r} has {len(sizes)} sizes for {n} layers"]
-    bad = [g for g in sizes if g <= 0 or g & (g - 1) or (d and d % g)]
-    if bad:
-        return [f"metadata {LAYER_GROUPS_METADATA!r}: {bad[0]} is not a power of two dividing head_dim {d}"]
-    small = [g for g in sizes if g < MIN_GROUP_SIZE]
-    if small:
-        return [f"metadata {LAYER_GROUPS_METADATA!r}: {small[0]} is below the smallest group size {MIN_GROUP_SIZE}"]
-    return []
+    """Why ``layer_group_sizes`` or ``layer_v_group_sizes`` is unusable (empty when absent or fine):
+    one size per layer, each a power of two of at least :data:`~.defaults.MIN_GROUP_SIZE` dividing
+    head_dim."""
+    out = []
+    n, d = metadata_int(md, "num_layers"), metadata_int(md, "head_dim")
+    for key in (LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA):
+        raw = md.get(key)
+        if raw is None:
+            continue
+        parts = str(raw).split(",")
+        if not all(_DIGITS.fullmatch(x.strip()) for x in parts):
+            out.append(f"metadata {key!r} is not comma-separated integers: {raw[:60]!r}")
+            continue
+        sizes = [int(x) for x in parts]
+        if n is not None and len(sizes) != n:
+            out.append(f"metadata {key!r} has {len(sizes)} sizes for {n} layers")
+            continue
+        bad = [g for g in sizes if g <= 0 or g & (g - 1) or (d and d % g)]
+        small = [g for g in sizes if g < MIN_GROUP_SIZE]
+        if bad:
+            out.append(f"metadata {key!r}: {bad[0]} is not a power of two dividing head_dim {d}")
+        elif small:
+            out.append(f"metadata {key!r}: {small[0]} is below the smallest group size {MIN_GROUP_SIZE}")
+    return out
 
 
 def check_values(tensors: dict, md: dict[str, str]) -> dict[str, list[str]]:
     """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity, per-layer
-    group sizes (``layer_group_sizes``, when stored).
+    group sizes (``layer_group_sizes`` and ``layer_v_group_sizes``, when stored).
     Assumes the structure checks passed; ``tensors`` are numpy arrays or torch tensors (an
     in-memory artifact's, on any device). Returns problems per check name."""
     out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}

@@ -26,7 +26,8 @@ shared                 the optional ``layers.{i}.{k,v}_layer_rotation`` [d, d] a
 clips                  every clip ratio in (0, 1]
 eigenvalues            descending along head_dim, up to 1e-6 of the head's largest |λ|
 granularity            ``layer``: one rotation repeated for every KV head
-group_sizes            the optional ``layer_group_sizes`` (a bit budget): one power of two
+group_sizes            the optional ``layer_group_sizes`` and ``layer_v_group_sizes`` (a bit
+                       budget; the values' sizes when K and V differ): one power of two
                        dividing ``head_dim`` per layer
 model_source           the optional record of where the model came from: a JSON object with a
                        known ``kind`` and the ``alias`` / ``path`` / ``hub_id`` it needs

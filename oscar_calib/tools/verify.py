@@ -16,8 +16,9 @@ Procedure
    ``attn`` = ‖o_int2 − o‖ / ‖o‖ and ``logit`` = ‖q K̂ᵀ − q Kᵀ‖ / ‖q Kᵀ‖ over the cached tokens,
    pooled over depths, sequences and heads.
 4. The same for a Hadamard (QuaRot-style) baseline with the same sink, window and group size and
-   clips 0.96/0.92. An artifact with per-layer group sizes (``layer_group_sizes``, a bit budget)
-   is verified, and its baseline run, with each layer's own size.
+   clips 0.96/0.92. An artifact with per-layer group sizes (``layer_group_sizes``, a bit budget;
+   ``layer_v_group_sizes``, the values' when they differ) is verified, and its baseline run, with
+   each layer's own sizes.
 5. ``fork`` (informational, when the artifact has shared rotations and a global clip pair): the
    ``attn`` error of what the OSCAR SGLang fork's main serves for the artifact (one rotation per
    layer held in BF16, one K and one V clip ratio, float32 scale/zero; ``oscar eval``'s ``fork``
@@ -53,7 +54,12 @@ from ..model.load import LoadedModel
 from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
 from ..progress import ProgressFn, counter, step
-from ..spec.artifact import LAYER_GROUPS_METADATA, load_artifact, require_compatible
+from ..spec.artifact import (
+    LAYER_GROUPS_METADATA,
+    LAYER_V_GROUPS_METADATA,
+    load_artifact,
+    require_compatible,
+)
 from ..spec.defaults import BASELINE_CLIPS
 from ..spec.layout import VERIFY_NAME
 from ..spec.verification import provenance
@@ -124,8 +130,8 @@ def _samples(depths, positions: int, stride: int, window: int | None) -> list[tu
 PAGE = 16
 
 
-def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_size, sink, recent, backend,
-                  scaling: float) -> dict:
+def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_size, v_group_size, sink, recent,
+                  backend, scaling: float) -> dict:
     """Relative attention-output and logit errors of one layer, pooled over all samples.
 
     Quantisation is per token, so every held-out sequence goes through the write kernel once;
@@ -144,7 +150,7 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
     n_seq, _, h, d = k_all.shape
     dev = k_all.device
     qk = quantize_kv(k_all, rot_k, clip_k, group_size, backend=backend)       # the write kernel
-    qv = quantize_kv(v_all, rot_v, clip_v, group_size, backend=backend)
+    qv = quantize_kv(v_all, rot_v, clip_v, v_group_size, backend=backend)
     kr = torch.einsum("bthd,hde->bthe", k_all.float(), rot_k.float())
     vr = torch.einsum("bthd,hde->bthe", v_all.float(), rot_v.float())
     rows = [(b, s, e) for b in range(n_seq) for s, e in samples]
@@ -182,7 +188,7 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
     cache = Int2KVCache(pools["k_codes"], pools["k_scale"], pools["k_offset"], pools["v_codes"], pools["v_scale"],
                         pools["v_offset"], torch.tensor([nh for _, nh, _ in parts], dtype=torch.int32, device=dev),
                         k16, v16, torch.tensor([ns + nr for ns, _, nr in parts], dtype=torch.int32, device=dev),
-                        group_size, table.to(dev))
+                        group_size, table.to(dev), v_group_size=v_group_size)
     q = torch.stack([q_all[b, at[e - 1]] for b, _, e in rows])             # [N, Hq, d]
     ref = torch.stack([o_all[b, at[e - 1]] for b, _, e in rows]).float()
     o = decode_attention(q, cache, k_rotation=rot_k, v_rotation=rot_v, unrotate=True, sm_scale=scaling,
@@ -314,7 +320,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     rows = []
     tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
     for i, layer in enumerate(art.layers):
-        kw = dict(group_size=art.layer_group_sizes[i], sink=sink, recent=recent, backend=backend,
+        gk, gv = art.layer_groups[i]
+        kw = dict(group_size=gk, v_group_size=gv, sink=sink, recent=recent, backend=backend,
                   scaling=info[i]["scaling"])
         samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
         cap = {k: t.to(dev) if torch.is_tensor(t) else t for k, t in caps.pop(i).items()}  # a layer at a time on dev
@@ -341,6 +348,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                 "token_sha256": plan.sha256()}
     if LAYER_GROUPS_METADATA in art.metadata:
         settings["layer_group_sizes"] = art.layer_group_sizes
+    if LAYER_V_GROUPS_METADATA in art.metadata:
+        settings["layer_v_group_sizes"] = art.layer_v_group_sizes
     if fork is not None:
         settings["fork"] = {"k_clip": art.shared_clips()[0], "v_clip": art.shared_clips()[1], "group_size": fork.group_size,
                             "sink_tokens": fork.sink, "recent_tokens": fork.recent,

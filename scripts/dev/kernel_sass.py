@@ -56,8 +56,8 @@ def defaults(kernel: str) -> tuple[dict, dict]:
         from oscar_calib.kernels.decode import TUNING
 
         t = TUNING["small"]
-        const = dict(D=128, G=128, W=32, NB=1, M2=4, HP=1, M16=16, BN=t["BLOCK_N"], BLOCK16=t["BLOCK16"],
-                     PAGED=False, PAGE=1, ASM=True, INTERP=False, PARTS=1, PF=bool(t["prefetch"]), PDL=bool(t["pdl"]), V16=True, P32=False,
+        const = dict(D=128, G=128, W=32, NB=1, GV=128, WV=32, NBV=1, SPLIT=False, M2=4, HP=1, M16=16,
+                     BN=t["BLOCK_N"], BLOCK16=t["BLOCK16"], PAGED=False, PAGE=1, ASM=True, INTERP=False, PARTS=1, PF=bool(t["prefetch"]), PDL=bool(t["pdl"]), V16=True, P32=False,
                      L2T=0, L2CS=4, L2PS=64, WS=int(t["window_stages"]), LATE=False)
         return const, {"num_warps": 1, "num_stages": t["num_stages"], "maxnreg": t["maxnreg"] or None}
     from oscar_calib.kernels import write

@@ -58,6 +58,14 @@ variant            options
 ``budget-mean``,   the same bounded by the mean over layers only (over budget at long contexts
 ``budget-mean-     on a sliding-window model)
 split``
+``budget-served``, the budget's tables measured with the serving window (every query reads the
+``budget-split-    BF16 sink and its recent window, the rest INT2; ``numerics.clip``
+served``           ``HeldoutLayer.serving``); with ``--heldout-tokens 2048`` the held-out rows
+                   are longer than Gemma's 512-token sliding window
+``lever:*``        a lever on the INT2 error itself (``levers.py``: float8 group parameters,
+                   sparse corrections of the largest errors, INT3 in the layers with the
+                   largest held-out error within the budget, the logit-noise correction);
+                   ``budget-split+corr``: the correction on ``budget-split``
 =================  ========================================================================
 
 ``--baselines`` picks the baseline methods (``bf16,naive,hadamard``; bf16 is needed for the
@@ -81,6 +89,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # levers.py beside it
 
 VARIANTS = {
     "default": {},
@@ -117,6 +126,17 @@ VARIANTS = {
     "budget-split": {"groups": "budget-split"},
     "budget-mean": {"groups": "budget-mean"},
     "budget-mean-split": {"groups": "budget-mean-split"},
+    # the budget's tables measured as the serving cache reads the held-out rows (BF16 sink and recent window)
+    "budget-served": {"groups": "budget-served"},
+    "budget-split-served": {"groups": "budget-split-served"},
+    # levers on the INT2 error itself (scripts/experiments/levers.py; simulation), alone or on a budget variant
+    "lever:corr": {"lever": {"logit_correction": True}},
+    "lever:fp8": {"lever": {"params": "fp8"}},
+    "lever:fp8+sparse1": {"lever": {"params": "fp8", "sparse": 1}},
+    "lever:fp8+int3": {"lever": {"params": "fp8", "int3": True}},
+    "lever:fp8+sparse1+corr": {"lever": {"params": "fp8", "sparse": 1, "logit_correction": True}},
+    "lever:sparse4": {"lever": {"sparse": 4}},
+    "budget-split+corr": {"groups": "budget-split", "lever": {"logit_correction": True}},
 }
 BUDGET_BITS = 2.5
 TEXTS = ("embedded", "embedded-code")
@@ -168,6 +188,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="calibration seed (which windows calibrate)")
     ap.add_argument("--heldout-seqs", type=int, default=1, help="held-out sequences the clips (and refinement) "
                     "are fitted on")
+    ap.add_argument("--heldout-tokens", type=int, default=512, help="held-out rows per sequence (the clips and the "
+                    "budget's tables; calibrate's --heldout-tokens)")
+    ap.add_argument("--real-cache", type=int, default=0, metavar="CHUNK",
+                    help="also score every variant the real cache can store through OscarCache itself (teacher "
+                         "forced in chunks of CHUNK tokens; 1 = one decode step per token), a ppl_real column")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--baselines", default="bf16,naive,hadamard", help="baseline methods (bf16 is always needed "
@@ -206,7 +231,8 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
     texts = [t.strip() for t in args.texts.split(",") if t.strip()]
-    base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed, heldout_seqs=args.heldout_seqs)
+    base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed, heldout_seqs=args.heldout_seqs,
+                             heldout_tokens=args.heldout_tokens)
     opts = EvalOptions(methods=tuple(m.strip() for m in args.baselines.split(",") if m.strip()),
                        sequences=args.sequences, seq_len=args.seq_len,
                        sink=base.sink_tokens, recent=base.recent_tokens)     # `oscar eval`'s settings, checked
@@ -214,7 +240,8 @@ def main(argv=None) -> None:
     lm = prepare_model(base)
     geo = lm.geometry
     g0 = default_group_size(geo.head_dim)
-    cache = ROOT / "runs" / "ablation" / f"{Path(args.model).name}.seed{args.seed}.h{args.heldout_seqs}.stats.pt"
+    longer = "" if args.heldout_tokens == 512 else f".t{args.heldout_tokens}"
+    cache = ROOT / "runs" / "ablation" / f"{Path(args.model).name}.seed{args.seed}.h{args.heldout_seqs}{longer}.stats.pt"
     run, timing = stats_run(lm, base, cache)
     print(f"statistics: {timing.get('statistics_s', 0):.0f} s", flush=True)
     seqs = {t: heldout_sequences(lm.tokenizer, sequences=opts.sequences, seq_len=opts.seq_len, data=t, seed=opts.seed)
@@ -247,11 +274,23 @@ def main(argv=None) -> None:
             row["ppl"][t] = perplexity(lm.model, seqs[t], scheme)
             row.setdefault("eval_s", {})[t] = time.perf_counter() - t1
             print(f"{key} on {t}: {row['ppl'][t]:.3f}", flush=True)
+        if args.real_cache and key in names and real_storable(scheme):
+            for t in texts:
+                if t in row.get("ppl_real", {}):
+                    continue
+                t1 = time.perf_counter()
+                row.setdefault("ppl_real", {})[t] = perplexity(lm.model, seqs[t], scheme, real_chunk=args.real_cache)
+                row.setdefault("eval_real_s", {})[t] = time.perf_counter() - t1
+                print(f"{key} on {t} through OscarCache: {row['ppl_real'][t]:.3f}", flush=True)
+            row["real_chunk"] = args.real_cache
         row.update(extra)
         save()
 
     def missing(key: str) -> bool:
-        return not set(texts) <= set(results["rows"].get(key, {}).get("ppl", {}))
+        row = results["rows"].get(key, {})
+        real = set(texts) <= set(row.get("ppl_real", {})) if args.real_cache and key in names and \
+            key in results["rows"] and not row.get("lever") and not row.get("codebook") else True
+        return not set(texts) <= set(row.get("ppl", {})) or not real
 
     for key, g, m, clips in baselines(names, group_of, g0, opts.methods):
         if missing(key):
@@ -299,9 +338,42 @@ def attach_niah(results: dict, specs: list[str]) -> None:
             "haystack_sha256": data.get("settings", {}).get("haystack_sha256")}
 
 
-def perplexity(model, seqs, scheme) -> float:
+def real_storable(scheme) -> bool:
+    """Whether oscar's real cache (OscarCache) can store ``scheme``."""
+    return scheme.quantized and scheme.quantizer == "oscar" and not hasattr(scheme, "logit_correction") \
+        and not any(r is not None for r in scheme.v_output)
+
+
+def real_cache_nll(model, ids, scheme, chunk: int) -> tuple[float, int]:
+    """Teacher-forced NLL of ``ids`` [1, T] through the real cache (:class:`OscarCache`): the text in
+    chunks of ``chunk`` tokens, each chunk reading the cache as stored (BF16 sink and window, INT2
+    history) and its own tokens at full precision, then written (``chunk`` = 1: decode steps)."""
+    import torch
+
+    from oscar_calib.eval.ppl import _decoder_and_head, _nll_from_hidden
+    from oscar_calib.runtime.cache import OscarCache
+
+    cache = OscarCache(model.config, scheme)
+    cache.reserve(ids.shape[1])
+    dec, _, _ = _decoder_and_head(model)
+    total, n = 0.0, ids.shape[1] - 1
+    with cache.attach(model), torch.no_grad():
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            h = dec(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True).last_hidden_state
+            total += _nll_from_hidden(model, h, ids[:, a + 1:b + 1])
+    return total, n
+
+
+def perplexity(model, seqs, scheme, real_chunk: int = 0) -> float:
     from oscar_calib.eval.ppl import sequence_nll
 
+    if hasattr(scheme, "logit_correction"):          # a lever (levers.LeverScheme): its own simulation
+        import levers
+
+        sequence_nll = levers.sequence_nll  # noqa: F811
+    if real_chunk:
+        sequence_nll = lambda m, ids, sch: real_cache_nll(m, ids, sch, real_chunk)  # noqa: E731, F811
     nll = n = 0
     for s in seqs:
         a, b = sequence_nll(model, s.unsqueeze(0), scheme)
@@ -339,7 +411,8 @@ def variant_scheme(name, run, base, geo, g, opts):
     from oscar_calib.spec.artifact import Artifact
     from oscar_calib.spec.config import CalibrationConfig
 
-    options = {k: v for k, v in VARIANTS[name].items() if k not in ("group_size", "quantizer", "fixed_ends", "groups")}
+    options = {k: v for k, v in VARIANTS[name].items()
+               if k not in ("group_size", "quantizer", "fixed_ends", "groups", "lever")}
     cfg = CalibrationConfig(**{**base.to_dict(), **options, "group_size": g}).validate()
     t1 = time.perf_counter()
     layers, rows = build_rotations(run, cfg, geo, g)
@@ -364,12 +437,37 @@ def variant_scheme(name, run, base, geo, g, opts):
     if quantizer:
         scheme, extra["codebook"] = with_codebooks(scheme, run, layers, g, quantizer,
                                                    VARIANTS[name].get("fixed_ends", False))
+    lever = VARIANTS[name].get("lever")
+    if lever:
+        scheme, extra["lever"] = with_lever(scheme, lever, rows, run, geo)
+        extra["bits_per_element"] = scheme.bits_per_element
+        if groups:
+            extra["long_bits_per_element"] = long_bits(scheme, run)
     if any("refine" in r for r in rows):
         reps = [h for r in rows for h in r["refine"]]
         extra["refine_objective"] = {"before": sum(h["before"] for h in reps) / len(reps),
                                      "after": sum(h["after"] for h in reps) / len(reps),
                                      "heads_moved": sum(h["best_step"] > 0 for h in reps), "heads": len(reps)}
     return scheme, extra
+
+
+def with_lever(scheme, lever: dict, rows, run, geo):
+    """``scheme`` with a lever of ``levers.py`` and its record; ``int3``: INT3 for the layers with the
+    largest held-out attention error (the default rows' ``heldout``) while the mean bits (and the
+    full-attention layers' mean) stay within :data:`BUDGET_BITS`."""
+    import levers
+
+    opts = {k: v for k, v in lever.items() if k != "int3"}
+    sch = levers.lever_scheme(scheme, geo.head_dim, **opts)
+    if lever.get("int3"):
+        order = sorted(range(len(rows)), key=lambda i: -rows[i]["heldout"]["oscar"]["attn"])
+        chosen: list[int] = []
+        for i in order:
+            trial = levers.lever_scheme(scheme, geo.head_dim, **opts, int3_layers=tuple(chosen + [i]))
+            if trial.bits_per_element <= BUDGET_BITS + 1e-9 and long_bits(trial, run) <= BUDGET_BITS + 1e-9:
+                chosen.append(i)
+        sch = levers.lever_scheme(scheme, geo.head_dim, **opts, int3_layers=tuple(sorted(chosen)))
+    return sch, {**opts, "int3_layers": list(sch.int3_layers)}
 
 
 def full_layers(run) -> list[int]:
@@ -398,8 +496,12 @@ def variant_groups(spec, run, layers, cfg, geo, g0):
              "sliding/2": lambda i: (g0, g0) if i in full else (g0 // 2,) * 2}
     if spec in fixed:
         return [fixed[spec](i) for i in range(n)], None
+    import dataclasses
+
     sizes = candidate_sizes(geo.head_dim)
-    tables = budget_tables(lambda i: heldout_layer(run, i), [(lr.k_rotation, lr.v_rotation) for lr in layers],
+    serving = (cfg.sink_tokens, cfg.recent_tokens) if "served" in spec else None
+    tables = budget_tables(lambda i: dataclasses.replace(heldout_layer(run, i), serving=serving),
+                           [(lr.k_rotation, lr.v_rotation) for lr in layers],
                            [s.covariance("q") for s in run.stats], cfg, geo.num_kv_heads, sizes)
     alloc = allocate(tables, sizes, BUDGET_BITS, tied="split" not in spec,
                      long_layers=None if "mean" in spec else sorted(full))
@@ -477,7 +579,8 @@ def table(results: dict) -> str:
                 continue
             rel = f"{(p / bf[t] - 1):+.2%}" if bf.get(t) else "–"
             gap = f"{(had[t] - p) / (had[t] - bf[t]):+.0%}" if had.get(t) and bf.get(t) and had[t] != bf[t] else "–"
-            cells.append(f"{p:.3f} ({rel}, {gap})")
+            real = r.get("ppl_real", {}).get(t)
+            cells.append(f"{p:.3f} ({rel}, {gap})" + (f"; real cache {real:.3f}" if real is not None else ""))
         bits = f"{r['bits_per_element']:.3f}"
         if r.get("long_bits_per_element") is not None and abs(r["long_bits_per_element"] - r["bits_per_element"]) > 1e-9:
             bits += f" (long {r['long_bits_per_element']:.3f})"

@@ -2,10 +2,17 @@
 
 Runs ``oscar eval --task niah``'s evaluation (:func:`oscar_calib.eval.evaluate_niah`: full-precision
 prefill, then ``model.generate()`` through each method's cache; on CUDA the INT2 methods decode
-through the real :class:`~oscar_calib.runtime.OscarCache` with the Triton kernels) for
-bf16, hadamard, oscar and fork, one context length at a time, and writes one EvalResult JSON
-(``oscar eval --json``'s shape, with a 95% Wilson interval per method x length) after every
-length, so a run cut short keeps what it had. The table printed last is what the docs show.
+through the real :class:`~oscar_calib.runtime.OscarCache` with the Triton kernels, each answer
+from a CUDA graph, ``graph_decoding``) for bf16, hadamard and oscar (``--methods``), plus
+``oscar-new``, a second artifact's scheme on the same prompts (``--new-artifact``), one context
+length at a time, and writes one EvalResult JSON (``oscar eval --json``'s shape, with a 95% Wilson
+interval per method x length) after every length, so a run cut short keeps what it had. The table
+printed last (with exact McNemar tests between every pair of methods) is what the docs show.
+
+The filler is ``prose`` by default: English sentences generated from a committed grammar
+(:mod:`oscar_calib.eval.haystack`), the same bytes on every Python, checked against its committed
+sha256 before anything runs (the ``corpus`` filler follows the interpreter's pydoc data, so the
+prompts moved between machines). The result records the filler's full sha256.
 
     # on the GPU machine (GGUF files carried in parts and re-assembled; see --gguf)
     python scripts/experiments/niah_gpu.py smollm2-135m zoo/smollm2-135m --gguf /root/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -40,7 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-METHODS = "bf16,hadamard,oscar,fork"
+METHODS = "bf16,hadamard,oscar"
+NEW_METHOD = "oscar-new"
 DEPTHS = "0,0.25,0.5,0.75,1"
 
 
@@ -85,7 +93,8 @@ def merge(results: list[dict]) -> dict:
     from oscar_calib.eval import EvalResult
 
     first = results[0]["settings"]
-    same = ("methods", "depths", "samples", "seed", "haystack", "haystack_sha256", "sink", "recent", "artifact_sha256")
+    same = ("methods", "depths", "samples", "seed", "haystack", "haystack_sha256", "sink", "recent", "artifact_sha256",
+            "new_artifact_sha256")
     for r in results[1:]:
         diff = [k for k in same if r["settings"].get(k) != first.get(k)]
         if diff or r["model_id"] != results[0]["model_id"]:
@@ -133,15 +142,27 @@ def run(args) -> None:
     from oscar_calib.fsutil import atomic_write_text
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.haystack == "prose":
+        from oscar_calib.eval.haystack import PROSE_SHA256, prose_sha256
+
+        if prose_sha256() != PROSE_SHA256:
+            raise SystemExit(f"error: the prose filler here hashes to {prose_sha256()}, not the committed "
+                             f"{PROSE_SHA256}; the prompts would differ from every other run")
     t0 = time.perf_counter()
     lm = load(args.model, args.gguf, device, args.dtype)
     load_s = time.perf_counter() - t0
     print(f"loaded {lm.source.model_id} on {device} in {load_s:.1f} s", flush=True)
     art, fingerprint_ok = check_artifact(Path(args.artifact), lm)
+    extra = {}
+    if args.new_artifact:
+        from oscar_calib.runtime.scheme import KVScheme
+
+        new_art, _ = check_artifact(Path(args.new_artifact), lm)
+        extra[NEW_METHOD] = KVScheme.from_artifact(new_art, name=NEW_METHOD)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     opts = EvalOptions(task="niah", methods=args.methods, depths=depths, prompts=args.prompts, seed=args.seed,
-                       lengths=lengths)
+                       lengths=lengths, haystack=args.haystack)
     rows, per_length, skipped = [], {}, []
     settings = None
     out = Path(args.out)
@@ -155,11 +176,15 @@ def run(args) -> None:
                 print(f"skip {length}: {spent:.0f} s spent, about {guess:.0f} s more would pass --deadline-s", flush=True)
                 continue
         t = time.perf_counter()
-        res = evaluate_niah(lm, opts.replace(lengths=(length,)), artifact=art)
+        res = evaluate_niah(lm, opts.replace(lengths=(length,)), artifact=art, graph=args.graph,
+                            extra_schemes=extra)
         per_length[str(length)] = round(time.perf_counter() - t, 2)
         rows += res.rows
         settings = dict(res.settings, lengths=sorted({r["length"] for r in rows}), artifact=str(args.artifact),
                         artifact_sha256=artifact_sha256(Path(args.artifact)), fingerprint_match=fingerprint_ok,
+                        new_artifact=args.new_artifact,
+                        new_artifact_sha256=artifact_sha256(Path(args.new_artifact)) if args.new_artifact else None,
+                        haystack_text_sha256=_text_sha256(args.haystack),
                         device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                         dtype=str(next(lm.model.parameters()).dtype).removeprefix("torch."),
                         backend="triton" if device.startswith("cuda") else "torch",
@@ -177,6 +202,13 @@ def run(args) -> None:
         raise SystemExit("error: no length ran")
     print(table(json.loads(out.read_text())))
     print(f"wrote {out}")
+
+
+def _text_sha256(haystack: str) -> str:
+    """Full sha256 of the filler text the prompts were cut from."""
+    from oscar_calib.eval.niah import _filler_text
+
+    return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()
 
 
 def record(paths: list[str], artifact: str, force: bool) -> None:
@@ -206,6 +238,11 @@ def main(argv=None) -> None:
     p.add_argument("--depths", default=DEPTHS)
     p.add_argument("--prompts", type=int, default=50, help="at least this many prompts per length")
     p.add_argument("--methods", default=METHODS)
+    p.add_argument("--new-artifact", help=f"a second artifact, run as method {NEW_METHOD!r} on the same prompts")
+    p.add_argument("--haystack", default="prose", help="NIAH filler: prose (default; the same text everywhere), "
+                   "corpus or noise")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode the INT2 methods' answers from CUDA graphs (graph_decoding)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -30,11 +30,19 @@ def signed_permutations(heads: int, d: int, g: torch.Generator) -> torch.Tensor:
 
 
 class Store:
+    """A cache as :func:`append_token` writes it; ``g_size`` a pair ``(G_K, G_V)`` of different sizes
+    keeps K and V parameters apart (``scale``/``offset`` are ``(K, V)`` pairs)."""
+
     def __init__(self, b, h, d, g_size, sink, recent, cap, dtype, device, counts):
         self.window = torch.zeros(b, 2, h, sink + recent + 1, d, dtype=dtype, device=device)
         self.codes = torch.zeros(b, 2, h, cap + 1, d // 4, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(b, 2, h, cap + 1, d // g_size, dtype=torch.float16, device=device)
-        self.offset = torch.zeros_like(self.scale)
+        if isinstance(g_size, tuple) and g_size[0] != g_size[1]:
+            self.scale = tuple(torch.zeros(b, h, cap + 1, d // g, dtype=torch.float16, device=device) for g in g_size)
+            self.offset = tuple(torch.zeros_like(t) for t in self.scale)
+        else:
+            g = g_size[0] if isinstance(g_size, tuple) else g_size
+            self.scale = torch.zeros(b, 2, h, cap + 1, d // g, dtype=torch.float16, device=device)
+            self.offset = torch.zeros_like(self.scale)
         self.counts = torch.tensor(counts, device=device)
         self.lens = (torch.full((b,), -1, dtype=torch.int32, device=device),
                      torch.full((b,), -1, dtype=torch.int32, device=device))
@@ -44,7 +52,8 @@ class Store:
         return self.window, self.codes, self.scale, self.offset, self.counts
 
     def all(self):
-        return self.tensors() + self.lens
+        flat = [t for x in self.tensors() for t in (x if isinstance(x, tuple) else (x,))]
+        return tuple(flat) + self.lens
 
 
 def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=False, dtype=torch.bfloat16,
@@ -80,9 +89,10 @@ def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=F
 
 @pytest.mark.parametrize("group_size,d,dtype", grid([
     (128, 128, torch.bfloat16), (128, 128, torch.float16), (128, 128, torch.float32),
-    (64, 128, torch.bfloat16), (32, 128, torch.bfloat16), (16, 64, torch.float16), (256, 256, torch.bfloat16)],
-    # under the interpreter: each input dtype, groups of 16 to 256, one and two byte blocks
-    [(128, 128, torch.float32), (16, 64, torch.float16), (256, 256, torch.bfloat16)]))
+    (64, 128, torch.bfloat16), (32, 128, torch.bfloat16), (16, 64, torch.float16), (256, 256, torch.bfloat16),
+    ((32, 128), 128, torch.bfloat16), ((32, 256), 256, torch.bfloat16), ((64, 16), 64, torch.float16)],
+    # under the interpreter: each input dtype, groups of 16 to 256, one and two byte blocks, K and V apart
+    [(128, 128, torch.float32), (16, 64, torch.float16), (256, 256, torch.bfloat16), ((64, 16), 64, torch.float16)]))
 def test_append_token_equals_the_reference_bit_for_bit(device, group_size, d, dtype):
     """Exact rotations (signed permutations): every slot, code, parameter, count and length is the
     reference's, across the sink, the ring of the recent window and the history."""

@@ -38,7 +38,7 @@ def _window_fake(x, r):
     return torch.einsum("the,hde->thd", rot, r)
 
 
-def _case(*, batch, tokens, heads, qg, d, g, lengths=None, sink=4, recent=8, page=None,
+def _case(*, batch, tokens, heads, qg, d, g, gv=None, lengths=None, sink=4, recent=8, page=None,
           window_dtype=torch.bfloat16, q_dtype=torch.float32, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     k = kv_rows((batch, tokens, heads, d), torch.bfloat16, generator=gen)
@@ -48,7 +48,7 @@ def _case(*, batch, tokens, heads, qg, d, g, lengths=None, sink=4, recent=8, pag
     rv = random_rotation(heads, d, generator=gen)
     cache = build_cache(
         k, v, lengths=lengths, k_rotation=rk, v_rotation=rv,
-        k_clip=torch.tensor([0.96, 0.9, 0.97, 0.93][:heads]), v_clip=0.92, group_size=g,
+        k_clip=torch.tensor([0.96, 0.9, 0.97, 0.93][:heads]), v_clip=0.92, group_size=g, v_group_size=gv,
         sink=sink, recent=recent, window_dtype=window_dtype, page_size=page,
         generator=torch.Generator().manual_seed(seed + 1) if page else None, backend="torch",
     )
@@ -90,6 +90,16 @@ CASES = {
     "int2_only": dict(batch=2, tokens=37, heads=2, qg=4, d=128, g=64, sink=0, recent=0, lengths=[37, 20]),
     # SmolLM2-like: 3 KV heads (two per program: one program has a missing head), 3 query heads each
     "d64_three_heads_qg3": dict(batch=2, tokens=50, heads=3, qg=3, d=64, g=64, lengths=[50, 41]),
+    # keys and values in groups of different sizes (the value loop takes its own groups, plane
+    # width and parameter strides): K 32 / V 128 (one byte block each), Gemma-like d = 256 with
+    # K 32 (two byte blocks) / V 256 (one), the reverse, and a paged split cache
+    "split_d128_k32_v128": dict(batch=2, tokens=45, heads=2, qg=4, d=128, g=32, gv=128, lengths=[45, 30]),
+    # (histories of several 16-token steps, so the running maximum moves and every accumulator of
+    # the value loop is rescaled)
+    "split_d256_k32_v256": dict(batch=1, tokens=90, heads=1, qg=4, d=256, g=32, gv=256),
+    "split_d256_k256_v32": dict(batch=1, tokens=90, heads=1, qg=4, d=256, g=256, gv=32),
+    "split_paged_d64_k32_v64": dict(batch=2, tokens=56, heads=3, qg=3, d=64, g=32, gv=64, lengths=[56, 33],
+                                    page=8),
 }
 
 
@@ -101,6 +111,14 @@ CASES = {
 def test_decode_matches_reference(name, device):
     q, cache, rk, rv, _ = _case(**CASES[name], seed=len(name), device=device)
     _run(q, cache, rk, rv)
+
+
+@pytest.mark.parametrize("name", ["split_d256_k32_v256", "split_d256_k256_v32"])
+def test_decode_split_groups_over_several_steps_per_program(name, device):
+    """Programs of several 16-token steps (one 64-token chunk each), so that running maxima move
+    inside a program and the value loop's accumulators of both byte blocks are rescaled."""
+    q, cache, rk, rv, _ = _case(**CASES[name], seed=5, device=device)
+    _run(q, cache, rk, rv, config={**SMALL, "split_tokens": 64})
 
 
 @pytest.mark.parametrize("mode,hp", DECODE_VARIANTS)
@@ -195,7 +213,7 @@ def test_window_stages_auto_follows_history_share():
 
     def cache(history, window=320):
         return SimpleNamespace(history_capacity=history, window_capacity=window, head_dim=128, group_size=128,
-                               k_bf16=torch.empty(0, dtype=torch.bfloat16))
+                               v_group_size=128, k_bf16=torch.empty(0, dtype=torch.bfloat16))
 
     stages = decode_mod._window_stages
     assert stages({"window_stages": "auto"}, cache(7872)) == 2       # 8K context: 3.5x
@@ -296,19 +314,22 @@ def test_query_rotation_kernel_groups_sequences(batch, qg, grouped, device):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
 
 
-def test_reference_is_attention_over_fake_quantised_kv():
+@pytest.mark.parametrize("gv", [32, 64, 16])
+def test_reference_is_attention_over_fake_quantised_kv(gv):
     """The reference equals softmax attention in the unrotated basis over quant.py's simulated
-    keys/values (history) and 16-bit-rounded rotated window tokens."""
+    keys/values (history) and 16-bit-rounded rotated window tokens; keys in groups of 32 and values
+    in groups of ``gv``."""
     tokens, heads, qg, d, g, sink, recent = 40, 2, 2, 64, 32, 4, 8
-    q, cache, rk, rv, (k, v) = _case(batch=2, tokens=tokens, heads=heads, qg=qg, d=d, g=g,
+    q, cache, rk, rv, (k, v) = _case(batch=2, tokens=tokens, heads=heads, qg=qg, d=d, g=g, gv=gv,
                                      lengths=[40, 25], seed=12)
+    assert cache.split == (gv != g) and cache.v_scale.shape[-1] == d // gv
     got = decode_attention_reference(q, cache, k_rotation=rk, v_rotation=rv, unrotate=True)
     kclip = torch.tensor([0.96, 0.9])
     want = torch.empty_like(got)
     for b, n in enumerate([40, 25]):
         ns, nh, nr = split_lengths(n, sink, recent)
         kq = quant.simulate_kv_quant(k[b, :n], rk, kclip, g, unrotate=True)
-        vq = quant.simulate_kv_quant(v[b, :n], rv, 0.92, g, unrotate=True)
+        vq = quant.simulate_kv_quant(v[b, :n], rv, 0.92, gv, unrotate=True)
         win = torch.cat([torch.arange(ns), torch.arange(ns + nh, n)])
         kq[win] = _window_fake(k[b, win], rk)
         vq[win] = _window_fake(v[b, win], rv)

@@ -77,9 +77,7 @@ def test_bits_average_layers_and_caches():
     assert sch.bits_per_element == pytest.approx(sum(sch.layer_bits(i) for i in range(3)) / 3)
     assert not sch.uniform_groups
     assert _scheme([16] * 3, [16] * 3).bits_per_element == pytest.approx(4.0)
-    assert sch.layer_group(2) == 16
-    with pytest.raises(InputError, match="layer 0 stores K in groups of 8 and V in groups of 32"):
-        sch.layer_group(0)
+    assert sch.groups(2) == (16, 16) and sch.groups(0) == (8, 32)
 
 
 def test_group_lists_default_and_are_checked():

@@ -3,6 +3,7 @@ and the chunked torch attention against the kernels' decode reference (and the T
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oscar_calib.kernels import (
@@ -19,17 +20,21 @@ from oscar_calib.runtime.storage import GROW_MIN, LayerStore, write_step, write_
 H, G, D = 2, 2, 64
 
 
-def make_store(batch=2, sink=2, recent=3, window=None, reserve=0, seed=0, group_size=32, device="cpu"):
+def make_store(batch=2, sink=2, recent=3, window=None, reserve=0, seed=0, group_size=32, device="cpu",
+               v_group_size=None, backend="torch"):
     g = torch.Generator().manual_seed(seed)
     rk, rv = random_rotation(H, D, generator=g), random_rotation(H, D, generator=g)
     plan = LayerPlan.build((rk, torch.full((H,), 0.95), rv, torch.full((H,), 0.9)), heads=H, d=D,
-                           group_size=group_size, sink=sink, recent=recent, sliding_window=window,
-                           window_dtype=torch.bfloat16, device=device, backend="torch")
+                           group_size=group_size, v_group_size=v_group_size, sink=sink, recent=recent,
+                           sliding_window=window, window_dtype=torch.bfloat16, device=device, backend=backend)
     return LayerStore(plan, batch, H, D, device, reserve=reserve), g
 
 
-def test_slots_hold_rotated_window_and_prewritten_int2():
-    st, g = make_store(batch=1, sink=2, recent=3)
+@pytest.mark.parametrize("gv", [32, 64, 16])
+def test_slots_hold_rotated_window_and_prewritten_int2(gv):
+    """Keys in groups of 32, values in groups of ``gv`` (apart when they differ)."""
+    st, g = make_store(batch=1, sink=2, recent=3, v_group_size=gv)
+    assert st.hist.split == (gv != 32)
     k, v = torch.randn(1, H, 9, D, generator=g), torch.randn(1, H, 9, D, generator=g)
     write_tokens(st, k[:, :, :6], v[:, :, :6], [None])
     for t in range(6, 9):
@@ -42,9 +47,19 @@ def test_slots_hold_rotated_window_and_prewritten_int2():
         rot = torch.einsum("hd,hde->he", kb[0, :, tok].float(), rk).to(torch.bfloat16)
         assert torch.equal(st.window.kv[0, 0, :, slot], rot), slot
     q = quantize_kv(kb[0].transpose(0, 1), rk, st.plan.clip2[:H], 32)                 # [T, H, d/4]
+    vb = v.to(torch.bfloat16)
+    qv = quantize_kv(vb[0].transpose(0, 1), st.plan.v_rotation, st.plan.clip2[H:], gv)
+    (ks, vs), (ko, vo) = (pair if isinstance(pair, tuple) else (pair[:, 0], pair[:, 1])
+                          for pair in st.hist.kernel_params())
+    assert vs.shape[-1] == D // gv and ks.shape[-1] == D // 32
     for tok in range(2, 9):                             # every token >= sink has its INT2 row at tok - sink
         assert torch.equal(st.hist.codes[0, 0, :, tok - 2], q.codes[tok]), tok
-        assert torch.equal(st.hist.scale[0, 0, :, tok - 2], q.scale[tok])
+        assert torch.equal(ks[0, :, tok - 2], q.scale[tok]) and torch.equal(ko[0, :, tok - 2], q.offset[tok])
+        assert torch.equal(st.hist.codes[0, 1, :, tok - 2], qv.codes[tok]), tok
+        assert torch.equal(vs[0, :, tok - 2], qv.scale[tok]) and torch.equal(vo[0, :, tok - 2], qv.offset[tok])
+    deq = st.hist.dequantize(0, 7)[0]                   # [2, H, 7, d], rotated basis
+    assert torch.equal(deq[0], q.dequantize()[2:9].transpose(0, 1))
+    assert torch.equal(deq[1], qv.dequantize()[2:9].transpose(0, 1))
     assert torch.equal(st.window.slot_tokens(st.n)[0], torch.tensor([0, 1, 8, 6, 7]))
 
 
@@ -67,11 +82,12 @@ def test_history_grows_in_chunks_and_reserve_avoids_copies():
     assert big.hist.cap >= 5000 - 2
 
 
-def test_nothing_but_window_and_history_is_stored():
-    st, g = make_store(batch=3, sink=4, recent=8)
+@pytest.mark.parametrize("gv", [32, 64])
+def test_nothing_but_window_and_history_is_stored(gv):
+    st, g = make_store(batch=3, sink=4, recent=8, v_group_size=gv)
     write_tokens(st, torch.randn(3, H, 300, D, generator=g), torch.randn(3, H, 300, D, generator=g), [None] * 3)
     window = 3 * 2 * H * (4 + 8 + 1) * D * 2
-    hist_slot = 2 * H * (D // 4 + 2 * 2 * D // 32)
+    hist_slot = 2 * H * D // 4 + H * 2 * 2 * (D // 32 + D // gv)        # codes, K and V scale + offset
     assert st.nbytes() == window + 3 * (st.hist.cap + 1) * hist_slot
 
 
@@ -97,8 +113,9 @@ def test_left_padding_stores_only_real_tokens():
                                     st.plan.k_rotation).to(torch.bfloat16))
 
 
-def _decode_inputs(batch=2, steps=12, sink=2, recent=3, seed=0, device="cpu"):
-    st, g = make_store(batch=batch, sink=sink, recent=recent, seed=seed, device=device)
+def _decode_inputs(batch=2, steps=12, sink=2, recent=3, seed=0, device="cpu", gv=None, backend="torch"):
+    st, g = make_store(batch=batch, sink=sink, recent=recent, seed=seed, device=device, v_group_size=gv,
+                       backend=backend)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device)
@@ -109,8 +126,9 @@ def _decode_inputs(batch=2, steps=12, sink=2, recent=3, seed=0, device="cpu"):
     return st, rnd(batch, H * G, D)
 
 
-def test_chunked_torch_path_equals_decode_reference(monkeypatch):
-    st, q = _decode_inputs()
+@pytest.mark.parametrize("gv", [None, 64])
+def test_chunked_torch_path_equals_decode_reference(monkeypatch, gv):
+    st, q = _decode_inputs(gv=gv)
     p = st.plan
     ref = decode_attention_reference(q, st.kernel_view(), k_rotation=p.k_rotation, v_rotation=p.v_rotation,
                                      unrotate=True)
@@ -129,9 +147,11 @@ def test_chunked_torch_path_equals_decode_reference(monkeypatch):
     assert len(calls) > 2 and max(calls) <= 4 and sum(calls) == st.history_span()   # chunks, never all at once
 
 
-def test_triton_decode_kernel_reads_the_store():
-    """The decode kernel (CPU interpreter here, the real compiler on a GPU) on the store's views."""
-    st, q = _decode_inputs(steps=4, device="cuda" if torch.cuda.is_available() else "cpu")
+@pytest.mark.parametrize("gv", [None, 64])
+def test_triton_decode_kernel_reads_the_store(gv):
+    """The decode kernel (CPU interpreter here, the real compiler on a GPU) on the store's views;
+    values in groups of 64 beside keys in groups of 32 too."""
+    st, q = _decode_inputs(steps=4, device="cuda" if torch.cuda.is_available() else "cpu", gv=gv)
     p = st.plan
     ref = decode_attention_reference(q, st.kernel_view(), k_rotation=p.k_rotation, v_rotation=p.v_rotation,
                                      unrotate=True)
@@ -176,3 +196,24 @@ def test_decode_rows_reads_the_new_tokens_own_entry_without_a_host_copy():
     f[1] = torch.finfo(f.dtype).min
     assert decode_rows(f, 2).tolist() == [True, False]
     assert decode_rows(torch.ones(1, 1, 1, 1, dtype=torch.bool), 3).tolist() == [True] * 3
+
+
+def test_triton_writes_fill_a_split_store_as_the_torch_writes_do():
+    """Keys in groups of 32, values in groups of 64, written by the Triton kernels (the append
+    kernel per step, the write kernel for the prompt; CPU interpreter here) and by their torch
+    references: the same slots, codes equal but at rounding ties (random rotations)."""
+    from oscar_calib.kernels.testing import code_agreement
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tri, q = _decode_inputs(batch=2, steps=3, device=dev, gv=64, backend="triton")
+    ref, _ = _decode_inputs(batch=2, steps=3, device=dev, gv=64)
+    assert tri.counts == ref.counts and torch.equal(tri.hist_lens, ref.hist_lens)
+    n = tri.history_span()
+    from oscar_calib.kernels import QuantizedKV
+
+    for kv, g in ((0, 32), (1, 64)):
+        a, b = (QuantizedKV(st.hist.codes[:, kv, :, :n], st.hist.params[2 * kv][:, 0, :, :n],
+                            st.hist.params[2 * kv + 1][:, 0, :, :n], g) for st in (tri, ref))
+        worst, frac = code_agreement(a, b)
+        assert worst <= 1 and frac < 1e-2
+    torch.testing.assert_close(tri.window.kv.float(), ref.window.kv.float(), rtol=1e-2, atol=1e-2)

@@ -294,12 +294,13 @@ def _warnings(art: Artifact, target: str) -> list[str]:
 
 
 def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
-    """One line when the artifact has per-layer group sizes (a bit budget), which the fork cannot
-    serve (one ``--kv-cache-quant-group-size`` for every layer): the export serves the artifact's
+    """One line when the artifact has per-layer group sizes (a bit budget), or keys and values in
+    groups of different sizes, which ``engine`` cannot serve (one group size for every layer and
+    both caches, the fork's ``--kv-cache-quant-group-size``): the export serves the artifact's
     ``group_size``, the closest uniform size within the budget, and the line says what that costs on
     the calibration's held-out rows (its report's ``bit_budget`` record). None for one size."""
-    sizes = art.layer_group_sizes
-    if len(set(sizes)) == 1:
+    sizes, v_sizes = art.layer_group_sizes, art.layer_v_group_sizes
+    if len(set(sizes) | set(v_sizes)) == 1:
         return None
     g = art.group_size
     b = (art.report or {}).get("bit_budget") or {}
@@ -308,8 +309,10 @@ def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
             f"per-layer sizes ({err['uniform'] / err['per_layer'] - 1:+.1%})" if {"uniform", "per_layer"} <= set(err)
             else "cost not recorded in calibration.json")
     budget = f"the bit budget of {b['bits']:g}" if "bits" in b else "the artifact's budget"
-    return (f"{engine} takes one group size for every layer: exporting group {g} ({bits_per_element(g):g} bits per "
-            f"element) instead of the per-layer sizes {min(sizes)}–{max(sizes)}, the closest uniform scheme within "
+    given = (f"the keys' per-layer sizes {min(sizes)}–{max(sizes)} and the values' {min(v_sizes)}–{max(v_sizes)}"
+             if v_sizes != sizes else f"the per-layer sizes {min(sizes)}–{max(sizes)}")
+    return (f"{engine} takes one group size for every layer and both caches: exporting group {g} "
+            f"({bits_per_element(g):g} bits per element) instead of {given}, the closest uniform scheme within "
             f"{budget}; {cost}")
 
 
