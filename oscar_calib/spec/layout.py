@@ -36,8 +36,8 @@ SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
 LAYER_GROUPS_METADATA = "layer_group_sizes"
 # Optional metadata (toolkit 0.4): the values' INT2 group size of every layer, comma separated, when keys and
 # values use different sizes (`oscar calibrate --bit-budget B --split-kv`). ``layer_group_sizes`` (or, without
-# it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys' size:
-# more bits for the values, never fewer.
+# it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys'
+# sizes: a different scheme from the one calibrated (in either direction: the budget does not order K and V).
 LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
 # Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
 # sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
