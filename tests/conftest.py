@@ -1,7 +1,8 @@
 """Session fixtures, the test tiers and the Triton backend.
 
 Tiers (markers, registered in pyproject.toml): ``slow`` (a real model, a whole calibration of
-one, several processes or ranks, injected faults), ``gpu`` (needs CUDA: skipped without it, by
+one, several processes or ranks, injected faults, a kernel run for seconds under the Triton
+interpreter, a torch.compile), ``gpu`` (needs CUDA: skipped without it, by
 the hook below), ``script`` (runs a script under ``scripts/``). ``make test-fast`` deselects all
 three. A test that requests a real-model fixture (``smollm2`` and every fixture built on it) is
 ``slow`` without saying so.

@@ -104,6 +104,7 @@ def test_append_token_equals_the_reference_bit_for_bit(device, group_size, d, dt
     assert tri.codes.any()
 
 
+@pytest.mark.slow
 def test_append_token_masked_rows_and_history_ring(device):
     """Rows whose token is not real write scratch slots only and keep their count; a ring history
     wraps (sliding layers)."""
@@ -126,6 +127,7 @@ def test_append_token_gate_is_a_second_condition(device, real):
     assert tri.counts.tolist() == [0, 7, 12 if real is None else 9]
 
 
+@pytest.mark.slow
 def test_append_token_random_rotation_agrees_up_to_rounding_ties(device):
     """Random rotations (float32 sums in another order): the window within one 16-bit rounding step
     of the reference, codes equal but at rounding ties (a code that differs moves by one level, its parameters agree to 1e-3)."""

@@ -106,6 +106,7 @@ def test_write_kernel_matches_reference(dtype, d, g, tokens, heads, kernel, devi
 
 # (under the interpreter: the general kernel and the default plane-wise one; every variant is
 # compared with the reference above, and the tournaments on degenerate groups below)
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", grid(["general", "planes", "planes_sorted", "planes_divide", "planes_early",
                                          "planes_top3"], ["general", "planes_sorted"]))
 def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
@@ -128,6 +129,7 @@ def test_write_kernel_identical_arithmetic_with_ties(kernel, device):
             _check_close(res, quantize_kv_reference(xb.cpu(), None, clip.cpu(), g), exact=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", grid(["planes_sorted", "planes_early", "planes_top3"], ["planes_sorted", "planes_top3"]))
 def test_write_kernel_degenerate_groups(kernel, device):
     """Groups whose values are all equal, or differ by a few ulps around a large offset, after the

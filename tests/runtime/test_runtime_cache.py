@@ -100,6 +100,7 @@ def test_padded_batch_equals_solo_runs_int2():
         assert max((s[row] - t[0]).abs().max() for s, t in zip(both.scores, solo.scores)) < 1e-4
 
 
+@pytest.mark.slow
 def test_kernel_path_equals_torch_path():
     """The Triton write and decode kernels (the CPU interpreter here, the real compiler on a GPU)
     against the pure-torch path, model level, GQA (4 query / 2 KV heads), batch 2."""

@@ -309,6 +309,7 @@ def test_compiled_graph_steps_follow_eager_steps():
     assert step.graph is not None
 
 
+@pytest.mark.slow
 def test_compiled_layers_follow_eager_steps_on_cpu():
     """The layers ``DecodeGraph(compile=True)`` records: each decoder layer through torch.compile
     (one compiled code for all layers), the cache update and the attention left out of it; steps
