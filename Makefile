@@ -26,9 +26,13 @@ demo: setup
 # the low end of its transformers range; `make test-fast` the unit tier only.
 FAST_TIER := not slow and not script and not gpu
 
+# pytest on TEST_WORKERS processes (pytest-xdist; 0 runs in this process). Every test is
+# independent of the others' order and process: session fixtures are built once per worker.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(PYTHON) scripts/dev/run_hook.py oscar-validate zoo
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests
 	$(MAKE) test-low
 	$(MAKE) docs
 
@@ -38,7 +42,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
 
 test-fast: setup
-	$(PYTHON) -m pytest -q -m "$(FAST_TIER)" tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "$(FAST_TIER)" tests
 
 # The runtime (OscarCache) claims transformers >=5.17,<5.24: run its tests again at the low end,
 # in a venv that pins only transformers and reuses everything else the running interpreter has

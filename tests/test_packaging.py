@@ -46,6 +46,6 @@ def test_the_ci_step_installs_what_macos_would():
         return [Requirement(line).name for line in out.splitlines()]
 
     every = [r.name for r in requirements()]
-    assert names("--system", "Darwin", "--extra", "dev") == [n for n in every if n != "triton"] + ["pytest"]
+    assert names("--system", "Darwin", "--extra", "dev") == [n for n in every if n != "triton"] + ["pytest", "pytest-xdist"]
     assert names("--system", "Windows") == [n for n in every if n != "triton"]
     assert names("--system", "Linux") == every
