@@ -1,4 +1,4 @@
-"""Faults of a single process and the rest of the bad-input list (issue 17): a full disk while
+"""Faults of a single process and the rest of the bad-input list: a full disk while
 writing the artifact or a checkpoint, SIGKILL while writing, Ctrl-C, damaged model weights, binary
 data, settings the run can go on with (one warning line each), a typo in ``--zoo``.
 

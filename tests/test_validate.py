@@ -202,7 +202,7 @@ def test_exit_code_and_no_traceback(tmp_path):
 @pytest.mark.parametrize("defect, line", [(nan_k_rotation, "layers.1.k_rotation has 1 non-finite value(s)"),
                                           (skewed_rotation, "layers.1.k_rotation is not orthogonal")])
 def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defect, line):
-    """Issue 17, item 4: eval, verify, fold-weights, export, the runtime caches and KVScheme (from a
+    """Eval, verify, fold-weights, export, the runtime caches and KVScheme (from a
     path) refuse a NaN or a non-orthogonal rotation with the validator's line, before any model is
     loaded (the model named here does not exist) and before anything is written."""
     from oscar_calib.errors import ArtifactError

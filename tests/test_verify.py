@@ -121,7 +121,7 @@ def test_verify_refuses_an_artifact_of_another_model(tiny_calibrated):
 
 @pytest.mark.parametrize("kind", ["nan", "skewed"])
 def test_verify_refuses_an_invalid_artifact_up_front(tiny_calibrated, tmp_path, kind):
-    """Issue 17: a NaN or a non-orthogonal rotation is refused with the validator's line before
+    """A NaN or a non-orthogonal rotation is refused with the validator's line before
     any model is loaded (here there is no such model), never "error nan is not below the baseline"."""
     art = load_artifact(tiny_calibrated)
     if kind == "nan":

@@ -30,11 +30,11 @@ KERNELS = {
     # "planes_sorted" takes the defaults: codes by thresholds of the unclipped values (the clip
     # enters through the group extremes), a tournament over each column's four values, thresholds
     # not re-checked by division, compares as signs of differences;
-    # "planes_early" is round 2g's kernel (clip first, four values per column, thresholds
-    # re-checked, compares and selects)
+    # "planes_early": clip first, four values per column, thresholds re-checked, compares and
+    # selects
     "planes_early": {"planes": True, "split": True, "select": "sorted", "late_clip": False, "select_top3": False,
                      "check_thresholds": True, "sign_bits": False},
-    # the tournament over each column's three largest values only (round 2h's default)
+    # the tournament over each column's three largest values only
     "planes_top3": {"planes": True, "split": True, "select": "sorted", "select_top3": True},
 }
 
