@@ -63,6 +63,9 @@ if ARGS.quick:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+from harness import capture_graph  # noqa: E402
+
 from oscar_calib.kernels import (  # noqa: E402
     bits_per_element,
     decode_attention,
@@ -119,17 +122,7 @@ def graph_ms(fns: list) -> float:
     import triton.testing
 
     torch.cuda.synchronize()
-    graphs = []
-    for f in fns:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
-        graphs.append(g)
+    graphs = [capture_graph(f) for f in fns]
     i = [0]
 
     def step():
