@@ -161,3 +161,22 @@ def test_niah_gpu_script_merges_and_records(demo_artifact, tmp_path, capsys):
     (art / "oscar.safetensors").write_bytes((art / "oscar.safetensors").read_bytes() + b" ")
     with pytest.raises(SystemExit, match="not the artifact the run used"):
         script.main(["--record", str(tmp_path / "all.json"), str(art)])
+
+
+@pytest.mark.script
+def test_niah_gpu_records_the_second_artifact_as_oscar(demo_artifact, tmp_path):
+    """An artifact that ran as ``oscar-new`` is recorded with those rows as its ``oscar``; the first
+    artifact's rows stay out of its card."""
+    script = _script()
+    art = tmp_path / "new"
+    shutil.copytree(demo_artifact, art)
+    res = _niah_result({("bf16", 1024): 9, ("oscar", 1024): 2, ("oscar-new", 1024): 7}).to_json()
+    res["settings"].update(artifact_sha256="0" * 64, new_artifact=str(art),
+                           new_artifact_sha256=script.artifact_sha256(art), methods=["bf16", "oscar", "oscar-new"])
+    (tmp_path / "r.json").write_text(json.dumps(res))
+    script.main(["--record", str(tmp_path / "r.json"), str(art)])
+    report = json.loads((art / "calibration.json").read_text())
+    assert report["eval"]["niah"]["oscar"] == 0.7 and "oscar-new" not in report["eval"]["niah"]
+    niah = report["eval_results"]["niah"]
+    assert {r["method"] for r in niah["rows"]} == {"bf16", "oscar"} and niah["settings"]["methods"] == ["bf16", "oscar"]
+    assert niah["settings"]["artifact_sha256"] == script.artifact_sha256(art)

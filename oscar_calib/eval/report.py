@@ -135,9 +135,11 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     card. The rotations file is not touched.
 
     A perplexity result that includes another engine's method (``vllm``, ``llamacpp``) is the
-    card's "what each engine costs" table: it is stored under ``eval_results["engines"]`` and leaves
-    the main ``ppl`` table as it was; ``serving`` (:func:`oscar_calib.tools.export.serving_table`)
-    is stored beside it as ``engine_serving``."""
+    card's "what each engine costs" table: it is stored under ``eval_results["engines"]``. Its
+    other methods (``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``...) also replace the main
+    ``ppl`` table when they include ``bf16`` and every method that table has (so one run can fill
+    both); otherwise the main table stays as it was. ``serving`` (:func:`oscar_calib.tools.export.serving_table`) is stored beside it
+    as ``engine_serving``."""
     import json
 
     from ..fsutil import atomic_write_text
@@ -155,6 +157,13 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     results = report.setdefault("eval_results", {})
     engines = result.task == "ppl" and any(r["method"] in ENGINE_METHODS for r in result.rows)
     results["engines" if engines else result.task] = result.to_json()
+    if engines:
+        own = [r for r in result.rows if r["method"] not in ENGINE_METHODS]
+        have = {r["method"] for r in results.get("ppl", {}).get("rows", [])}
+        if len(own) > 1 and "bf16" in {r["method"] for r in own} and have <= {r["method"] for r in own}:
+            methods = [m for m in result.settings.get("methods", []) if m not in ENGINE_METHODS]
+            results["ppl"] = EvalResult("ppl", result.model_id, dict(result.settings, methods=methods), own,
+                                        result.timings).to_json()
     if serving is not None:
         report["engine_serving"] = serving
     results["text"] = eval_text(results)

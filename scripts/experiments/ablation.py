@@ -195,6 +195,9 @@ def main(argv=None) -> None:
                          "forced in chunks of CHUNK tokens; 1 = one decode step per token), a ppl_real column")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, or auto")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (float32 by default on every device, as "
+                    "on the CPU)")
     ap.add_argument("--baselines", default="bf16,naive,hadamard", help="baseline methods (bf16 is always needed "
                     "for the relative columns)")
     ap.add_argument("--niah", action="append", default=[], metavar="VARIANT=RESULT.json:METHOD",
@@ -231,7 +234,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
     texts = [t.strip() for t in args.texts.split(",") if t.strip()]
-    base = CalibrationConfig(model=args.model, device="cpu", seed=args.seed, heldout_seqs=args.heldout_seqs,
+    base = CalibrationConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed, heldout_seqs=args.heldout_seqs,
                              heldout_tokens=args.heldout_tokens)
     opts = EvalOptions(methods=tuple(m.strip() for m in args.baselines.split(",") if m.strip()),
                        sequences=args.sequences, seq_len=args.seq_len,
@@ -253,7 +256,9 @@ def main(argv=None) -> None:
                            "heldout_seqs": base.heldout_seqs,
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
-                           "threads": torch.get_num_threads()}
+                           "threads": torch.get_num_threads(), "device": str(lm.model.device),
+                           **({"device_name": torch.cuda.get_device_name()} if torch.cuda.is_available()
+                              and str(lm.model.device).startswith("cuda") else {})}
     results["command"] = "python scripts/experiments/ablation.py " + " ".join(argv)
     attach_niah(results, args.niah)
 
@@ -351,8 +356,10 @@ def real_cache_nll(model, ids, scheme, chunk: int) -> tuple[float, int]:
     import torch
 
     from oscar_calib.eval.ppl import _decoder_and_head, _nll_from_hidden
+    from oscar_calib.model.placement import input_device
     from oscar_calib.runtime.cache import OscarCache
 
+    ids = ids.to(input_device(model))
     cache = OscarCache(model.config, scheme)
     cache.reserve(ids.shape[1])
     dec, _, _ = _decoder_and_head(model)

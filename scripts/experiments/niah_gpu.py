@@ -33,7 +33,8 @@ Eight calls (five only copying a part, three runs, two of them carrying a model'
 
 ``--record`` stores the result in the artifact (``calibration.json`` and its model card, as
 ``oscar eval --record`` does) after checking that the artifact's ``oscar.safetensors`` is the one
-the run used (sha256 recorded in the JSON's settings).
+the run used (sha256 recorded in the JSON's settings). An artifact that ran as ``oscar-new``
+(``--new-artifact``) is recorded with those rows as its ``oscar`` method.
 """
 
 from __future__ import annotations
@@ -216,11 +217,19 @@ def record(paths: list[str], artifact: str, force: bool) -> None:
 
     results = [json.loads(Path(p).read_text()) for p in paths]
     merged = merge(results) if len(results) > 1 else results[0]
-    want, have = merged["settings"].get("artifact_sha256"), artifact_sha256(Path(artifact))
-    if want != have and not force:
+    settings, rows = merged["settings"], merged["rows"]
+    want, have = settings.get("artifact_sha256"), artifact_sha256(Path(artifact))
+    if have == settings.get("new_artifact_sha256"):
+        # ARTIFACT ran as the second artifact: its rows become this card's ``oscar`` (the first
+        # artifact's rows belong to another card and are left out)
+        rows = [dict(r, method="oscar") if r["method"] == NEW_METHOD else r for r in rows if r["method"] != "oscar"]
+        settings = dict(settings, artifact=settings["new_artifact"], artifact_sha256=have, new_artifact=None,
+                        new_artifact_sha256=None, recorded_from=NEW_METHOD,
+                        methods=[m for m in settings.get("methods", []) if m != NEW_METHOD])
+    elif want != have and not force:
         raise SystemExit(f"error: {artifact}/oscar.safetensors (sha256 {have[:12]}…) is not the artifact the run used "
                          f"({str(want)[:12]}…); re-run the NIAH with this artifact, or pass --force to record anyway")
-    result = EvalResult("niah", merged["model_id"], merged["settings"], merged["rows"], merged["timings"])
+    result = EvalResult("niah", merged["model_id"], settings, rows, merged["timings"])
     plot = Path(artifact) / "eval-niah.png"             # the card's needle plot, with the intervals
     write_plot(plot, result)
     result.settings["plot"] = str(plot)

@@ -540,3 +540,14 @@ def test_serving_table_and_the_engine_cost_section(tmp_path):
     assert "refused: its GGUF architecture is 'llama'" in section
     assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --kv-cache-dtype oscar_int2" in section
     assert "FutureMLS-Lab/OSCAR (branch zhongzhu/llamacpp) @ 4570ea609" in section
+    # a run with every method of the main table as well fills both tables
+    main = {r["method"]: r for r in before["rows"]}
+    both = EvalResult("ppl", "HuggingFaceTB/SmolLM2-135M-Instruct", dict(before["settings"], methods=[*main, "vllm"]),
+                      [*({**r, "ppl": r["ppl"] + 1.0} for r in main.values()),
+                       {"method": "vllm", "ppl": 20.0, "bits_per_element": 5.0}], {})
+    record_eval(art, both)
+    report = json.loads((art / "calibration.json").read_text())
+    assert [r["method"] for r in report["eval_results"]["ppl"]["rows"]] == list(main)
+    assert report["eval_results"]["ppl"]["rows"][0]["ppl"] == main["bf16"]["ppl"] + 1.0
+    assert report["eval_results"]["engines"]["rows"][-1]["method"] == "vllm"
+    assert "vllm" not in report["eval_results"]["ppl"]["settings"]["methods"]
