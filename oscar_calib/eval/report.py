@@ -138,8 +138,8 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     card's "what each engine costs" table: it is stored under ``eval_results["engines"]``. Its
     other methods (``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``...) also replace the main
     ``ppl`` table when they include ``bf16`` and every method that table has (so one run can fill
-    both); otherwise the main table stays as it was. ``serving`` (:func:`oscar_calib.tools.export.serving_table`) is stored beside it
-    as ``engine_serving``."""
+    both); otherwise the main table stays as it was. ``serving``
+    (:func:`oscar_calib.tools.export.serving_table`) is stored beside it as ``engine_serving``."""
     import json
 
     from ..fsutil import atomic_write_text
@@ -159,8 +159,9 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     results["engines" if engines else result.task] = result.to_json()
     if engines:
         own = [r for r in result.rows if r["method"] not in ENGINE_METHODS]
+        names = {r["method"] for r in own}
         have = {r["method"] for r in results.get("ppl", {}).get("rows", [])}
-        if len(own) > 1 and "bf16" in {r["method"] for r in own} and have <= {r["method"] for r in own}:
+        if len(own) > 1 and "bf16" in names and have <= names:
             methods = [m for m in result.settings.get("methods", []) if m not in ENGINE_METHODS]
             results["ppl"] = EvalResult("ppl", result.model_id, dict(result.settings, methods=methods), own,
                                         result.timings).to_json()

@@ -234,8 +234,8 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; valid: {', '.join(VARIANTS)}")
     texts = [t.strip() for t in args.texts.split(",") if t.strip()]
-    base = CalibrationConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed, heldout_seqs=args.heldout_seqs,
-                             heldout_tokens=args.heldout_tokens)
+    base = CalibrationConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+                             heldout_seqs=args.heldout_seqs, heldout_tokens=args.heldout_tokens)
     opts = EvalOptions(methods=tuple(m.strip() for m in args.baselines.split(",") if m.strip()),
                        sequences=args.sequences, seq_len=args.seq_len,
                        sink=base.sink_tokens, recent=base.recent_tokens)     # `oscar eval`'s settings, checked
@@ -257,8 +257,8 @@ def main(argv=None) -> None:
                            "eval_sequences": opts.sequences, "eval_seq_len": opts.seq_len, "sink": opts.sink,
                            "recent": opts.recent, "default_group_size": g0, "texts": texts,
                            "threads": torch.get_num_threads(), "device": str(lm.model.device),
-                           **({"device_name": torch.cuda.get_device_name()} if torch.cuda.is_available()
-                              and str(lm.model.device).startswith("cuda") else {})}
+                           **({"device_name": torch.cuda.get_device_name(lm.model.device)}
+                              if lm.model.device.type == "cuda" else {})}
     results["command"] = "python scripts/experiments/ablation.py " + " ".join(argv)
     attach_niah(results, args.niah)
 
