@@ -156,3 +156,37 @@ def test_the_cards_python_snippet_runs(demo_artifact, tmp_path):
     scope: dict = {}
     exec(compile(code, "card-snippet", "exec"), scope)        # noqa: S102 - the card's own example
     assert scope["out"].shape[1] > scope["ids"]["input_ids"].shape[1]
+
+
+def _bpe(vocab_words: int):
+    """A BPE tokenizer without merges: the probe sentence's characters plus ``vocab_words``
+    entries that no text can reach (what a GGUF conversion without merges builds)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from oscar_calib.model.load import PROBE_SENTENCE
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(set(PROBE_SENTENCE)))}}
+    for i in range(vocab_words):
+        vocab[f"word{i}"] = len(vocab)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])), eos_token="<eos>")
+
+
+def test_a_word_vocabulary_without_merges_is_refused_in_one_line(tmp_path):
+    from oscar_calib.errors import ModelLoadError
+    from oscar_calib.model.load import check_tokenizer
+
+    with pytest.raises(ModelLoadError, match=r"single characters \(\d+ tokens for a 14-word sentence\).*delete its "
+                       r"cached copy /cache/x"):
+        check_tokenizer("gemma", _bpe(4000), cached="/cache/x")
+    check_tokenizer("tiny", _bpe(100))          # a character-level vocabulary is meant to cut so
+
+
+def test_a_checkpoint_with_a_broken_tokenizer_stops_in_one_line_and_writes_nothing(tmp_path):
+    from factories import FAST_ARGS, assert_one_line_error, save_checkpoint, tiny_model
+
+    tok = _bpe(2000)
+    ckpt = save_checkpoint(tmp_path / "ckpt", tiny_model("llama", vocab_size=len(tok), layers=1), tok)
+    code, _, err = oscar("calibrate", str(ckpt), "--out", str(tmp_path / "out"), *FAST_ARGS)
+    assert_one_line_error(code, err, "cuts text into single characters")
+    assert not (tmp_path / "out").exists()

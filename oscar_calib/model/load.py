@@ -282,9 +282,11 @@ def load_tokenizer(spec: str = DEFAULT_MODEL, *, trust_remote_code: bool = False
             _precheck_config(spec, source, load_path, kwargs)
         try:
             with quiet_loading():
-                return _pad_token(_auto_tokenizer(load_path, kwargs))
+                tok = _auto_tokenizer(load_path, kwargs)
         except Exception as e:  # noqa: BLE001 - as in _load_model: every failure means "cannot load"
             raise _load_error(spec, source, e) from None
+        check_tokenizer(spec, tok, cached=load_path if load_path != source.path else None)
+        return _pad_token(tok)
 
 
 def _auto_tokenizer(load_path: str, kwargs: dict):
@@ -340,6 +342,12 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
     try:
         with quiet_loading():
             tok = tokenizer if tokenizer is not None else _auto_tokenizer(load_path, kwargs)
+    except Exception as e:  # noqa: BLE001 - as for the weights below
+        raise _load_error(spec, source, e) from None
+    if tokenizer is None:                                  # load_tokenizer checked a tokenizer it gave
+        check_tokenizer(spec, tok, cached=load_path if load_path != source.path else None)
+    try:
+        with quiet_loading():
             model = AutoModelForCausalLM.from_pretrained(
                 load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory,
                 **({"offload_folder": str(offload_folder)} if offload_folder is not None else {}), **kwargs
@@ -353,6 +361,32 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
     model.eval()
     model.requires_grad_(False)
     return LoadedModel.wrap(model, _pad_token(tok), source)
+
+
+PROBE_SENTENCE = "The quick brown fox jumps over the lazy dog while the band plays on."
+
+
+def check_tokenizer(spec: str, tok, cached: str | None = None) -> None:
+    """Refuse a BPE tokenizer with a vocabulary of words (over 1,024 entries) that cuts ordinary
+    English into single characters: a BPE built without its merges, which some transformers versions make when they convert a GGUF file's
+    SentencePiece vocabulary (transformers 5.17 with tokenizers 0.23.2 does for Gemma-3's GGUF:
+    one token per character, the model's perplexity in the thousands). Every tool would otherwise
+    measure a model that reads text it was never trained on. ``cached``: the de-quantised copy the
+    tokenizer came from (named in the message, to delete)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE" or len(tok) <= 1024:
+        return                       # a byte- or character-level vocabulary is meant to cut so
+    n = len(tok(PROBE_SENTENCE, add_special_tokens=False)["input_ids"])
+    words = len(PROBE_SENTENCE.split())
+    if n < 2 * words:
+        return
+    import transformers
+
+    where = f"; delete its cached copy {cached} and load again" if cached else ""
+    raise ModelLoadError(
+        f"{spec}: its tokenizer cuts text into single characters ({n} tokens for a {words}-word sentence), a BPE "
+        f"without merges (seen with transformers 5.17 converting Gemma-3's GGUF file; this is transformers "
+        f"{transformers.__version__}); upgrade transformers or load the model's Hugging Face checkpoint{where}")
 
 
 def check_weight_files(spec: str, directory: Path) -> None:
