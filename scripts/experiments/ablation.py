@@ -136,7 +136,9 @@ VARIANTS = {
     "lever:fp8+int3": {"lever": {"params": "fp8", "int3": True}},
     "lever:fp8+sparse1+corr": {"lever": {"params": "fp8", "sparse": 1, "logit_correction": True}},
     "lever:sparse4": {"lever": {"sparse": 4}},
+    "lever:corr0.5": {"lever": {"logit_correction": 0.5}},
     "budget-split+corr": {"groups": "budget-split", "lever": {"logit_correction": True}},
+    "budget-split+corr0.5": {"groups": "budget-split", "lever": {"logit_correction": 0.5}},
 }
 BUDGET_BITS = 2.5
 TEXTS = ("embedded", "embedded-code")

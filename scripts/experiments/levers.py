@@ -21,7 +21,7 @@ option                 history storage (per token, KV head and group of ``G`` ch
                        clip and INT2 are corrected by their error in float8 e4m3 (dense-and-
                        sparse, as KVQuant keeps outliers; ``n * (8 + log2 d)`` bits per row)
 ``int3_layers``        layers whose K and V use 8 levels instead of 4 (``+1`` bit per element)
-``logit_correction``   subtract ``½ Var(q·e)`` from every INT2 logit, ``e`` the key's rounding
+``logit_correction``   ``a`` > 0: subtract ``a · ½ Var(q·e)`` from every INT2 logit, ``e`` the key's rounding
                        error modelled per group as ``s²/12`` (the numerator ``exp(l + ε)`` is
                        ``exp(l) · exp(σ²/2)`` on average: INT2 tokens are over-weighted against
                        the BF16 window by their own noise); free in memory, one FMA per group and
@@ -52,7 +52,7 @@ class LeverScheme(KVScheme):
     params: str = "fp16"
     sparse: int = 0
     int3_layers: tuple = ()
-    logit_correction: bool = False
+    logit_correction: float = 0.0
 
     def layer_bits(self, i: int) -> float:
         d = self.head_dim
@@ -154,7 +154,7 @@ class LeverKV(SimulatedKV):
             qn = qr.reshape(b, hq, t, d // gk, gk).pow(2).sum(-1)                     # [B, Hq, T, NG]
             var = torch.einsum("bhtg,bhsg->bhts", qn,
                                k_scales.pow(2).div(12).permute(0, 2, 1, 3).repeat_interleave(grp, 1))
-            sc[..., :s] -= 0.5 * scaling * scaling * var
+            sc[..., :s] -= 0.5 * float(sch.logit_correction) * scaling * scaling * var
         sc = sc.masked_fill(~allowed, -math.inf)
         o = torch.softmax(sc, dim=-1) @ values
         return o.transpose(1, 2)
