@@ -45,6 +45,7 @@ from ..spec.config import CalibrationConfig, stable_hash
 from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
 from ..spec.layout import (
     FORMAT_NAME,
+    LOGIT_CORRECTION_METADATA,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
     SHARED_CLIP_METADATA,
@@ -357,6 +358,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
         "granularity": cfg.granularity, "calibration": json.dumps(calibration, sort_keys=True),
         "toolkit_version": __version__, "model_type": geo.model_type,
         **({MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True)} if lm.source.record() else {}),
+        **({LOGIT_CORRECTION_METADATA: f"{cfg.logit_correction:g}"} if cfg.logit_correction else {}),
     }
 
 

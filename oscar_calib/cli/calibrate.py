@@ -74,6 +74,10 @@ def calibrate_command(
                                                      "keys' and the values' group sizes apart, or one size per "
                                                      "layer for both (default: tied).", show_default=False)] = None,
     clip: Annotated[Optional[str], typer.Option(help="'fit' (default) or fixed ratios, e.g. k=0.96,v=0.92.")] = None,
+    logit_correction: Annotated[Optional[float], typer.Option(help="Ask every oscar cache to subtract this share "
+                                                              "(0-4) of the expected logit inflation an INT2 key's "
+                                                              "rounding noise causes (default: 0 = off; docs: "
+                                                              "guides/accuracy.md).")] = None,
     refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
                                                         "the held-out attention-output error under INT2 (Cayley, "
                                                         "kept orthogonal; never worse than the start), then refit "
@@ -116,7 +120,8 @@ def calibrate_command(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        bit_budget=bit_budget, split_kv=split_kv, checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, dtype=dtype, device=device, trust_remote_code=trust_remote_code), clip=clip,
+        bit_budget=bit_budget, split_kv=split_kv, checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, logit_correction=logit_correction, dtype=dtype, device=device,
+        trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)

@@ -10,6 +10,9 @@ clip (ratio c)     sort ``|row|`` ascending over head_dim ``d``; ``t = sorted[mi
                    clamp the row to ``[-t, t]``. ``c = 1`` keeps the row unchanged.
 INT2 (group x)     ``s = max((max-min)/3, 1e-8)``, ``z = -min/s``,
                    ``q = clamp(floor(x/s + z + 0.5), 0, 3)``, ``x_hat = (q - z) * s``
+logit noise (a)    subtracted from the logit of query ``q`` (rotated) and INT2 key ``t``:
+                   ``a/2 · scale² · Σ_g |q_g|² s_{t,g}²/12`` over the key's groups:
+                   :func:`logit_noise`
 =================  ==========================================================================
 
 Shapes: ``x`` is ``[..., d]`` where the last axis is head_dim; groups are consecutive runs of
@@ -178,3 +181,20 @@ def simulate_kv_quant(
 def bits_per_element(head_dim: int, group_size: int, param_bits: int = 32) -> float:
     """Storage cost of the INT2 payload plus one scale and one zero per group."""
     return 2.0 + param_bits / group_size if group_size else math.inf
+
+
+def logit_noise(q_rot: torch.Tensor, k_scale: torch.Tensor, group_size: int, gain: float,
+                scaling: float) -> torch.Tensor:
+    """What the logit-noise correction subtracts from each (query, INT2 key) logit.
+
+    A key stored as INT2 carries a rounding error ``e`` (per channel about uniform over one step
+    ``s`` of its group: variance ``s²/12``), so its logit ``l = scaling · q·k`` carries noise of
+    variance ``σ² = scaling² Σ_g |q_g|² s_g²/12``, and ``exp(l + ε)`` is on average ``exp(l) ·
+    exp(σ²/2)``: INT2 keys are over-weighted in the softmax against the 16-bit window, and the
+    noisier of them against the rest. The correction is ``gain · σ²/2``.
+
+    ``q_rot [..., Q, d]``: queries in the keys' rotated basis; ``k_scale [..., K, d/G]``: the keys'
+    stored group scales (``G = group_size``); leading dims broadcast. Returns ``[..., Q, K]``
+    float32."""
+    qn = q_rot.float().unflatten(-1, (-1, group_size)).pow(2).sum(-1)                  # [..., Q, d/G]
+    return (gain * scaling * scaling / 24.0) * (qn @ k_scale.float().pow(2).transpose(-1, -2))

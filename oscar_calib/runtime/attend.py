@@ -22,7 +22,8 @@ and, in sliding-window layers, only ``i - t < W``. This is the simulation's rule
 (:class:`~oscar_calib.runtime.simulated.SimulatedCache`): a token pushed out of the window by
 this call is read as INT2, the call's own tokens as the model computed them. Attention is
 computed in the rotated basis (``q @ R_k``, values ``v @ R_v``) and the output rotated back with
-``R_vᵀ`` unless V is folded.
+``R_vᵀ`` unless V is folded. With the plan's ``logit_correction``, every INT2 key's logit loses its
+logit-noise correction (:func:`~oscar_calib.numerics.quant.logit_noise`, from its stored scales).
 """
 
 from __future__ import annotations
@@ -40,19 +41,22 @@ def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None) -> torch.Tensor:
-    """``softmax(q kᵀ · scale) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query heads per
-    KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool)``.
+    """``softmax(q kᵀ · scale - noise) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query
+    heads per KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool,
+    noise)``, ``noise`` None or ``[B, H, G, T, L]`` subtracted from the (soft-capped) logits.
     Rows that may read no key at all return 0."""
     b, h, g, t, d = q.shape
     m = torch.full((b, h, g, t), float("-inf"), device=q.device)
     denom = torch.zeros(b, h, g, t, device=q.device)
     acc = torch.zeros(b, h, g, t, d, device=q.device)
-    for k, v, allowed in blocks:
+    for k, v, allowed, noise in blocks:
         if k.shape[2] == 0:
             continue
         s = torch.einsum("bhgtd,bhld->bhgtl", q, k.float()) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
+        if noise is not None:
+            s = s - noise
         s = s.masked_fill(~allowed[:, None, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -72,8 +76,9 @@ def _per_head(x: torch.Tensor, r: torch.Tensor | None, transpose: bool = False) 
     return torch.einsum(eq, x.float(), r)
 
 
-def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int):
-    """The window block and the history chunks with their masks (see the module docstring)."""
+def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, noise=None):
+    """The window block and the history chunks with their masks (see the module docstring);
+    ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off)."""
     p = store.plan
     w = p.sliding_window
 
@@ -90,12 +95,13 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int):
         return ok
 
     win = store.window.kv[:, :, :, :p.sink + p.recent]
-    yield win[:, 0], win[:, 1], rule(store.window.slot_tokens(store.n), True)
+    yield win[:, 0], win[:, 1], rule(store.window.slot_tokens(store.n), True), None
     span = store.history_span()
     for a in range(0, span, chunk):
         length = min(chunk, span - a)
         x = store.hist.dequantize(a, length)                                      # [B, 2, H, L, d]
-        yield x[:, 0], x[:, 1], rule(store.hist.slot_tokens(store.n, p.sink, a, length), False)
+        yield (x[:, 0], x[:, 1], rule(store.hist.slot_tokens(store.n, p.sink, a, length), False),
+               None if noise is None else noise(store.hist.key_scales(a, length)))
 
 
 def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_allowed: torch.Tensor,
@@ -113,10 +119,17 @@ def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_
     qr = _per_head(q.reshape(bsz, h, hq // h, t, d), p.k_rotation)                 # [B, H, G, T, d]
     chunk = max(MIN_CHUNK, CHUNK_ELEMENTS // max(1, hq * t * bsz))
 
+    noise = None
+    if p.logit_correction:
+        from ..numerics.quant import logit_noise
+
+        def noise(key_scales):                                                   # [B, H, L, d/G] -> [B, H, G, T, L]
+            return logit_noise(qr, key_scales.unsqueeze(2), p.group_size, p.logit_correction, scale)
+
     def all_blocks():
-        yield from _cached_blocks(store, n_new, qidx, chunk)
+        yield from _cached_blocks(store, n_new, qidx, chunk, noise)
         if k is not None:
-            yield _per_head(k, p.k_rotation), _per_head(v, p.v_rotation), new_allowed
+            yield _per_head(k, p.k_rotation), _per_head(v, p.v_rotation), new_allowed, None
 
     o = online_softmax(qr, all_blocks(), scale, softcap)                          # [B, H, G, T, d]
     if p.v_rotation is not None:

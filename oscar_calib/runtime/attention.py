@@ -92,7 +92,9 @@ def kernel_decodes(layer, query: torch.Tensor, softcap) -> bool:
     backend (``auto``: CUDA tensors)."""
     from ..kernels.decode import decode_backend
 
-    if layer.is_sliding or softcap or layer.store.plan.window_dtype not in (torch.bfloat16, torch.float16):
+    plan = layer.store.plan
+    if layer.is_sliding or softcap or plan.window_dtype not in (torch.bfloat16, torch.float16) \
+            or plan.logit_correction:
         return False
     return decode_backend(query[:, :, 0], layer.store.kernel_view(), layer.backend) == "triton"
 

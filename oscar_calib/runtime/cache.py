@@ -81,9 +81,10 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
-                 sliding_window: int | None, backend: str = "auto"):
+                 sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0):
         super().__init__()
         self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
+        self.logit_correction = logit_correction
         self.window_dtype, self.backend = window_dtype, backend
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -97,7 +98,7 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
         plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
                                v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
                                sliding_window=self.sliding_window, window_dtype=self.window_dtype or key_states.dtype,
-                               device=self.device, backend=self.backend)
+                               device=self.device, backend=self.backend, logit_correction=self.logit_correction)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -192,7 +193,8 @@ class OscarCache(Cache):
         self.scheme = scheme
         super().__init__(layers=[
             OscarLayer(scheme.layer(i), groups=scheme.groups(i), sink=scheme.sink, recent=scheme.recent,
-                       window_dtype=scheme.window_dtype, sliding_window=w, backend=backend)
+                       window_dtype=scheme.window_dtype, sliding_window=w, backend=backend,
+                       logit_correction=scheme.logit_correction)
             for i, w in enumerate(windows)])
 
     @classmethod

@@ -14,7 +14,13 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError
-from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
+from ..spec.defaults import (
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    check_group_size,
+    check_logit_correction,
+    check_window,
+)
 
 # whose INT2 arithmetic stores the history: oscar's kernels, the OSCAR SGLang fork's (uniform / Lloyd-Max),
 # vLLM's (pull request #46774) or llama.cpp's q2_0 (OSCAR's branch): :mod:`oscar_calib.numerics.engines`
@@ -48,6 +54,11 @@ class KVScheme:
     budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
     ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``). Every
     cache and simulation reads any split (the kernels take a K and a V size per layer).
+
+    ``logit_correction``: the gain ``a`` of the logit-noise correction (0: off), which subtracts
+    ``a`` times half the variance of each INT2 key's logit noise from its logit
+    (:func:`~oscar_calib.numerics.quant.logit_noise`); oscar's quantiser only. Every cache,
+    simulation and kernel of oscar applies it; no other engine does.
     """
 
     name: str
@@ -68,6 +79,7 @@ class KVScheme:
     k_groups: list = field(default_factory=list)
     v_groups: list = field(default_factory=list)
     native_layers: tuple = ()
+    logit_correction: float = 0.0
 
     # the quantizer names this class accepts, and its per-layer list fields (empty: None per layer)
     quantizers: ClassVar[tuple[str, ...]] = QUANTIZERS
@@ -81,6 +93,9 @@ class KVScheme:
             elif len(lst) != self.num_layers:
                 raise InputError(f"{self.name}: {name} has {len(lst)} layers, expected {self.num_layers}")
         check_window(self.sink, self.recent)
+        self.logit_correction = check_logit_correction(self.logit_correction, f"{self.name}: logit_correction")
+        if self.logit_correction and (self.quantizer != "oscar" or self.group_size is None):
+            raise InputError(f"{self.name}: the logit-noise correction applies to oscar's INT2 history only")
         if self.quantizer not in self.quantizers:
             raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from "
                              f"{', '.join(self.quantizers)}")
@@ -180,10 +195,12 @@ class KVScheme:
 
     @classmethod
     def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
-                      recent: int | None = None, window_dtype=torch.bfloat16) -> "KVScheme":
-        """The artifact's rotations and clips; group size, sink and window default to its metadata
-        (its per-layer K and V sizes, ``layer_group_sizes`` / ``layer_v_group_sizes``, when stored;
-        ``group_size`` given: that size everywhere, for K and V).
+                      recent: int | None = None, window_dtype=torch.bfloat16,
+                      logit_correction: float | None = None) -> "KVScheme":
+        """The artifact's rotations and clips; group size, sink, window and logit-noise correction
+        default to its metadata (its per-layer K and V sizes, ``layer_group_sizes`` /
+        ``layer_v_group_sizes``, when stored; ``group_size`` given: that size everywhere, for K
+        and V; ``logit_correction`` given: that gain instead of the artifact's).
 
         An artifact marked ``v_folded = "true"`` (``oscar fold-weights``) belongs to a checkpoint whose
         ``v_proj`` already outputs ``v @ R_v`` and whose ``o_proj`` takes the output in that basis: V
@@ -202,7 +219,8 @@ class KVScheme:
             [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
             sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
             recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
-            window_dtype=window_dtype, k_groups=k_sizes, v_groups=v_sizes)
+            window_dtype=window_dtype, k_groups=k_sizes, v_groups=v_sizes,
+            logit_correction=art.logit_correction if logit_correction is None else logit_correction)
 
     @classmethod
     def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,

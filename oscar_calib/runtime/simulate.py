@@ -9,6 +9,9 @@ sliding-window masks and GQA are honoured, math is float32. With nothing quantis
 plain attention (tested). It de-quantises every key for every layer: memory and time grow with
 the context like a full-precision cache, so it measures accuracy only.
 
+A scheme with a ``logit_correction`` subtracts it from the logit of every INT2 key
+(:func:`logit_noise_rows`), as the real cache and the decode kernel do.
+
 A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
 (:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).
 
@@ -122,8 +125,13 @@ class SimulatedKV(AttentionRoute):
             values = torch.cat([v_lo, values], dim=2)
             allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)                     # [B|1, 1, T, 2S]
         keys, values = keys.repeat_interleave(grp, 1), values.repeat_interleave(grp, 1)
+        noise = None
+        if sch.logit_correction and k_lo is not None:              # over the INT2 half only
+            noise = logit_noise_rows(sch, layer, q, k, scaling)
+            noise = torch.cat([noise, torch.zeros_like(noise)], dim=-1)                     # [B, Hq, T, 2S]
         if not softcap and q_lo is None:
-            o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=allowed, scale=scaling)
+            mask = allowed if noise is None else (-noise).masked_fill(~allowed, -math.inf)
+            o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
         else:
             if q_lo is not None and k_lo is not None:   # the INT2 half scored with its own query rounding
                 sc = torch.cat([q_lo @ keys[:, :, :s].transpose(-1, -2), qf @ keys[:, :, s:].transpose(-1, -2)], -1)
@@ -132,6 +140,8 @@ class SimulatedKV(AttentionRoute):
             sc = sc * scaling
             if softcap:
                 sc = torch.tanh(sc / softcap) * softcap
+            if noise is not None:
+                sc = sc - noise
             p = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1)
             if hp_weights is not None and k_lo is not None:   # weights of the window half rounded as the engine does
                 p = torch.cat([p[..., :s], _round(p[..., s:], hp_weights)], -1)
@@ -139,6 +149,23 @@ class SimulatedKV(AttentionRoute):
         if back is not None:
             o = back(o)
         return o.transpose(1, 2)
+
+
+def logit_noise_rows(sch: KVScheme, layer: int, q, k, scaling: float) -> torch.Tensor:
+    """The logit-noise correction ``[B, Hq, T, S]`` of every query and every key of ``k`` as oscar
+    stores it in INT2 (:func:`~oscar_calib.numerics.quant.logit_noise` with the stored keys' fp16
+    scales and the query in the keys' rotated basis)."""
+    from ..kernels import quantize_kv
+    from ..numerics.quant import logit_noise
+
+    rk, ck, _, _ = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    gk = sch.groups(layer)[0]
+    k_in = k.to(sch.window_dtype) if sch.window_dtype is not None else k
+    grp = q.shape[1] // k.shape[1]
+    ks = quantize_kv(k_in.transpose(1, 2), rk, ck, gk).scale                        # [B, S, Hkv, d/G]
+    ks = ks.permute(0, 2, 1, 3).repeat_interleave(grp, 1)                           # [B, Hq, S, d/G]
+    qr = q.float() if rk is None else torch.einsum("bhtd,hde->bhte", q.float(), rk.repeat_interleave(grp, 0))
+    return logit_noise(qr, ks, gk, sch.logit_correction, scaling)
 
 
 def output_unrotation(r: torch.Tensor, grp: int, dtype=None):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..errors import ArtifactError, CacheError
+from ..errors import ArtifactError, CacheError, InputError
 from .compat import check_transformers, layer_windows
 from .scheme import KVScheme
 
@@ -244,6 +244,9 @@ class SimulatedCache(Cache):
     def __init__(self, config, scheme: KVScheme):
         check_transformers()
         scheme.require_oscar_quantizer("SimulatedCache")
+        if scheme.logit_correction:
+            raise InputError(f"{scheme.name}: SimulatedCache hands K/V to the model's own attention, which cannot "
+                             "subtract the logit-noise correction; use OscarCache (or SimulatedKV for perplexity)")
         windows = layer_windows(config)
         if len(windows) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "

@@ -163,6 +163,10 @@ class Int2Store:
                                             self.params[2 * kv + 1][:, :, :, sl], self.groups[kv])
                           for kv in (0, 1)], dim=1)
 
+    def key_scales(self, start: int, length: int) -> torch.Tensor:
+        """The keys' group scales of slots ``[start, start + length)``, float32 ``[B, H, length, d/G_K]``."""
+        return self.params[0][:, 0, :, start:start + length].float()
+
     def store(self, b: int, slots: torch.Tensor, parts: list, heads: int) -> None:
         """Write :meth:`LayerPlan.quantize`'s result for tokens ``[N, 2H, ·]`` of sequence ``b`` into
         history slots ``slots [N]``."""

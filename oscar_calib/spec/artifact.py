@@ -32,6 +32,7 @@ from .layout import (
     GEOMETRY_KEYS,
     LAYER_GROUPS_METADATA,
     LAYER_V_GROUPS_METADATA,
+    LOGIT_CORRECTION_METADATA,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
     SHARED_CLIP_METADATA,
@@ -94,6 +95,11 @@ class Artifact:
         """Every layer's INT2 group size of the keys (and of the values unless ``layer_v_group_sizes``
         says otherwise): ``layer_group_sizes`` when stored, else ``group_size``."""
         return layer_group_sizes(self.metadata) or [self.group_size] * self.num_layers
+
+    @property
+    def logit_correction(self) -> float:
+        """The gain of the logit-noise correction (``logit_correction``; 0 when absent: off)."""
+        return float(self.metadata.get(LOGIT_CORRECTION_METADATA, 0.0))
 
     @property
     def layer_v_group_sizes(self) -> list[int]:

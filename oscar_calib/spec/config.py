@@ -18,6 +18,7 @@ from .defaults import (
     K_OBJECTIVES,
     V_OBJECTIVES,
     check_clip,
+    check_logit_correction,
     check_window,
     choose,
     is_power_of_two,
@@ -62,6 +63,7 @@ class CalibrationConfig:
     checkpoint_every: int = 4
     refine_steps: int = 0               # Cayley refinement of the rotations on held-out rows (0: off)
     refine_lr: float = DEFAULT_REFINE_LR    # its Adam learning rate (numerics.refine)
+    logit_correction: float = 0.0       # gain of the logit-noise correction the artifact asks for (0: off)
     extra: dict = field(default_factory=dict)   # free-form notes carried into the report
 
     def validate(self) -> "CalibrationConfig":
@@ -98,6 +100,7 @@ class CalibrationConfig:
                                  "group size)")
         elif self.split_kv:
             raise InputError("--split-kv splits a bit budget between keys and values: it needs --bit-budget")
+        self.logit_correction = check_logit_correction(self.logit_correction)
         return self
 
     def fingerprint_fields(self) -> dict:

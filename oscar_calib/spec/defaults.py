@@ -40,6 +40,7 @@ MAX_HEAD_DIM = 1024           # (the Triton kernels take powers of two 16..256, 
 MAX_LAYERS = 1024
 MAX_HEADS = 1024              # query heads; KV heads divide them
 MAX_WINDOW_TOKENS = 1 << 24   # sink + recent BF16 tokens per sequence (16,777,216)
+MAX_LOGIT_CORRECTION = 4.0    # gain of the logit-noise correction (1 = the whole expected inflation)
 
 # method names -> the accumulator (``calibrate.stats``) each objective reads
 K_OBJECTIVES = {"qqt": "q", "ktk": "k"}
@@ -90,3 +91,16 @@ def check_clip(name: str, c: float) -> float:
     if not 0 < c <= 1:
         raise InputError(f"clip ratio {name}={c} is outside (0, 1]")
     return c
+
+
+def check_logit_correction(gain, name: str = "--logit-correction") -> float:
+    """``gain`` of the logit-noise correction as a float in [0, 4] (0: off; 1: the whole expected
+    inflation, :func:`oscar_calib.numerics.quant.logit_noise`), else one line naming ``name``."""
+    try:
+        a = float(gain)
+    except (TypeError, ValueError):
+        a = float("nan")
+    if not (a == a and 0.0 <= a <= MAX_LOGIT_CORRECTION):
+        raise InputError(f"{name} must be a number in [0, {MAX_LOGIT_CORRECTION:g}] (0 = off, 1 = the expected "
+                         f"inflation), got {gain!r}")
+    return a

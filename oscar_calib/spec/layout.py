@@ -39,6 +39,9 @@ LAYER_GROUPS_METADATA = "layer_group_sizes"
 # it, ``group_size``) then holds the keys' sizes. A reader that predates it stores the values at the keys'
 # sizes: a different scheme from the one calibrated (in either direction: the budget does not order K and V).
 LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
+# Optional metadata (toolkit 0.4): the gain of the logit-noise correction (`oscar calibrate --logit-correction`),
+# a number in [0, 4]; absent means 0 (off). A reader that predates it serves the cache without the correction.
+LOGIT_CORRECTION_METADATA = "logit_correction"
 # Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
 # sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
 # (:mod:`.digest`). A reader refuses a file whose content no longer matches it.

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from ..errors import InputError
 from .defaults import (
     BITS,
     COMPOSITIONS,
@@ -30,11 +31,13 @@ from .defaults import (
     MIN_GROUP_SIZE,
     ORTHOGONALITY_TOL,
     V_OBJECTIVES,
+    check_logit_correction,
 )
 from .layout import (
     IMPORTED,
     LAYER_GROUPS_METADATA,
     LAYER_V_GROUPS_METADATA,
+    LOGIT_CORRECTION_METADATA,
     MODEL_SOURCE_FIELDS,
     MODEL_SOURCE_KINDS,
     MODEL_SOURCE_METADATA,
@@ -122,6 +125,11 @@ def check_metadata_values(md: dict[str, str]) -> tuple[list[str], list[str]]:
             c = float("nan")
         if not 0 < c <= 1:
             problems.append(f"metadata {k!r} is {md[k]!r}, expected a clip ratio in (0, 1]")
+    if LOGIT_CORRECTION_METADATA in md:
+        try:
+            check_logit_correction(md[LOGIT_CORRECTION_METADATA], f"metadata {LOGIT_CORRECTION_METADATA!r}")
+        except InputError as e:
+            problems.append(str(e))
     if md.get("v_folded", "false") not in ("true", "false"):
         problems.append(f"metadata 'v_folded' is {md.get('v_folded')!r}, expected 'true' or 'false'")
     if "model_type" in md:

@@ -137,8 +137,11 @@ VARIANTS = {
     "lever:fp8+sparse1+corr": {"lever": {"params": "fp8", "sparse": 1, "logit_correction": True}},
     "lever:sparse4": {"lever": {"sparse": 4}},
     "lever:corr0.5": {"lever": {"logit_correction": 0.5}},
-    "budget-split+corr": {"groups": "budget-split", "lever": {"logit_correction": True}},
-    "budget-split+corr0.5": {"groups": "budget-split", "lever": {"logit_correction": 0.5}},
+    # the logit-noise correction as the toolkit stores it (--logit-correction; the real cache reads it too)
+    "corr": {"logit_correction": 1.0},
+    "corr0.5": {"logit_correction": 0.5},
+    "budget-split+corr": {"groups": "budget-split", "logit_correction": 1.0},
+    "budget-split+corr0.5": {"groups": "budget-split", "logit_correction": 0.5},
 }
 BUDGET_BITS = 2.5
 TEXTS = ("embedded", "embedded-code")
@@ -347,8 +350,15 @@ def attach_niah(results: dict, specs: list[str]) -> None:
 
 def real_storable(scheme) -> bool:
     """Whether oscar's real cache (OscarCache) can store ``scheme``."""
-    return scheme.quantized and scheme.quantizer == "oscar" and not hasattr(scheme, "logit_correction") \
+    return scheme.quantized and scheme.quantizer == "oscar" and not is_lever(scheme) \
         and not any(r is not None for r in scheme.v_output)
+
+
+def is_lever(scheme) -> bool:
+    """A scheme of ``levers.py`` (simulated only, by its own attention)."""
+    import levers
+
+    return isinstance(scheme, levers.LeverScheme)
 
 
 def real_cache_nll(model, ids, scheme, chunk: int) -> tuple[float, int]:
@@ -377,7 +387,7 @@ def real_cache_nll(model, ids, scheme, chunk: int) -> tuple[float, int]:
 def perplexity(model, seqs, scheme, real_chunk: int = 0) -> float:
     from oscar_calib.eval.ppl import sequence_nll
 
-    if hasattr(scheme, "logit_correction"):          # a lever (levers.LeverScheme): its own simulation
+    if is_lever(scheme):                           # its own simulation
         import levers
 
         sequence_nll = levers.sequence_nll  # noqa: F811
@@ -435,6 +445,8 @@ def variant_scheme(name, run, base, geo, g, opts):
     if groups:
         scheme = dataclasses.replace(scheme,
                                      k_groups=[x[0] for x in groups], v_groups=[x[1] for x in groups])
+    if cfg.logit_correction:
+        scheme = dataclasses.replace(scheme, logit_correction=cfg.logit_correction)
     extra = {"group_size": g, "bits_per_element": scheme.bits_per_element, "options": VARIANTS[name],
              **({"groups": groups, "long_bits_per_element": long_bits(scheme, run)} if groups else {}),
              **({"budget": budget} if budget else {}),

@@ -52,7 +52,6 @@ class LeverScheme(KVScheme):
     params: str = "fp16"
     sparse: int = 0
     int3_layers: tuple = ()
-    logit_correction: float = 0.0
 
     def layer_bits(self, i: int) -> float:
         d = self.head_dim
@@ -163,7 +162,7 @@ class LeverKV(SimulatedKV):
 def lever_scheme(base: KVScheme, head_dim: int, **options) -> LeverScheme:
     """``base``'s rotations, clips, groups and windows with a lever's options."""
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(KVScheme)}
-    return LeverScheme(**fields, head_dim=head_dim, **options)
+    return LeverScheme(**{**fields, **options}, head_dim=head_dim)
 
 
 @torch.no_grad()

@@ -1,0 +1,95 @@
+"""The logit-noise correction: its formula, the perplexity simulation against the lever
+simulation it came from, and the real cache (torch path) against the simulation, decode step by
+decode step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from factories import load_script, tiny_model
+
+from oscar_calib.errors import InputError
+from oscar_calib.model.geometry import geometry_of
+from oscar_calib.numerics.quant import logit_noise
+from oscar_calib.runtime import KVScheme, OscarCache, SimulatedCache
+from oscar_calib.runtime.simulate import SimulatedKV
+
+
+def corrected(model, gain, *, group_size=8, window_dtype=None, sink=2, recent=3):
+    geo = geometry_of(model)
+    base = KVScheme.uniform("hadamard", geo.num_layers, geo.num_kv_heads, geo.head_dim, group_size,
+                            rotation="hadamard", clips=(0.96, 0.92), sink=sink, recent=recent,
+                            window_dtype=window_dtype)
+    return dataclasses.replace(base, logit_correction=gain)
+
+
+def sharp(kind):
+    """A tiny random model whose queries and keys are 6x larger: sharp attention and wide INT2 steps,
+    so the correction moves the logits measurably."""
+    m = tiny_model(kind, layers=2)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return m
+
+
+def test_the_formula_on_one_pair():
+    g = torch.Generator().manual_seed(0)
+    q, s = torch.randn(1, 8, generator=g), torch.rand(1, 2, generator=g) + 0.1
+    want = 0.7 / 2 * 0.25 ** 2 * sum(float(q[0, 4 * j:4 * j + 4].pow(2).sum()) * float(s[0, j]) ** 2 / 12
+                                      for j in range(2))
+    assert logit_noise(q, s, 4, 0.7, 0.25).item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("gain", [0.5, 1.0])
+def test_perplexity_simulation_equals_the_lever_simulation(gain):
+    """SimulatedKV with the correction against scripts/experiments/levers.py's LeverKV (its own
+    fake quantiser and formula) on a tiny GQA model."""
+    levers = load_script("experiments/levers.py")
+    m = sharp("llama")
+    ids = torch.randint(1, 120, (1, 24), generator=torch.Generator().manual_seed(5))
+    sch = corrected(m, gain)
+    with SimulatedKV(m, sch):
+        ours = m(ids).logits
+    base = corrected(m, 0.0)
+    lever = levers.lever_scheme(base, geometry_of(m).head_dim, logit_correction=gain)
+    with levers.LeverKV(m, lever):
+        theirs = m(ids).logits
+    with SimulatedKV(m, base):
+        plain = m(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4
+    assert (ours - plain).abs().max() > 1e-3                   # the correction changed something
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_real_cache_decode_equals_the_simulation(kind):
+    """One token per call through OscarCache (the torch path on the CPU), float32 window: every
+    step reads what SimulatedKV reads for that position, correction included."""
+    m = sharp(kind)
+    ids = torch.randint(1, 120, (1, 26), generator=torch.Generator().manual_seed(7))
+    sch = corrected(m, 1.0)
+    with SimulatedKV(m, sch):
+        sim = m(ids).logits
+    cache = OscarCache(m.config, sch, backend="torch")
+    with cache.attach(m), torch.no_grad():
+        real = torch.cat([m(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(26)], 1)
+    with SimulatedKV(m, corrected(m, 0.0)):
+        uncorrected = m(ids).logits
+    assert cache.layers[-1].store.history_span() > 0
+    assert (real - sim).abs().max() < 1e-4
+    assert (sim - uncorrected).abs().max() > 1e-3
+
+
+def test_bad_gains_and_schemes_are_refused():
+    m = tiny_model("llama", layers=2)
+    for bad in (-0.1, 5, math.nan, "x"):
+        with pytest.raises(InputError, match="logit_correction must be a number in"):
+            corrected(m, bad)
+    with pytest.raises(InputError, match="oscar's INT2 history only"):
+        dataclasses.replace(KVScheme.full_precision(geometry_of(m).num_layers), logit_correction=1.0)
+    with pytest.raises(InputError, match="SimulatedCache .* cannot subtract"):
+        SimulatedCache(m.config, corrected(m, 1.0))
