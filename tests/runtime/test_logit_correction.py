@@ -93,3 +93,35 @@ def test_bad_gains_and_schemes_are_refused():
         dataclasses.replace(KVScheme.full_precision(geometry_of(m).num_layers), logit_correction=1.0)
     with pytest.raises(InputError, match="SimulatedCache .* cannot subtract"):
         SimulatedCache(m.config, corrected(m, 1.0))
+
+
+def test_calibrate_stores_the_gain_the_schemes_read_it_and_exports_say_what_they_drop(tmp_path):
+    from factories import calibrate_tiny
+
+    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.tools.export import export_artifact
+    from oscar_calib.tools.validate import validate_artifact
+
+    res = calibrate_tiny(tmp_path / "art", logit_correction=0.5)
+    art = load_artifact(tmp_path / "art")
+    assert art.metadata["logit_correction"] == "0.5" and art.logit_correction == 0.5
+    assert KVScheme.from_artifact(art).logit_correction == 0.5
+    assert KVScheme.from_artifact(art, logit_correction=0.0).logit_correction == 0.0
+    assert validate_artifact(tmp_path / "art").ok
+    plain = calibrate_tiny(tmp_path / "plain")
+    assert "logit_correction" not in load_artifact(tmp_path / "plain").metadata     # additive: absent when off
+    out = export_artifact(tmp_path / "art", tmp_path / "onnx", "onnxruntime")
+    assert any("logit-noise correction" in w and "0.5" in w for w in out.warnings)
+    assert not any("logit-noise" in w for w in export_artifact(tmp_path / "plain", tmp_path / "onnx2",
+                                                                "onnxruntime").warnings)
+    assert res.artifact is not None and plain.artifact is not None
+
+
+@pytest.mark.parametrize("value,ok", [("0.5", True), ("0", True), ("-1", False), ("nan", False), ("lots", False),
+                                      ("4.5", False)])
+def test_validate_checks_the_stored_gain(value, ok):
+    from oscar_calib.spec.values import check_metadata_values
+
+    problems = [p for p in check_metadata_values({"model_id": "m", "logit_correction": value})[0]
+                if "logit_correction" in p]
+    assert (not problems) == ok, problems

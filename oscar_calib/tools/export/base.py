@@ -201,6 +201,10 @@ class ExportTarget:
         out = Path(out)
         with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
             w = self.write(art, tmp, out.resolve(), s)
+            if art.logit_correction:
+                w.warnings.append(f"{self.engine} does not subtract the logit-noise correction this artifact asks "
+                                  f"for (logit_correction {art.logit_correction:g}): it serves the rotations and "
+                                  "clips without it")
             problems = self.load_problems(tmp, Geometry.of(art))
             if problems:
                 raise ArtifactError(f"the files written for {self.engine} fail its loader's checks: {problems[0]}")
