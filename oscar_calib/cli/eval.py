@@ -35,6 +35,9 @@ def eval_command(
     = "bf16,naive,hadamard,oscar,fork,quanto",
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: the artifact's, else "
                                                      "min(128, head_dim)).")] = None,
+    logit_correction: Annotated[Optional[float], typer.Option(help="Gain (0-4) of the logit-noise correction "
+                                                              "for the 'oscar' method (default: the artifact's; "
+                                                              "0 = off).")] = None,
     sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens.")] = DEFAULT_SINK,
     recent: Annotated[int, typer.Option(help="BF16 recent-window tokens.")] = DEFAULT_RECENT,
     sequences: Annotated[int, typer.Option(help="ppl: held-out sequences.")] = 2,
@@ -87,6 +90,7 @@ def eval_command(
     * `oscar eval smollm2-135m zoo/smollm2-135m --task niah --prompts 50 --lengths 2048` (intervals that decide)
     * `oscar eval Qwen/Qwen3-32B runs/qwen3-32b --device-map auto --methods bf16,oscar` (spread over the GPUs)
     * `oscar eval smollm2-135m zoo/smollm2-135m --methods bf16,oscar,fork,vllm,llamacpp --record` (engine costs)
+    * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,oscar --logit-correction 0.5` (try a gain)
     """
     from ..errors import InputError
     from ..eval import EvalOptions, run_eval
@@ -95,7 +99,11 @@ def eval_command(
 
     if record and (artifact is None or not artifact.is_dir()):
         raise InputError("--record needs an ARTIFACT directory")
-    options = EvalOptions(task=task, methods=methods, group_size=group_size, sink=sink, recent=recent, seed=seed,
+    if record and logit_correction is not None:
+        raise InputError("--record stores what the artifact serves: leave out --logit-correction (calibrate with "
+                         "it instead)")
+    options = EvalOptions(task=task, methods=methods, group_size=group_size, logit_correction=logit_correction,
+                          sink=sink, recent=recent, seed=seed,
                           sequences=sequences, seq_len=seq_len, data=data, lengths=lengths, depths=depths,
                           samples=samples, prompts=prompts, haystack=haystack)
     plot = plot or Path(f"eval-{Path(model).name.removesuffix('.gguf')}-{task}.png")

@@ -92,7 +92,7 @@ def resolve_methods(methods, artifact) -> tuple[tuple[str, ...], list[str]]:
 
 def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | None = None, sink: int = DEFAULT_SINK,
                   recent: int = DEFAULT_RECENT, hadamard_clips=BASELINE_CLIPS,
-                  real_cache: bool = False) -> dict[str, KVScheme]:
+                  real_cache: bool = False, logit_correction: float | None = None) -> dict[str, KVScheme]:
     """The :class:`KVScheme` of every simulated method (``quanto`` has none). The group size is
     ``group_size``, else the artifact's (``oscar``: its per-layer sizes when it stores them, the
     baselines its uniform ``group_size``), else ``min(128, head_dim)``; ``fork`` methods take the
@@ -121,7 +121,8 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
             out[m] = KVScheme.uniform(m, geo.num_layers, geo.num_kv_heads, geo.head_dim, g, rotation=rot,
                                       clips=clips, sink=sink, recent=recent)
         elif m == "oscar":
-            out[m] = KVScheme.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent)
+            out[m] = KVScheme.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
+                                            logit_correction=logit_correction)
         elif m in FORK_METHODS:
             out[m] = KVScheme.shared_from_artifact(artifact, name=m, quantizer="oscar" if real_cache else m)
         elif m in ENGINE_METHODS:

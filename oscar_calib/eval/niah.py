@@ -192,7 +192,7 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
     max_new_tokens, prefill_chunk = o.max_new_tokens, o.prefill_chunk
     model, tok = lm.model, lm.tokenizer
     schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent,
-                            real_cache=True)
+                            real_cache=True, logit_correction=o.logit_correction)
     for name, sch in (extra_schemes or {}).items():
         if name in schemes:
             raise InputError(f"extra NIAH method {name!r} is already one of the methods")
@@ -234,6 +234,9 @@ def evaluate_niah(lm, options: EvalOptions | None = None, *, artifact=None, prog
                 "decoding": "graph" if on_graph else "eager",
                 "group_size": next((s.group_size for s in schemes.values() if s.quantized), group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None}
+    corrections = {m: s.logit_correction for m, s in schemes.items() if s.logit_correction}
+    if corrections:
+        settings["logit_correction"] = corrections
     fork = fork_settings(schemes, artifact)
     if fork:
         settings["fork"] = fork | {"quantizer": "oscar (the real INT2 cache: fp16 scale/offset)"}

@@ -6,6 +6,7 @@ field              task    meaning (default)
 ``task``           both    ``ppl`` (held-out perplexity) or ``niah`` (needle in a haystack)
 ``methods``        both    methods to compare, a tuple or comma-separated text (all but ``fork-lloyd``)
 ``group_size``     both    INT2 group size (None: the artifact's, else ``min(128, head_dim)``)
+``logit_correction`` both  gain of ``oscar``'s logit-noise correction (None: the artifact's)
 ``sink``           both    first tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_SINK`)
 ``recent``         both    last tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_RECENT`)
 ``seed``           both    chooses the held-out sequences / the needles (0)
@@ -33,7 +34,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK, check_group_size, check_window
+from ..spec.defaults import (
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    check_group_size,
+    check_logit_correction,
+    check_window,
+)
 from .methods import DEFAULT_METHODS, parse_methods
 
 TASKS = ("ppl", "niah")
@@ -63,6 +70,7 @@ class EvalOptions:
     task: str = "ppl"
     methods: tuple[str, ...] = DEFAULT_METHODS
     group_size: int | None = None
+    logit_correction: float | None = None
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT
     seed: int = 0
@@ -86,6 +94,8 @@ class EvalOptions:
         set_("depths", parse_numbers(self.depths, float, "--depths"))
         if self.group_size is not None:
             check_group_size(None, self.group_size)
+        if self.logit_correction is not None:
+            set_("logit_correction", check_logit_correction(self.logit_correction))
         check_window(self.sink, self.recent)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise InputError(f"--seed must be an integer, got {self.seed!r}")

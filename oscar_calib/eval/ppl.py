@@ -101,7 +101,8 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None,
     methods, group_size, sink, recent = list(o.methods), o.group_size, o.sink, o.recent
     sequences, seq_len, data, seed = o.sequences, o.seq_len, o.data, o.seed
     from ..calibrate.corpus import EMBEDDED_SOURCES
-    schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent)
+    schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent,
+                            logit_correction=o.logit_correction)
     seqs = heldout_sequences(lm.tokenizer, sequences=sequences, seq_len=seq_len, data=data, seed=seed)
     rows, timings = [], {}
     for m in methods:
@@ -123,6 +124,8 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None,
                "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)}
         if sch is not None and sch.quantized and not sch.uniform_groups:
             row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]   # a bit budget
+        if sch is not None and sch.logit_correction:
+            row["logit_correction"] = sch.logit_correction
         if sch is not None and (sch.sink, sch.recent) != (sink, recent):
             row.update(sink=sch.sink, recent=sch.recent)     # the fork methods: the artifact's windows
         rows.append(row)

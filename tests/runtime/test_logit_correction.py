@@ -125,3 +125,27 @@ def test_validate_checks_the_stored_gain(value, ok):
     problems = [p for p in check_metadata_values({"model_id": "m", "logit_correction": value})[0]
                 if "logit_correction" in p]
     assert (not problems) == ok, problems
+
+
+def test_eval_takes_a_gain_for_oscar_and_records_only_what_the_artifact_stores(tmp_path):
+    from factories import calibrate_tiny, loaded_tiny, oscar
+
+    from oscar_calib.eval import EvalOptions, evaluate_ppl
+    from oscar_calib.spec.artifact import load_artifact
+
+    lm = loaded_tiny("llama", layers=2)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    calibrate_tiny(tmp_path / "art", loaded=lm, logit_correction=1.0)
+    art = load_artifact(tmp_path / "art")
+    opts = EvalOptions(methods="oscar", sequences=1, seq_len=200, sink=4, recent=8)
+    stored = evaluate_ppl(lm, opts, artifact=art).rows[0]
+    off = evaluate_ppl(lm, opts.replace(logit_correction=0.0), artifact=art).rows[0]
+    assert stored["logit_correction"] == 1.0 and "logit_correction" not in off
+    assert stored["ppl"] != off["ppl"]
+    with pytest.raises(InputError, match="--logit-correction must be a number"):
+        EvalOptions(logit_correction=-2)
+    code, _, err = oscar("eval", "smollm2-135m", str(tmp_path / "art"), "--logit-correction", "0.5", "--record")
+    assert code != 0 and "leave out --logit-correction" in err
