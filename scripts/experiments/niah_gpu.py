@@ -159,7 +159,7 @@ def run(args) -> None:
         from oscar_calib.runtime.scheme import KVScheme
 
         new_art, _ = check_artifact(Path(args.new_artifact), lm)
-        extra[NEW_METHOD] = KVScheme.from_artifact(new_art, name=NEW_METHOD)
+        extra[NEW_METHOD] = KVScheme.from_artifact(new_art, name=NEW_METHOD, logit_correction=args.logit_correction)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     opts = EvalOptions(task="niah", methods=args.methods, depths=depths, prompts=args.prompts, seed=args.seed,
@@ -189,7 +189,8 @@ def run(args) -> None:
                         device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                         dtype=str(next(lm.model.parameters()).dtype).removeprefix("torch."),
                         backend="triton" if device.startswith("cuda") else "torch",
-                        command=" ".join(sys.argv[1:]), skipped_lengths=skipped)
+                        command=" ".join(sys.argv[1:]), skipped_lengths=skipped,
+                        logit_correction_override=args.logit_correction)
         result = EvalResult("niah", lm.source.model_id, settings, rows,
                             {"total_s": round(time.perf_counter() - t0, 2), "load_s": round(load_s, 2),
                              "per_length_s": per_length}).to_json()
@@ -219,6 +220,10 @@ def record(paths: list[str], artifact: str, force: bool) -> None:
     merged = merge(results) if len(results) > 1 else results[0]
     settings, rows = merged["settings"], merged["rows"]
     want, have = settings.get("artifact_sha256"), artifact_sha256(Path(artifact))
+    if settings.get("logit_correction_override") is not None and have == settings.get("new_artifact_sha256") \
+            and not force:
+        raise SystemExit(f"error: {NEW_METHOD} ran with --logit-correction {settings['logit_correction_override']:g}, "
+                         f"not what {artifact} stores; record a run of what it stores")
     if have == settings.get("new_artifact_sha256"):
         # ARTIFACT ran as the second artifact: its rows become this card's ``oscar`` (the first
         # artifact's rows belong to another card and are left out)
@@ -248,6 +253,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=50, help="at least this many prompts per length")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--new-artifact", help=f"a second artifact, run as method {NEW_METHOD!r} on the same prompts")
+    p.add_argument("--logit-correction", type=float, default=None,
+                   help=f"the gain of the logit-noise correction for {NEW_METHOD!r} (default: its artifact's)")
     p.add_argument("--haystack", default="prose", help="NIAH filler: prose (default; the same text everywhere), "
                    "corpus or noise")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
