@@ -558,9 +558,11 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
             qs = _sel8(g, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7)
             sc = tl.broadcast_to(sc[:, None, :], [BN, M2, HP]).reshape(BN, NK)
             of = tl.broadcast_to(of[:, None, :], [BN, M2, HP]).reshape(BN, NK)
-            s += t * (sc * TWO24) + of * qs[None, :]
-            if CORR:  # the logit-noise correction of this key group
-                s -= sc * sc * _sel8(g, cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7)[None, :]
+            if CORR:  # with the logit-noise correction of this key group
+                cn = _sel8(g, cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7)
+                s += (t * TWO24 - sc * cn[None, :]) * sc + of * qs[None, :]
+            else:
+                s += t * (sc * TWO24) + of * qs[None, :]
             t = tl.zeros([BN, NK], dtype=tl.float32)
     if MASKED:
         s = tl.where(nm[:, None], s, float("-inf"))
@@ -792,16 +794,19 @@ def decode_kernel(
             qs7 = tl.sum(tl.load(q_ptr + qrow[None, :] + (7 * G + offs_g)[:, None], mask=cmask[None, :],
                                  other=0.0).to(tl.float32), axis=0) * qsc
         # per-group squared query norms (logit-noise correction), [NK] each
+        # (the groups a row lacks repeat group 0: _sel8 compiles its choice as a branch whose
+        # values must share one type)
         cn0 = 0.0
-        cn1 = 0.0
-        cn2 = 0.0
-        cn3 = 0.0
-        cn4 = 0.0
-        cn5 = 0.0
-        cn6 = 0.0
-        cn7 = 0.0
         if CORR:
             cn0 = _group_sq(q_ptr, qrow, cmask, 0, G, corr_scale)
+        cn1 = cn0
+        cn2 = cn0
+        cn3 = cn0
+        cn4 = cn0
+        cn5 = cn0
+        cn6 = cn0
+        cn7 = cn0
+        if CORR:
             if NGT > 1:
                 cn1 = _group_sq(q_ptr, qrow, cmask, 1, G, corr_scale)
             if NGT > 2:
