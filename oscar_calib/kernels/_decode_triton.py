@@ -676,8 +676,8 @@ def decode_kernel(
     ``CORR``: the logit-noise correction. Each INT2 token's base-2 score loses
     ``sum_g s_g^2 * cn_g`` with ``s_g`` its key scale of group ``g`` and ``cn_g = corr_scale *
     |q_rot[g]|^2`` per score column (``corr_scale = a/2 * sm_scale^2 / 12 * log2(e)``, set by the
-    caller; the scores are ``log2(e) * sm_scale * q_rot . k``). Without it the kernel compiles to
-    the code it has without the option (``corr_scale`` unread)."""
+    caller; the scores are ``log2(e) * sm_scale * q_rot . k``). Off, none of it is compiled and
+    ``corr_scale`` is not read."""
     VB: tl.constexpr = 2 if V16 else 4  # bytes per value-code element (see _int2_block)
     pid0 = tl.program_id(0) + (S16 if PARTS == 1 else 0)
     pid1 = tl.program_id(1)

@@ -19,8 +19,8 @@ per channel about uniform, of variance ``s_g^2 / 12`` in a key group of scale (s
 adds zero-mean noise of variance ``Var = sm_scale^2 * sum_g |q_rot[g]|^2 * s_g^2 / 12`` to that
 token's logit. Since ``E[exp(l + eps)] = exp(l) * exp(Var / 2)``, INT2 tokens are over-weighted
 against the 16-bit window; with ``a > 0`` each INT2 history token's logit is lowered by
-``a * Var / 2`` (:func:`logit_noise`; ``a = 1`` removes the first-order bias). Window tokens are
-exact enough and are not corrected.
+``a * Var / 2`` (:func:`logit_noise`; ``a = 1`` cancels the expected factor ``exp(Var / 2)``).
+The 16-bit window tokens are not corrected.
 
 Triton path (flash-decoding; three launches, all graph-capturable):
 
