@@ -23,6 +23,10 @@ INT2 history (one warp per program, ``BN`` tokens per step):
   The value codes are loaded as 16-bit elements (``V16``), so that each 32-bit register the
   bit operations produce stays one operand register (:func:`_vplane16`); ``V16=False`` loads
   32-bit words (:func:`_vplane`, for comparison).
+* ``CORR``: the logit-noise correction (see :mod:`.decode`). The squared query norms per key
+  group, ``cn_g`` per score column in base-2 score units, are computed once per program beside
+  the offset sums; each group's score term ``s_g * (q'_g . c_g) + offset_g * sum(q_g)`` then
+  loses ``s_g^2 * cn_g``, with the scale ``s_g`` the step already loaded (or prefetched) for it.
 * Online softmax in base 2 with the rescale of the accumulators skipped when no column's
   running maximum moved (exact). Full blocks run unmasked; the last partial block masked.
 * ``PF``: the loop over full blocks carries the next block's token offsets and parameters
@@ -458,23 +462,36 @@ def _load_params(ks_ptr, ko_ptr, vs_ptr, vo_ptr, tp, hoff_p, nmask, g: tl.conste
 
 
 @triton.jit
+def _group_sq(q_ptr, qrow, cmask, g: tl.constexpr, G: tl.constexpr, scale):
+    """``scale * |q[g]|^2`` per score column ``[NK]``: the squared norm of the query over key
+    group ``g`` (channels ``g*G .. g*G + G-1``) in float32."""
+    x = tl.load(q_ptr + qrow[None, :] + (g * G + tl.arange(0, G))[:, None], mask=cmask[None, :],
+                other=0.0).to(tl.float32)
+    return tl.sum(x * x, axis=0) * scale
+
+
+@triton.jit
 def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                 b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cbw, s_cw, s_pb, s_pn,
                 hoff_pv, s_vpb, s_vpn,
                 q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7,
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                 tc, tw, tp, pks, pko, pvs, pvo,
                 G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr, HP: tl.constexpr,
                 BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr,
                 MASKED: tl.constexpr, INTERP: tl.constexpr, PF: tl.constexpr, V16: tl.constexpr,
-                P32: tl.constexpr, GV: tl.constexpr, WV: tl.constexpr, NBV: tl.constexpr, SPLIT: tl.constexpr):
+                P32: tl.constexpr, GV: tl.constexpr, WV: tl.constexpr, NBV: tl.constexpr, SPLIT: tl.constexpr,
+                CORR: tl.constexpr):
     """One step of ``BN`` history tokens for ``HP`` KV heads: scores, online softmax, values.
 
     ``PF``: the token offsets ``tc, tw, tp`` and the (single group's) parameters ``pks`` ..
     ``pvo`` were loaded one step earlier by the caller (software prefetch); otherwise they are
     computed and loaded here. Keys come in groups of ``G`` (plane width ``W``, ``NB`` byte
     blocks), values in groups of ``GV`` (``WV``, ``NBV``); ``SPLIT``: the value parameters have
-    their own base ``hoff_pv`` and strides (otherwise the keys' offsets serve both)."""
+    their own base ``hoff_pv`` and strides (otherwise the keys' offsets serve both). ``CORR``:
+    each key group's score term loses ``scale^2 * cn_g`` (the logit-noise correction; ``cn0``
+    .. ``cn7`` per score column, see :func:`decode_kernel`)."""
     NW: tl.constexpr = WV // 4
     NK: tl.constexpr = M2 * HP
     NGT: tl.constexpr = os_acc.shape[0]
@@ -541,7 +558,11 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
             qs = _sel8(g, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7)
             sc = tl.broadcast_to(sc[:, None, :], [BN, M2, HP]).reshape(BN, NK)
             of = tl.broadcast_to(of[:, None, :], [BN, M2, HP]).reshape(BN, NK)
-            s += t * (sc * TWO24) + of * qs[None, :]
+            if CORR:  # with the logit-noise correction of this key group
+                cn = _sel8(g, cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7)
+                s += (t * TWO24 - sc * cn[None, :]) * sc + of * qs[None, :]
+            else:
+                s += t * (sc * TWO24) + of * qs[None, :]
             t = tl.zeros([BN, NK], dtype=tl.float32)
     if MASKED:
         s = tl.where(nm[:, None], s, float("-inf"))
@@ -630,7 +651,7 @@ def decode_kernel(
     k16_ptr, v16_ptr, s_1b, s_1h, s_1n,
     len16_ptr,
     op_ptr, lse_ptr,
-    qk_scale,
+    qk_scale, corr_scale,
     H, HG, QG, S16, S_ALL, CHUNK, CHUNK16,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, M2: tl.constexpr,
     HP: tl.constexpr, M16: tl.constexpr, BN: tl.constexpr, BLOCK16: tl.constexpr,
@@ -639,7 +660,7 @@ def decode_kernel(
     PARTS: tl.constexpr = 3, PF: tl.constexpr = False, PDL: tl.constexpr = False,
     L2T: tl.constexpr = 0, L2CS: tl.constexpr = 4, L2PS: tl.constexpr = 64, WS: tl.constexpr = 1,
     V16: tl.constexpr = True, P32: tl.constexpr = False, LATE: tl.constexpr = False,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, CORR: tl.constexpr = False,
 ):
     """Grid ``(S16 + S2, B * HG)``: program ``(c, b*HG + hg)`` handles KV heads
     ``hg*HP .. hg*HP + HP-1`` of sequence ``b``: window chunk ``c`` (``c < S16``) or history
@@ -650,7 +671,13 @@ def decode_kernel(
     Keys are stored in groups of ``G`` channels (plane width ``W``, ``NB`` byte blocks), values in
     groups of ``GV`` (``WV``, ``NBV``; the keys' in a uniform cache). ``SPLIT``: the value parameters have
     their own strides ``s_vpb, s_vph, s_vpn`` (a cache whose K and V group sizes differ); otherwise
-    the keys' parameter offsets serve the values too, the code the uniform cache compiles to."""
+    the keys' parameter offsets serve the values too, the code the uniform cache compiles to.
+
+    ``CORR``: the logit-noise correction. Each INT2 token's base-2 score loses
+    ``sum_g s_g^2 * cn_g`` with ``s_g`` its key scale of group ``g`` and ``cn_g = corr_scale *
+    |q_rot[g]|^2`` per score column (``corr_scale = a/2 * sm_scale^2 / 12 * log2(e)``, set by the
+    caller; the scores are ``log2(e) * sm_scale * q_rot . k``). Off, none of it is compiled and
+    ``corr_scale`` is not read."""
     VB: tl.constexpr = 2 if V16 else 4  # bytes per value-code element (see _int2_block)
     pid0 = tl.program_id(0) + (S16 if PARTS == 1 else 0)
     pid1 = tl.program_id(1)
@@ -766,6 +793,30 @@ def decode_kernel(
                                  other=0.0).to(tl.float32), axis=0) * qsc
             qs7 = tl.sum(tl.load(q_ptr + qrow[None, :] + (7 * G + offs_g)[:, None], mask=cmask[None, :],
                                  other=0.0).to(tl.float32), axis=0) * qsc
+        # per-group squared query norms (logit-noise correction), [NK] each
+        # (the groups a row lacks repeat group 0: _sel8 compiles its choice as a branch whose
+        # values must share one type)
+        cn0 = 0.0
+        if CORR:
+            cn0 = _group_sq(q_ptr, qrow, cmask, 0, G, corr_scale)
+        cn1 = cn0
+        cn2 = cn0
+        cn3 = cn0
+        cn4 = cn0
+        cn5 = cn0
+        cn6 = cn0
+        cn7 = cn0
+        if CORR:
+            if NGT > 1:
+                cn1 = _group_sq(q_ptr, qrow, cmask, 1, G, corr_scale)
+            if NGT > 2:
+                cn2 = _group_sq(q_ptr, qrow, cmask, 2, G, corr_scale)
+                cn3 = _group_sq(q_ptr, qrow, cmask, 3, G, corr_scale)
+            if NGT > 4:
+                cn4 = _group_sq(q_ptr, qrow, cmask, 4, G, corr_scale)
+                cn5 = _group_sq(q_ptr, qrow, cmask, 5, G, corr_scale)
+                cn6 = _group_sq(q_ptr, qrow, cmask, 6, G, corr_scale)
+                cn7 = _group_sq(q_ptr, qrow, cmask, 7, G, corr_scale)
 
         o0 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
         o1 = tl.zeros([HP, 2 * NW, 2 * M2], dtype=tl.float32)
@@ -802,9 +853,10 @@ def decode_kernel(
                     lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                     b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
                     hoff_pv, s_vpb, s_vpn, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                    cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7,
                     o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                     tc, tw, tp, pks, pko, pvs, pvo,
-                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, True, V16, P32, GV, WV, NBV, SPLIT)
+                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, True, V16, P32, GV, WV, NBV, SPLIT, CORR)
                 tc, tw, tp = tc1, tw1, tp1
                 pks, pko, pvs, pvo = nks, nko, nvs, nvo
         else:
@@ -813,17 +865,19 @@ def decode_kernel(
                     lo + i * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                     b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
                     hoff_pv, s_vpb, s_vpn, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                    cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7,
                     o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                     0, 0, 0, 0.0, 0.0, 0.0, 0.0,
-                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, False, V16, P32, GV, WV, NBV, SPLIT)
+                    G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, False, INTERP, False, V16, P32, GV, WV, NBV, SPLIT, CORR)
         if lo + nfull * BN < hi:
             o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc = _int2_block(
                 lo + nfull * BN, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                 b, tab_ptr, s_tb, hoff_c, hoff_w, hoff_p, s_cb, s_cn, s_cb // VB, s_cn // VB, s_pb, s_pn,
                 hoff_pv, s_vpb, s_vpn, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7,
+                cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7,
                 o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, os_acc,
                 0, 0, 0, 0.0, 0.0, 0.0, 0.0,
-                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP, False, V16, P32, GV, WV, NBV, SPLIT)
+                G, W, NB, M2, HP, BN, PAGED, PAGE, ASM, True, INTERP, False, V16, P32, GV, WV, NBV, SPLIT, CORR)
 
         # ---- epilogue: normalised partial output and log-sum-exp ----
         has = l_i > 0

@@ -14,6 +14,14 @@ The query is rotated by the layer's K rotation first (``q @ R_k[h]`` for the que
 head ``h``), so ``q_rot . k_rot = q . k``; pass ``k_rotation=None`` for an already rotated query.
 Scores use ``sm_scale`` (default ``1/sqrt(d)``).
 
+Logit-noise correction (``logit_correction = a``, default 0: off): an INT2 key's rounding error is
+per channel about uniform, of variance ``s_g^2 / 12`` in a key group of scale (step) ``s_g``, so it
+adds zero-mean noise of variance ``Var = sm_scale^2 * sum_g |q_rot[g]|^2 * s_g^2 / 12`` to that
+token's logit. Since ``E[exp(l + eps)] = exp(l) * exp(Var / 2)``, INT2 tokens are over-weighted
+against the 16-bit window; with ``a > 0`` each INT2 history token's logit is lowered by
+``a * Var / 2`` (:func:`logit_noise`; ``a = 1`` cancels the expected factor ``exp(Var / 2)``).
+The 16-bit window tokens are not corrected.
+
 Triton path (flash-decoding; three launches, all graph-capturable):
 
 1. ``rotate_query_kernel``, grid ``(ceil(B/SB) * H, d/32)``: ``q @ R_k[h]`` in float32 (3xTF32
@@ -34,6 +42,9 @@ Triton path (flash-decoding; three launches, all graph-capturable):
    * values ``sum_t (p_t * s_t) * c_t + sum_t p_t * offset_t``: channel pairs as M, token x
      channel-parity as K, so the operand registers hold two channels of one token exactly as
      they come out of the word (no byte transpose) and all N columns are real query heads;
+   * with the logit-noise correction (a constexpr: without it the kernel is the uncorrected
+     one), ``|q_g|^2`` per key group and query head is computed once per program, and each key
+     group's score term loses ``s_g^2`` times it where the group's scale is read;
    * online softmax in base 2; the accumulator rescale is skipped when no running maximum
      moved (exact); full steps run unmasked and the last partial step masked;
    * ``prefetch``: the token offsets and the scale/offset parameters of step ``i+1`` are
@@ -101,9 +112,13 @@ from .cache import Int2KVCache
 from .pack import bits_per_element, dequantize_packed
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOG2E = 1.4426950408889634
 
 
-def _validate(q, cache, k_rotation, v_rotation, unrotate) -> tuple[int, int, int]:
+def _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction=0.0) -> tuple[int, int, int]:
+    if isinstance(logit_correction, bool) or not isinstance(logit_correction, (int, float)) \
+            or not math.isfinite(logit_correction) or logit_correction < 0:
+        raise InputError(f"logit_correction must be a finite number >= 0, got {logit_correction!r}")
     if not isinstance(cache, Int2KVCache):
         raise InputError(f"cache must be an Int2KVCache, got {type(cache).__name__}")
     cache.validate()
@@ -152,8 +167,9 @@ def unrotate_output(o_rot: torch.Tensor, v_rotation: torch.Tensor, num_kv_heads:
     return _per_head_matmul(o_rot.float(), v_rotation.float().transpose(-1, -2), num_kv_heads)
 
 
-def _history(cache: Int2KVCache, b: int, which: str) -> torch.Tensor:
-    """Dequantised INT2 history of sequence ``b``: float32 ``[H, hist_len, d]``."""
+def _history_params(cache: Int2KVCache, b: int, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scales and offsets of sequence ``b``'s INT2 history (``which`` = ``"k"`` or ``"v"``),
+    ``[H, hist_len, ...]`` each, gathered through the block table of a paged cache."""
     n = int(cache.hist_lens[b])
     codes, scale, off = (getattr(cache, f"{which}_{f}") for f in ("codes", "scale", "offset"))
     if cache.paged:
@@ -166,7 +182,25 @@ def _history(cache: Int2KVCache, b: int, which: str) -> torch.Tensor:
         codes, scale, off = gather(codes), gather(scale), gather(off)
     else:
         codes, scale, off = codes[b, :, :n], scale[b, :, :n], off[b, :, :n]
+    return codes, scale, off
+
+
+def _history(cache: Int2KVCache, b: int, which: str) -> torch.Tensor:
+    """Dequantised INT2 history of sequence ``b``: float32 ``[H, hist_len, d]``."""
+    codes, scale, off = _history_params(cache, b, which)
     return dequantize_packed(codes, scale, off, cache.group_size if which == "k" else cache.v_group_size)
+
+
+def logit_noise(qr: torch.Tensor, k_scale: torch.Tensor, group_size: int, sm_scale: float,
+                logit_correction: float) -> torch.Tensor:
+    """The logit-noise correction (natural units) of INT2 history keys for rotated queries
+    ``qr [H, QG, d]`` (float32) and those keys' stored scales ``k_scale [H, N, d/G]``:
+    ``a/2 * sm_scale^2 * sum_g |qr[g]|^2 * s_g^2 / 12`` per (KV head, query head, token),
+    ``[H, QG, N]``."""
+    h, qg, d = qr.shape
+    qn = qr.reshape(h, qg, d // group_size, group_size).pow(2).sum(-1)          # [H, QG, NG]
+    var = torch.matmul(qn, k_scale.float().pow(2).transpose(-1, -2)) / 12.0     # [H, QG, N]
+    return (0.5 * logit_correction * sm_scale * sm_scale) * var
 
 
 def decode_attention_reference(
@@ -178,10 +212,12 @@ def decode_attention_reference(
     unrotate: bool = False,
     sm_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_attention`: dequantise the history, concatenate it
-    with the 16-bit window, plain softmax attention in float32."""
-    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate)
+    with the 16-bit window, plain softmax attention in float32 (with ``logit_correction > 0``
+    the history's scores less :func:`logit_noise`)."""
+    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction)
     d = q.shape[-1]
     qg = hq // h
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -192,6 +228,9 @@ def decode_attention_reference(
         keys = torch.cat([cache.k_bf16[b, :, :nw].float(), _history(cache, b, "k")], dim=1)
         vals = torch.cat([cache.v_bf16[b, :, :nw].float(), _history(cache, b, "v")], dim=1)
         s = torch.matmul(qr[b], keys.transpose(-1, -2)) * scale  # [H, QG, N]
+        if logit_correction:  # the history comes after the window
+            k_scale = _history_params(cache, b, "k")[1]
+            s[..., nw:] -= logit_noise(qr[b], k_scale, cache.group_size, scale, logit_correction)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.matmul(p, vals).reshape(hq, d))
     o = torch.stack(outs)
@@ -235,6 +274,7 @@ def decode_attention(
     check_lengths: bool = True,
     pdl_input: bool = False,
     config: dict | None = None,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over an :class:`Int2KVCache`.
 
@@ -258,11 +298,18 @@ def decode_attention(
             rotation kernel comes first anyway).
         config: Triton tuning overrides (keys of :data:`TUNING`, ``split_tokens``,
             ``split_tokens16``); for benchmarks.
+        logit_correction: gain ``a >= 0`` of the logit-noise correction (0, the default: none).
+            An INT2 key's rounding error (per channel uniform, variance ``s_g^2/12`` in key group
+            ``g`` of scale ``s_g``) adds zero-mean noise to its logit, and ``E[exp(l + eps)] =
+            exp(l) * exp(Var/2)`` over-weights INT2 tokens against the 16-bit window; each INT2
+            history token's score (natural units) is lowered by ``a/2 * sm_scale^2 *
+            sum_g |q_rot[g]|^2 * s_g^2 / 12`` (:func:`logit_noise`; ``q_rot`` the rotated
+            query, ``g`` over the key groups). Window tokens are not corrected.
 
     Returns:
         ``[B, Hq, d]``: ``o_rot`` (V-rotated basis) or, with ``unrotate``, ``o``.
     """
-    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate)
+    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction)
     if out is not None:
         check_tensor("out", out, ndim=3, shape={0: bsz, 1: hq, 2: q.shape[-1]})
         if out.stride(-1) != 1:
@@ -274,13 +321,14 @@ def decode_attention(
         res = decode_attention_reference(
             q, cache, k_rotation=k_rotation, v_rotation=v_rotation, unrotate=unrotate,
             sm_scale=sm_scale, out_dtype=out.dtype if out is not None else out_dtype,
+            logit_correction=logit_correction,
         )
         if out is None:
             return res
         out.copy_(res)
         return out
     return _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config or {},
-                          pdl_input)
+                          pdl_input, float(logit_correction))
 
 
 # Tuning defaults per regime: "small" below SMALL_BATCH_HEADS (sequence, KV head) pairs, "large" from
@@ -413,7 +461,8 @@ def _rotate_query_triton(mod, q, r, h: int, cfg: dict, pdl: bool) -> torch.Tenso
     return qr
 
 
-def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config, pdl_input=False):
+def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config, pdl_input=False,
+                   logit_correction=0.0):
     mod = load_triton_module("_decode_triton")
     bsz, hq, d = q.shape
     h = cache.num_kv_heads
@@ -477,7 +526,11 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
 
     opart = torch.empty(bsz * h, s_all, qg, d, dtype=torch.float32, device=dev)
     lse = torch.empty(bsz * h, s_all, qg, dtype=torch.float32, device=dev)
-    qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * 1.4426950408889634
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    qk_scale = scale * LOG2E
+    # the logit-noise correction per key group and score column is corr_scale * |q_rot[g]|^2 * s_g^2
+    # in the kernel's base-2 score units: a/2 * sm_scale^2 / 12 * log2(e)
+    corr_scale = logit_correction * 0.5 * scale * scale / 12.0 * LOG2E
 
     if cache.paged:
         tab, s_tb, page = cache.block_table, cache.block_table.stride(0), cache.page_size
@@ -504,12 +557,12 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
         w16, cache.v_bf16, w16.stride(0), w16.stride(1), w16.stride(2),
         cache.bf16_lens,
         opart, lse,
-        qk_scale,
+        qk_scale, corr_scale,
         h, hgroups, qg, s16, s_all, chunk, chunk16,
         D=d, G=g, W=w, NB=nb, M2=m2, HP=hp, M16=max(16, next_pow2(qg)), BN=block_n, BLOCK16=block16,
         PAGED=cache.paged, PAGE=page, ASM=asm, INTERP=interp, PF=pf, PDL=pdl_decode,
         WS=wstages, V16=bool(cfg.get("value_pairs", True)), P32=_offsets32(cache, cfg), LATE=late and pdl_decode,
-        GV=gv, WV=wv, NBV=nbv, SPLIT=split,
+        GV=gv, WV=wv, NBV=nbv, SPLIT=split, CORR=logit_correction > 0,
         **_l2_warm_args(cfg, chunk, d, min(g, gv), page, cache.paged, pdl_decode),
         num_warps=int(cfg.get("num_warps", 1)), num_stages=num_stages, **launch,
     )

@@ -14,7 +14,8 @@ Kernels:
 * ``decode``: the history part of the decode kernel (``PARTS=1``) in the library's batch-1
   regime (``decode.TUNING["small"]``: 64-token steps, one KV head per program, prefetch, PDL,
   the register cap), Qwen3-8B head shapes (d = 128, G = 128, 4 query heads per KV head); the
-  batch-32 regime is ``--set HP=2 --maxnreg 0``, a paged cache ``--set PAGED=1 --set PAGE=64``;
+  batch-32 regime is ``--set HP=2 --maxnreg 0``, a paged cache ``--set PAGED=1 --set PAGE=64``,
+  the logit-noise correction ``--set CORR=1``;
 * ``write``: the plane-wise write kernel with a rotation and the clip (the library default:
   a persistent program holding the rotation, one split product, tournament selection, codes by
   thresholds), 64 rows per block; its first loop is the one over row blocks, which holds the
@@ -58,7 +59,7 @@ def defaults(kernel: str) -> tuple[dict, dict]:
         t = TUNING["small"]
         const = dict(D=128, G=128, W=32, NB=1, GV=128, WV=32, NBV=1, SPLIT=False, M2=4, HP=1, M16=16,
                      BN=t["BLOCK_N"], BLOCK16=t["BLOCK16"], PAGED=False, PAGE=1, ASM=True, INTERP=False, PARTS=1, PF=bool(t["prefetch"]), PDL=bool(t["pdl"]), V16=True, P32=False,
-                     L2T=0, L2CS=4, L2PS=64, WS=int(t["window_stages"]), LATE=False)
+                     L2T=0, L2CS=4, L2PS=64, WS=int(t["window_stages"]), LATE=False, CORR=False)
         return const, {"num_warps": 1, "num_stages": t["num_stages"], "maxnreg": t["maxnreg"] or None}
     from oscar_calib.kernels import write
     from oscar_calib.kernels.write import RESIDENT_TILE as tile
@@ -90,7 +91,7 @@ def compile_kernel(kernel: str, const: dict, opts: dict, arch: int):
         elif name in POINTERS[kernel]:
             sig[name] = POINTERS[kernel][name]
             attrs[(i,)] = [["tt.divisibility", 16]]  # as torch allocations are
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "corr_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

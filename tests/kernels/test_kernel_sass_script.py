@@ -45,6 +45,10 @@ def test_kernel_sass_counts_the_decode_main_loop_and_the_write_kernel():
     # two KV heads per program: the step covers twice the token-heads
     two = json.loads(_run("decode", "--set", "HP=2", "--json").stdout)
     assert two["main_loop"]["per_token"] == pytest.approx(two["main_loop"]["instructions"] / 128)
+    # the logit-noise correction compiles for the GPU (the interpreter does not type-check the
+    # kernel as the compiler does) and costs instructions only where it is on
+    corr = json.loads(_run("decode", "--set", "CORR=1", "--json").stdout)
+    assert corr["main_loop"]["instructions"] > ml["instructions"]
     w = json.loads(_run("write", "--json").stdout)
     assert w["loops"] and "main_loop" not in w and w["instructions"] > 500
 

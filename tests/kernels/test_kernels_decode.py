@@ -387,3 +387,98 @@ def test_decode_input_errors(device):
         to_paged(cache, 12)
     with pytest.raises(InputError, match="lengths must be"):
         build_cache(torch.randn(1, 5, 1, 64), torch.randn(1, 5, 1, 64), lengths=[6])
+
+
+# logit-noise correction: a gain that moves the output by 10-30% on these cases (more would leave
+# the history almost unweighted, and the kernel would agree with the reference trivially)
+GAIN = 0.25
+CORR_CASES = {
+    # name: (case kwargs, config overrides); every case differs from the uncorrected output
+    # two key groups, two KV heads per program
+    "d64_g32_hp2": (dict(batch=2, tokens=45, heads=2, qg=4, d=64, g=32, lengths=[45, 30]),
+                    {"heads_per_program": 2}),
+    # eight key groups over two byte blocks (cn0 .. cn7), 3 query heads
+    "d256_g32": (dict(batch=2, tokens=40, heads=1, qg=3, d=256, g=32, lengths=[40, 23]), {"BLOCK_N": 32}),
+    # one group per row: prefetched parameters (PF) over a paged cache, two heads per program
+    "paged_prefetch_d128_g128": (dict(batch=3, tokens=150, heads=2, qg=4, d=128, g=128, lengths=[150, 97, 40],
+                                      page=16), {"prefetch": True, "heads_per_program": 2, "split_tokens": 48}),
+    "prefetch_d128_g128": (dict(batch=2, tokens=120, heads=2, qg=4, d=128, g=128, lengths=[120, 45]),
+                           {"prefetch": True, "split_tokens": 48}),
+    # K and V groups of different sizes: the correction reads the keys' scales
+    "split_d128_k32_v128": (dict(batch=2, tokens=45, heads=2, qg=4, d=128, g=32, gv=128, lengths=[45, 30]), {}),
+    "split_paged_d64_k32_v64": (dict(batch=2, tokens=56, heads=3, qg=3, d=64, g=32, gv=64, lengths=[56, 33],
+                                     page=8), {"heads_per_program": 2}),
+    "split_d256_k256_v32": (dict(batch=1, tokens=90, heads=1, qg=4, d=256, g=256, gv=32), {"split_tokens": 64}),
+}
+
+
+@pytest.mark.parametrize("name,mode", grid([(n, m) for n in CORR_CASES for m in (0, 1)],
+                                           [(n, 0) for n in CORR_CASES if n != "split_d256_k256_v32"]))
+def test_decode_logit_correction_matches_reference(name, mode, device):
+    """With a gain ``a > 0`` the kernel equals the reference, whose output the correction moves;
+    ``a = 0`` is the uncorrected kernel, bit for bit."""
+    kwargs, cfg = CORR_CASES[name]
+    q, cache, rk, rv, _ = _case(**kwargs, seed=60 + len(name), device=device)
+    cfg = {**SMALL, "mode": mode, **cfg}
+    got = decode_attention(q, cache, k_rotation=rk, backend="triton", config=cfg, logit_correction=GAIN)
+    ref = decode_attention_reference(q, cache, k_rotation=rk, out_dtype=torch.float32, logit_correction=GAIN)
+    plain = decode_attention_reference(q, cache, k_rotation=rk, out_dtype=torch.float32)
+    assert relative_error(ref, plain) > 0.05
+    assert torch.isfinite(got).all()
+    assert relative_error(got.float(), ref) < 2e-3, relative_error(got.float(), ref)
+    off = decode_attention(q, cache, k_rotation=rk, backend="triton", config=cfg, logit_correction=0.0)
+    assert torch.equal(off, decode_attention(q, cache, k_rotation=rk, backend="triton", config=cfg))
+    assert relative_error(off.float(), plain) < 2e-3
+
+
+def test_decode_logit_correction_torch_backend_and_prerotated_query(device):
+    """The torch backend runs the reference with the correction; a query already in the keys'
+    basis gets the same correction as one rotated by the call."""
+    q, cache, rk, rv, _ = _case(batch=2, tokens=40, heads=2, qg=2, d=64, g=32, lengths=[40, 30], seed=66,
+                                device=device)
+    ref = decode_attention_reference(q, cache, k_rotation=rk, v_rotation=rv, unrotate=True, logit_correction=GAIN)
+    torch_out = decode_attention(q, cache, k_rotation=rk, v_rotation=rv, unrotate=True, backend="torch",
+                                 logit_correction=GAIN)
+    assert torch.equal(torch_out, ref)
+    qr = decode_mod.rotate_query(q, rk, 2)
+    got = decode_attention(qr, cache, v_rotation=rv, unrotate=True, backend="triton", config=SMALL,
+                           logit_correction=GAIN)
+    assert relative_error(got, ref) < 2e-3
+
+
+@pytest.mark.parametrize("page", [None, 8])
+def test_reference_logit_correction_is_the_formula(page):
+    """The reference with a gain equals softmax attention computed here from the cache's own
+    tensors: each INT2 history token's logit less ``a/2 * sm_scale^2 * sum_g |q_rot[g]|^2 *
+    s_g^2 / 12`` over the key groups, window tokens as they are."""
+    from oscar_calib.kernels.pack import dequantize_packed
+
+    a, sm, g, d = 0.7, 0.3, 32, 64
+    q, cache, rk, _, _ = _case(batch=2, tokens=30, heads=2, qg=2, d=d, g=g, gv=64, lengths=[30, 19], seed=67)
+    got = decode_attention_reference(q, to_paged(cache, page, torch.Generator().manual_seed(3)) if page else cache,
+                                     k_rotation=rk, sm_scale=sm, logit_correction=a)
+    for b in range(2):
+        nw, n = int(cache.bf16_lens[b]), int(cache.hist_lens[b])
+        for hq in range(4):
+            h = hq // 2
+            qr = q[b, hq].double() @ rk[h].double()
+            ks = cache.k_scale[b, h, :n].double()                                    # [n, 2]
+            khist = dequantize_packed(cache.k_codes[b, h, :n], cache.k_scale[b, h, :n],
+                                      cache.k_offset[b, h, :n], g).double()
+            vhist = dequantize_packed(cache.v_codes[b, h, :n], cache.v_scale[b, h, :n],
+                                      cache.v_offset[b, h, :n], 64).double()
+            noise = sum(qr[j * g:(j + 1) * g].pow(2).sum() * ks[:, j] ** 2 / 12 for j in range(d // g))
+            logits = torch.cat([sm * cache.k_bf16[b, h, :nw].double() @ qr,
+                                sm * khist @ qr - a / 2 * sm * sm * noise])
+            vals = torch.cat([cache.v_bf16[b, h, :nw].double(), vhist])
+            want = torch.softmax(logits, 0) @ vals
+            torch.testing.assert_close(got[b, hq].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "1", True, None])
+def test_decode_logit_correction_refused(bad, device):
+    q, cache, rk, _, _ = _case(batch=1, tokens=20, heads=2, qg=2, d=64, g=32, seed=68, device=device)
+    for fn, backend in ((decode_attention, {"backend": "triton"}), (decode_attention, {"backend": "torch"}),
+                        (decode_attention_reference, {})):
+        with pytest.raises(InputError, match="^logit_correction must be a finite number >= 0, got "):
+            fn(q, cache, k_rotation=rk, logit_correction=bad, **backend)
