@@ -19,7 +19,8 @@ per channel about uniform, of variance ``s_g^2 / 12`` in a key group of scale (s
 adds zero-mean noise of variance ``Var = sm_scale^2 * sum_g |q_rot[g]|^2 * s_g^2 / 12`` to that
 token's logit. Since ``E[exp(l + eps)] = exp(l) * exp(Var / 2)``, INT2 tokens are over-weighted
 against the 16-bit window; with ``a > 0`` each INT2 history token's logit is lowered by
-``a * Var / 2`` (:func:`logit_noise`; ``a = 1`` cancels the expected factor ``exp(Var / 2)``).
+``a * Var / 2`` (:func:`~oscar_calib.numerics.quant.logit_noise`; ``a = 1`` cancels the expected
+factor ``exp(Var / 2)``).
 The 16-bit window tokens are not corrected.
 
 Triton path (flash-decoding; three launches, all graph-capturable):
@@ -96,6 +97,7 @@ import math
 import torch
 
 from ..errors import InputError
+from ..numerics.quant import logit_noise
 from ..spec.defaults import is_power_of_two
 from ._common import (
     check_tensor,
@@ -191,18 +193,6 @@ def _history(cache: Int2KVCache, b: int, which: str) -> torch.Tensor:
     return dequantize_packed(codes, scale, off, cache.group_size if which == "k" else cache.v_group_size)
 
 
-def logit_noise(qr: torch.Tensor, k_scale: torch.Tensor, group_size: int, sm_scale: float,
-                logit_correction: float) -> torch.Tensor:
-    """The logit-noise correction (natural units) of INT2 history keys for rotated queries
-    ``qr [H, QG, d]`` (float32) and those keys' stored scales ``k_scale [H, N, d/G]``:
-    ``a/2 * sm_scale^2 * sum_g |qr[g]|^2 * s_g^2 / 12`` per (KV head, query head, token),
-    ``[H, QG, N]``."""
-    h, qg, d = qr.shape
-    qn = qr.reshape(h, qg, d // group_size, group_size).pow(2).sum(-1)          # [H, QG, NG]
-    var = torch.matmul(qn, k_scale.float().pow(2).transpose(-1, -2)) / 12.0     # [H, QG, N]
-    return (0.5 * logit_correction * sm_scale * sm_scale) * var
-
-
 def decode_attention_reference(
     q: torch.Tensor,
     cache: Int2KVCache,
@@ -216,7 +206,7 @@ def decode_attention_reference(
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_attention`: dequantise the history, concatenate it
     with the 16-bit window, plain softmax attention in float32 (with ``logit_correction > 0``
-    the history's scores less :func:`logit_noise`)."""
+    the history's scores less :func:`~oscar_calib.numerics.quant.logit_noise`)."""
     bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction)
     d = q.shape[-1]
     qg = hq // h
@@ -230,7 +220,7 @@ def decode_attention_reference(
         s = torch.matmul(qr[b], keys.transpose(-1, -2)) * scale  # [H, QG, N]
         if logit_correction:  # the history comes after the window
             k_scale = _history_params(cache, b, "k")[1]
-            s[..., nw:] -= logit_noise(qr[b], k_scale, cache.group_size, scale, logit_correction)
+            s[..., nw:] -= logit_noise(qr[b], k_scale, cache.group_size, logit_correction, scale)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.matmul(p, vals).reshape(hq, d))
     o = torch.stack(outs)
@@ -303,7 +293,7 @@ def decode_attention(
             ``g`` of scale ``s_g``) adds zero-mean noise to its logit, and ``E[exp(l + eps)] =
             exp(l) * exp(Var/2)`` over-weights INT2 tokens against the 16-bit window; each INT2
             history token's score (natural units) is lowered by ``a/2 * sm_scale^2 *
-            sum_g |q_rot[g]|^2 * s_g^2 / 12`` (:func:`logit_noise`; ``q_rot`` the rotated
+            sum_g |q_rot[g]|^2 * s_g^2 / 12`` (:func:`~oscar_calib.numerics.quant.logit_noise`; ``q_rot`` the rotated
             query, ``g`` over the key groups). Window tokens are not corrected.
 
     Returns:

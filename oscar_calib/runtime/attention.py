@@ -92,9 +92,7 @@ def kernel_decodes(layer, query: torch.Tensor, softcap) -> bool:
     backend (``auto``: CUDA tensors)."""
     from ..kernels.decode import decode_backend
 
-    plan = layer.store.plan
-    if layer.is_sliding or softcap or plan.window_dtype not in (torch.bfloat16, torch.float16) \
-            or plan.logit_correction:
+    if layer.is_sliding or softcap or layer.store.plan.window_dtype not in (torch.bfloat16, torch.float16):
         return False
     return decode_backend(query[:, :, 0], layer.store.kernel_view(), layer.backend) == "triton"
 
@@ -119,7 +117,8 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
 
             o = decode_attention(qr if rotate else query[:, :, 0], store.kernel_view(), k_rotation=None,
                                  v_rotation=p.v_rotation, unrotate=p.v_rotation is not None, sm_scale=scale,
-                                 check_lengths=False, out_dtype=query.dtype, backend=p.backend, pdl_input=True)
+                                 check_lengths=False, out_dtype=query.dtype, backend=p.backend, pdl_input=True,
+                                 logit_correction=p.logit_correction)
             return o.unsqueeze(1), None
         out = attend_cached(store, query, None, None, None, store.n.unsqueeze(1) - 1, store.n, scale, softcap)
         return out.to(query.dtype), None

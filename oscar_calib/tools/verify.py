@@ -131,8 +131,9 @@ PAGE = 16
 
 
 def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_size, v_group_size, sink, recent,
-                  backend, scaling: float) -> dict:
-    """Relative attention-output and logit errors of one layer, pooled over all samples.
+                  backend, scaling: float, logit_correction: float = 0.0) -> dict:
+    """Relative attention-output and logit errors of one layer, pooled over all samples (the
+    attention output with the artifact's logit-noise correction, as the cache serves it).
 
     Quantisation is per token, so every held-out sequence goes through the write kernel once;
     each sample's INT2 history is a run of pages of its sequence (paged layout: samples that
@@ -192,7 +193,7 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
     q = torch.stack([q_all[b, at[e - 1]] for b, _, e in rows])             # [N, Hq, d]
     ref = torch.stack([o_all[b, at[e - 1]] for b, _, e in rows]).float()
     o = decode_attention(q, cache, k_rotation=rot_k, v_rotation=rot_v, unrotate=True, sm_scale=scaling,
-                         out_dtype=torch.float32, backend=backend)               # the decode kernel
+                         out_dtype=torch.float32, backend=backend, logit_correction=logit_correction)  # the kernel
     num_o = float((o.float() - ref).pow(2).sum())
     den_o = float(ref.pow(2).sum())
     # logits over each sample's cached tokens: INT2 history dequantised, sink/window exact
@@ -326,7 +327,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
         cap = {k: t.to(dev) if torch.is_tensor(t) else t for k, t in caps.pop(i).items()}  # a layer at a time on dev
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
-                             layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw)
+                             layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw,
+                             logit_correction=art.logit_correction)
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})

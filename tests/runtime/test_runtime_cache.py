@@ -101,14 +101,18 @@ def test_padded_batch_equals_solo_runs_int2():
 
 
 @pytest.mark.slow
-def test_kernel_path_equals_torch_path():
+@pytest.mark.parametrize("correction", [0.0, 1.0])
+def test_kernel_path_equals_torch_path(correction):
     """The Triton write and decode kernels (the CPU interpreter here, the real compiler on a GPU)
-    against the pure-torch path, model level, GQA (4 query / 2 KV heads), batch 2."""
+    against the pure-torch path, model level, GQA (4 query / 2 KV heads), batch 2, without and
+    with the logit-noise correction."""
+    import dataclasses
+
     dev = "cuda" if ON_GPU else "cpu"
     m = tiny_model("llama", layers=2, head_dim=64).to(dev)
     # 10 tokens of prefill (an INT2 history of 5 behind the 2 + 3 window), then 3 decode steps
     ids = torch.randint(1, 120, (2, 13), generator=torch.Generator().manual_seed(3)).to(dev)
-    sch = scheme(m, group_size=32)
+    sch = dataclasses.replace(scheme(m, group_size=32), logit_correction=correction)
     tri_cache = OscarCache(m.config, sch, backend="triton")
     tri = step_logits(m, tri_cache, ids, 10)
     ref = step_logits(m, OscarCache(m.config, sch, backend="torch"), ids, 10)
