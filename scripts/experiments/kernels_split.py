@@ -52,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder (default $OUT)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the uniform comparison")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no new timing after this many seconds")
+    ap.add_argument("--correction", action="store_true",
+                    help="only time the logit-noise correction: Qwen3-8B shapes, G 128 and K 32 / V 128, with and "
+                         "without it, alternating (--rounds)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run (tiny shapes, Triton interpreter)")
     return ap.parse_args(argv)
 
@@ -144,7 +147,7 @@ def cache_bytes(batch, shape, gk, gv, hist, window) -> int:
     return batch * h * (hist * per_tok + window * 2 * d * 2)
 
 
-def time_form(shape, ctx, batch, gk, gv, decode=decode_attention) -> dict:
+def time_form(shape, ctx, batch, gk, gv, decode=decode_attention, corr: float = 0.0) -> dict:
     h, qh, d = shape["kv_heads"], shape["q_heads"], shape["head_dim"]
     window = min(ctx, SINK + RECENT)
     hist = ctx - window
@@ -154,17 +157,20 @@ def time_form(shape, ctx, batch, gk, gv, decode=decode_attention) -> dict:
     rk = random_rotation(h, d, device=DEV)
     caches = [random_int2_cache(batch, h, d, gk, hist, window, device=DEV, v_group_size=gv) for _ in range(copies)]
     out = torch.empty(batch, qh, d, device=DEV, dtype=torch.bfloat16)
-    fns = [lambda c=c: decode(q, c, k_rotation=rk, backend="triton", out=out, check_lengths=False) for c in caches]
+    extra = {"logit_correction": corr} if corr else {}
+    fns = [lambda c=c: decode(q, c, k_rotation=rk, backend="triton", out=out, check_lengths=False, **extra)
+           for c in caches]
     ms = graph_ms(fns)
     del caches
     if GPU:
         torch.cuda.empty_cache()
     return {"shape": shape["name"], "context": ctx, "batch": batch, "k_group": gk, "v_group": gv,
             "bits_per_element": (bits_per_element(gk) + bits_per_element(gv)) / 2, "us": ms * 1e3,
-            "bytes": nbytes, "bytes_per_s": nbytes / (ms * 1e-3), "copies": copies}
+            "bytes": nbytes, "bytes_per_s": nbytes / (ms * 1e-3), "copies": copies,
+            **({"logit_correction": corr} if corr else {})}
 
 
-def check(shape, gk, gv, decode=decode_attention) -> float:
+def check(shape, gk, gv, decode=decode_attention, corr: float = 0.0) -> float:
     """Relative error of the kernel against the reference on a small cache of this form."""
     h, qh, d = shape["kv_heads"], shape["q_heads"], shape["head_dim"]
     gen = torch.Generator().manual_seed(gk * 7 + gv)
@@ -172,8 +178,9 @@ def check(shape, gk, gv, decode=decode_attention) -> float:
                               v_group_size=gv)
     q = torch.randn(2, qh, d, generator=gen).to(DEV)
     rk = random_rotation(h, d, generator=gen, device=DEV)
-    got = decode(q, cache, k_rotation=rk, backend="triton", out_dtype=torch.float32)
-    want = decode_attention_reference(q, cache, k_rotation=rk, out_dtype=torch.float32)
+    extra = {"logit_correction": corr} if corr else {}
+    got = decode(q, cache, k_rotation=rk, backend="triton", out_dtype=torch.float32, **extra)
+    want = decode_attention_reference(q, cache, k_rotation=rk, out_dtype=torch.float32, **extra)
     return relative_error(got, want)
 
 
@@ -190,6 +197,8 @@ def main() -> None:
               "commit": _commit(), "device": _device(), "versions": _versions(), "sink": SINK, "recent": RECENT,
               "baseline": str(ARGS.baseline) if ARGS.baseline else None, "checks": [], "uniform_vs_baseline": [],
               "forms": []}
+    if ARGS.correction:
+        return correction_run(report, contexts, batches)
     qwen_forms = [(128, 128), (32, 128), (64, 64), (32, 32)]
     gemma_forms = [(256, 256), (32, 256), (64, 64)]
     for shape, forms in ((QWEN, qwen_forms), (GEMMA, gemma_forms)):
@@ -231,13 +240,42 @@ def main() -> None:
                     report["forms"].append(row)
                     log(f"{shape['name']} ctx={ctx} B={batch} K {gk} / V {gv} ({row['bits_per_element']:.4g} bits): "
                         f"{row['us']:.1f} us, {row['bytes_per_s'] / 1e9:.0f} GB/s")
+    write(report, "kernels_split")
+
+
+def correction_run(report: dict, contexts: list[int], batches: list[int]) -> None:
+    """The decode kernel with the logit-noise correction (gain 1) against without, alternating."""
+    report.update(benchmark="kernels_correction", correction=[])
+    for gk, gv in ((128, 128), (32, 128)):
+        err = check(QWEN, gk, gv, corr=1.0)
+        report["checks"].append({"shape": QWEN["name"], "k_group": gk, "v_group": gv, "logit_correction": 1.0,
+                                 "rel_err": err, "ok": err < 3e-3})
+        log(f"check {QWEN['name']} K {gk} / V {gv} corrected: rel err {err:.2e}")
+        for batch in batches:
+            for ctx in contexts:
+                if over_budget():
+                    break
+                rounds = []
+                for _ in range(ARGS.rounds if GPU else 1):
+                    a = time_form(QWEN, ctx, batch, gk, gv)["us"]
+                    b = time_form(QWEN, ctx, batch, gk, gv, corr=1.0)["us"]
+                    rounds.append({"plain_us": a, "corrected_us": b, "ratio": b / a})
+                med = statistics.median(r["ratio"] for r in rounds)
+                report["correction"].append({"k_group": gk, "v_group": gv, "context": ctx, "batch": batch,
+                                             "rounds": rounds, "median_ratio": med})
+                log(f"K {gk} / V {gv} ctx={ctx} B={batch}: corrected/plain {med:.4f} ("
+                    + ", ".join(f"{r['corrected_us']:.1f}/{r['plain_us']:.1f} us" for r in rounds) + ")")
+    write(report, "kernels_correction")
+
+
+def write(report: dict, name: str) -> None:
     report["elapsed_s"] = time.time() - T0
     report["log"] = LOG
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = "cpu" if not GPU else ("h200" if "H200" in report["device"]["name"] else
                                   "h100" if "H100" in report["device"]["name"] else "gpu")
-    path = out / f"kernels_split-{slug}.json"
+    path = out / f"{name}-{slug}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
     print(f"written: {path}")
@@ -251,6 +289,9 @@ def table(report: dict) -> str:
                          f"{r['bits_per_element']:.4g} | {r['us']:.1f} | {r['bytes_per_s'] / 1e9:.0f} |")
     for r in report["uniform_vs_baseline"]:
         lines.append(f"uniform G=128 {r['context']} x {r['batch']}: this kernel / previous = {r['median_ratio']:.4f}")
+    for r in report.get("correction", []):
+        lines.append(f"K {r['k_group']} / V {r['v_group']} {r['context']} x {r['batch']}: with the logit-noise "
+                     f"correction / without = {r['median_ratio']:.4f}")
     return "\n".join(lines)
 
 
