@@ -120,7 +120,8 @@ def calibrate_command(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
-        bit_budget=bit_budget, split_kv=split_kv, checkpoint_every=checkpoint_every, refine_steps=refine_steps, refine_lr=refine_lr, logit_correction=logit_correction, dtype=dtype, device=device,
+        bit_budget=bit_budget, split_kv=split_kv, checkpoint_every=checkpoint_every, refine_steps=refine_steps,
+        refine_lr=refine_lr, logit_correction=logit_correction, dtype=dtype, device=device,
         trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")

@@ -368,11 +368,12 @@ PROBE_SENTENCE = "The quick brown fox jumps over the lazy dog while the band pla
 
 def check_tokenizer(spec: str, tok, cached: str | None = None) -> None:
     """Refuse a BPE tokenizer with a vocabulary of words (over 1,024 entries) that cuts ordinary
-    English into single characters: a BPE built without its merges, which some transformers versions make when they convert a GGUF file's
-    SentencePiece vocabulary (transformers 5.17 with tokenizers 0.23.2 does for Gemma-3's GGUF:
-    one token per character, the model's perplexity in the thousands). Every tool would otherwise
-    measure a model that reads text it was never trained on. ``cached``: the de-quantised copy the
-    tokenizer came from (named in the message, to delete)."""
+    English into single characters: a BPE built without its merges, which some transformers
+    versions make when they convert a GGUF file's SentencePiece vocabulary (transformers 5.17 with
+    tokenizers 0.23.2 does for Gemma-3's GGUF: one token per character, the model's perplexity in
+    the thousands). Every tool would otherwise measure a model that reads text it was never trained
+    on. ``cached``: the de-quantised copy the tokenizer came from (named in the message, to
+    delete)."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None or type(backend.model).__name__ != "BPE" or len(tok) <= 1024:
         return                       # a byte- or character-level vocabulary is meant to cut so

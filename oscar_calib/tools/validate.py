@@ -29,6 +29,7 @@ granularity            ``layer``: one rotation repeated for every KV head
 group_sizes            the optional ``layer_group_sizes`` and ``layer_v_group_sizes`` (a bit
                        budget; the values' sizes when K and V differ): one power of two
                        dividing ``head_dim`` per layer
+logit_correction       the optional gain of the logit-noise correction: a number in [0, 4]
 model_source           the optional record of where the model came from: a JSON object with a
                        known ``kind`` and the ``alias`` / ``path`` / ``hub_id`` it needs
 digest                 the stored ``content_sha256`` matches the content (none stored: a

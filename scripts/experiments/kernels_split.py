@@ -184,6 +184,16 @@ def check(shape, gk, gv, decode=decode_attention, corr: float = 0.0) -> float:
     return relative_error(got, want)
 
 
+def alternating(time_a, time_b, names: tuple[str, str]) -> tuple[list[dict], float]:
+    """``--rounds`` rounds of ``time_a()`` then ``time_b()`` (µs each): every round's pair under
+    ``names`` with its ratio b / a, and the median ratio."""
+    rounds = []
+    for _ in range(ARGS.rounds if GPU else 1):
+        a, b = time_a(), time_b()
+        rounds.append({names[0]: a, names[1]: b, "ratio": b / a})
+    return rounds, statistics.median(r["ratio"] for r in rounds)
+
+
 def over_budget() -> bool:
     return time.time() - T0 > ARGS.budget_s
 
@@ -218,12 +228,9 @@ def main() -> None:
             for ctx in contexts:
                 if over_budget():
                     break
-                rounds = []
-                for _ in range(ARGS.rounds if GPU else 1):
-                    a = time_form(QWEN, ctx, batch, 128, 128, base.decode_attention)["us"]
-                    b = time_form(QWEN, ctx, batch, 128, 128)["us"]
-                    rounds.append({"baseline_us": a, "this_us": b, "ratio": b / a})
-                med = statistics.median(r["ratio"] for r in rounds)
+                rounds, med = alternating(lambda: time_form(QWEN, ctx, batch, 128, 128, base.decode_attention)["us"],
+                                          lambda: time_form(QWEN, ctx, batch, 128, 128)["us"],
+                                          ("baseline_us", "this_us"))
                 report["uniform_vs_baseline"].append({"context": ctx, "batch": batch, "rounds": rounds,
                                                       "median_ratio": med})
                 log(f"uniform G=128 ctx={ctx} B={batch}: this/baseline {med:.4f} ("
@@ -255,12 +262,9 @@ def correction_run(report: dict, contexts: list[int], batches: list[int]) -> Non
             for ctx in contexts:
                 if over_budget():
                     break
-                rounds = []
-                for _ in range(ARGS.rounds if GPU else 1):
-                    a = time_form(QWEN, ctx, batch, gk, gv)["us"]
-                    b = time_form(QWEN, ctx, batch, gk, gv, corr=1.0)["us"]
-                    rounds.append({"plain_us": a, "corrected_us": b, "ratio": b / a})
-                med = statistics.median(r["ratio"] for r in rounds)
+                rounds, med = alternating(lambda: time_form(QWEN, ctx, batch, gk, gv)["us"],
+                                          lambda: time_form(QWEN, ctx, batch, gk, gv, corr=1.0)["us"],
+                                          ("plain_us", "corrected_us"))
                 report["correction"].append({"k_group": gk, "v_group": gv, "context": ctx, "batch": batch,
                                              "rounds": rounds, "median_ratio": med})
                 log(f"K {gk} / V {gv} ctx={ctx} B={batch}: corrected/plain {med:.4f} ("
