@@ -199,12 +199,15 @@ class OscarCache(Cache):
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
-                      recent: int | None = None, window_dtype=torch.bfloat16, backend: str = "auto") -> "OscarCache":
+                      recent: int | None = None, window_dtype=torch.bfloat16, backend: str = "auto",
+                      logit_correction: float | None = None) -> "OscarCache":
         """A cache for ``model`` (or its config: then the fingerprint is not checked) with an artifact
         (directory, ``oscar.safetensors`` or :class:`~oscar_calib.spec.artifact.Artifact`), refused
-        first if invalid or made for another model (:func:`checked_artifact`)."""
+        first if invalid or made for another model (:func:`checked_artifact`); ``logit_correction``:
+        another gain than the artifact's."""
         art = checked_artifact(artifact, model)
-        scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype)
+        scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
+                                        logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme, backend=backend)
 
     def attach(self, model):

@@ -263,12 +263,16 @@ class SimulatedCache(Cache):
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
-                      recent: int | None = None, window_dtype=torch.bfloat16) -> "SimulatedCache":
-        """The artifact's rotations and clips (the same checks as :meth:`OscarCache.from_artifact`)."""
+                      recent: int | None = None, window_dtype=torch.bfloat16,
+                      logit_correction: float | None = None) -> "SimulatedCache":
+        """The artifact's rotations and clips (the same checks as :meth:`OscarCache.from_artifact`).
+        An artifact with a logit-noise correction is refused unless ``logit_correction=0`` asks for
+        its cache without it (this simulation cannot subtract it)."""
         from .cache import checked_artifact
 
         art = checked_artifact(artifact, model)
-        scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype)
+        scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
+                                        logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme)
 
     def memory(self) -> dict:

@@ -58,7 +58,9 @@ def test_export_points_at_launch_and_the_fork(monkeypatch, capsys, artifact, tmp
 
 def test_push_dry_run_and_pull(monkeypatch, capsys, artifact, tmp_path):
     code, _, err = oscar("push", str(artifact), "--to", "hf:my-org/x", "--dry-run")
-    assert code == 0 and next_lines(err) == ["next: the same command without --dry-run uploads 7 files to hf:my-org/x"]
+    files = sum(1 for p in artifact.iterdir() if p.is_file())
+    assert code == 0 and next_lines(err) == [f"next: the same command without --dry-run uploads {files} files to "
+                                             "hf:my-org/x"]
 
     def download(**kwargs):
         for f in artifact.iterdir():

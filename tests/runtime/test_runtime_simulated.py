@@ -9,7 +9,7 @@ from factories import tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from oscar_calib.errors import ArtifactError
+from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.geometry import geometry_of
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulated import SimulatedCache, SimulatedLayer
@@ -127,7 +127,9 @@ def test_sliding_layers_keep_window_and_mask_sizes():
 
 def test_from_artifact(zoo_smollm2, smollm2):
     model, tok, _ = smollm2
-    cache = SimulatedCache.from_artifact(zoo_smollm2, model)
+    with pytest.raises(InputError, match="cannot subtract the logit-noise correction"):
+        SimulatedCache.from_artifact(zoo_smollm2, model)             # the zoo artifact asks for it
+    cache = SimulatedCache.from_artifact(zoo_smollm2, model, logit_correction=0.0)
     assert cache.scheme.group_size == 64 and cache.scheme.sink == 64 and cache.scheme.recent == 256
     assert isinstance(cache.layers[0], SimulatedLayer)
     ids = tok("def f(x):\n    return", return_tensors="pt").input_ids
