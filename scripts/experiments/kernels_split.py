@@ -29,14 +29,13 @@ Usage: ``python scripts/experiments/kernels_split.py [--baseline DIR] [--out DIR
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from harness import capture_graph  # noqa: E402
+from harness import capture_graph, describe_device, git_commit, versions  # noqa: E402
 
 from oscar_calib.kernels import (  # noqa: E402
     bits_per_element,
@@ -204,7 +203,8 @@ def main() -> None:
     batches = [1, 32] if GPU else [1, 2]
     report = {"benchmark": "kernels_split", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": "python scripts/experiments/kernels_split.py " + " ".join(sys.argv[1:]),
-              "commit": _commit(), "device": _device(), "versions": _versions(), "sink": SINK, "recent": RECENT,
+              "commit": git_commit(), "device": dataclasses.asdict(describe_device(cuda=GPU)), "versions": versions(),
+              "sink": SINK, "recent": RECENT,
               "baseline": str(ARGS.baseline) if ARGS.baseline else None, "checks": [], "uniform_vs_baseline": [],
               "forms": []}
     if ARGS.correction:
@@ -277,9 +277,7 @@ def write(report: dict, name: str) -> None:
     report["log"] = LOG
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    slug = "cpu" if not GPU else ("h200" if "H200" in report["device"]["name"] else
-                                  "h100" if "H100" in report["device"]["name"] else "gpu")
-    path = out / f"{name}-{slug}.json"
+    path = out / f"{name}-{report['device']['slug']}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
     print(f"written: {path}")
@@ -297,32 +295,6 @@ def table(report: dict) -> str:
         lines.append(f"K {r['k_group']} / V {r['v_group']} {r['context']} x {r['batch']}: with the logit-noise "
                      f"correction / without = {r['median_ratio']:.4f}")
     return "\n".join(lines)
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _device() -> dict:
-    if GPU:
-        p = torch.cuda.get_device_properties(0)
-        return {"name": p.name, "sms": p.multi_processor_count, "capability": f"{p.major}.{p.minor}"}
-    return {"name": f"CPU ({platform.machine()}), Triton interpreter"}
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:  # pragma: no cover
-        out["triton"] = None
-    return out
 
 
 if __name__ == "__main__":
