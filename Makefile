@@ -18,7 +18,7 @@ $(STAMP)/setup: pyproject.toml
 setup: $(STAMP)/setup
 
 demo: setup
-	$(PYTHON) -m oscar_calib calibrate smollm2-135m --out runs/demo --overwrite --device cpu
+	$(PYTHON) -m oscar_calib calibrate smollm2-135m --config configs/smollm2-135m.yaml --out runs/demo --overwrite --device cpu
 
 # Tests. Tiers are pytest markers (pyproject.toml; tests/conftest.py says what each means): `slow`
 # (real models, whole calibrations, processes and ranks, injected faults), `gpu` (skipped without
