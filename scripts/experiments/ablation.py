@@ -441,12 +441,11 @@ def variant_scheme(name, run, base, geo, g, opts):
     t_rot = time.perf_counter() - t1
     art = Artifact(layers=layers, metadata={"group_size": str(g), "num_kv_heads": str(geo.num_kv_heads),
                                             "head_dim": str(geo.head_dim)})
-    scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent)
+    scheme = KVScheme.from_artifact(art, group_size=g, sink=opts.sink, recent=opts.recent,
+                                    logit_correction=cfg.logit_correction)
     if groups:
         scheme = dataclasses.replace(scheme,
                                      k_groups=[x[0] for x in groups], v_groups=[x[1] for x in groups])
-    if cfg.logit_correction:
-        scheme = dataclasses.replace(scheme, logit_correction=cfg.logit_correction)
     extra = {"group_size": g, "bits_per_element": scheme.bits_per_element, "options": VARIANTS[name],
              **({"groups": groups, "long_bits_per_element": long_bits(scheme, run)} if groups else {}),
              **({"budget": budget} if budget else {}),

@@ -26,15 +26,19 @@ def corrected(model, gain, *, group_size=8, window_dtype=None, sink=2, recent=3)
     return dataclasses.replace(base, logit_correction=gain)
 
 
-def sharp(kind):
-    """A tiny random model whose queries and keys are 6x larger: sharp attention and wide INT2 steps,
-    so the correction moves the logits measurably."""
-    m = tiny_model(kind, layers=2)
+def sharpen(m):
+    """``m`` with queries and keys 6x larger: sharp attention and wide INT2 steps, so the
+    correction moves the logits measurably."""
     with torch.no_grad():
         for layer in m.model.layers:
             layer.self_attn.q_proj.weight.mul_(6)
             layer.self_attn.k_proj.weight.mul_(6)
     return m
+
+
+def sharp(kind):
+    """A tiny random model of ``kind``, sharpened."""
+    return sharpen(tiny_model(kind, layers=2))
 
 
 def test_the_formula_on_one_pair():
@@ -134,10 +138,7 @@ def test_eval_takes_a_gain_for_oscar_and_records_only_what_the_artifact_stores(t
     from oscar_calib.spec.artifact import load_artifact
 
     lm = loaded_tiny("llama", layers=2)
-    with torch.no_grad():
-        for layer in lm.model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
+    sharpen(lm.model)
     calibrate_tiny(tmp_path / "art", loaded=lm, logit_correction=1.0)
     art = load_artifact(tmp_path / "art")
     opts = EvalOptions(methods="oscar", sequences=1, seq_len=200, sink=4, recent=8)
