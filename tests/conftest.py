@@ -147,7 +147,7 @@ def demo_artifact(tmp_path_factory, smollm2_loaded) -> Path:
     """A SmolLM2 artifact calibrated once per session with FAST settings (read-only: copy it
     before changing anything)."""
     from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     out = tmp_path_factory.mktemp("demo") / "smollm2"
     calibrate(CalibrationConfig(**FAST), out, loaded=smollm2_loaded)
@@ -200,7 +200,7 @@ def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
     import torch
 
     from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     out = tmp_path_factory.mktemp("plain") / "out"
     threads = torch.get_num_threads()

@@ -25,7 +25,7 @@ from factories import loaded_tiny  # noqa: E402
 
 from oscar_calib.calibrate.pipeline import calibrate  # noqa: E402
 from oscar_calib.errors import OscarError  # noqa: E402
-from oscar_calib.spec.config import CalibrationConfig  # noqa: E402
+from oscar_calib.contract.config import CalibrationConfig  # noqa: E402
 
 
 def main() -> None:

@@ -118,7 +118,7 @@ def calibrate_tiny(out: Path, kind: str = "llama", loaded=None, *, overwrite: bo
     """``calibrate()`` of a tiny model (``loaded``, else a fresh ``loaded_tiny(kind)``) with
     TINY_FAST settings updated by ``settings``; returns its CalibrationResult."""
     from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     return calibrate(CalibrationConfig(**{**TINY_FAST, **settings}), out, loaded=loaded or loaded_tiny(kind),
                      overwrite=overwrite)
@@ -151,9 +151,9 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys.
     """
     from oscar_calib import FORMAT_VERSION
-    from oscar_calib.spec.artifact import Artifact, LayerRotations
-    from oscar_calib.spec.defaults import default_group_size
-    from oscar_calib.spec.layout import FORMAT_NAME
+    from oscar_calib.contract.artifact import Artifact, LayerRotations
+    from oscar_calib.contract.defaults import default_group_size
+    from oscar_calib.contract.layout import FORMAT_NAME
 
     fingerprint, model_type = FAKE_FINGERPRINT, "llama"
     if model is not None:
@@ -185,7 +185,7 @@ def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | Non
     """``build_artifact(model, **build)`` written to the directory ``out`` (card, report and
     tensors, as calibrate writes them); ``mutate(tensors)`` may damage the tensors first (see
     ``bad_clips``, ``skewed_rotation``). Returns ``out``."""
-    from oscar_calib.spec.artifact import (
+    from oscar_calib.contract.artifact import (
         WEIGHTS_NAME,
         serialize_artifact,
         write_artifact_files,

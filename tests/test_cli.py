@@ -81,7 +81,7 @@ def test_config_file_sets_defaults_and_rejects_unknown_keys(tmp_path, tiny_llama
     code, stdout, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg),
                               "--out", str(out), "--no-verify", "--json")
     assert code == 0, err
-    from oscar_calib.spec.artifact import read_metadata
+    from oscar_calib.contract.artifact import read_metadata
 
     assert read_metadata(out)["granularity"] == "layer"
     cfg.write_text("calibration:\n  tokenz: 5\n")

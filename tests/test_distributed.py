@@ -28,7 +28,7 @@ from oscar_calib.model.placement import (
     placement_from_options,
 )
 from oscar_calib.numerics.rotation import eig_desc
-from oscar_calib.spec.config import CalibrationConfig
+from oscar_calib.contract.config import CalibrationConfig
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 # 16 sequences of 64 tokens, 2 per batch: 8 batches, 4 per rank. The sst-approx pilot (384 tokens)

@@ -425,7 +425,7 @@ def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     import shutil
 
     from oscar_calib.eval.report import EvalResult, record_eval
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     art = tmp_path / "a"
     shutil.copytree(demo_artifact, art)
@@ -468,7 +468,7 @@ def tiny_fork(tmp_path_factory):
     from factories import FAST
 
     from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     lm = loaded_tiny("llama")
     out = tmp_path_factory.mktemp("fork") / "a"
@@ -478,7 +478,7 @@ def tiny_fork(tmp_path_factory):
 
 
 def test_fork_schemes_follow_the_artifact(tiny_fork):
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     lm, path = tiny_fork
     art = load_artifact(path)
@@ -508,8 +508,8 @@ def test_fork_schemes_follow_the_artifact(tiny_fork):
 
 def test_evaluate_ppl_reports_the_fork_beside_oscar(tiny_fork):
     from oscar_calib.eval.report import eval_headline, eval_text
-    from oscar_calib.spec.artifact import load_artifact
-    from oscar_calib.spec.card import _eval_section
+    from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.contract.card import _eval_section
     from oscar_calib.tools.zoo import eval_text as zoo_eval_text
 
     lm, path = tiny_fork
@@ -547,7 +547,7 @@ def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_pat
     """An artifact without the fork's global clips (made before 0.2): the default method set runs without
     `fork` and says why; asking for it by name is one clear error."""
     from oscar_calib.eval.methods import DEFAULT_METHODS, resolve_methods
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     lm, path = tiny_fork
     art = load_artifact(path)
@@ -571,7 +571,7 @@ def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
     """NIAH: the fork's rotations, clips and windows in oscar's real INT2 cache (fp16 scales: 2 + 32/G bits)."""
     import dataclasses
 
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     lm, path = tiny_fork
     lm = dataclasses.replace(lm, tokenizer=DecodingCharTokenizer())

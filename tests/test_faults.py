@@ -129,7 +129,7 @@ import os, signal, sys
 sys.path.insert(0, {tests!r})
 from factories import TINY_FAST, loaded_tiny
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.spec.config import CalibrationConfig
+from oscar_calib.contract.config import CalibrationConfig
 
 real = os.fsync
 def fsync(fd):                     # the artifact's tensors are written, not yet renamed into place

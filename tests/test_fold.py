@@ -33,7 +33,7 @@ from oscar_calib.errors import (
 from oscar_calib.model.geometry import geometry_of, model_fingerprint
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.numerics.quant import quantize_int2, simulate_kv_quant
-from oscar_calib.spec.artifact import (
+from oscar_calib.contract.artifact import (
     WEIGHTS_NAME,
     load_artifact,
     read_metadata,

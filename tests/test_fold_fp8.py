@@ -90,7 +90,7 @@ def _calibrated(fp8_dir: Path, root: Path) -> Path:
     """An artifact calibrated on the de-quantised checkpoint (same fingerprint as the FP8 one)."""
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.model.load import load_model
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     lm = load_model(str(dequantized_copy(fp8_dir, root / "deq")), dtype="float32")
     calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64}), root / "art",
@@ -116,7 +116,7 @@ def _glm_tiny(vocab: int):
 
 @pytest.mark.parametrize("kind,strategy", [("llama", "channel"), ("qwen3", "tensor"), ("glm4_moe", "channel")])
 def test_fold_weights_on_an_fp8_checkpoint(smollm2, tmp_path, kind, strategy):
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     _, tok, _ = smollm2
     model = _glm_tiny(len(tok)) if kind == "glm4_moe" else tiny_model(kind, vocab_size=len(tok))

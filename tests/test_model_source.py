@@ -14,9 +14,9 @@ from factories import oscar
 
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
-from oscar_calib.spec.artifact import MODEL_SOURCE_METADATA, model_source, read_metadata
-from oscar_calib.spec.card import model_card
-from oscar_calib.spec.values import check_metadata_values
+from oscar_calib.contract.artifact import MODEL_SOURCE_METADATA, model_source, read_metadata
+from oscar_calib.contract.card import model_card
+from oscar_calib.contract.values import check_metadata_values
 
 ZOO_REPORT = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m" / "calibration.json"
 
@@ -106,7 +106,7 @@ def test_the_card_of_a_pip_shipped_model_loads_it_by_its_alias():
 
 
 def test_export_serves_the_recorded_local_path_or_says_what_to_pass(tmp_path):
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.tools.export.sglang.export import default_model_path
 
     art = load_artifact(ZOO_REPORT.parent)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from oscar_calib.calibrate.heartbeat import DONE, Heartbeat
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.spec.config import CalibrationConfig
+from oscar_calib.contract.config import CalibrationConfig
 
 TESTS = Path(__file__).parent
 WORKER = TESTS / "fault_worker.py"

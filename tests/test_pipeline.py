@@ -25,14 +25,14 @@ from oscar_calib.errors import (
     OscarWarning,
     OutputExistsError,
 )
-from oscar_calib.spec.artifact import (
+from oscar_calib.contract.artifact import (
     SHARED_KINDS,
     TENSOR_KINDS,
     load_artifact,
     tensor_name,
 )
-from oscar_calib.spec.config import CalibrationConfig
-from oscar_calib.spec.layout import REQUIRED_METADATA
+from oscar_calib.contract.config import CalibrationConfig
+from oscar_calib.contract.layout import REQUIRED_METADATA
 
 
 def check_contract(out: Path, layers: int, heads: int, kv: int, d: int):
@@ -150,7 +150,7 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path, tiny_calibrated):
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from factories import TINY_FAST, loaded_tiny
-        from oscar_calib.spec.config import CalibrationConfig
+        from oscar_calib.contract.config import CalibrationConfig
         from oscar_calib.calibrate.pipeline import calibrate
 
         def die(n):
@@ -234,7 +234,7 @@ def test_single_process_never_enters_the_data_parallel_code(tmp_path):
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from factories import TINY_FAST, loaded_tiny
-        from oscar_calib.spec.config import CalibrationConfig
+        from oscar_calib.contract.config import CalibrationConfig
         from oscar_calib.calibrate.pipeline import calibrate
         import torch.distributed as dist
 

@@ -26,7 +26,7 @@ from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV
-from oscar_calib.spec.artifact import (
+from oscar_calib.contract.artifact import (
     WEIGHTS_NAME,
     Artifact,
     LayerRotations,
@@ -368,7 +368,7 @@ def test_calibration_stores_shared_rotations_and_global_clips(tmp_path):
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.numerics.clip import CLIP_GRID
     from oscar_calib.numerics.rotation import rotations_from_covariance
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     lm = loaded_tiny("llama")
     res = calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64}),

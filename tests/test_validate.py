@@ -17,7 +17,7 @@ from factories import (
     tiny_model,
 )
 
-from oscar_calib.spec.artifact import (
+from oscar_calib.contract.artifact import (
     WEIGHTS_NAME,
     load_artifact,
 )

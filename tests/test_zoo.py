@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from factories import make_artifact, oscar
 
-from oscar_calib.spec.artifact import WEIGHTS_NAME, read_metadata
+from oscar_calib.contract.artifact import WEIGHTS_NAME, read_metadata
 from oscar_calib.tools import zoo
 
 

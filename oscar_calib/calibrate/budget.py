@@ -28,8 +28,8 @@ import torch
 from ..errors import InputError
 from ..kernels.pack import bits_per_element
 from ..numerics.clip import HeldoutLayer, heldout_errors
-from ..spec.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
-from ..spec.defaults import check_group_size
+from ..contract.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
+from ..contract.defaults import check_group_size
 
 MIN_BUDGET_GROUP = 32      # smallest candidate group size (3 bits per element)
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import DistributedError, InputError, Interrupted
-from ..spec.config import CalibrationConfig
+from ..contract.config import CalibrationConfig
 from .ranks import STOPPED_EXIT, env_world_size, launched
 from .report import check_output_dir
 

@@ -40,10 +40,10 @@ from ..numerics.rotation import (
     rotations_from_covariance,
 )
 from ..progress import ProgressFn, counter, report, step
-from ..spec.artifact import Artifact, LayerRotations
-from ..spec.config import CalibrationConfig, stable_hash
-from ..spec.defaults import BASELINE_CLIPS, check_group_size, default_group_size
-from ..spec.layout import (
+from ..contract.artifact import Artifact, LayerRotations
+from ..contract.config import CalibrationConfig, stable_hash
+from ..contract.defaults import BASELINE_CLIPS, check_group_size, default_group_size
+from ..contract.layout import (
     FORMAT_NAME,
     LOGIT_CORRECTION_METADATA,
     MODEL_SOURCE_METADATA,

@@ -10,8 +10,8 @@ from .. import FORMAT_VERSION, __version__
 from ..errors import OutputExistsError
 from ..fsutil import check_can_replace, check_writable, remove_stale_temps
 from ..model.load import LoadedModel, load_hint
-from ..spec.artifact import Artifact, has_artifact, stamp_artifact, write_artifact_files
-from ..spec.config import CalibrationConfig
+from ..contract.artifact import Artifact, has_artifact, stamp_artifact, write_artifact_files
+from ..contract.config import CalibrationConfig
 
 
 def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
@@ -60,8 +60,8 @@ def write_outputs(out: Path, artifact: Artifact, report: dict) -> None:
     """``oscar.safetensors``, ``README.md`` (the model card) and ``calibration.json`` into ``out``
     (temporaries a killed earlier run left there are removed first: this run owns ``out``); the
     report and the card record the content digest the safetensors file stores."""
-    from ..spec.card import model_card
-    from ..spec.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
+    from ..contract.card import model_card
+    from ..contract.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
 
     remove_stale_temps(out, [WEIGHTS_NAME, CARD_NAME, REPORT_NAME])
     report[DIGEST_KEY] = stamp_artifact(artifact)          # the report and the card show what the file stores

@@ -114,7 +114,7 @@ def calibrate_command(
     from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
     from ..calibrate.pipeline import calibrate
     from ..model.placement import placement_from_options
-    from ..spec.config import config_from_options
+    from ..contract.config import config_from_options
 
     cfg = config_from_options(config, dict(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
+from ..contract.defaults import DEFAULT_RECENT, DEFAULT_SINK
 from ._common import (
     DeviceMapOpt,
     DeviceOpt,

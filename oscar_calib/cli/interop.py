@@ -76,8 +76,8 @@ def export_command(
     refused in one line. `--target list` names the engines.
     """
     from ..errors import InputError
-    from ..spec.config import parse_clip
-    from ..spec.defaults import choose
+    from ..contract.config import parse_clip
+    from ..contract.defaults import choose
     from ..tools.export import TARGETS, ExportSettings, export_artifact, target_rows
 
     if target == "list":
@@ -144,7 +144,7 @@ def import_command(
     """Turn the rotation files an engine loads (SGLang's or vLLM's K and V .pt, llama.cpp's GGUF,
     ONNX Runtime's initializers, mlx-lm's safetensors) into a format-v1 artifact for MODEL. Pickles are opened with torch.load(weights_only=True) only.
     """
-    from ..spec.config import parse_clip
+    from ..contract.config import parse_clip
     from ..tools.export import guess_source, import_files
 
     source = source or guess_source(files)

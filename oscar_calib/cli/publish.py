@@ -143,7 +143,7 @@ pull_command.__doc__ += PULL_EXAMPLES
 
 
 def _pull_rotationzoo(source, revision, out, overwrite, tag, model, clip, json_out) -> None:
-    from ..spec.config import parse_clip
+    from ..contract.config import parse_clip
     from ..tools.rotationzoo import pull_rotationzoo
 
     with console.status(f"pulling {source} …"):

@@ -84,7 +84,7 @@ def verify_command(
 
 def _next(model: str | None, directory: Path, passed: bool) -> str:
     from ..model.load import model_for_artifact
-    from ..spec.artifact import read_metadata
+    from ..contract.artifact import read_metadata
 
     m, art = quote(model or model_for_artifact(read_metadata(directory))), quote(directory)
     if not passed:

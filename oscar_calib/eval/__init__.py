@@ -60,7 +60,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     None: the defaults (perplexity). Used by ``oscar eval``."""
     from ..calibrate.corpus import check_data_path
     from ..model.load import load_model
-    from ..spec.artifact import load_artifact, require_compatible
+    from ..contract.artifact import load_artifact, require_compatible
 
     opts = options_for(options)
     art = None

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from ..errors import InputError
 from ..runtime.scheme import KVScheme, fork_unavailable
-from ..spec.defaults import (
+from ..contract.defaults import (
     BASELINE_CLIPS,
     DEFAULT_RECENT,
     DEFAULT_SINK,

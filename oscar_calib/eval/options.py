@@ -7,8 +7,8 @@ field              task    meaning (default)
 ``methods``        both    methods to compare, a tuple or comma-separated text (all but ``fork-lloyd``)
 ``group_size``     both    INT2 group size (None: the artifact's, else ``min(128, head_dim)``)
 ``logit_correction`` both  gain of ``oscar``'s logit-noise correction (None: the artifact's)
-``sink``           both    first tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_SINK`)
-``recent``         both    last tokens kept in BF16 (:data:`~oscar_calib.spec.defaults.DEFAULT_RECENT`)
+``sink``           both    first tokens kept in BF16 (:data:`~oscar_calib.contract.defaults.DEFAULT_SINK`)
+``recent``         both    last tokens kept in BF16 (:data:`~oscar_calib.contract.defaults.DEFAULT_RECENT`)
 ``seed``           both    chooses the held-out sequences / the needles (0)
 ``sequences``      ppl     held-out sequences (2)
 ``seq_len``        ppl     tokens per sequence (2048)
@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..spec.defaults import (
+from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
     check_group_size,

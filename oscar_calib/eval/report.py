@@ -143,8 +143,8 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     import json
 
     from ..fsutil import atomic_write_text
-    from ..spec.artifact import CARD_NAME, REPORT_NAME
-    from ..spec.card import model_card
+    from ..contract.artifact import CARD_NAME, REPORT_NAME
+    from ..contract.card import model_card
 
     directory = Path(artifact_dir)
     path = directory / REPORT_NAME

@@ -48,7 +48,7 @@ from ..numerics.quant import (
 )
 from ..runtime.scheme import KVScheme
 from ..runtime.simulate import oscar_rows, register_quantizer
-from ..spec.defaults import check_group_size
+from ..contract.defaults import check_group_size
 
 CODINGS = ("range", "std")
 QUANTIZERS = {"codebook": "range", "codebook-std": "std"}       # quantizer name -> coding

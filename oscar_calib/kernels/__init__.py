@@ -27,7 +27,7 @@ use. Storage format and packing order: :mod:`oscar_calib.kernels.pack`; cache la
 :mod:`oscar_calib.kernels.cache`.
 """
 
-from ..spec.defaults import DEFAULT_RECENT, DEFAULT_SINK
+from ..contract.defaults import DEFAULT_RECENT, DEFAULT_SINK
 from ._common import BACKENDS, ENV_VAR, triton_available
 from .append import append_token, append_token_reference
 from .cache import Int2KVCache, build_cache, split_lengths, to_paged

@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 
 from ..errors import InputError
-from ..spec.defaults import check_group_size
+from ..contract.defaults import check_group_size
 from ..versions import version_tuple
 
 BACKENDS = ("auto", "triton", "torch")
@@ -175,7 +175,7 @@ def check_tensor(
 
 
 def check_group(head_dim: int, group_size: int) -> None:
-    """Group-size rules shared by every kernel: :func:`~oscar_calib.spec.defaults.check_group_size`
+    """Group-size rules shared by every kernel: :func:`~oscar_calib.contract.defaults.check_group_size`
     plus a head_dim that packs into whole bytes."""
     check_group_size(head_dim, group_size)
     if head_dim % 4:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import InputError
-from ..spec.defaults import (
+from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
     default_group_size,

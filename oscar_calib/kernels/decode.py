@@ -98,7 +98,7 @@ import torch
 
 from ..errors import InputError
 from ..numerics.quant import logit_noise
-from ..spec.defaults import is_power_of_two
+from ..contract.defaults import is_power_of_two
 from ._common import (
     check_tensor,
     derived,

@@ -75,7 +75,7 @@ import torch
 
 from ..errors import InputError
 from ..numerics import quant
-from ..spec.defaults import default_group_size, is_power_of_two
+from ..contract.defaults import default_group_size, is_power_of_two
 from ._common import (
     check_group,
     check_tensor,

@@ -13,7 +13,7 @@ A file has two sections and an optional third, all typed and rejecting unknown k
       ...
       hf_config: {...}            # further transformers config fields (family-specific names)
       tiny: {...}                 # overrides for the random-init test model (MoE sizes, ...)
-    calibration:   # oscar_calib.spec.config.CalibrationConfig (what `oscar calibrate --config` reads)
+    calibration:   # oscar_calib.contract.config.CalibrationConfig (what `oscar calibrate --config` reads)
       model: Qwen/Qwen3-8B
       tokens: 32768
       ...
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..spec.config import (
+from ..contract.config import (
     CalibrationConfig,
     check_known_keys,
     from_mapping,
@@ -172,7 +172,7 @@ class RotationZooSpec:
     recent: int = 256
 
     def validate(self, where: str, head_dim: int) -> "RotationZooSpec":
-        from ..spec.defaults import check_clip, check_group_size
+        from ..contract.defaults import check_clip, check_group_size
 
         if not isinstance(self.repo, str) or self.repo.count("/") != 1:
             raise InputError(f"{where}: repo must be ORG/NAME, got {self.repo!r}")

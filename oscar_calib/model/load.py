@@ -66,7 +66,7 @@ class ModelSource:
 
     def record(self) -> dict[str, str] | None:
         """Where the model came from, as an artifact records it (``model_source``, see
-        :mod:`oscar_calib.spec.artifact`): ``kind``; ``alias`` (the pip-shipped model's name) or
+        :mod:`oscar_calib.contract.artifact`): ``kind``; ``alias`` (the pip-shipped model's name) or
         ``path`` (the absolute directory or .gguf file, so tools find it from any working
         directory); ``hub_id`` when known (an alias's, a hub model's, or what a local copy's files
         name). None for a model built in memory (no path: a test's or a benchmark's)."""
@@ -110,7 +110,7 @@ def model_for_artifact(metadata: dict[str, str]) -> str:
     ``model_source`` record (its alias; its local path while it exists, else its hub id) or, for
     an artifact without one, its ``model_id``. A local model that is gone and has no hub id is one
     line naming ``--model``."""
-    from ..spec.artifact import model_source
+    from ..contract.artifact import model_source
 
     src = model_source(metadata)
     model_id = metadata.get("model_id", "")
@@ -394,7 +394,7 @@ def check_weight_files(spec: str, directory: Path) -> None:
     """Refuse a checkpoint whose safetensors files do not hold every byte their headers promise
     (a half-finished download or copy), naming the file, before transformers reads any weights."""
     from ..errors import OscarError
-    from ..spec.stfile import read_header
+    from ..contract.stfile import read_header
 
     for f in sorted(directory.glob("*.safetensors")):
         try:

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from ..spec.defaults import is_power_of_two
+from ..contract.defaults import is_power_of_two
 
 
 def walsh_hadamard(n: int, dtype=torch.float64) -> torch.Tensor:

@@ -47,7 +47,7 @@ import math
 import torch
 
 from ..errors import InputError
-from ..spec.defaults import check_group_size
+from ..contract.defaults import check_group_size
 
 SCALE_FLOOR = 1e-8
 LEVELS = 4  # 2 bits

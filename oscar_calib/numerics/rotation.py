@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from ..errors import InputError, NumericalError
-from ..spec.defaults import (  # noqa: F401
+from ..contract.defaults import (  # noqa: F401
     COMPOSITIONS,
     GRANULARITIES,
     K_OBJECTIVES,

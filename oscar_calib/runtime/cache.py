@@ -155,8 +155,8 @@ def checked_artifact(artifact, model):
     or non-orthogonal rotations, bad clips, wrong shapes: ``oscar validate``'s checks) or was
     calibrated for another model (geometry and, given a model, its fingerprint)."""
     from ..model.geometry import geometry_of, model_fingerprint
-    from ..spec.artifact import Artifact, load_artifact, require_compatible, tensor_name
-    from ..spec.values import value_problems
+    from ..contract.artifact import Artifact, load_artifact, require_compatible, tensor_name
+    from ..contract.values import value_problems
 
     if isinstance(artifact, Artifact):
         art = artifact
@@ -202,7 +202,7 @@ class OscarCache(Cache):
                       recent: int | None = None, window_dtype=torch.bfloat16, backend: str = "auto",
                       logit_correction: float | None = None) -> "OscarCache":
         """A cache for ``model`` (or its config: then the fingerprint is not checked) with an artifact
-        (directory, ``oscar.safetensors`` or :class:`~oscar_calib.spec.artifact.Artifact`), refused
+        (directory, ``oscar.safetensors`` or :class:`~oscar_calib.contract.artifact.Artifact`), refused
         first if invalid or made for another model (:func:`checked_artifact`); ``logit_correction``:
         another gain than the artifact's."""
         art = checked_artifact(artifact, model)

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError
-from ..spec.defaults import (
+from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
     check_group_size,
@@ -205,7 +205,7 @@ class KVScheme:
         An artifact marked ``v_folded = "true"`` (``oscar fold-weights``) belongs to a checkpoint whose
         ``v_proj`` already outputs ``v @ R_v`` and whose ``o_proj`` takes the output in that basis: V
         is then stored as it comes (no value rotation) and attention outputs stay rotated."""
-        from ..spec.artifact import Artifact, load_artifact
+        from ..contract.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         md = art.metadata
@@ -237,7 +237,7 @@ class KVScheme:
         caches can hold), ``fork``/``fork-lloyd`` with the fork's float32 arithmetic (see the class
         docstring; ``fork-lloyd`` needs group size = head_dim)."""
         from ..errors import ArtifactError
-        from ..spec.artifact import Artifact, load_artifact
+        from ..contract.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         why = fork_unavailable(art, clips_given=clips is not None)
@@ -278,7 +278,7 @@ class KVScheme:
           recent window (or the given ones) in F16."""
         from ..errors import ArtifactError
         from ..numerics.engines import Q2_0_BLOCK, boundary_layers
-        from ..spec.artifact import Artifact, load_artifact
+        from ..contract.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         why = fork_unavailable(art, clips_given=clips is not None)

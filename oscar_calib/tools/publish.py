@@ -11,7 +11,7 @@ Push validates first (:mod:`oscar_calib.tools.validate`) and never uploads an in
 one without a content digest (``oscar validate --fix-digest`` adds it). It also wants the artifact
 *verified* on the content it holds now: its directory holds ``verify.json`` with ``"passed": true``
 (written by ``oscar verify``) recording the artifact's current content digest
-(:mod:`oscar_calib.spec.verification`); a verification of other content is *stale*.
+(:mod:`oscar_calib.contract.verification`); a verification of other content is *stale*.
 ``force=True`` waives only that requirement, and the plan says what it skipped. The files uploaded
 are the artifact directory's regular top-level files except hidden ones and temporaries
 (``oscar.safetensors``, ``README.md`` — the model card, required — ``calibration.json``,
@@ -50,12 +50,12 @@ from ..errors import (
     PublishError,
 )
 from ..fsutil import staged_dir
-from ..spec.layout import (  # PULL_RECORD is hidden: never pushed
+from ..contract.layout import (  # PULL_RECORD is hidden: never pushed
     CARD_NAME,
     PULL_RECORD,
     WEIGHTS_NAME,
 )
-from ..spec.verification import Verification
+from ..contract.verification import Verification
 from .hub import require_online
 from .validate import (
     ModelReference,

@@ -205,7 +205,7 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
                      trust_remote_code: bool = False) -> ZooPull:
     """Fetch a model's K/V pair from OSCAR's RotationZoo and import it (module docstring)."""
     from ..model.load import cache_root
-    from ..spec.layout import PULL_RECORD
+    from ..contract.layout import PULL_RECORD
 
     name = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
     cfg = find_config(name)

@@ -1,6 +1,6 @@
 """``oscar validate``: check artifacts against the format-v1 contract, one line per problem.
 
-The checks are the contract's own (:mod:`oscar_calib.spec.checks`, the one function every reader
+The checks are the contract's own (:mod:`oscar_calib.contract.checks`, the one function every reader
 goes through), run on the file's bytes:
 
 =====================  ======================================================================
@@ -38,7 +38,7 @@ model (``--model``)    fingerprint, layers, query/KV heads and head_dim equal th
 =====================  ======================================================================
 
 Beside the checks, each local artifact's ``verify.json`` is compared with its content
-(:mod:`oscar_calib.spec.verification`): ``verified`` is ``yes``, ``stale`` (it verified other
+(:mod:`oscar_calib.contract.verification`): ``verified`` is ``yes``, ``stale`` (it verified other
 content), ``no`` or ``none``. That is not a problem of the artifact; ``oscar push`` acts on it.
 
 A PATH may be an artifact directory, an ``oscar.safetensors`` (or any ``.safetensors``) file, or a
@@ -59,11 +59,11 @@ from pathlib import Path
 
 from ..errors import ArtifactError
 from ..fsutil import atomic_write_bytes, atomic_write_files
-from ..spec import stfile
-from ..spec.artifact import compatibility_problems
-from ..spec.checks import ValidationReport, inspect_bytes, read_file
-from ..spec.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
-from ..spec.verification import verification_of
+from ..contract import stfile
+from ..contract.artifact import compatibility_problems
+from ..contract.checks import ValidationReport, inspect_bytes, read_file
+from ..contract.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
+from ..contract.verification import verification_of
 
 
 @dataclass
@@ -222,7 +222,7 @@ def fix_digest(path: Path, *, record: bool = True) -> str:
 def _record_digest(directory: Path, digest: str) -> str:
     """``calibration.json`` records ``content_sha256``; the model card is generated again when it is
     exactly the one generated from the report (so nothing a user wrote is lost)."""
-    from ..spec.card import model_card
+    from ..contract.card import model_card
 
     rpath, cpath = directory / REPORT_NAME, directory / CARD_NAME
     try:

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import PublishError
-from ..spec.artifact import WEIGHTS_NAME
+from ..contract.artifact import WEIGHTS_NAME
 from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
 from .zoo import INDEX_NAME, index_is_current, scan
 

@@ -31,7 +31,7 @@ error exceeds ``--max-layer-error`` (default 0.5). Measured on SmolLM2-135M at d
 512/1024/2048: calibrated rotations give 0.04–0.35 per layer (mean ≈ 0.11), the Hadamard
 baseline 0.06–0.49 (mean ≈ 0.16); identity rotations without clipping fail on the mean.
 Writes ``verify.json`` and ``verify.png`` into the artifact directory. ``verify.json`` records what
-it measured (:func:`~oscar_calib.spec.verification.provenance`): the content digest of the artifact
+it measured (:func:`~oscar_calib.contract.verification.provenance`): the content digest of the artifact
 as it was read (``content_sha256``), the fingerprint of the model it ran and the toolkit version, so
 the verification holds for that content only (``oscar push``, ``oscar validate``: "verified: stale"
 once the artifact changes).
@@ -54,15 +54,15 @@ from ..model.load import LoadedModel
 from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
 from ..progress import ProgressFn, counter, step
-from ..spec.artifact import (
+from ..contract.artifact import (
     LAYER_GROUPS_METADATA,
     LAYER_V_GROUPS_METADATA,
     load_artifact,
     require_compatible,
 )
-from ..spec.defaults import BASELINE_CLIPS
-from ..spec.layout import VERIFY_NAME
-from ..spec.verification import provenance
+from ..contract.defaults import BASELINE_CLIPS
+from ..contract.layout import VERIFY_NAME
+from ..contract.verification import provenance
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
 # what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024

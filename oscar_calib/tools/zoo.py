@@ -14,7 +14,7 @@ Each entry's figures come from the artifact's own files: the header of ``oscar.s
 (model, geometry, method, its stored content digest), ``calibration.json``'s ``summary`` (held-out
 attention error of OSCAR and of the Hadamard baseline), ``verify.json`` (``passed`` and its summary
 numbers; ``verification`` says whether it verified the content the artifact holds now:
-:mod:`oscar_calib.spec.verification`) and an ``eval`` section (``calibration.json``'s ``eval`` key
+:mod:`oscar_calib.contract.verification`) and an ``eval`` section (``calibration.json``'s ``eval`` key
 or an ``eval.json`` file) when present. An entry whose content no longer matches its digest is
 listed with that as its ``error``.
 """
@@ -29,16 +29,16 @@ from pathlib import Path
 
 from ..errors import InputError, OscarError
 from ..fsutil import atomic_write_text
-from ..spec import stfile
-from ..spec.digest import content_digest, digest_problem
-from ..spec.layout import (
+from ..contract import stfile
+from ..contract.digest import content_digest, digest_problem
+from ..contract.layout import (
     DIGEST_KEY,
     PULL_RECORD,
     REPORT_NAME,
     VERIFY_NAME,
     WEIGHTS_NAME,
 )
-from ..spec.verification import verification_of
+from ..contract.verification import verification_of
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "oscar-zoo-index"

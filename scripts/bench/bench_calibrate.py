@@ -49,7 +49,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
 
     from oscar_calib.calibrate.corpus import plan_tokens
     from oscar_calib.calibrate.pipeline import collect_statistics, prepare_model
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     cfg = CalibrationConfig(model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
                             dtype="float32" if device == "cpu" else "bfloat16")
@@ -243,7 +243,7 @@ def gpu_plan(tokens: int, seq_len: int):
 
 
 def gpu_cfg(tokens: int, seq_len: int, batch_size: int):
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     return CalibrationConfig(model="qwen3-8b-geometry", tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                              heldout_tokens=512, dtype="bfloat16", device=DEV)

@@ -172,7 +172,7 @@ def cfg_and_plan(s: dict):
     from bench_calibrate import ByteTokenizer
 
     from oscar_calib.calibrate.corpus import plan_tokens
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     heldout = min(s["heldout_tokens"], s["seq_len"])
     cfg = CalibrationConfig(model="random-init", tokens=s["tokens"], seq_len=s["seq_len"], batch_size=1,

@@ -156,7 +156,7 @@ def stats_run(lm, cfg, cache: Path):
     from oscar_calib.calibrate.corpus import plan_tokens
     from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
     from oscar_calib.calibrate.stats import LayerStats, Reservoir
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
                        seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
@@ -228,8 +228,8 @@ def main(argv=None) -> None:
     from oscar_calib.calibrate.pipeline import prepare_model
     from oscar_calib.eval import EvalOptions
     from oscar_calib.eval.ppl import heldout_sequences
-    from oscar_calib.spec.config import CalibrationConfig
-    from oscar_calib.spec.defaults import default_group_size
+    from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.contract.defaults import default_group_size
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -427,8 +427,8 @@ def variant_scheme(name, run, base, geo, g, opts):
 
     from oscar_calib.calibrate.pipeline import build_rotations
     from oscar_calib.runtime.scheme import KVScheme
-    from oscar_calib.spec.artifact import Artifact
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.artifact import Artifact
+    from oscar_calib.contract.config import CalibrationConfig
 
     options = {k: v for k, v in VARIANTS[name].items()
                if k not in ("group_size", "quantizer", "fixed_ends", "groups", "lever")}

@@ -46,7 +46,7 @@ def main() -> None:
         exact_error,
         refine_rotations,
     )
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
 
     torch.set_num_threads(1)
     n, fit, choose, measure, heads, settings = EXPERIMENTS[args.experiment]

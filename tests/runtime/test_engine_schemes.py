@@ -19,7 +19,7 @@ from oscar_calib.numerics.engines import (
 )
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV
-from oscar_calib.spec.artifact import Artifact, LayerRotations
+from oscar_calib.contract.artifact import Artifact, LayerRotations
 
 
 def test_vllm_quantiser_one_group_per_vector_with_fp16_parameters():

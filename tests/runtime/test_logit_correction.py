@@ -102,7 +102,7 @@ def test_bad_gains_and_schemes_are_refused():
 def test_calibrate_stores_the_gain_the_schemes_read_it_and_exports_say_what_they_drop(tmp_path):
     from factories import calibrate_tiny
 
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.tools.export import export_artifact
     from oscar_calib.tools.validate import validate_artifact
 
@@ -124,7 +124,7 @@ def test_calibrate_stores_the_gain_the_schemes_read_it_and_exports_say_what_they
 @pytest.mark.parametrize("value,ok", [("0.5", True), ("0", True), ("-1", False), ("nan", False), ("lots", False),
                                       ("4.5", False)])
 def test_validate_checks_the_stored_gain(value, ok):
-    from oscar_calib.spec.values import check_metadata_values
+    from oscar_calib.contract.values import check_metadata_values
 
     problems = [p for p in check_metadata_values({"model_id": "m", "logit_correction": value})[0]
                 if "logit_correction" in p]
@@ -135,7 +135,7 @@ def test_eval_takes_a_gain_for_oscar_and_records_only_what_the_artifact_stores(t
     from factories import calibrate_tiny, loaded_tiny, oscar
 
     from oscar_calib.eval import EvalOptions, evaluate_ppl
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     lm = loaded_tiny("llama", layers=2)
     sharpen(lm.model)

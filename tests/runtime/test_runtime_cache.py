@@ -161,7 +161,7 @@ def test_memory_report():
 
 
 def test_v_folded_artifact_keeps_values_rotated(zoo_smollm2):
-    from oscar_calib.spec.artifact import load_artifact
+    from oscar_calib.contract.artifact import load_artifact
 
     art = load_artifact(zoo_smollm2)
     assert KVScheme.from_artifact(art).v_rotation[0] is not None

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.numerics.quant import clip_threshold
-from oscar_calib.spec.artifact import load_artifact
+from oscar_calib.contract.artifact import load_artifact
 from oscar_calib.tools.export import (
     TARGETS,
     ExportSettings,
@@ -259,7 +259,7 @@ def test_llamacpp_loader_rules(tmp_path):
 
 
 def test_llamacpp_folded_checkpoint_bakes_k_only(tmp_path):
-    from oscar_calib.spec.artifact import write_artifact_files
+    from oscar_calib.contract.artifact import write_artifact_files
 
     art = load_artifact(SMOL)
     art.metadata["v_folded"] = "true"
@@ -395,8 +395,8 @@ def test_mlx_export_round_trip_and_orientation(tmp_path, zoo):
 
 
 def test_mlx_loader_rules(tmp_path):
-    from oscar_calib.spec import stfile
-    from oscar_calib.spec.artifact import tensor_entries
+    from oscar_calib.contract import stfile
+    from oscar_calib.contract.artifact import tensor_entries
     from oscar_calib.tools.export.mlx import read_mlx_file
 
     geo, eye = Geometry(2, 2, 8), torch.eye(8)

@@ -18,16 +18,16 @@ import oscar_calib.tools.publish as publish
 from oscar_calib import __version__
 from oscar_calib.cli import app
 from oscar_calib.errors import ArtifactError, InputError, OscarWarning
-from oscar_calib.spec import stfile
-from oscar_calib.spec.artifact import load_artifact, read_metadata, write_artifact_files
-from oscar_calib.spec.layout import (
+from oscar_calib.contract import stfile
+from oscar_calib.contract.artifact import load_artifact, read_metadata, write_artifact_files
+from oscar_calib.contract.layout import (
     CARD_NAME,
     DIGEST_KEY,
     REPORT_NAME,
     VERIFY_NAME,
     WEIGHTS_NAME,
 )
-from oscar_calib.spec.values import check_values
+from oscar_calib.contract.values import check_values
 from oscar_calib.tools.validate import fix_digest, validate_artifact
 
 runner = CliRunner()
@@ -39,7 +39,7 @@ CHANGED = "content changed after it was written"
 def verified(tmp_path_factory):
     """A tiny Llama's calibrated artifact and ``oscar verify``'s verify.json for it (read-only)."""
     from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.spec.config import CalibrationConfig
+    from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.tools.verify import verify_artifact
 
     lm = loaded_tiny("llama")
@@ -186,7 +186,7 @@ def test_fix_digest_adds_a_missing_digest_and_nothing_else(verified, tmp_path):
     report = json.loads((old / REPORT_NAME).read_text())
     del report[DIGEST_KEY]
     (old / REPORT_NAME).write_text(json.dumps(report))
-    from oscar_calib.spec.card import model_card
+    from oscar_calib.contract.card import model_card
 
     (old / CARD_NAME).write_text(model_card(report))                    # the card an older toolkit generated
     _strip_digest(old / WEIGHTS_NAME)

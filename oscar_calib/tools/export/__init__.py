@@ -76,7 +76,7 @@ def serving_table(artifact: Path, out_root: str = "serve") -> list[dict]:
     import tempfile
 
     from ...errors import OscarError
-    from ...spec.artifact import load_artifact
+    from ...contract.artifact import load_artifact
     from .llamacpp import architecture_problem
 
     art = load_artifact(Path(artifact))

@@ -25,7 +25,7 @@ from ... import __version__
 from ...errors import ArtifactError, InputError
 from ...fsutil import atomic_write_text, staged_dir
 from ...numerics.rotation import orthogonality_error
-from ...spec.artifact import Artifact, load_artifact
+from ...contract.artifact import Artifact, load_artifact
 
 SETTINGS_FILE = "settings.json"
 ENV_FILE = "serve.env"

@@ -30,13 +30,13 @@ import torch
 from ... import FORMAT_VERSION, __version__
 from ...errors import OutputExistsError
 from ...fsutil import staged_dir
-from ...spec.artifact import (
+from ...contract.artifact import (
     Artifact,
     LayerRotations,
     stamp_artifact,
     write_artifact_files,
 )
-from ...spec.defaults import (
+from ...contract.defaults import (
     BASELINE_CLIPS,
     DEFAULT_RECENT,
     DEFAULT_SINK,
@@ -45,7 +45,7 @@ from ...spec.defaults import (
     check_window,
     default_group_size,
 )
-from ...spec.layout import (
+from ...contract.layout import (
     DIGEST_KEY,
     FORMAT_NAME,
     IMPORTED,
@@ -178,7 +178,7 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
 
 
 def import_card(report: dict) -> str:
-    from ...spec.card import hub_id
+    from ...contract.card import hub_id
 
     g, s, imp = report["geometry"], report["settings"], report["imported"]
     src = imp.get("source") or {}

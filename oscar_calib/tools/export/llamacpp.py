@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ...errors import ArtifactError, InputError
-from ...spec.defaults import ORTHOGONALITY_TOL
+from ...contract.defaults import ORTHOGONALITY_TOL
 from .base import (
     Checked,
     ExportSettings,

@@ -32,9 +32,9 @@ import torch
 
 from ...errors import ArtifactError
 from ...fsutil import atomic_write_bytes, atomic_write_text
-from ...spec import stfile
-from ...spec.artifact import tensor_entries
-from ...spec.defaults import ORTHOGONALITY_TOL
+from ...contract import stfile
+from ...contract.artifact import tensor_entries
+from ...contract.defaults import ORTHOGONALITY_TOL
 from .base import (
     Checked,
     ExportSettings,

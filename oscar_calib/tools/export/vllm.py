@@ -46,7 +46,7 @@ import torch
 from ...errors import ArtifactError
 from ...fsutil import atomic_write_bytes
 from ...numerics.engines import boundary_layers
-from ...spec.defaults import ORTHOGONALITY_TOL
+from ...contract.defaults import ORTHOGONALITY_TOL
 from .base import (
     Checked,
     ExportSettings,

@@ -28,7 +28,7 @@ from ...fsutil import (
 from ...model.geometry import Geometry, text_config
 from ...model.load import LoadedModel
 from ...progress import ProgressFn, step
-from ...spec.artifact import (
+from ...contract.artifact import (
     WEIGHTS_NAME,
     Artifact,
     load_artifact,

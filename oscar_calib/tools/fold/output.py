@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...errors import InputError
 from ...fsutil import atomic_write_bytes, check_can_replace
-from ...spec.artifact import (
+from ...contract.artifact import (
     CARD_NAME,
     REPORT_NAME,
     WEIGHTS_NAME,

@@ -32,8 +32,8 @@ from ...model.geometry import (
 )
 from ...model.registry import ArchSpec, arch_for
 from ...progress import ProgressFn, counter
-from ...spec.artifact import Artifact, require_compatible
-from ...spec.values import check_metadata_values, check_values
+from ...contract.artifact import Artifact, require_compatible
+from ...contract.values import check_metadata_values, check_values
 
 CONFIG_KEY = "oscar"
 FOLDED_KEY = "v_folded"

@@ -45,8 +45,8 @@ from ....errors import ArtifactError, InputError
 from ....fsutil import atomic_write_bytes, atomic_write_text, staged_dir
 from ....kernels.pack import bits_per_element
 from ....numerics.clip import choose_global_clips
-from ....spec.artifact import Artifact, load_artifact
-from ....spec.defaults import check_clip, is_power_of_two
+from ....contract.artifact import Artifact, load_artifact
+from ....contract.defaults import check_clip, is_power_of_two
 from ..base import SLIDING_MODEL_TYPES
 from .fileformat import (
     PER_HEAD_TARGETS,
@@ -262,7 +262,7 @@ def default_model_path(art: Artifact, folded: bool) -> tuple[str, str | None]:
     pass: the fold-weights checkpoint holding a folded artifact; else the local directory the
     model was calibrated from (its ``model_source``) while it exists, its hub id otherwise; else
     the ``model_id`` (a hub id, or a pip-shipped model's)."""
-    from ....spec.artifact import model_source
+    from ....contract.artifact import model_source
 
     if folded and art.path is not None and (Path(art.path).parent / "config.json").exists():
         return str(Path(art.path).parent.resolve()), None     # the artifact copy inside a fold-weights checkpoint

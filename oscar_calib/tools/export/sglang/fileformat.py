@@ -57,7 +57,7 @@ import torch
 
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
-from ....spec.defaults import ORTHOGONALITY_TOL
+from ....contract.defaults import ORTHOGONALITY_TOL
 
 TARGETS = {
     "sglang-fork": "the OSCAR SGLang fork's main branch: one rotation per layer (format_version 1)",

@@ -1,6 +1,6 @@
-"""The content digest (spec.digest): defined by its documented encoding, computed alike from the file's
+"""The content digest (contract.digest): defined by its documented encoding, computed alike from the file's
 bytes and from tensors in memory, blind to header layout, sensitive to every name, dtype, shape, byte
-and metadata value; the safetensors layout rules of spec.stfile; the spec modules import no circle."""
+and metadata value; the safetensors layout rules of contract.stfile; the contract modules import no circle."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import torch
 from factories import make_artifact
 
 from oscar_calib.errors import OscarError
-from oscar_calib.spec import stfile
-from oscar_calib.spec.artifact import load_artifact, read_metadata, serialize_artifact
-from oscar_calib.spec.checks import inspect_bytes
-from oscar_calib.spec.digest import content_digest
-from oscar_calib.spec.layout import DIGEST_KEY, WEIGHTS_NAME
+from oscar_calib.contract import stfile
+from oscar_calib.contract.artifact import load_artifact, read_metadata, serialize_artifact
+from oscar_calib.contract.checks import inspect_bytes
+from oscar_calib.contract.digest import content_digest
+from oscar_calib.contract.layout import DIGEST_KEY, WEIGHTS_NAME
 
-SPEC = Path(__file__).resolve().parents[2] / "oscar_calib" / "spec"
+CONTRACT = Path(__file__).resolve().parents[2] / "oscar_calib" / "contract"
 
 
 def documented_digest(metadata: dict, tensors: dict) -> str:
-    """The encoding exactly as spec/digest.py's docstring states it, written out again here."""
+    """The encoding exactly as contract/digest.py's docstring states it, written out again here."""
     def u64(n):
         return struct.pack("<Q", n)
 
@@ -177,11 +177,11 @@ def test_safetensors_reads_what_stfile_writes(tmp_path):
 
 # ----------------------------------------------------------------------------- one way imports
 
-def test_spec_modules_import_no_circle():
+def test_contract_modules_import_no_circle():
     """The contract's modules form a DAG (artifact <-> values was a circle): every import between
     them, at module level or inside a function, points one way."""
     graph = {}
-    for path in SPEC.glob("*.py"):
+    for path in CONTRACT.glob("*.py"):
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
@@ -189,7 +189,7 @@ def test_spec_modules_import_no_circle():
                     deps.add(node.module.split(".")[0])
                 else:
                     deps.update(a.name for a in node.names)
-        graph[path.stem] = deps & {p.stem for p in SPEC.glob("*.py")}
+        graph[path.stem] = deps & {p.stem for p in CONTRACT.glob("*.py")}
     assert "artifact" not in graph["values"] and "artifact" not in graph["checks"]
     done, visiting = set(), []
 

@@ -14,7 +14,7 @@ dtype or shape, or to a metadata value, gives another. Every integer below is an
 
 The digest is 64 lowercase hex digits. It is computed from the file's bytes alone (numpy, no
 torch: ``oscar validate`` uses it) and from tensors in memory before they are written
-(:func:`~oscar_calib.spec.artifact.serialize_artifact`), by the one function :func:`content_digest`.
+(:func:`~oscar_calib.contract.artifact.serialize_artifact`), by the one function :func:`content_digest`.
 Leaving the key out of its own digest means adding a digest to an older file changes nothing the
 digest covers: a ``verify.json`` written before still matches.
 

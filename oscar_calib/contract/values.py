@@ -5,8 +5,8 @@ take (:func:`check_metadata_values`), and its tensors finite, orthogonal rotatio
 tensors, and import no torch.
 
 They live in the contract layer so that every reader refuses a bad artifact, not only ``oscar
-validate``: :func:`oscar_calib.spec.checks.inspect_bytes` runs them for
-:func:`~oscar_calib.spec.artifact.load_artifact` and for ``oscar validate``.
+validate``: :func:`oscar_calib.contract.checks.inspect_bytes` runs them for
+:func:`~oscar_calib.contract.artifact.load_artifact` and for ``oscar validate``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def metadata_int(md: dict[str, str], key: str) -> int | None:
 
 def check_metadata_values(md: dict[str, str]) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` of the metadata values, beyond the presence and integer syntax that
-    :func:`~oscar_calib.spec.checks.metadata_problems` checks: every count positive and within the
+    :func:`~oscar_calib.contract.checks.metadata_problems` checks: every count positive and within the
     bounds of :mod:`.defaults`, windows within :data:`~.defaults.MAX_WINDOW_TOKENS`, a group size that
     the kernels take (``layer_group_sizes``: :func:`layer_group_problems`), known method names, a sha256 fingerprint, ``calibration`` a JSON object, the
     optional keys well formed, and ``model_type`` a transformers model type (a warning when

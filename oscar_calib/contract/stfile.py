@@ -9,7 +9,7 @@ width; and the last one ending at the end of the file. A file breaking them is o
 safetensors reader refuses, so it is refused here with one sentence (a truncated download, a
 half-copied checkpoint, two tensors pointing at the same bytes).
 
-Used by ``oscar validate`` and :func:`~oscar_calib.spec.artifact.load_artifact` on artifacts and by
+Used by ``oscar validate`` and :func:`~oscar_calib.contract.artifact.load_artifact` on artifacts and by
 model loading on checkpoint shards (:func:`read_header` reads only the header).
 """
 

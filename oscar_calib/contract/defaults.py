@@ -31,7 +31,7 @@ ORTHOGONALITY_TOL = 1e-5
 DEFAULT_REFINE_LR = 2e-3
 BITS = 2
 
-# Bounds an artifact's metadata must keep (spec.values.check_metadata_values): what the kernels and
+# Bounds an artifact's metadata must keep (contract.values.check_metadata_values): what the kernels and
 # engines take, and caps far above every supported model that refuse a corrupt value (a flipped
 # bit, a typo, an edit) before it sizes anything.
 MIN_GROUP_SIZE = 4            # smaller groups store 2 + 32/G >= 18 bits per element: more than BF16's 16

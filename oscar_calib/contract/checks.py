@@ -1,7 +1,7 @@
 """Every check of an artifact file, in one order: the one function every reader goes through.
 
 :func:`inspect_bytes` runs them on a file's bytes and returns a :class:`ValidationReport`;
-:func:`~oscar_calib.spec.artifact.load_artifact` (and so verify, eval, fold-weights, export, the
+:func:`~oscar_calib.contract.artifact.load_artifact` (and so verify, eval, fold-weights, export, the
 runtime caches and schemes) refuses an artifact with its first problem, ``oscar validate``
 (:mod:`oscar_calib.tools.validate`) prints all of them, and push and pull refuse on any.
 
@@ -54,7 +54,7 @@ _ROTATION = re.compile(r"layers\.(\d{1,6})\.([kv])_rotation")
 class ValidationReport:
     """The result for one artifact: ``problems`` is empty when it is valid. ``content_sha256`` is
     the digest of the content as read (None when the file is unreadable); ``verification`` (set by
-    ``oscar validate`` and push) is what :func:`~oscar_calib.spec.verification.verification_of`
+    ``oscar validate`` and push) is what :func:`~oscar_calib.contract.verification.verification_of`
     says of its ``verify.json``."""
 
     path: Path
