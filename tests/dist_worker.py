@@ -24,8 +24,8 @@ torch.set_num_threads(1)     # the single-process reference in the test runs wit
 from factories import loaded_tiny  # noqa: E402
 
 from oscar_calib.calibrate.pipeline import calibrate  # noqa: E402
-from oscar_calib.errors import OscarError  # noqa: E402
 from oscar_calib.contract.config import CalibrationConfig  # noqa: E402
+from oscar_calib.errors import OscarError  # noqa: E402
 
 
 def main() -> None:

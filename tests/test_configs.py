@@ -8,13 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from oscar_calib.contract.checks import check_structure
+from oscar_calib.contract.config import (
+    config_from_options,
+    from_mapping,
+    load_yaml_section,
+)
+from oscar_calib.contract.layout import TENSOR_KINDS, tensor_name, tensor_shape
 from oscar_calib.errors import InputError
 from oscar_calib.model.configs import geometry_from_mapping, load_model_config
 from oscar_calib.model.geometry import attention_modules, geometry_of, model_fingerprint
 from oscar_calib.model.registry import ARCHITECTURES
-from oscar_calib.contract.checks import check_structure
-from oscar_calib.contract.config import config_from_options, from_mapping, load_yaml_section
-from oscar_calib.contract.layout import TENSOR_KINDS, tensor_name, tensor_shape
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

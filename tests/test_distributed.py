@@ -20,6 +20,7 @@ from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.launch import check_nproc, launch
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.calibrate.stats import ACCUMULATORS
+from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.errors import DistributedError, InputError
 from oscar_calib.model.placement import (
     Placement,
@@ -28,7 +29,6 @@ from oscar_calib.model.placement import (
     placement_from_options,
 )
 from oscar_calib.numerics.rotation import eig_desc
-from oscar_calib.contract.config import CalibrationConfig
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 # 16 sequences of 64 tokens, 2 per batch: 8 batches, 4 per rank. The sst-approx pilot (384 tokens)

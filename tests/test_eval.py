@@ -424,8 +424,8 @@ def test_write_plot(tmp_path, char_tokenizer):
 def test_record_eval_updates_report_and_card(demo_artifact, tmp_path):
     import shutil
 
-    from oscar_calib.eval.report import EvalResult, record_eval
     from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.eval.report import EvalResult, record_eval
 
     art = tmp_path / "a"
     shutil.copytree(demo_artifact, art)
@@ -507,9 +507,9 @@ def test_fork_schemes_follow_the_artifact(tiny_fork):
 
 
 def test_evaluate_ppl_reports_the_fork_beside_oscar(tiny_fork):
-    from oscar_calib.eval.report import eval_headline, eval_text
     from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.contract.card import _eval_section
+    from oscar_calib.eval.report import eval_headline, eval_text
     from oscar_calib.tools.zoo import eval_text as zoo_eval_text
 
     lm, path = tiny_fork
@@ -546,8 +546,8 @@ def test_evaluate_ppl_reports_the_fork_beside_oscar(tiny_fork):
 def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_path):
     """An artifact without the fork's global clips (made before 0.2): the default method set runs without
     `fork` and says why; asking for it by name is one clear error."""
-    from oscar_calib.eval.methods import DEFAULT_METHODS, resolve_methods
     from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.eval.methods import DEFAULT_METHODS, resolve_methods
 
     lm, path = tiny_fork
     art = load_artifact(path)

@@ -24,6 +24,12 @@ from factories import (
     tiny_model,
 )
 
+from oscar_calib.contract.artifact import (
+    WEIGHTS_NAME,
+    load_artifact,
+    read_metadata,
+    write_artifact_files,
+)
 from oscar_calib.errors import (
     ArtifactError,
     NumericalError,
@@ -33,12 +39,6 @@ from oscar_calib.errors import (
 from oscar_calib.model.geometry import geometry_of, model_fingerprint
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.numerics.quant import quantize_int2, simulate_kv_quant
-from oscar_calib.contract.artifact import (
-    WEIGHTS_NAME,
-    load_artifact,
-    read_metadata,
-    write_artifact_files,
-)
 from oscar_calib.tools.fold import (
     CHECK_TOLERANCE,
     fold_and_check,

@@ -89,8 +89,8 @@ def test_fp8_config_detection():
 def _calibrated(fp8_dir: Path, root: Path) -> Path:
     """An artifact calibrated on the de-quantised checkpoint (same fingerprint as the FP8 one)."""
     from oscar_calib.calibrate.pipeline import calibrate
-    from oscar_calib.model.load import load_model
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.model.load import load_model
 
     lm = load_model(str(dequantized_copy(fp8_dir, root / "deq")), dtype="float32")
     calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64}), root / "art",

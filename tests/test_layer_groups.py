@@ -7,11 +7,11 @@ import pytest
 import torch
 from factories import make_artifact, tiny_model
 
+from oscar_calib.contract.artifact import load_artifact
 from oscar_calib.errors import ArtifactError
 from oscar_calib.model.geometry import geometry_of
 from oscar_calib.runtime import OscarCache, SimulatedCache
 from oscar_calib.runtime.scheme import KVScheme
-from oscar_calib.contract.artifact import load_artifact
 from oscar_calib.tools.validate import validate_artifact
 
 

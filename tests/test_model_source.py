@@ -12,11 +12,15 @@ from pathlib import Path
 import pytest
 from factories import oscar
 
-from oscar_calib.errors import ArtifactError, InputError
-from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
-from oscar_calib.contract.artifact import MODEL_SOURCE_METADATA, model_source, read_metadata
+from oscar_calib.contract.artifact import (
+    MODEL_SOURCE_METADATA,
+    model_source,
+    read_metadata,
+)
 from oscar_calib.contract.card import model_card
 from oscar_calib.contract.values import check_metadata_values
+from oscar_calib.errors import ArtifactError, InputError
+from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
 
 ZOO_REPORT = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m" / "calibration.json"
 

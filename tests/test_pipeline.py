@@ -17,14 +17,6 @@ from safetensors import safe_open
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.errors import (
-    DataError,
-    InputError,
-    Interrupted,
-    NumericalError,
-    OscarWarning,
-    OutputExistsError,
-)
 from oscar_calib.contract.artifact import (
     SHARED_KINDS,
     TENSOR_KINDS,
@@ -33,6 +25,14 @@ from oscar_calib.contract.artifact import (
 )
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.contract.layout import REQUIRED_METADATA
+from oscar_calib.errors import (
+    DataError,
+    InputError,
+    Interrupted,
+    NumericalError,
+    OscarWarning,
+    OutputExistsError,
+)
 
 
 def check_contract(out: Path, layers: int, heads: int, kv: int, d: int):

@@ -4,6 +4,7 @@ import warnings
 import pytest
 import torch
 
+from oscar_calib.contract.defaults import check_group_size, default_group_size
 from oscar_calib.errors import InputError
 from oscar_calib.numerics.hadamard import (
     bit_reversal_order,
@@ -18,7 +19,6 @@ from oscar_calib.numerics.quant import (
     fake_quant_int2,
     quantize_int2,
 )
-from oscar_calib.contract.defaults import check_group_size, default_group_size
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256])

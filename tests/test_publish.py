@@ -10,8 +10,8 @@ import pytest
 from factories import assert_one_line_error, bad_clips, make_artifact, oscar
 
 import oscar_calib.tools.publish as publish
-from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
 from oscar_calib.contract.artifact import WEIGHTS_NAME, read_metadata
+from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
 
 FILES = ["README.md", "calibration.json", "oscar.safetensors", "verify.json"]
 

@@ -22,16 +22,16 @@ from factories import (
 )
 
 import oscar_calib.model.load as models
-from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
-from oscar_calib.model.load import LoadedModel, ModelSource
-from oscar_calib.runtime.scheme import KVScheme
-from oscar_calib.runtime.simulate import SimulatedKV
 from oscar_calib.contract.artifact import (
     WEIGHTS_NAME,
     Artifact,
     LayerRotations,
     load_artifact,
 )
+from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
+from oscar_calib.model.load import LoadedModel, ModelSource
+from oscar_calib.runtime.scheme import KVScheme
+from oscar_calib.runtime.simulate import SimulatedKV
 from oscar_calib.tools.export import import_files
 from oscar_calib.tools.export.sglang import (
     export_sglang,
@@ -366,9 +366,9 @@ def test_calibration_stores_shared_rotations_and_global_clips(tmp_path):
     from factories import FAST
 
     from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.numerics.clip import CLIP_GRID
     from oscar_calib.numerics.rotation import rotations_from_covariance
-    from oscar_calib.contract.config import CalibrationConfig
 
     lm = loaded_tiny("llama")
     res = calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 128, "heldout_tokens": 64}),

@@ -10,9 +10,9 @@ import torch
 from factories import FAST, loaded_tiny
 
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.errors import ArtifactError
 from oscar_calib.contract.artifact import load_artifact, write_artifact_files
 from oscar_calib.contract.config import CalibrationConfig
+from oscar_calib.errors import ArtifactError
 from oscar_calib.tools.verify import verify_artifact
 
 QUICK = dict(depths=(400, 700), sequences=1, positions=2)

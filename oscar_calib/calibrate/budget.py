@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
+from ..contract.defaults import check_group_size
 from ..errors import InputError
 from ..kernels.pack import bits_per_element
 from ..numerics.clip import HeldoutLayer, heldout_errors
-from ..contract.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
-from ..contract.defaults import check_group_size
 
 MIN_BUDGET_GROUP = 32      # smallest candidate group size (3 bits per element)
 

@@ -16,8 +16,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from ..errors import DistributedError, InputError, Interrupted
 from ..contract.config import CalibrationConfig
+from ..errors import DistributedError, InputError, Interrupted
 from .ranks import STOPPED_EXIT, env_world_size, launched
 from .report import check_output_dir
 

@@ -25,6 +25,17 @@ from typing import Callable
 import torch
 
 from .. import FORMAT_VERSION, __version__
+from ..contract.artifact import Artifact, LayerRotations
+from ..contract.config import CalibrationConfig, stable_hash
+from ..contract.defaults import BASELINE_CLIPS, check_group_size, default_group_size
+from ..contract.layout import (
+    FORMAT_NAME,
+    LOGIT_CORRECTION_METADATA,
+    MODEL_SOURCE_METADATA,
+    REPORT_NAME,
+    SHARED_CLIP_METADATA,
+    WEIGHTS_NAME,
+)
 from ..errors import InputError, OscarWarning, UnsupportedModelError
 from ..model.capture import Capture, capture_forward
 from ..model.geometry import Geometry, context_length
@@ -40,17 +51,6 @@ from ..numerics.rotation import (
     rotations_from_covariance,
 )
 from ..progress import ProgressFn, counter, report, step
-from ..contract.artifact import Artifact, LayerRotations
-from ..contract.config import CalibrationConfig, stable_hash
-from ..contract.defaults import BASELINE_CLIPS, check_group_size, default_group_size
-from ..contract.layout import (
-    FORMAT_NAME,
-    LOGIT_CORRECTION_METADATA,
-    MODEL_SOURCE_METADATA,
-    REPORT_NAME,
-    SHARED_CLIP_METADATA,
-    WEIGHTS_NAME,
-)
 from .checkpoint import (
     CHECKPOINT_NAME,
     failing_cleanly,

@@ -7,11 +7,16 @@ import json
 from pathlib import Path
 
 from .. import FORMAT_VERSION, __version__
+from ..contract.artifact import (
+    Artifact,
+    has_artifact,
+    stamp_artifact,
+    write_artifact_files,
+)
+from ..contract.config import CalibrationConfig
 from ..errors import OutputExistsError
 from ..fsutil import check_can_replace, check_writable, remove_stale_temps
 from ..model.load import LoadedModel, load_hint
-from ..contract.artifact import Artifact, has_artifact, stamp_artifact, write_artifact_files
-from ..contract.config import CalibrationConfig
 
 
 def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:

@@ -113,8 +113,8 @@ def calibrate_command(
     clock = StageClock()                 # from here: the time line accounts for the whole command
     from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
     from ..calibrate.pipeline import calibrate
-    from ..model.placement import placement_from_options
     from ..contract.config import config_from_options
+    from ..model.placement import placement_from_options
 
     cfg = config_from_options(config, dict(
         model=model, data=data, split=split, text_field=text_field, tokens=tokens, seq_len=seq_len,

@@ -75,9 +75,9 @@ def export_command(
     the engine's loader rules before anything is installed; what the engine cannot serve is
     refused in one line. `--target list` names the engines.
     """
-    from ..errors import InputError
     from ..contract.config import parse_clip
     from ..contract.defaults import choose
+    from ..errors import InputError
     from ..tools.export import TARGETS, ExportSettings, export_artifact, target_rows
 
     if target == "list":

@@ -83,8 +83,8 @@ def verify_command(
 
 
 def _next(model: str | None, directory: Path, passed: bool) -> str:
-    from ..model.load import model_for_artifact
     from ..contract.artifact import read_metadata
+    from ..model.load import model_for_artifact
 
     m, art = quote(model or model_for_artifact(read_metadata(directory))), quote(directory)
     if not passed:

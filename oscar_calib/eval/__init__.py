@@ -59,8 +59,8 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
     None: the defaults (perplexity). Used by ``oscar eval``."""
     from ..calibrate.corpus import check_data_path
-    from ..model.load import load_model
     from ..contract.artifact import load_artifact, require_compatible
+    from ..model.load import load_model
 
     opts = options_for(options)
     art = None

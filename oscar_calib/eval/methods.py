@@ -42,8 +42,6 @@ the fork's rotations, clips, group size and windows stored with oscar's fp16 sca
 
 from __future__ import annotations
 
-from ..errors import InputError
-from ..runtime.scheme import KVScheme, fork_unavailable
 from ..contract.defaults import (
     BASELINE_CLIPS,
     DEFAULT_RECENT,
@@ -51,6 +49,8 @@ from ..contract.defaults import (
     check_group_size,
     default_group_size,
 )
+from ..errors import InputError
+from ..runtime.scheme import KVScheme, fork_unavailable
 
 METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "fork-lloyd", "vllm", "llamacpp", "quanto")
 DEFAULT_METHODS = ("bf16", "naive", "hadamard", "oscar", "fork", "quanto")

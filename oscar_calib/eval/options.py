@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..errors import InputError
 from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
@@ -41,6 +40,7 @@ from ..contract.defaults import (
     check_logit_correction,
     check_window,
 )
+from ..errors import InputError
 from .methods import DEFAULT_METHODS, parse_methods
 
 TASKS = ("ppl", "niah")

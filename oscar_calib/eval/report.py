@@ -142,9 +142,9 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     (:func:`oscar_calib.tools.export.serving_table`) is stored beside it as ``engine_serving``."""
     import json
 
-    from ..fsutil import atomic_write_text
     from ..contract.artifact import CARD_NAME, REPORT_NAME
     from ..contract.card import model_card
+    from ..fsutil import atomic_write_text
 
     directory = Path(artifact_dir)
     path = directory / REPORT_NAME

@@ -38,6 +38,7 @@ from typing import ClassVar
 
 import torch
 
+from ..contract.defaults import check_group_size
 from ..errors import InputError
 from ..numerics.quant import (
     LEVELS,
@@ -48,7 +49,6 @@ from ..numerics.quant import (
 )
 from ..runtime.scheme import KVScheme
 from ..runtime.simulate import oscar_rows, register_quantizer
-from ..contract.defaults import check_group_size
 
 CODINGS = ("range", "std")
 QUANTIZERS = {"codebook": "range", "codebook-std": "std"}       # quantizer name -> coding

@@ -27,8 +27,8 @@ from types import ModuleType
 
 import torch
 
-from ..errors import InputError
 from ..contract.defaults import check_group_size
+from ..errors import InputError
 from ..versions import version_tuple
 
 BACKENDS = ("auto", "triton", "torch")

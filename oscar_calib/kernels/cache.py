@@ -41,13 +41,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import InputError
 from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
     default_group_size,
     is_power_of_two,
 )
+from ..errors import InputError
 from ._common import check_group, check_tensor
 from .pack import PARAM_DTYPE
 from .write import quantize_kv

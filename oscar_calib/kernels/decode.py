@@ -96,9 +96,9 @@ import math
 
 import torch
 
+from ..contract.defaults import is_power_of_two
 from ..errors import InputError
 from ..numerics.quant import logit_noise
-from ..contract.defaults import is_power_of_two
 from ._common import (
     check_tensor,
     derived,

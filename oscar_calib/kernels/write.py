@@ -73,9 +73,9 @@ import math
 
 import torch
 
+from ..contract.defaults import default_group_size, is_power_of_two
 from ..errors import InputError
 from ..numerics import quant
-from ..contract.defaults import default_group_size, is_power_of_two
 from ._common import (
     check_group,
     check_tensor,

@@ -33,13 +33,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
 from ..contract.config import (
     CalibrationConfig,
     check_known_keys,
     from_mapping,
     load_yaml_mapping,
 )
+from ..errors import InputError
 
 SECTIONS = ("geometry", "calibration", "rotationzoo")
 ROTATIONZOO_REPO = "Zhongzhu/OSCAR-RotationZoo"      # OSCAR's published rotations on the Hugging Face hub

@@ -393,8 +393,8 @@ def check_tokenizer(spec: str, tok, cached: str | None = None) -> None:
 def check_weight_files(spec: str, directory: Path) -> None:
     """Refuse a checkpoint whose safetensors files do not hold every byte their headers promise
     (a half-finished download or copy), naming the file, before transformers reads any weights."""
-    from ..errors import OscarError
     from ..contract.stfile import read_header
+    from ..errors import OscarError
 
     for f in sorted(directory.glob("*.safetensors")):
         try:

@@ -46,8 +46,8 @@ import math
 
 import torch
 
-from ..errors import InputError
 from ..contract.defaults import check_group_size
+from ..errors import InputError
 
 SCALE_FLOOR = 1e-8
 LEVELS = 4  # 2 bits

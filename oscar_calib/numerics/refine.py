@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
 from ..contract.defaults import DEFAULT_REFINE_LR, DEFAULT_SINK
+from ..errors import InputError
 from .clip import causal_mask
 from .quant import LEVELS, SCALE_FLOOR, clip_rows, fake_quant_int2
 

@@ -24,7 +24,6 @@ import contextlib
 
 import torch
 
-from ..errors import InputError, NumericalError
 from ..contract.defaults import (  # noqa: F401
     COMPOSITIONS,
     GRANULARITIES,
@@ -32,6 +31,7 @@ from ..contract.defaults import (  # noqa: F401
     V_OBJECTIVES,
     choose,
 )
+from ..errors import InputError, NumericalError
 from .hadamard import bit_reversal_permutation, hadamard
 
 # LAPACK on a few 128 x 128 matrices gains nothing from many threads and loses to their overhead:

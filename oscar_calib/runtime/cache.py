@@ -154,9 +154,14 @@ def checked_artifact(artifact, model):
     """Load ``artifact`` and refuse it, before any cache is built, when it is invalid (non-finite
     or non-orthogonal rotations, bad clips, wrong shapes: ``oscar validate``'s checks) or was
     calibrated for another model (geometry and, given a model, its fingerprint)."""
-    from ..model.geometry import geometry_of, model_fingerprint
-    from ..contract.artifact import Artifact, load_artifact, require_compatible, tensor_name
+    from ..contract.artifact import (
+        Artifact,
+        load_artifact,
+        require_compatible,
+        tensor_name,
+    )
     from ..contract.values import value_problems
+    from ..model.geometry import geometry_of, model_fingerprint
 
     if isinstance(artifact, Artifact):
         art = artifact

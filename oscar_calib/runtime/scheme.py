@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import InputError
 from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
@@ -21,6 +20,7 @@ from ..contract.defaults import (
     check_logit_correction,
     check_window,
 )
+from ..errors import InputError
 
 # whose INT2 arithmetic stores the history: oscar's kernels, the OSCAR SGLang fork's (uniform / Lloyd-Max),
 # vLLM's (pull request #46774) or llama.cpp's q2_0 (OSCAR's branch): :mod:`oscar_calib.numerics.engines`
@@ -236,8 +236,8 @@ class KVScheme:
         ``quantizer``: ``oscar`` stores the history with oscar's fp16 scale/offset (what the real
         caches can hold), ``fork``/``fork-lloyd`` with the fork's float32 arithmetic (see the class
         docstring; ``fork-lloyd`` needs group size = head_dim)."""
-        from ..errors import ArtifactError
         from ..contract.artifact import Artifact, load_artifact
+        from ..errors import ArtifactError
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         why = fork_unavailable(art, clips_given=clips is not None)
@@ -276,9 +276,9 @@ class KVScheme:
           window, the first and last two layers native (the pull request's revision 9195dd08f3);
         * ``llamacpp``: ``q2_0`` with ONE clip ratio (K's) for K and V, the artifact's sink and
           recent window (or the given ones) in F16."""
+        from ..contract.artifact import Artifact, load_artifact
         from ..errors import ArtifactError
         from ..numerics.engines import Q2_0_BLOCK, boundary_layers
-        from ..contract.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
         why = fork_unavailable(art, clips_given=clips is not None)

@@ -43,6 +43,12 @@ from huggingface_hub import HfApi
 from huggingface_hub import get_token as hf_get_token
 from huggingface_hub import snapshot_download as _hf_snapshot_download
 
+from ..contract.layout import (  # PULL_RECORD is hidden: never pushed
+    CARD_NAME,
+    PULL_RECORD,
+    WEIGHTS_NAME,
+)
+from ..contract.verification import Verification
 from ..errors import (
     ArtifactError,
     InputError,
@@ -50,12 +56,6 @@ from ..errors import (
     PublishError,
 )
 from ..fsutil import staged_dir
-from ..contract.layout import (  # PULL_RECORD is hidden: never pushed
-    CARD_NAME,
-    PULL_RECORD,
-    WEIGHTS_NAME,
-)
-from ..contract.verification import Verification
 from .hub import require_online
 from .validate import (
     ModelReference,

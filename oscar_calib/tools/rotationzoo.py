@@ -204,8 +204,8 @@ def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = No
                      revision: str | None = None, clip=(None, None), overwrite: bool = False,
                      trust_remote_code: bool = False) -> ZooPull:
     """Fetch a model's K/V pair from OSCAR's RotationZoo and import it (module docstring)."""
-    from ..model.load import cache_root
     from ..contract.layout import PULL_RECORD
+    from ..model.load import cache_root
 
     name = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
     cfg = find_config(name)

@@ -57,13 +57,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ArtifactError
-from ..fsutil import atomic_write_bytes, atomic_write_files
 from ..contract import stfile
 from ..contract.artifact import compatibility_problems
 from ..contract.checks import ValidationReport, inspect_bytes, read_file
 from ..contract.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
 from ..contract.verification import verification_of
+from ..errors import ArtifactError
+from ..fsutil import atomic_write_bytes, atomic_write_files
 
 
 @dataclass

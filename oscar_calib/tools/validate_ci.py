@@ -28,8 +28,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..errors import PublishError
 from ..contract.artifact import WEIGHTS_NAME
+from ..errors import PublishError
 from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
 from .zoo import INDEX_NAME, index_is_current, scan
 

@@ -48,12 +48,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError
-from ..fsutil import atomic_write_bytes, atomic_write_text
-from ..model.load import LoadedModel
-from ..model.placement import input_device
-from ..numerics.hadamard import hadamard
-from ..progress import ProgressFn, counter, step
 from ..contract.artifact import (
     LAYER_GROUPS_METADATA,
     LAYER_V_GROUPS_METADATA,
@@ -63,6 +57,12 @@ from ..contract.artifact import (
 from ..contract.defaults import BASELINE_CLIPS
 from ..contract.layout import VERIFY_NAME
 from ..contract.verification import provenance
+from ..errors import InputError
+from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..model.load import LoadedModel
+from ..model.placement import input_device
+from ..numerics.hadamard import hadamard
+from ..progress import ProgressFn, counter, step
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
 # what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024

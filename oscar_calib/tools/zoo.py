@@ -27,8 +27,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError, OscarError
-from ..fsutil import atomic_write_text
 from ..contract import stfile
 from ..contract.digest import content_digest, digest_problem
 from ..contract.layout import (
@@ -39,6 +37,8 @@ from ..contract.layout import (
     WEIGHTS_NAME,
 )
 from ..contract.verification import verification_of
+from ..errors import InputError, OscarError
+from ..fsutil import atomic_write_text
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "oscar-zoo-index"

@@ -226,10 +226,10 @@ def main(argv=None) -> None:
     import torch
 
     from oscar_calib.calibrate.pipeline import prepare_model
-    from oscar_calib.eval import EvalOptions
-    from oscar_calib.eval.ppl import heldout_sequences
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.contract.defaults import default_group_size
+    from oscar_calib.eval import EvalOptions
+    from oscar_calib.eval.ppl import heldout_sequences
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -426,9 +426,9 @@ def variant_scheme(name, run, base, geo, g, opts):
     import dataclasses
 
     from oscar_calib.calibrate.pipeline import build_rotations
-    from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.contract.artifact import Artifact
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.runtime.scheme import KVScheme
 
     options = {k: v for k, v in VARIANTS[name].items()
                if k not in ("group_size", "quantizer", "fixed_ends", "groups", "lever")}

@@ -28,9 +28,9 @@ def main() -> None:
         heldout_layer,
         prepare_model,
     )
+    from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.experimental.codebook import fake_quant_codebook, fit_layer_levels
     from oscar_calib.numerics.quant import clip_rows, fake_quant_int2
-    from oscar_calib.contract.config import CalibrationConfig
 
     torch.set_num_threads(1)
     base = CalibrationConfig(model="smollm2-135m", device="cpu", seed=0, heldout_seqs=1)

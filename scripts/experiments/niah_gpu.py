@@ -75,8 +75,8 @@ def load(alias: str, gguf: str | None, device: str, dtype: str):
 def check_artifact(path: Path, lm) -> tuple[object, bool]:
     """The validated artifact, and whether its model fingerprint matches (a geometry mismatch is fatal;
     a fingerprint that differs only by the config keys another transformers version writes is reported)."""
-    from oscar_calib.errors import ArtifactError
     from oscar_calib.contract.artifact import compatibility_problems, load_artifact
+    from oscar_calib.errors import ArtifactError
 
     art = load_artifact(path)
     geometry = compatibility_problems(art.metadata, lm.geometry, None, model_name=lm.source.model_id)

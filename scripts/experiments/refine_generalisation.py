@@ -40,13 +40,13 @@ def main() -> None:
         heldout_layer,
         prepare_model,
     )
+    from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.numerics.refine import (
         HeadRows,
         RefineSettings,
         exact_error,
         refine_rotations,
     )
-    from oscar_calib.contract.config import CalibrationConfig
 
     torch.set_num_threads(1)
     n, fit, choose, measure, heads, settings = EXPERIMENTS[args.experiment]

@@ -14,12 +14,16 @@ import pytest
 import torch
 from factories import make_artifact
 
-from oscar_calib.errors import OscarError
 from oscar_calib.contract import stfile
-from oscar_calib.contract.artifact import load_artifact, read_metadata, serialize_artifact
+from oscar_calib.contract.artifact import (
+    load_artifact,
+    read_metadata,
+    serialize_artifact,
+)
 from oscar_calib.contract.checks import inspect_bytes
 from oscar_calib.contract.digest import content_digest
 from oscar_calib.contract.layout import DIGEST_KEY, WEIGHTS_NAME
+from oscar_calib.errors import OscarError
 
 CONTRACT = Path(__file__).resolve().parents[2] / "oscar_calib" / "contract"
 

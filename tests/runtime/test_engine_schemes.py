@@ -7,6 +7,7 @@ import pytest
 import torch
 from factories import tiny_model
 
+from oscar_calib.contract.artifact import Artifact, LayerRotations
 from oscar_calib.errors import InputError
 from oscar_calib.eval.methods import build_schemes, parse_methods
 from oscar_calib.numerics.engines import (
@@ -19,7 +20,6 @@ from oscar_calib.numerics.engines import (
 )
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV
-from oscar_calib.contract.artifact import Artifact, LayerRotations
 
 
 def test_vllm_quantiser_one_group_per_vector_with_fp16_parameters():

@@ -134,8 +134,8 @@ def test_validate_checks_the_stored_gain(value, ok):
 def test_eval_takes_a_gain_for_oscar_and_records_only_what_the_artifact_stores(tmp_path):
     from factories import calibrate_tiny, loaded_tiny, oscar
 
-    from oscar_calib.eval import EvalOptions, evaluate_ppl
     from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.eval import EvalOptions, evaluate_ppl
 
     lm = loaded_tiny("llama", layers=2)
     sharpen(lm.model)

@@ -15,9 +15,9 @@ import torch
 from typer.testing import CliRunner
 
 from oscar_calib.cli import app
+from oscar_calib.contract.artifact import load_artifact
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.numerics.quant import clip_threshold
-from oscar_calib.contract.artifact import load_artifact
 from oscar_calib.tools.export import (
     TARGETS,
     ExportSettings,

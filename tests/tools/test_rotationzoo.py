@@ -72,9 +72,9 @@ def use(monkeypatch, hub: FakeHub) -> FakeHub:
 
 
 def test_pull_qwen3_8b_from_the_mock_layout(monkeypatch, cache):
+    from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.model.configs import configs_dir, load_model_config
     from oscar_calib.model.geometry import config_fingerprint
-    from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.tools.validate import validate_artifact
     from oscar_calib.tools.zoo import list_entries
 

@@ -27,8 +27,12 @@ from factories import (
 from safetensors.torch import load_file
 
 import oscar_calib.tools.publish as publish
+from oscar_calib.contract.artifact import (
+    WEIGHTS_NAME,
+    read_metadata,
+    serialize_artifact,
+)
 from oscar_calib.errors import InputError
-from oscar_calib.contract.artifact import WEIGHTS_NAME, read_metadata, serialize_artifact
 from oscar_calib.tools.validate_ci import (
     escape_data,
     escape_property,

@@ -17,9 +17,12 @@ from typer.testing import CliRunner
 import oscar_calib.tools.publish as publish
 from oscar_calib import __version__
 from oscar_calib.cli import app
-from oscar_calib.errors import ArtifactError, InputError, OscarWarning
 from oscar_calib.contract import stfile
-from oscar_calib.contract.artifact import load_artifact, read_metadata, write_artifact_files
+from oscar_calib.contract.artifact import (
+    load_artifact,
+    read_metadata,
+    write_artifact_files,
+)
 from oscar_calib.contract.layout import (
     CARD_NAME,
     DIGEST_KEY,
@@ -28,6 +31,7 @@ from oscar_calib.contract.layout import (
     WEIGHTS_NAME,
 )
 from oscar_calib.contract.values import check_values
+from oscar_calib.errors import ArtifactError, InputError, OscarWarning
 from oscar_calib.tools.validate import fix_digest, validate_artifact
 
 runner = CliRunner()

@@ -75,8 +75,8 @@ def serving_table(artifact: Path, out_root: str = "serve") -> list[dict]:
     import shlex
     import tempfile
 
-    from ...errors import OscarError
     from ...contract.artifact import load_artifact
+    from ...errors import OscarError
     from .llamacpp import architecture_problem
 
     art = load_artifact(Path(artifact))

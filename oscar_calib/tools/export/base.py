@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from ... import __version__
+from ...contract.artifact import Artifact, load_artifact
 from ...errors import ArtifactError, InputError
 from ...fsutil import atomic_write_text, staged_dir
 from ...numerics.rotation import orthogonality_error
-from ...contract.artifact import Artifact, load_artifact
 
 SETTINGS_FILE = "settings.json"
 ENV_FILE = "serve.env"

@@ -28,8 +28,6 @@ from pathlib import Path
 import torch
 
 from ... import FORMAT_VERSION, __version__
-from ...errors import OutputExistsError
-from ...fsutil import staged_dir
 from ...contract.artifact import (
     Artifact,
     LayerRotations,
@@ -53,6 +51,8 @@ from ...contract.layout import (
     SHARED_CLIP_METADATA,
     WEIGHTS_NAME,
 )
+from ...errors import OutputExistsError
+from ...fsutil import staged_dir
 from ..validate import require_valid
 from .base import Geometry, ReadRotations
 

@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import ArtifactError, InputError
 from ...contract.defaults import ORTHOGONALITY_TOL
+from ...errors import ArtifactError, InputError
 from .base import (
     Checked,
     ExportSettings,

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from ...errors import ArtifactError
-from ...fsutil import atomic_write_bytes, atomic_write_text
 from ...contract import stfile
 from ...contract.artifact import tensor_entries
 from ...contract.defaults import ORTHOGONALITY_TOL
+from ...errors import ArtifactError
+from ...fsutil import atomic_write_bytes, atomic_write_text
 from .base import (
     Checked,
     ExportSettings,

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
+from ...contract.defaults import ORTHOGONALITY_TOL
 from ...errors import ArtifactError
 from ...fsutil import atomic_write_bytes
 from ...numerics.engines import boundary_layers
-from ...contract.defaults import ORTHOGONALITY_TOL
 from .base import (
     Checked,
     ExportSettings,

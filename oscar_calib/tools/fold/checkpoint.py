@@ -20,6 +20,11 @@ from pathlib import Path
 import torch
 
 from ... import FORMAT_VERSION
+from ...contract.artifact import (
+    WEIGHTS_NAME,
+    Artifact,
+    load_artifact,
+)
 from ...errors import InputError, NumericalError, UnsupportedModelError
 from ...fsutil import (
     apply_umask_mode,
@@ -28,11 +33,6 @@ from ...fsutil import (
 from ...model.geometry import Geometry, text_config
 from ...model.load import LoadedModel
 from ...progress import ProgressFn, step
-from ...contract.artifact import (
-    WEIGHTS_NAME,
-    Artifact,
-    load_artifact,
-)
 from .output import ARTIFACT_SUBDIR, check_fold_output, file_sha256, write_artifact_copy
 from .proof import (
     SAMPLE_SHAPE,

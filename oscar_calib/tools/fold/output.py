@@ -10,8 +10,6 @@ import os
 import shutil
 from pathlib import Path
 
-from ...errors import InputError
-from ...fsutil import atomic_write_bytes, check_can_replace
 from ...contract.artifact import (
     CARD_NAME,
     REPORT_NAME,
@@ -19,6 +17,8 @@ from ...contract.artifact import (
     Artifact,
     serialize_artifact,
 )
+from ...errors import InputError
+from ...fsutil import atomic_write_bytes, check_can_replace
 from .weights import FOLDED_KEY
 
 ARTIFACT_SUBDIR = "oscar"

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...contract.artifact import Artifact
 from ...errors import NumericalError
 from ...model.capture import Capture
 from ...progress import ProgressFn, step
-from ...contract.artifact import Artifact
 from .weights import check_artifact_matches, fold_targets, fold_v_rotation
 
 #: Max relative logit / value difference, float32 folded vs float32 original (``max|a−b| / max|a|``).

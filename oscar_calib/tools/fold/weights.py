@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...contract.artifact import Artifact, require_compatible
+from ...contract.values import check_metadata_values, check_values
 from ...errors import ArtifactError, UnsupportedModelError
 from ...model.geometry import (
     Geometry,
@@ -32,8 +34,6 @@ from ...model.geometry import (
 )
 from ...model.registry import ArchSpec, arch_for
 from ...progress import ProgressFn, counter
-from ...contract.artifact import Artifact, require_compatible
-from ...contract.values import check_metadata_values, check_values
 
 CONFIG_KEY = "oscar"
 FOLDED_KEY = "v_folded"

@@ -41,12 +41,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .... import __version__
+from ....contract.artifact import Artifact, load_artifact
+from ....contract.defaults import check_clip, is_power_of_two
 from ....errors import ArtifactError, InputError
 from ....fsutil import atomic_write_bytes, atomic_write_text, staged_dir
 from ....kernels.pack import bits_per_element
 from ....numerics.clip import choose_global_clips
-from ....contract.artifact import Artifact, load_artifact
-from ....contract.defaults import check_clip, is_power_of_two
 from ..base import SLIDING_MODEL_TYPES
 from .fileformat import (
     PER_HEAD_TARGETS,

@@ -55,9 +55,9 @@ from pathlib import Path
 
 import torch
 
+from ....contract.defaults import ORTHOGONALITY_TOL
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
-from ....contract.defaults import ORTHOGONALITY_TOL
 
 TARGETS = {
     "sglang-fork": "the OSCAR SGLang fork's main branch: one rotation per layer (format_version 1)",
