@@ -181,10 +181,13 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     return Artifact(layers=rows, metadata=md)
 
 
-def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | None = None, **build) -> Path:
+def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | None = None,
+                  metadata: dict | None = None, **build) -> Path:
     """``build_artifact(model, **build)`` written to the directory ``out`` (card, report and
-    tensors, as calibrate writes them); ``mutate(tensors)`` may damage the tensors first (see
-    ``bad_clips``, ``skewed_rotation``). Returns ``out``."""
+    tensors, as calibrate writes them); ``mutate(tensors)`` may damage the tensors and ``metadata``
+    override metadata keys afterwards, in the file's bytes (an artifact in memory refuses invalid
+    settings, so a damaged file is written past it: see ``bad_clips``, ``skewed_rotation``).
+    Returns ``out``."""
     from oscar_calib.contract.artifact import (
         WEIGHTS_NAME,
         serialize_artifact,
@@ -197,10 +200,11 @@ def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | Non
     report = {"summary": {"mean_attn_error_oscar": 0.5, "mean_attn_error_hadamard": 0.7,
                           "layers_better_than_hadamard": layers, "num_layers": layers}}
     write_artifact_files(out, art, "# test artifact\n", report)
-    if mutate is not None:
+    if mutate is not None or metadata:
         tensors = art.tensors()
-        mutate(tensors)
-        (out / WEIGHTS_NAME).write_bytes(serialize_artifact(tensors, art.metadata))
+        if mutate is not None:
+            mutate(tensors)
+        (out / WEIGHTS_NAME).write_bytes(serialize_artifact(tensors, {**art.metadata, **(metadata or {})}))
     return out
 
 

@@ -96,9 +96,9 @@ import math
 
 import torch
 
-from ..contract.defaults import is_power_of_two
+from ..contract.defaults import check_logit_correction, is_power_of_two
 from ..errors import InputError
-from ..numerics.quant import logit_noise
+from ..numerics.quant import logit_noise, logit_noise_coefficient
 from ._common import (
     check_tensor,
     derived,
@@ -118,9 +118,7 @@ LOG2E = 1.4426950408889634
 
 
 def _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction=0.0) -> tuple[int, int, int]:
-    if isinstance(logit_correction, bool) or not isinstance(logit_correction, (int, float)) \
-            or not math.isfinite(logit_correction) or logit_correction < 0:
-        raise InputError(f"logit_correction must be a finite number >= 0, got {logit_correction!r}")
+    check_logit_correction(logit_correction, "logit_correction")
     if not isinstance(cache, Int2KVCache):
         raise InputError(f"cache must be an Int2KVCache, got {type(cache).__name__}")
     cache.validate()
@@ -520,7 +518,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     qk_scale = scale * LOG2E
     # the logit-noise correction per key group and score column is corr_scale * |q_rot[g]|^2 * s_g^2
     # in the kernel's base-2 score units: a/2 * sm_scale^2 / 12 * log2(e)
-    corr_scale = logit_correction * 0.5 * scale * scale / 12.0 * LOG2E
+    corr_scale = logit_noise_coefficient(logit_correction, scale) * LOG2E
 
     if cache.paged:
         tab, s_tb, page = cache.block_table, cache.block_table.stride(0), cache.page_size
