@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contract.defaults import group_pair
 from ..errors import InputError
 from ._common import (
     check_tensor,
@@ -81,8 +82,8 @@ def kv_groups(group_size: int | tuple[int, int]) -> tuple[int, int]:
     if isinstance(group_size, (tuple, list)):
         if len(group_size) != 2:
             raise InputError(f"group_size must be one size or a (K, V) pair, got {group_size!r}")
-        return int(group_size[0]), int(group_size[1])
-    return int(group_size), int(group_size)
+        return group_pair(*group_size)
+    return group_pair(group_size)
 
 
 def kv_params(t, name: str) -> tuple[torch.Tensor, torch.Tensor]:

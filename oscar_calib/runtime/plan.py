@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.defaults import group_pair
 from ..kernels import QuantizedKV, quantize_kv
 from ..kernels.append import rotate_kv
 
@@ -36,8 +37,7 @@ class LayerPlan:
     logit_correction: float = 0.0        # gain of the logit-noise correction of the INT2 keys (0: off)
 
     def __post_init__(self) -> None:
-        if self.v_group_size is None:
-            self.v_group_size = self.group_size
+        self.group_size, self.v_group_size = group_pair(self.group_size, self.v_group_size)
 
     @property
     def groups(self) -> tuple[int, int]:
