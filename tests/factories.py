@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -267,6 +269,35 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
     assert "Traceback" not in err
 
 # ----------------------------------------------------------------------------- scripts in-process
+
+
+# Set by the tools, not by a test: pytest names the running test and phase in PYTEST_CURRENT_TEST;
+# torch's CUDA initialisation sets CUDA_MODULE_LOADING=LAZY where the caller left it unset
+# (torch/cuda/__init__.py, _lazy_init).
+SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING"})
+
+
+def triton_interpret_flag():
+    """Triton's interpreter switch as Triton reads it now, or None where triton is not imported."""
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    return getattr(getattr(knobs, "runtime", None), "interpret", None)
+
+
+@contextmanager
+def left_as_found(*, whole: bool):
+    """Fail (AssertionError) if the block leaves the process changed for the code after it.
+    Triton decides at import whether its kernels run under the CPU interpreter, from
+    ``TRITON_INTERPRET``: a test that leaves it (or Triton's flag) changed turns every later
+    kernel test into an interpreter run. Checked: the ``TRITON_*`` and ``OSCAR_*`` variables and
+    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`)."""
+    before, flag = dict(os.environ), triton_interpret_flag()
+    yield
+    after = dict(os.environ)
+    keys = set(before) | set(after)
+    keys = keys - SET_BY_LIBRARIES if whole else {k for k in keys if k.startswith(("TRITON_", "OSCAR_"))}
+    changed = sorted(k for k in keys if before.get(k) != after.get(k))
+    assert not changed, f"environment variables left changed for the code after this: {changed}"
+    assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
 
 
 def load_script(relpath: str):

@@ -3,9 +3,10 @@ result) and scripts/bench/report.py: the committed docs/benchmarks.md is the ren
 committed results, and every current result carries its device, commit, date and command."""
 
 import json
+import os
 
 import pytest
-from factories import REPO, load_script
+from factories import REPO, left_as_found, load_script
 
 pytestmark = pytest.mark.script
 
@@ -21,6 +22,34 @@ def harness():
                                                ("cpu (x86_64)", 1, "cpu")])
 def test_device_slug(harness, name, count, slug):
     assert harness.device_slug(name, count) == slug
+
+
+@pytest.mark.parametrize("argv, chosen", [(["--quick"], "1"), ([], None)])
+def test_a_program_chooses_the_interpreter_before_main_runs(harness, monkeypatch, argv, chosen):
+    # run_program (the scripts' __main__) sets TRITON_INTERPRET for a --quick run, in the program's
+    # own process; here os.environ is a copy, so the test's process keeps its own
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    monkeypatch.setattr("sys.argv", ["bench_kernels.py", *argv])
+    seen = []
+    with pytest.raises(SystemExit) as e:
+        harness.run_program(lambda: seen.append(os.environ.get("TRITON_INTERPRET")) or 3)
+    assert e.value.code == 3 and seen == [chosen]
+
+
+def test_left_as_found_names_what_a_block_leaves_changed(monkeypatch):
+    # the check every test runs under (conftest): a variable left set fails, one set and restored passes
+    monkeypatch.delenv("OSCAR_TEST_LEAK", raising=False)
+    with pytest.raises(AssertionError, match="OSCAR_TEST_LEAK"):
+        with left_as_found(whole=False):
+            os.environ["OSCAR_TEST_LEAK"] = "1"
+    del os.environ["OSCAR_TEST_LEAK"]
+    with pytest.raises(AssertionError, match="SOME_SCRIPT_VAR"):
+        with left_as_found(whole=True):
+            os.environ["SOME_SCRIPT_VAR"] = "1"
+    del os.environ["SOME_SCRIPT_VAR"]
+    with left_as_found(whole=True):
+        os.environ["SOME_SCRIPT_VAR"] = "1"
+        del os.environ["SOME_SCRIPT_VAR"]
 
 
 def test_cpu_timing_calls_each_copy_in_turn(harness):

@@ -135,6 +135,33 @@ def git_commit(root: Path = ROOT) -> str:
     return os.environ.get("OSCAR_BENCH_COMMIT") or "unknown"
 
 
+def run_program(main) -> None:
+    """Run a benchmark's ``main()`` as a program (``python scripts/bench/NAME.py``, ``run.py``).
+
+    ``--quick`` runs the Triton kernels on CPU tensors under Triton's interpreter, which Triton
+    picks when a kernel module is imported (``TRITON_INTERPRET``), so it must be set before any
+    kernel loads. The process is the program's own, so it is set here; ``main(argv)`` never
+    changes the environment, since a test calls it inside pytest's process, whose later tests
+    must find that process as it was (:func:`quick_interpreter` checks it instead)."""
+    if "--quick" in sys.argv[1:]:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    raise SystemExit(main())
+
+
+def quick_interpreter() -> None:
+    """Refuse, in one line, a ``--quick`` run in a process that does not run Triton under its CPU
+    interpreter (``main()`` called from a process the caller made: set ``TRITON_INTERPRET=1``
+    before it imports any kernel), or whose interpreter cannot run the kernels."""
+    from oscar_calib.kernels._common import interpreter_problem, interpreting
+
+    if not interpreting():
+        raise SystemExit("error: --quick runs the kernels under Triton's CPU interpreter, chosen when the process "
+                         "starts: run the script as a program, or set TRITON_INTERPRET=1 before calling main()")
+    why = interpreter_problem()
+    if why:
+        raise SystemExit(f"error: --quick: {why}")
+
+
 def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
