@@ -111,6 +111,8 @@ def test_quick_run_writes_every_section_and_the_table(bench, tmp_path, capsys):
     assert all(r["ok"] for r in rep["correctness"]["decode"])
     assert {(r["context"], r["batch"]) for r in rep["rows"] if "int2_ms" in r} == {(88, 1), (152, 1)}
     assert all(r["sdpa_ms"] > 0 for r in rep["rows"])
+    # each call also timed back to back with its copies (in stream), INT2 and SDPA alike
+    assert all(r["int2_stream_ms"] > 0 and r["sdpa_stream_ms"] > 0 and r["stream_speedup"] > 0 for r in rep["rows"])
     (paged,) = rep["paged"]
     assert len(paged["rounds"]) == 1 and paged["median_ratio"] == paged["rounds"][0]["ratio"] > 0
     assert [w["name"] for w in rep["write"] if "ms" in w] == ["rot+clip"]
