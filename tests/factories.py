@@ -271,10 +271,12 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
 # ----------------------------------------------------------------------------- scripts in-process
 
 
-# Set by the tools, not by a test: pytest names the running test and phase in PYTEST_CURRENT_TEST;
-# torch's CUDA initialisation sets CUDA_MODULE_LOADING=LAZY where the caller left it unset
-# (torch/cuda/__init__.py, _lazy_init).
-SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING"})
+# Set by the tools on first use, not by a test: pytest names the running test and phase in
+# PYTEST_CURRENT_TEST; torch's CUDA initialisation sets CUDA_MODULE_LOADING=LAZY where the caller
+# left it unset (torch/cuda/__init__.py, _lazy_init); torch.compile's first Triton kernel sets
+# TRITON_PTXAS_PATH to the ptxas torch ships, once per process (torch 2.11 and 2.13,
+# torch/_inductor/runtime/compile_tasks.py, _set_triton_ptxas_path; seen on an H200).
+SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TRITON_PTXAS_PATH"})
 
 
 def triton_interpret_flag():
@@ -293,8 +295,8 @@ def left_as_found(*, whole: bool):
     before, flag = dict(os.environ), triton_interpret_flag()
     yield
     after = dict(os.environ)
-    keys = set(before) | set(after)
-    keys = keys - SET_BY_LIBRARIES if whole else {k for k in keys if k.startswith(("TRITON_", "OSCAR_"))}
+    keys = (set(before) | set(after)) - SET_BY_LIBRARIES
+    keys = keys if whole else {k for k in keys if k.startswith(("TRITON_", "OSCAR_"))}
     changed = sorted(k for k in keys if before.get(k) != after.get(k))
     assert not changed, f"environment variables left changed for the code after this: {changed}"
     assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
