@@ -273,10 +273,12 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
 
 # Set by the tools on first use, not by a test: pytest names the running test and phase in
 # PYTEST_CURRENT_TEST; torch's CUDA initialisation sets CUDA_MODULE_LOADING=LAZY where the caller
-# left it unset (torch/cuda/__init__.py, _lazy_init); torch.compile's first Triton kernel sets
-# TRITON_PTXAS_PATH to the ptxas torch ships, once per process (torch 2.11 and 2.13,
-# torch/_inductor/runtime/compile_tasks.py, _set_triton_ptxas_path; seen on an H200).
-SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TRITON_PTXAS_PATH"})
+# left it unset (torch/cuda/__init__.py, _lazy_init); torch.compile, the first time it compiles,
+# sets TORCHINDUCTOR_CACHE_DIR to its cache folder (torch/_inductor/runtime/cache_dir_utils.py,
+# cache_dir) and TRITON_PTXAS_PATH to the ptxas torch ships (compile_tasks.py,
+# _set_triton_ptxas_path; torch 2.11 and 2.13, seen on an H200).
+SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
+                              "TRITON_PTXAS_PATH"})
 
 
 def triton_interpret_flag():

@@ -38,6 +38,7 @@ no ``.git`` (a copy on a GPU machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -148,6 +149,19 @@ def run_program(main) -> None:
     if "--quick" in sys.argv[1:]:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     raise SystemExit(main())
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    """``values`` set where unset, for the block and the processes it starts; afterwards the
+    environment is as it was (a benchmark's ``main()`` may run in its caller's process: the tests)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def quick_interpreter() -> None:
