@@ -304,6 +304,18 @@ def left_as_found(*, whole: bool):
     assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
 
 
+def quick_without_interpreter(main, out: Path, argv: list[str]) -> str:
+    """A benchmark's ``main(["--quick", "--out", out, *argv])`` called in this process with no
+    ``TRITON_INTERPRET`` (the caller removes it): the one-line error it exits with, checked to leave
+    the environment as it was and to write nothing. main() never sets the variable itself (Triton
+    would then load every later kernel under its interpreter); run as a program, the script does."""
+    with left_as_found(whole=True):
+        msg = script_error(main, ["--quick", "--out", str(out), *argv])
+    assert "TRITON_INTERPRET" not in os.environ and not out.exists()
+    assert msg.startswith("error: ") and "\n" not in msg
+    return msg
+
+
 def load_script(relpath: str):
     """The script ``scripts/<relpath>`` imported as a module (once per session), with its folder on
     ``sys.path`` as when it runs, so its ``main(argv)`` can be called in the test's process."""
