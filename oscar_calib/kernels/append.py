@@ -53,6 +53,7 @@ from ..contract.defaults import group_pair
 from ..errors import InputError
 from ._common import (
     check_tensor,
+    interpreting,
     load_triton_module,
     next_pow2,
     pdl_capable,
@@ -233,7 +234,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         D=d, G=gk, W=min(gk, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
         LENS=lens is not None, GATE=gate is not None, QG=qg, QG2=next_pow2(max(qg, 1)),
-        PDL=bool(qg) and pdl_capable(k.device), SPLIT=split, GV=gv, WV=min(gv, d // 4),
+        PDL=bool(qg) and pdl_capable(k.device), SPLIT=split, GV=gv, WV=min(gv, d // 4), INTERP=interpreting(),
         num_warps=int(cfg.get("num_warps", 4)),
     )
     if query is None:

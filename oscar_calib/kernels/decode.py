@@ -83,7 +83,7 @@ Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 B
 tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; docs/design/kernels.md): at 128K
 context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
-gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
+gives 45 us and 0.84 ms (68% of its 4.24 TB/s). Nsight Compute finds the batch-32 decode kernel
 memory-bound on the H100 (81% of DRAM peak) and the batch-1 kernel (and the H200's) latency-bound
 (issue active ~50-56%). At batch 1 the query rotation adds 2.1-3.2 us and the merge 1.3-2.7 us
 to a call at 512-128K tokens (the call with each left out); a graph of one trivial kernel, which
