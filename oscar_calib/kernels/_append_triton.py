@@ -1,7 +1,8 @@
 """Triton kernel behind :func:`oscar_calib.kernels.append.append_token` (imported lazily).
 
 One program per (sequence, K/V head): load the new row, round it to the window's dtype, rotate it
-(float32 products on the CUDA cores), store it in its window slot, clip it (exact row quantile by
+(float32 products on the CUDA cores), subtract its centering shift (``CENTER``: the key mean in the
+rotated basis, zeros for the V heads), store it in its window slot, clip it (exact row quantile by
 a sort of ``|y|``), quantise it per group with the reference's arithmetic (IEEE division), pack
 it into its history slot, and update the sequence's lengths. The last program of a sequence to
 finish (a ticket counter) adds the token to the sequence's count, so every program reads the
@@ -83,7 +84,7 @@ def append_token_kernel(
     codes_ptr, s_cb, s_ck, s_ch, s_cs,
     scale_ptr, off_ptr, s_pb, s_pk, s_ph, s_ps,
     vscale_ptr, voff_ptr, s_vpb, s_vph, s_vps,
-    r_ptr, kidx_ptr,
+    r_ptr, kidx_ptr, c_ptr,
     q_ptr, s_qb, s_qh, qo_ptr,
     H, SINK, RECENT, CAP,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
@@ -92,6 +93,7 @@ def append_token_kernel(
     QG: tl.constexpr = 0, QG2: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     SPLIT: tl.constexpr = False, GV: tl.constexpr = 0, WV: tl.constexpr = 0, INTERP: tl.constexpr = False,
+    CENTER: tl.constexpr = False,
 ):
     """Grid ``(B, 2H)``. Program ``(b, kh)`` stores row ``kh`` (K heads first, then V) of
     sequence ``b``: window slot and history slot from the count ``n[b]`` (scratch slots when the
@@ -105,7 +107,10 @@ def append_token_kernel(
 
     ``SPLIT``: values in groups of ``GV`` (plane width ``WV``) with their parameters at
     ``vscale``/``voff`` (strides ``s_vpb, s_vph, s_vps``); ``scale``/``off`` then hold the keys'
-    only (``s_pk`` unused)."""
+    only (``s_pk`` unused).
+
+    ``CENTER``: ``c [2H, D]`` float32 is subtracted from row ``kh`` after the rotation (key
+    centering: ``μ @ R_k`` for the K heads, zeros for the V heads)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     nprog = tl.num_programs(1)
@@ -153,6 +158,8 @@ def append_token_kernel(
         y = (tl.load(kbase + cols, mask=kvc == 0, other=0.0)
              + tl.load(vbase + cols, mask=kvc == 1, other=0.0))
         y = _rounded(y.to(tl.float32), wdt)
+    if CENTER:  # every stored key is (x - mu) @ R = x @ R - c: window and history see the same shift
+        y = y - tl.load(c_ptr + kh * D + cols)
 
     # window slot: sink slot t, else a ring slot of the recent window (scratch: not real)
     scratch_w = SINK + RECENT

@@ -1,7 +1,8 @@
 """Triton kernels behind :func:`oscar_calib.kernels.write.quantize_kv` (imported lazily).
 
 One program quantises ``BT`` rows (tokens) of one KV head: load ``[BT, d]``, rotate on the tensor
-cores (fp32 accumulation), find each row's clip threshold, quantise per group, pack and store.
+cores (fp32 accumulation), subtract the head's centering shift (``CENTER``: one ``[d]`` float32 load
+per program), find each row's clip threshold, quantise per group, pack and store.
 ``quantize_kv_kernel`` holds the row as one ``[BT, d]`` tensor (general); for rows of a single
 byte block, ``quantize_kv_planes_kernel`` holds it as four ``[BT, d/4]`` bit-plane tensors (below).
 
@@ -88,15 +89,16 @@ def _kth_keyed(a, m, LARGEST: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def quantize_kv_kernel(
     x_ptr, s_xt, s_xh,
-    r1_ptr, r2_ptr, kidx_ptr,
+    r1_ptr, r2_ptr, kidx_ptr, c_ptr,
     codes_ptr, s_ct, s_ch,
     scale_ptr, off_ptr, s_st, s_sh,
     T,
     D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, FAST_DIV: tl.constexpr,
-    KEYED: tl.constexpr = False,
+    KEYED: tl.constexpr = False, CENTER: tl.constexpr = False,
 ):
     # ROT: 0 none, 1 16-bit hi+lo (two dots), 2 fp32 ("ieee"), 3 16-bit hi only.
+    # CENTER: subtract c[h] (float32 [H, D], the key mean in the rotated basis) from every rotated row.
     pid = tl.program_id(0)
     h = tl.program_id(1)
     rows = pid * BT + tl.arange(0, BT)
@@ -125,6 +127,8 @@ def quantize_kv_kernel(
                     if INTERP:
                         r2 = r2.to(tl.float32)
                     y = tl.dot(xk, r2, y)
+    if CENTER:
+        y = y - tl.load(c_ptr + h * D + cols)[None, :]
     if CLIP:
         kq = tl.load(kidx_ptr + h)
         a = tl.abs(y)
@@ -518,7 +522,7 @@ def _store_params(scale_ptr, off_ptr, prow, rmask, s, z, g: tl.constexpr):
 @triton.jit
 def quantize_kv_planes_kernel(
     x_ptr, s_xt, s_xh,
-    r1_ptr, r2_ptr, kidx_ptr,
+    r1_ptr, r2_ptr, kidx_ptr, c_ptr,
     codes_ptr, s_ct, s_ch,
     scale_ptr, off_ptr, s_st, s_sh,
     T,
@@ -526,7 +530,7 @@ def quantize_kv_planes_kernel(
     ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr = False,
     SPLIT: tl.constexpr = False, SORTED: tl.constexpr = False, RES: tl.constexpr = False,
     THRESH: tl.constexpr = False, LATE: tl.constexpr = False, TOP3: tl.constexpr = False,
-    CHECKT: tl.constexpr = True, SIGNS: tl.constexpr = False,
+    CHECKT: tl.constexpr = True, SIGNS: tl.constexpr = False, CENTER: tl.constexpr = False,
 ):
     """Same contract as :func:`quantize_kv_kernel` for rows of one byte block (``D == 4W``).
     ``SPLIT``: rotate with one ``[BT, D]`` product and split it into the planes (otherwise one
@@ -548,23 +552,25 @@ def quantize_kv_planes_kernel(
             rh = rh.to(tl.float32)
             rl = rl.to(tl.float32)
         for blk in range(pid, tl.cdiv(T, BT), npg):
-            _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
+            _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, c_ptr, codes_ptr, s_ct, s_ch,
                          scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
-                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT, SIGNS)
+                         D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT, SIGNS,
+                         CENTER)
     else:
-        _planes_rows(pid, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
+        _planes_rows(pid, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, c_ptr, codes_ptr, s_ct, s_ch,
                      scale_ptr, off_ptr, s_st, s_sh, T, 0, 0,
-                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT, SIGNS)
+                     D, G, W, BT, KB, ROT, CLIP, INTERP, KEYED, SPLIT, SORTED, RES, THRESH, LATE, TOP3, CHECKT, SIGNS,
+                     CENTER)
 
 
 @triton.jit
-def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr, s_ct, s_ch,
+def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, c_ptr, codes_ptr, s_ct, s_ch,
                  scale_ptr, off_ptr, s_st, s_sh, T, rh, rl,
                  D: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
                  ROT: tl.constexpr, CLIP: tl.constexpr, INTERP: tl.constexpr, KEYED: tl.constexpr,
                  SPLIT: tl.constexpr, SORTED: tl.constexpr, RES: tl.constexpr, THRESH: tl.constexpr,
                  LATE: tl.constexpr, TOP3: tl.constexpr, CHECKT: tl.constexpr,
-                 SIGNS: tl.constexpr):
+                 SIGNS: tl.constexpr, CENTER: tl.constexpr):
     """Row block ``blk`` of head ``h`` (see :func:`quantize_kv_planes_kernel`)."""
     rows = blk * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -609,6 +615,12 @@ def _planes_rows(blk, h, x_ptr, s_xt, s_xh, r1_ptr, r2_ptr, kidx_ptr, codes_ptr,
             y1 = _rdot(xk, r1_ptr, r2_ptr, roff + W, y1, ROT, INTERP)
             y2 = _rdot(xk, r1_ptr, r2_ptr, roff + 2 * W, y2, ROT, INTERP)
             y3 = _rdot(xk, r1_ptr, r2_ptr, roff + 3 * W, y3, ROT, INTERP)
+    if CENTER:  # the key mean in the rotated basis, plane by plane
+        cb = c_ptr + h * D + cols
+        y0 = y0 - tl.load(cb)[None, :]
+        y1 = y1 - tl.load(cb + W)[None, :]
+        y2 = y2 - tl.load(cb + 2 * W)[None, :]
+        y3 = y3 - tl.load(cb + 3 * W)[None, :]
     if CLIP:
         kq = tl.load(kidx_ptr + h)
         a0 = tl.abs(y0)

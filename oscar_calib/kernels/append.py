@@ -6,9 +6,9 @@
 ==================  ======================================  =================================
 tensor              shape                                   written
 ==================  ======================================  =================================
-``window``          ``[B, 2, H, S + R + 1, d]`` 16/32-bit    the rotated row ``x @ R``, in its
+``window``          ``[B, 2, H, S + R + 1, d]`` 16/32-bit    the rotated row ``x @ R − c``, in its
                                                             window slot (:func:`window_slot`)
-``codes``           ``[B, 2, H, cap + 1, d/4]`` uint8        packed INT2 of ``clip(x @ R)``, in
+``codes``           ``[B, 2, H, cap + 1, d/4]`` uint8        packed INT2 of ``clip(x @ R − c)``, in
 ``scale``,          ``[B, 2, H, cap + 1, d/G]`` fp16         its history slot
 ``offset``                                                  (:func:`history_slot`)
 ``counts``          ``[B]`` int64                           ``+= real``
@@ -28,7 +28,9 @@ a token past ``cap`` without a ring goes to the scratch slot, i.e. is not stored
 written out of bounds.
 Rotation, clip and INT2 follow :mod:`oscar_calib.numerics.quant`, as in :func:`.quantize_kv`:
 the row is first rounded to the window's dtype, so the history holds the codes of the row the
-window holds (before its own rounding).
+window holds (before its own rounding). ``c`` is the optional centering shift ``center [2H, d]``
+(key centering: ``μ @ R_k`` for the K heads, zeros for the V heads; none: ``c = 0``): the window and
+the history hold every key with the same shift, so a query's logits all move by the same ``q·μ``.
 
 The Triton kernel does all of it in one launch of ``B x 2H`` programs, reading the count on the
 device, so a decode step needs no host sync and can be captured in a CUDA graph. It replaces ~25
@@ -116,7 +118,7 @@ def rotate_kv(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
 
 
 def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size, sink, recent, real, lens,
-           gate=None):
+           gate=None, center=None):
     b, h, d = k.shape if k.ndim == 3 else (None, None, None)
     if b is None or tuple(v.shape) != tuple(k.shape):
         raise InputError(f"k and v must both be [B, H, d], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -155,6 +157,8 @@ def _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_siz
         check_tensor("rotation", rotation, dtypes=(torch.float32,), shape={0: 2 * h, 1: d, 2: d})
     if clip is not None:
         check_tensor("clip", clip, ndim=1, dtypes=(torch.float32, torch.float64), shape={0: 2 * h})
+    if center is not None:
+        check_tensor("center", center, ndim=2, dtypes=(torch.float32,), shape={0: 2 * h, 1: d})
     return b, h, d, cap
 
 
@@ -163,7 +167,8 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
                  group_size: int | tuple[int, int], rotation: torch.Tensor | None = None, clip: torch.Tensor | None = None,
                  ring: bool = False, real: torch.Tensor | None = None,
                  lens: tuple[torch.Tensor, torch.Tensor] | None = None, ticket: torch.Tensor | None = None,
-                 gate: torch.Tensor | None = None, query: torch.Tensor | None = None, backend: str = "auto",
+                 gate: torch.Tensor | None = None, query: torch.Tensor | None = None,
+                 center: torch.Tensor | None = None, backend: str = "auto",
                  config: dict | None = None) -> torch.Tensor | None:
     """Store the new token ``k``/``v`` ``[B, H, d]`` of every sequence (see the module docstring).
 
@@ -175,7 +180,8 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     ends (Hopper and later).
 
     ``rotation [2H, d, d]`` float32 (K heads, then V; None: identity), ``clip [2H]`` ratios (None:
-    no clip), ``real [B]`` bool (None: every row stores its token) and ``gate [B]`` bool, a second
+    no clip), ``center [2H, d]`` float32 subtracted from every rotated row (None: none; key
+    centering), ``real [B]`` bool (None: every row stores its token) and ``gate [B]`` bool, a second
     condition (a row stores its token when both hold), ``lens`` the decode kernel's
     ``(window, history)`` lengths to refresh, ``ticket [B]`` int32 zeros the kernel uses and leaves
     zero (allocated per call when None). ``config``: ``num_warps``, ``KB`` (rows of ``R`` per
@@ -183,7 +189,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     ``group_size``: one size, or ``(G_K, G_V)`` with ``scale``/``offset`` as ``(K, V)`` pairs (the
     module docstring). Writes in place; returns the rotated query, or None without ``query``."""
     b, h, d, cap = _check(k, v, window, codes, scale, offset, counts, rotation, clip, group_size,
-                          sink, recent, real, lens, gate)
+                          sink, recent, real, lens, gate, center)
     if query is not None:
         check_tensor("query", query, ndim=3, shape={0: b, 2: d})
         if query.shape[1] % h:
@@ -195,7 +201,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
     if resolve_backend(backend, [k, v, window, codes, counts], supported) == "torch":
         return append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
                                       group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real,
-                                      lens=lens, gate=gate, query=query)
+                                      lens=lens, gate=gate, query=query, center=center)
     mod = load_triton_module("_append_triton")
     cfg = config or {}
     gk, gv = kv_groups(group_size)
@@ -228,14 +234,14 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
         ks, ko, ks.stride(0), 0 if split else ks.stride(1), ks.stride(-3), ks.stride(-2),
         vs, vo, vs.stride(0), vs.stride(-3), vs.stride(-2),
-        r, kidx,
+        r, kidx, center.contiguous() if center is not None else kidx,
         q_in, q_in.stride(0), q_in.stride(1), q_out if qg else k,
         h, sink, recent, cap,
         D=d, G=gk, W=min(gk, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
         LENS=lens is not None, GATE=gate is not None, QG=qg, QG2=next_pow2(max(qg, 1)),
         PDL=bool(qg) and pdl_capable(k.device), SPLIT=split, GV=gv, WV=min(gv, d // 4), INTERP=interpreting(),
-        num_warps=int(cfg.get("num_warps", 4)),
+        CENTER=center is not None, num_warps=int(cfg.get("num_warps", 4)),
     )
     if query is None:
         return None
@@ -244,7 +250,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
 
 def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: int, recent: int, group_size,
                            rotation=None, clip=None, ring: bool = False, real=None, lens=None, gate=None,
-                           query=None) -> torch.Tensor | None:
+                           query=None, center=None) -> torch.Tensor | None:
     """Pure-torch :func:`append_token` (the same slots and values; torch ops only, no host sync)."""
     if gate is not None:
         real = gate if real is None else real & gate
@@ -256,13 +262,16 @@ def append_token_reference(k, v, window, codes, scale, offset, counts, *, sink: 
         ws = torch.where(real, ws, sink + recent)
         hs = torch.where(real, hs, cap)
     rows = torch.stack([k, v], 1).to(window.dtype)                                    # [B, 2, H, d]
-    window[rows_b, :, :, ws] = rotate_kv(rows, rotation).to(window.dtype)
+    y = rotate_kv(rows, rotation)
+    if center is not None:
+        y = y - center.view(2, h, d)
+    window[rows_b, :, :, ws] = y.to(window.dtype)
     gk, gv = kv_groups(group_size)
     params = (kv_params(scale, "scale"), kv_params(offset, "offset"))
     for kv, g in enumerate((gk, gv)):
         part = slice(kv * h, (kv + 1) * h)
         q = quantize_kv_reference(rows[:, kv], None if rotation is None else rotation[part],
-                                  None if clip is None else clip[part], g)
+                                  None if clip is None else clip[part], g, None if center is None else center[part])
         codes[rows_b, kv, :, hs] = q.codes
         params[0][kv][rows_b, :, hs] = q.scale
         params[1][kv][rows_b, :, hs] = q.offset

@@ -7,7 +7,9 @@ with ``codes uint8 [..., kv_heads, d/4]``, ``scale``/``offset`` float16 ``[..., 
 
 Per row (token, KV head), exactly the conventions of :mod:`oscar_calib.numerics.quant`:
 
-1. rotate ``y = x @ R[h]`` (float32 result);
+1. rotate ``y = x @ R[h]`` (float32 result), then subtract ``center[h]`` when given (key centering:
+   ``center = μ @ R``, so ``y = (x − μ) @ R``; one ``[kv_heads, d]`` float32 operand, a load and
+   a subtraction per row, cheaper than centering before the product);
 2. clip: ``t = sorted(|y|)[min(floor(c*d), d-1)]``, ``y = max(min(y, t), -t)``;
 3. per group of G channels: ``s = max((max-min)/3, 1e-8)``, ``z = -min/s``,
    ``q = clamp(floor(y/s + z + 0.5), 0, 3)``;
@@ -91,7 +93,7 @@ from .pack import PARAM_DTYPE, QuantizedKV, pack_codes, to_param
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _validate(x, rotation, clip, group_size) -> tuple[int, int, int, torch.Tensor | None]:
+def _validate(x, rotation, clip, group_size, center=None) -> tuple[int, int, int, torch.Tensor | None]:
     check_tensor("x", x, dtypes=X_DTYPES)
     if x.ndim < 2:
         raise InputError(f"x must be [..., kv_heads, head_dim], got shape {tuple(x.shape)}")
@@ -120,6 +122,9 @@ def _validate(x, rotation, clip, group_size) -> tuple[int, int, int, torch.Tenso
                 raise InputError(f"clip must be a float or [kv_heads] = [{kvh}], got {list(clip.shape)}")
             same_device(("x", x), ("clip", clip))
             clip_t = clip
+    if center is not None:
+        check_tensor("center", center, ndim=2, dtypes=(torch.float32,), shape={0: kvh, 1: d})
+        same_device(("x", x), ("center", center))
     return kvh, d, group_size, clip_t
 
 
@@ -128,12 +133,15 @@ def quantize_kv_reference(
     rotation: torch.Tensor | None,
     clip: torch.Tensor | float | None,
     group_size: int | None = None,
+    center: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Pure-torch reference of :func:`quantize_kv` (built from :mod:`oscar_calib.numerics.quant`)."""
-    kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size)
+    kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size, center)
     y = x.float()
     if rotation is not None:
         y = torch.einsum("...hd,hde->...he", y, rotation.float())
+    if center is not None:
+        y = y - center
     if clip_t is not None:
         y = quant.clip_rows(y, clip_t.to(torch.float64))
     codes, scale, zero = quant.quantize_int2(y, group_size)
@@ -153,6 +161,7 @@ def quantize_kv(
     clip: torch.Tensor | float | None,
     group_size: int | None = None,
     *,
+    center: torch.Tensor | None = None,
     backend: str = "auto",
     out: QuantizedKV | None = None,
     fast_rotation: bool = False,
@@ -166,6 +175,8 @@ def quantize_kv(
         clip: clip ratio per KV head ``[kv_heads]``, a float for all heads, or None (no clip).
         group_size: channels per quantisation group (power of two dividing d);
             default ``min(128, d)``.
+        center: ``[kv_heads, d]`` float32 subtracted from every rotated row (key centering:
+            ``μ @ R``), or None.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see :mod:`._common`).
         out: optional preallocated :class:`QuantizedKV` (e.g. a slice of a cache) whose
             tensors have the leading shape of ``x``; written in place and returned.
@@ -181,7 +192,7 @@ def quantize_kv(
         :class:`QuantizedKV` with codes ``uint8 [..., kv_heads, d/4]`` and fp16 scale/offset
         ``[..., kv_heads, d/G]``.
     """
-    kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size)
+    kvh, d, group_size, clip_t = _validate(x, rotation, clip, group_size, center)
     lead = tuple(x.shape[:-2])
     if out is not None:
         if not isinstance(out, QuantizedKV):
@@ -193,14 +204,14 @@ def quantize_kv(
             )
     which = resolve_backend(backend, [x], _triton_support(d, group_size))
     if which == "torch":
-        res = quantize_kv_reference(x, rotation, clip_t, group_size)
+        res = quantize_kv_reference(x, rotation, clip_t, group_size, center)
         if out is None:
             return res
         out.codes.copy_(res.codes)
         out.scale.copy_(res.scale)
         out.offset.copy_(res.offset)
         return out
-    return _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, config or {})
+    return _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, config or {}, center)
 
 
 def _flat(t: torch.Tensor, name: str, kvh: int) -> torch.Tensor:
@@ -269,7 +280,7 @@ def _split_rotation(rotation: torch.Tensor, dtype: torch.dtype, rot_mode: int):
     return hi, (rf - hi.float()).to(dtype).contiguous()
 
 
-def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, config) -> QuantizedKV:
+def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, config, center=None) -> QuantizedKV:
     mod = load_triton_module("_write_triton")
     kvh, d = x.shape[-2], x.shape[-1]
     lead = tuple(x.shape[:-2])
@@ -305,7 +316,8 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         planes = rot_mode == 0 or bool(config.get("split", DEFAULT_SPLIT))
     planes = bool(planes) and d == 4 * w
     kern = mod.quantize_kv_planes_kernel if planes else mod.quantize_kv_kernel
-    keyed = rot_mode == 0 and x3.dtype in (torch.bfloat16, torch.float16) and d <= 256
+    # (centered rows are no longer 16-bit values: the unique integer keys need the inputs as they are)
+    keyed = rot_mode == 0 and center is None and x3.dtype in (torch.bfloat16, torch.float16) and d <= 256
     select = config.get("select", "auto")
     if select not in ("auto", "sorted", "rounds"):
         raise InputError(f"config select must be 'auto', 'sorted' or 'rounds', got {select!r}")
@@ -340,13 +352,13 @@ def _quantize_kv_triton(x, rotation, clip_t, group_size, out, fast_rotation, con
         grid = (max(1, min(grid[0], per_head)), kvh)
     LAST_LAUNCH["write"] = kern[grid](
         x3, x3.stride(0), x3.stride(1),
-        r1, r2, kidx,
+        r1, r2, kidx, center.contiguous() if center is not None else kidx,
         codes3, codes3.stride(0), codes3.stride(1),
         scale3, off3, scale3.stride(0), scale3.stride(1),
         n_tok,
         D=d, G=group_size, W=w, BT=bt, KB=kb,
         ROT=rot_mode, CLIP=clip_t is not None, INTERP=interpreting(),
-        KEYED=keyed,
+        KEYED=keyed, CENTER=center is not None,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra, **launch,
     )
     return out

@@ -46,8 +46,8 @@ POINTERS = {
     "decode": {"q_ptr": "*fp32", "kc_ptr": "*u8", "ks_ptr": "*fp16", "ko_ptr": "*fp16", "vc_ptr": "*u8",
                "vs_ptr": "*fp16", "vo_ptr": "*fp16", "tab_ptr": "*i32", "hlen_ptr": "*i32", "k16_ptr": "*bf16",
                "v16_ptr": "*bf16", "len16_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32"},
-    "write": {"x_ptr": "*bf16", "r1_ptr": "*bf16", "r2_ptr": "*bf16", "kidx_ptr": "*i32", "codes_ptr": "*u8",
-              "scale_ptr": "*fp16", "off_ptr": "*fp16"},
+    "write": {"x_ptr": "*bf16", "r1_ptr": "*bf16", "r2_ptr": "*bf16", "kidx_ptr": "*i32", "c_ptr": "*fp32",
+              "codes_ptr": "*u8", "scale_ptr": "*fp16", "off_ptr": "*fp16"},
 }
 
 
@@ -66,7 +66,7 @@ def defaults(kernel: str) -> tuple[dict, dict]:
 
     const = dict(D=128, G=128, W=32, BT=tile["BT"], KB=64, ROT=1, CLIP=True, INTERP=False, KEYED=False, SPLIT=True,
                  SORTED=True, RES=True, THRESH=True, LATE=True, TOP3=write.DEFAULT_SELECT_TOP3,
-                 CHECKT=write.DEFAULT_CHECK_THRESHOLDS, SIGNS=write.DEFAULT_SIGN_BITS)
+                 CHECKT=write.DEFAULT_CHECK_THRESHOLDS, SIGNS=write.DEFAULT_SIGN_BITS, CENTER=False)
     return const, {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"], "maxnreg": None}
 
 

@@ -57,7 +57,8 @@ class Store:
 
 
 def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=False, dtype=torch.bfloat16,
-              rotation="perm", clip=True, real=None, steps=4, counts=(0, 4, 9), seed=0, heads=2, gate=None):
+              rotation="perm", clip=True, real=None, steps=4, counts=(0, 4, 9), seed=0, heads=2, gate=None,
+              center=False):
     g = torch.Generator().manual_seed(seed)
     b, h = len(counts), heads
     if rotation == "perm":
@@ -70,6 +71,9 @@ def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=F
     clips = torch.rand(2 * h, generator=g).mul(0.2).add(0.8) if clip else None
     if clip:
         clips[0] = 1.0                                  # a head without clip beside clipped ones
+    # key centering: a shift per K head (the mean key in the rotated basis), zeros for the V heads
+    shift = torch.cat([torch.randn(h, d, generator=torch.Generator().manual_seed(seed + 1)) * 3,
+                       torch.zeros(h, d)]) if center else None
     ref = Store(b, h, d, group_size, sink, recent, cap, dtype, "cpu", list(counts))   # torch on CUDA divides by 3
     tri = Store(b, h, d, group_size, sink, recent, cap, dtype, device, list(counts))  # as a product: CPU reference
     for step in range(steps):
@@ -78,7 +82,8 @@ def run_steps(device, *, d=128, group_size=128, sink=3, recent=5, cap=24, ring=F
         if step == 1:
             k[0, 0, :] = 0.5                            # a constant row: every group degenerate
         kw = dict(sink=sink, recent=recent, group_size=group_size, rotation=rot, clip=clips, ring=ring,
-                  real=None if real is None else torch.tensor(real), gate=None if gate is None else torch.tensor(gate))
+                  real=None if real is None else torch.tensor(real), gate=None if gate is None else torch.tensor(gate),
+                  center=shift)
         append_token_reference(k, v, *ref.tensors(), lens=ref.lens, **kw)
         kw = {a: x.to(device) if isinstance(x, torch.Tensor) else x for a, x in kw.items()}
         append_token(k.to(device), v.to(device), *tri.tensors(), lens=tri.lens, ticket=tri.ticket, backend="triton", **kw)
@@ -147,6 +152,20 @@ def test_append_token_without_rotation_or_clip(device):
     ref, tri = run_steps(device, rotation=None, clip=False, steps=3)
     for a, b in zip(ref.all(), tri.all()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rotation,group_size", grid([("perm", 128), ("perm", (32, 128)), (None, 64)],
+                                                     [("perm", (32, 128)), (None, 64)]))
+def test_append_token_centers_the_keys_in_the_window_and_the_history(device, rotation, group_size):
+    """Key centering: every K row is stored as ``x @ R − c`` in the window and in the history (the same
+    shift), the V rows as they were; bit for bit the reference's."""
+    ref, tri = run_steps(device, rotation=rotation, group_size=group_size, center=True, steps=5)
+    for a, b in zip(ref.all(), tri.all()):
+        assert torch.equal(a, b)
+    plain, _ = run_steps("cpu", rotation=rotation, group_size=group_size, steps=5)
+    assert not torch.equal(plain.window[:, 0], ref.window[:, 0])       # the keys moved ...
+    assert torch.equal(plain.window[:, 1], ref.window[:, 1])           # ... the values did not
+    assert not torch.equal(plain.codes[:, 0], ref.codes[:, 0])
 
 
 def test_slot_rules():

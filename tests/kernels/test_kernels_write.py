@@ -158,6 +158,42 @@ def test_write_kernel_degenerate_groups(kernel, device):
             _check_close(res, quantize_kv_reference(xd, None, clip.cpu(), g), exact=True)
 
 
+# key centering: the rotated rows minus a shift per head (the mean key in the rotated basis), with a
+# 16-bit rotation (both kernels) and without one (16-bit input that would otherwise take the integer-key
+# clip selection, which needs the inputs as they are)
+CENTERED = [("general", True), ("planes_sorted", True), ("planes_sorted", False), ("planes_divide", True)]
+
+
+@pytest.mark.parametrize("kernel,rotated", grid(CENTERED, CENTERED[:3]))
+def test_write_kernel_centers_like_the_reference(kernel, rotated, device):
+    gen = torch.Generator().manual_seed(17)
+    h, d, g = 2, 64, 16
+    mean = torch.randn(h, d, generator=gen) * 4.0
+    x = (kv_rows((29, h, d), torch.float32, generator=gen) + mean).to(torch.bfloat16).to(device)
+    rot = random_rotation(h, d, generator=gen, device=device) if rotated else None
+    shift = (torch.einsum("hd,hde->he", mean, rot.cpu()) if rotated else mean).contiguous()   # (x - mu) R = xR - muR
+    clip = torch.tensor([0.9, 0.97], device=device)
+    ref = quantize_kv_reference(x.cpu(), None if rot is None else rot.cpu(), clip.cpu(), g, center=shift)
+    res = quantize_kv(x, rot, clip, g, center=shift.to(device), backend="triton",
+                      config={"BT": 16, **KERNELS[kernel]})
+    _check_close(res, ref)
+    # the shift is applied: the uncentered rows quantise otherwise, and the centered groups are narrower
+    plain = quantize_kv_reference(x.cpu(), None if rot is None else rot.cpu(), clip.cpu(), g)
+    assert not torch.equal(plain.codes, ref.codes) and ref.scale.float().mean() < plain.scale.float().mean()
+    # and it is the rows centered before the rotation, up to float32 rounding
+    pre = quantize_kv_reference((x.float().cpu() - mean), None if rot is None else rot.cpu(), clip.cpu(), g)
+    assert (ref.dequantize() - pre.dequantize()).abs().max() <= 1.01 * pre.scale.float().max() + 1e-4
+
+
+def test_write_center_is_checked(device):
+    x = torch.randn(4, 2, 64, device=device)
+    with pytest.raises(InputError, match="center"):
+        quantize_kv(x, None, None, 32, center=torch.zeros(2, 32, device=device), backend="triton")
+    with pytest.raises(InputError, match="center"):
+        quantize_kv(x, None, None, 32, center=torch.zeros(2, 64, dtype=torch.float64, device=device),
+                    backend="triton")
+
+
 def test_write_kernel_leading_dims_and_scalar_clip(device):
     gen = torch.Generator().manual_seed(11)
     x = kv_rows((2, 5, 2, 64), torch.bfloat16, generator=gen, device=device)
