@@ -143,14 +143,15 @@ def random_rotation(heads: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, d: int = 8,
-                   granularity: str = "head", seed: int = 0, metadata: dict | None = None):
+                   granularity: str = "head", seed: int = 0, metadata: dict | None = None, centered: bool = False):
     """A format-v1 Artifact in memory: random orthogonal K and V rotations per layer and KV head
     (one per layer, shared by the heads, with ``granularity="layer"``), clips 0.95 / 0.9 and
     descending random eigenvalues.
 
     With ``model`` the geometry (layers, KV and query heads, head_dim) and the fingerprint are the
     model's, so the artifact fits it; otherwise ``layers`` x ``kv`` x ``d`` with ``heads`` query
-    heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys.
+    heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys. ``centered``:
+    key centering, a random mean key ``k_mean [kv, d]`` per layer (metadata ``k_centered``).
     """
     from oscar_calib import FORMAT_VERSION
     from oscar_calib.contract.artifact import Artifact, LayerRotations
@@ -171,14 +172,15 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
         if granularity == "layer":
             k, v = k[:1].expand(kv, d, d).clone(), v[:1].expand(kv, d, d).clone()
         eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
-        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone()))
+        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone(),
+                                   k_mean=torch.randn(kv, d, generator=gen) if centered else None))
     md = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": "test/tiny",
           "model_fingerprint": fingerprint, "num_layers": str(layers), "num_attention_heads": str(heads),
           "num_kv_heads": str(kv), "head_dim": str(d), "group_size": str(default_group_size(d)), "bits": "2",
           "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
           "composition": "u_h_pbr", "granularity": granularity,
           "calibration": json.dumps({"data": "test", "tokens": 0}), "toolkit_version": "0.1.0",
-          "model_type": model_type}
+          "model_type": model_type, **({"k_centered": "true"} if centered else {})}
     md.update(metadata or {})
     return Artifact(layers=rows, metadata=md)
 

@@ -17,14 +17,9 @@ from safetensors import safe_open
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
 from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.contract.artifact import (
-    SHARED_KINDS,
-    TENSOR_KINDS,
-    load_artifact,
-    tensor_name,
-)
+from oscar_calib.contract.artifact import load_artifact
 from oscar_calib.contract.config import CalibrationConfig
-from oscar_calib.contract.layout import REQUIRED_METADATA
+from oscar_calib.contract.layout import REQUIRED_METADATA, SHARED_KINDS, TENSOR_KINDS, tensor_name
 from oscar_calib.errors import (
     DataError,
     InputError,
@@ -164,6 +159,40 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path, tiny_calibrated):
     res = calibrate(CalibrationConfig(**TINY_FAST), out, loaded=loaded_tiny(), resume=True)
     assert res.report["timings"]["resumed"] is True
     assert sha256(out / "oscar.safetensors") == sha256(ref / "oscar.safetensors")
+
+
+def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
+    """``center_keys``: every layer stores its mean key (the streamed statistics'), the key objective
+    and clips are fitted on centered keys, and what the engines without centering serve (shared
+    rotations, global clips, the Hadamard baseline) is the uncentered run's; an interrupted run
+    resumes byte-identically (the key sum is in the checkpoint)."""
+    cfg = CalibrationConfig(**{**TINY_FAST, "center_keys": True})
+    lm = loaded_tiny()
+
+    def interrupt(batches_done):
+        if batches_done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted):
+        calibrate(cfg, tmp_path / "c", loaded=lm, on_batch=interrupt)
+    res = calibrate(cfg, tmp_path / "c", loaded=lm, resume=True)
+    assert res.report["timings"]["resumed"] is True
+    whole = calibrate(cfg, tmp_path / "w", loaded=lm)
+    assert sha256(tmp_path / "c" / "oscar.safetensors") == sha256(tmp_path / "w" / "oscar.safetensors")
+    art, plain = load_artifact(tmp_path / "c"), load_artifact(tiny_calibrated)
+    assert art.metadata["k_centered"] == "true" and "k_centered" not in plain.metadata
+    ref = json.loads((tiny_calibrated / "calibration.json").read_text())["layers"]
+    for i, (lr, lp) in enumerate(zip(art.layers, plain.layers)):
+        assert torch.equal(lr.k_mean, res.stats.stats[i].key_mean().float()) and lp.k_mean is None
+        assert lr.k_mean.abs().max() > 0
+        assert not torch.allclose(lr.k_rotation, lp.k_rotation)           # ktk of the centered keys
+        assert torch.equal(lr.v_rotation, lp.v_rotation) and torch.equal(lr.v_clip, lp.v_clip)
+        assert torch.equal(lr.k_layer_rotation, lp.k_layer_rotation)      # engines without centering: raw
+        row = res.report["layers"][i]
+        assert row["heldout"]["fork"] == ref[i]["heldout"]["fork"] and row["heldout"]["hadamard"] == ref[i]["heldout"]["hadamard"]
+        assert row["k_mean_share"] == ref[i]["k_mean_share"] and all(0 < x < 1 for x in row["k_mean_share"])
+    assert (art.metadata["fork_k_clip"], art.metadata["fork_v_clip"]) == (plain.metadata["fork_k_clip"],
+                                                                          plain.metadata["fork_v_clip"])
 
 
 def test_resume_refuses_checkpoint_of_other_settings(tmp_path):

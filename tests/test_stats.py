@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from oscar_calib.calibrate.stats import LayerStats
@@ -65,7 +66,7 @@ def test_memory_does_not_grow_with_tokens():
         n = sum(t.numel() for t in sd["sums"].values()) + sd["w_sum"].numel()
         return n + sum(t.numel() for t in sd["pilot_k"] + sd["pilot_v"])
 
-    fixed = 5 * 2 * 8 * 8 + 2                            # five [2, 8, 8] sums + w_sum
+    fixed = 5 * 2 * 8 * 8 + 2 * 8 + 2                    # five [2, 8, 8] sums, the [2, 8] key sum, w_sum
     st.update(*_batch(gen))                               # 32 tokens >= pilot: buffer folded in
     assert numel() == fixed
     for _ in range(20):
@@ -85,6 +86,38 @@ def test_state_dict_round_trip_is_exact():
         b.update(*x)
     for name in ("q", "s", "s_approx", "k", "v"):
         assert torch.equal(a.covariance(name), b.covariance(name))
+    assert torch.equal(a.key_mean(), b.key_mean())
+
+
+def test_key_mean_and_centered_key_covariance():
+    """The mean key per KV head and the covariance of the centered keys, streamed (float64, exact
+    and half-precision paths, padding dropped) against a one-shot computation."""
+    gen = torch.Generator().manual_seed(5)
+    batches = [_batch(gen) for _ in range(3)]
+    shift = torch.randn(2, 8, generator=gen) * 5                      # keys far from zero, as RoPE'd keys are
+    batches = [(q, k + shift[None, :, None, :], v, o) for q, k, v, o in batches]
+    st = LayerStats(2, 3, 8, pilot_tokens=1000)
+    for x in batches:
+        st.update(*x)
+    rows = torch.cat([b[1].transpose(1, 2).reshape(-1, 2, 8) for b in batches]).double()        # [n, h, d]
+    mean = rows.mean(0)
+    centered = (rows - mean).permute(1, 0, 2)
+    assert torch.allclose(st.key_mean(), mean, rtol=0, atol=1e-12)
+    ref = centered.transpose(1, 2) @ centered / rows.shape[0]
+    assert float((st.covariance("k", centered=True) - ref).norm() / ref.norm()) <= 1e-10
+    assert float((st.covariance("k") - ref).norm() / ref.norm()) > 0.1          # the raw one is another matrix
+    half = LayerStats(2, 3, 8, 1000, approx=False)
+    for x in batches:
+        half.update(*(t.to(torch.bfloat16) for t in x))                         # bf16 activations: the fast path
+    bf = torch.cat([b[1].to(torch.bfloat16).transpose(1, 2).reshape(-1, 2, 8) for b in batches]).double().mean(0)
+    assert torch.allclose(half.key_mean(), bf, rtol=0, atol=1e-12)
+    valid = torch.zeros(2, 16, dtype=torch.bool)
+    valid[:, :5] = True
+    masked = LayerStats(2, 3, 8, 1000)
+    masked.update(*batches[0], valid)
+    assert torch.allclose(masked.key_mean(), batches[0][1][:, :, :5].transpose(1, 2).reshape(-1, 2, 8).double().mean(0))
+    with pytest.raises(ValueError, match="only the key accumulator"):
+        st.covariance("v", centered=True)
 
 
 def test_valid_mask_drops_padding():

@@ -109,6 +109,15 @@ DEFECTS = {
     "layer_groups_power": (dict(metadata={"layer_group_sizes": "8,3"}), "3 is not a power of two dividing head_dim 8"),
     "layer_groups_divide": (dict(metadata={"layer_group_sizes": "16,8"}), "16 is not a power of two dividing"),
     "layer_groups_syntax": (dict(metadata={"layer_group_sizes": "8;4"}), "not comma-separated integers"),
+    # key centering: the means on every layer exactly when the metadata says so, finite, [kv, d]
+    "k_mean_missing": (dict(centered=True, mutate=lambda t: t.pop("layers.1.k_mean")), "missing tensor layers.1.k_mean"),
+    "k_mean_unflagged": (dict(centered=True, metadata={"k_centered": "false"}),
+                         "layers.0.k_mean is stored but metadata 'k_centered' is not 'true'"),
+    "k_mean_flag": (dict(metadata={"k_centered": "yes"}), "metadata 'k_centered' is 'yes', expected 'true' or 'false'"),
+    "k_mean_nan": (dict(centered=True, mutate=lambda t: t["layers.0.k_mean"].__setitem__((1, 2), float("nan"))),
+                   "layers.0.k_mean has 1 non-finite value(s)"),
+    "k_mean_shape": (dict(centered=True, mutate=lambda t: t.__setitem__("layers.1.k_mean", t["layers.1.k_mean"][0])),
+                     "layers.1.k_mean has shape [8], expected [2, 8]"),
 }
 
 

@@ -63,7 +63,12 @@ from .corpus import TokenPlan, load_texts, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared, in_layer_order
-from .stats import LayerStats, Reservoir, check_finite, require_finite, rows_on
+from .stats import ACCUMULATORS, LayerStats, Reservoir, check_finite, require_finite, rows_on
+
+# With key centering (``center_keys``) the ``ktk`` objective is the second moment of the keys as the
+# cache stores them, centered: Σ (k − μ)ᵀ(k − μ) / n. Measured against the raw Σ kᵀk / n with the same
+# centered clips: docs/guides/accuracy.md ("Key centering"), scripts/experiments/centering.py.
+CENTER_KEY_OBJECTIVE = True
 
 
 def prepare_model(cfg: CalibrationConfig, *, device: str | None = None, placement: Placement | None = None,
@@ -133,7 +138,7 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
         fitting=ranks.fit_share(geo.num_layers),
     )
     parts = {"cfg": cfg.fingerprint_fields(), "model": lm.fingerprint, "tokens": plan.sha256(),
-             **({} if approx else {"s_approx": False}), **ranks.key_parts()}
+             "sums": list(ACCUMULATORS), **({} if approx else {"s_approx": False}), **ranks.key_parts()}
     key = stable_hash(parts)
     resumed = bool(resume and checkpoint is not None and load_checkpoint(checkpoint, run, key))
     run.checkpointed = run.batches_done
@@ -188,12 +193,22 @@ def fit_device(model_device: torch.device) -> str:
     return str(model_device) if model_device.type == "cuda" else "cpu"
 
 
-def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
-    """Layer ``layer``'s held-out rows (kept on the CPU), float32 on the run's fitting device."""
+def heldout_layer(run: StatsRun, layer: int, centered: bool = False) -> HeldoutLayer:
+    """Layer ``layer``'s held-out rows (kept on the CPU), float32 on the run's fitting device;
+    ``centered``: its keys quantised centered on the statistics' mean key (key centering)."""
     r, info = run.reservoir[layer], run.layer_info[layer]
     dev = run.fit_device
+    mean = run.stats[layer].key_mean().to(dev) if centered else None
     return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
-                        info["sliding_window"], info["softcap"])
+                        info["sliding_window"], info["softcap"], k_mean=mean)
+
+
+def mean_share(s: LayerStats) -> list[float]:
+    """Per KV head, the share of the keys' energy in their mean, ``‖μ‖² / (Σ‖k‖² / n)`` (0: centered
+    already; what key centering takes out of every INT2 key group's range)."""
+    mu = s.key_mean()
+    energy = s.covariance("k").diagonal(dim1=-2, dim2=-1).sum(-1)
+    return [round(float(x), 4) for x in (mu.pow(2).sum(-1) / energy.clamp(min=1e-300))]
 
 
 def spread(eig: torch.Tensor) -> float:
@@ -204,12 +219,15 @@ def spread(eig: torch.Tensor) -> float:
 
 def layer_rotations(run: StatsRun, cfg: CalibrationConfig, only: list[int] | None = None) -> list[tuple]:
     """Per layer (of ``only``, default all) ``(k_rot, k_eig, v_rot, v_eig)``: the eigenbases of the
-    objectives' covariances, composed as ``cfg`` says (float64)."""
+    objectives' covariances, composed as ``cfg`` says (float64); with key centering the ``ktk``
+    objective of the centered keys (:data:`CENTER_KEY_OBJECTIVE`)."""
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
+    centered = cfg.center_keys and CENTER_KEY_OBJECTIVE and kc == "k"
     out = []
     for i in range(len(run.stats)) if only is None else only:
         s = run.stats[i]
-        k_rot, k_eig = rotations_from_covariance(s.covariance(kc), cfg.composition, cfg.granularity, warn=(i == 0))
+        k_rot, k_eig = rotations_from_covariance(s.covariance(kc, centered=centered), cfg.composition, cfg.granularity,
+                                                 warn=(i == 0))
         v_rot, v_eig = rotations_from_covariance(s.covariance(vc), cfg.composition, cfg.granularity, warn=False)
         out.append((k_rot, k_eig, v_rot, v_eig))
     return out
@@ -233,7 +251,7 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         s = run.stats[i]
         cq = s.covariance("q")
         k_rot, k_eig, v_rot, v_eig = rotations[j]
-        held = heldout_layer(run, i)
+        held = heldout_layer(run, i, cfg.center_keys)
         gk, gv = groups[i] if groups else (group_size, group_size)
         if fitted is not None:
             k_clip, k_table, v_clip, v_table = fitted[j].clips(gk, gv)
@@ -251,14 +269,15 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         else:
             ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
         h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
-        base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
+        base = heldout_errors(held.uncentered(), h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
                               torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
         layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
-                                     v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float()))
+                                     v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float(),
+                                     k_mean=s.key_mean().float() if cfg.center_keys else None))
         rows.append({
             "layer": i,
             "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
-            "k_spread": spread(k_eig), "v_spread": spread(v_eig),
+            "k_spread": spread(k_eig), "v_spread": spread(v_eig), "k_mean_share": mean_share(s),
             **({"k_group_size": gk, "v_group_size": gv} if groups else {}),
             "k_clip": [round(float(c), 4) for c in k_clip], "v_clip": [round(float(c), 4) for c in v_clip],
             "heldout": {"oscar": ours, "hadamard": base},
@@ -298,7 +317,8 @@ def fit_layers(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size:
         rotations = layer_rotations(run, cfg, mine)
         fitted: list = []
         with step(progress, "bit budget"):
-            tables = budget_tables(lambda j: heldout_layer(run, mine[j]), [(r[0], r[2]) for r in rotations],
+            tables = budget_tables(lambda j: heldout_layer(run, mine[j], cfg.center_keys),
+                                   [(r[0], r[2]) for r in rotations],
                                    [run.stats[i].covariance("q") for i in mine], cfg, geo.num_kv_heads,
                                    candidate_sizes(geo.head_dim), keep=fitted)
             every = ranks.exchange((mine, tables), "the bit budget's tables")
@@ -350,7 +370,8 @@ def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips
     return ArtifactSettings(
         num_layers=geo.num_layers, num_attention_heads=geo.num_attention_heads, num_kv_heads=geo.num_kv_heads,
         head_dim=geo.head_dim, group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
-        layer_groups=groups, logit_correction=cfg.logit_correction, granularity=cfg.granularity,
+        layer_groups=groups, logit_correction=cfg.logit_correction, key_centering=cfg.center_keys,
+        granularity=cfg.granularity,
         composition=cfg.composition, k_objective=cfg.k_objective, v_objective=cfg.v_objective,
         shared_clips=shared_clips, model_type=geo.model_type)
 

@@ -8,7 +8,8 @@ Decisions (documented in docs/guides/serving.md):
   (``U·H·P_br`` by default). It is stored only when the per-head rotations differ between heads;
   for ``--granularity layer`` or one KV head the per-head rotation already is the layer's.
 * **Global clips**: one K ratio and one V ratio for the whole model, chosen from the same grid as the
-  per-head fit on the same held-out rows, with the shared rotations, by
+  per-head fit on the same held-out rows, with the shared rotations and uncentered keys (the engines
+  that take one rotation per layer do not center keys), by
   :func:`~oscar_calib.numerics.clip.choose_global_clips` (every layer counts the same). Fixed clips
   (``--clip k=..,v=..``) are used as they are.
 * **Cost report**: the held-out errors of this scheme (shared rotation, global clips) are added to
@@ -30,13 +31,15 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
     """Add shared rotations to ``layers`` (when heads differ), fork-scheme held-out errors to
     ``rows``, and return the global ``(k_clip, v_clip)``. ``layers`` and ``rows`` are the layers this
     process fits (``rows[j]["layer"]`` is the index of ``layers[j]``; every layer in one process);
-    ``held_layers(i)`` gives layer i's :class:`~oscar_calib.numerics.clip.HeldoutLayer`.
+    ``held_layers(i)`` gives layer i's :class:`~oscar_calib.numerics.clip.HeldoutLayer`, its keys
+    uncentered (the per-head clip tables are reused only when they were fitted so too).
     ``exchange(obj, what)`` returns every process's ``obj`` (the ranks of a data-parallel job, each
     fitting its own layers; default: this process alone): the per-layer clip tables are put back
     in layer order, so the global clips are chosen from the same tables in the same order wherever
     the layers were fitted."""
     h = geo.num_kv_heads
     shared_needed = cfg.granularity == "head" and h > 1
+    reuse_k = not shared_needed and not cfg.center_keys        # the per-head K tables fit these keys
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     k_tables, v_tables = [], []
     rots = []
@@ -56,7 +59,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
         tables = row.get("clip_tables") or {}
         held = None
         if cfg.k_clip is None:
-            if not shared_needed and tables.get("k") is not None:
+            if reuse_k and tables.get("k") is not None:
                 kt = torch.tensor(tables["k"], dtype=torch.float64)
             else:
                 held = held or held_layers(i)

@@ -10,10 +10,12 @@ accumulator     sum                                           used for
 ``s``           Σ_t Σ_{j∈G(h)} o_tjᵀ o_tj  (o = softmax·V)    exact C_S, value objective ``sst``
 ``s_approx``    Σ_t w_t v_tᵀ v_t,  w_t = k_t C̃_Q k_tᵀ          reference repo's ``sst-approx``
 ``k`` / ``v``   Σ_t k_tᵀ k_t / Σ_t v_tᵀ v_t                    baselines ``ktk`` / ``vtv``
+``k_sum``       Σ_t k_t  (``[kv_heads, d]``)                  the mean key μ (key centering)
 ==============  ===========================================  ==================================
 
-Memory is fixed by the geometry (five ``[kv_heads, d, d]`` float64 matrices per layer) and does
-not grow with the token budget.
+Memory is fixed by the geometry (five ``[kv_heads, d, d]`` float64 matrices and one
+``[kv_heads, d]`` vector per layer) and does not grow with the token budget. Every accumulator is a
+sum, so checkpoints, the data-parallel all-reduce and the layer-split ranks carry them alike.
 
 Precision: sums are float64. With float32 activations every gram is computed in float64. With
 bf16/fp16 activations (a bf16 model on a GPU) the q/s/k/v grams of one batch are one batched GEMM
@@ -41,7 +43,8 @@ import torch
 
 from ..errors import NumericalError
 
-ACCUMULATORS = ("q", "s", "s_approx", "k", "v")
+ACCUMULATORS = ("q", "s", "s_approx", "k", "v", "k_sum")
+VECTORS = ("k_sum",)          # accumulators of shape [kv_heads, d]; the others are [kv_heads, d, d]
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +66,8 @@ class LayerStats:
 
     def __post_init__(self):
         h, d = self.num_kv_heads, self.head_dim
-        self.sums = {name: torch.zeros(h, d, d, dtype=torch.float64, device=self.device) for name in ACCUMULATORS}
+        self.sums = {name: torch.zeros((h, d) if name in VECTORS else (h, d, d), dtype=torch.float64, device=self.device)
+                     for name in ACCUMULATORS}
         self.tokens = 0                 # KV rows seen (per head)
         self.w_sum = torch.zeros(h, dtype=torch.float64, device=self.device)
         self.pilot_cq: torch.Tensor | None = None
@@ -112,14 +116,26 @@ class LayerStats:
         self.sums["s_approx"] += s
         self.w_sum += w
 
-    def covariance(self, name: str) -> torch.Tensor:
-        """Normalised covariance [h, d, d] (float64) of accumulator ``name``."""
+    def covariance(self, name: str, *, centered: bool = False) -> torch.Tensor:
+        """Normalised covariance [h, d, d] (float64) of accumulator ``name``; ``centered`` (keys
+        only): of the keys minus their mean, ``Σ kᵀk / n − μᵀμ``."""
+        if centered:
+            if name != "k":
+                raise ValueError(f"only the key accumulator has a centered form, not {name!r}")
+            mu = self.key_mean()
+            return self.covariance("k") - mu.unsqueeze(-1) * mu.unsqueeze(-2)
+        if name in VECTORS:
+            raise ValueError(f"{name!r} is a sum of rows, not a covariance")
         if name != "s_approx":
             return self.sums[name] / max(self.tokens * (self.group if name in ("q", "s") else 1), 1)
         if not self.approx:
             raise ValueError("s_approx was not accumulated (LayerStats(approx=False))")
         self.freeze_pilot()
         return self.sums["s_approx"] / self.w_sum.clamp(min=1e-300).view(-1, 1, 1)
+
+    def key_mean(self) -> torch.Tensor:
+        """The mean post-RoPE key of every KV head, ``[h, d]`` float64 (what key centering subtracts)."""
+        return self.sums["k_sum"] / max(self.tokens, 1)
 
     def to(self, device: str | torch.device) -> "LayerStats":
         """Move every accumulator (and the pilot buffer) to ``device``, in place."""
@@ -208,20 +224,21 @@ def _exact_grams(q: torch.Tensor, o: torch.Tensor, kh: torch.Tensor, vh: torch.T
     # [n, h*g, d] -> [h, n*g, d]: query heads of one KV head are pooled
     qh = qr.reshape(n, h, -1, d).permute(1, 0, 2, 3).reshape(h, -1, d)
     oh = orr.reshape(n, h, -1, d).permute(1, 0, 2, 3).reshape(h, -1, d)
-    return {"q": gram(qh), "s": gram(oh), "k": gram(kh), "v": gram(vh)}
+    return {"q": gram(qh), "s": gram(oh), "k": gram(kh), "v": gram(vh), "k_sum": kh.to(torch.float64).sum(1)}
 
 
 def _half_grams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                 h: int) -> dict[str, torch.Tensor]:
     """The q/s/k/v grams of bf16/fp16 activations in one batched GEMM: exact products, float32
-    sums over at most one sequence (chunks of ≤ 4096 rows), float64 from there on."""
+    sums over at most one sequence (chunks of ≤ 4096 rows), float64 from there on; the key sum
+    in float64."""
     b, hq, t, d = q.shape
     x = torch.cat([q, o.transpose(1, 2), k, v], dim=1)           # [B, 2Hq + 2h, T, d]
     c = math.gcd(t, 4096) if t > 4096 and math.gcd(t, 4096) >= 512 else t
     x = x.reshape(-1, c, d)
     grams = _bmm_float32(x.transpose(1, 2), x).view(b, -1, t // c, d, d).to(torch.float64).sum((0, 2))
     return {"q": grams[:hq].view(h, hq // h, d, d).sum(1), "s": grams[hq:2 * hq].view(h, hq // h, d, d).sum(1),
-            "k": grams[2 * hq:2 * hq + h], "v": grams[2 * hq + h:]}
+            "k": grams[2 * hq:2 * hq + h], "v": grams[2 * hq + h:], "k_sum": k.to(torch.float64).sum((0, 2))}
 
 
 def _to(tree, device):

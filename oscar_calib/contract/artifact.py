@@ -30,10 +30,9 @@ from .layout import (
     CARD_NAME,
     DIGEST_KEY,
     GEOMETRY_KEYS,
+    KINDS,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
-    SHARED_KINDS,
-    TENSOR_KINDS,
     WEIGHTS_NAME,
     dtype_name,
     tensor_name,
@@ -47,7 +46,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class LayerRotations:
-    """One decoder layer's entry: tensors per KV head, and optionally the layer's shared rotation."""
+    """One decoder layer's entry: tensors per KV head, optionally the layer's shared rotation and,
+    for an artifact with key centering, the mean key of every KV head ``k_mean [h, d]``."""
 
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
@@ -59,6 +59,7 @@ class LayerRotations:
     v_layer_rotation: torch.Tensor | None = None
     k_layer_eigenvalues: torch.Tensor | None = None
     v_layer_eigenvalues: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,6 +78,10 @@ class Artifact:
     def __post_init__(self) -> None:
         if self.settings is None:
             self.settings = ArtifactSettings.from_metadata(self.metadata)
+        having = sum(lr.k_mean is not None for lr in self.layers)
+        if having not in (0, len(self.layers)) or bool(having) != self.settings.key_centering:
+            raise ArtifactError(f"{having} of {len(self.layers)} layers hold a key mean (k_mean) but the settings say "
+                                f"key_centering={self.settings.key_centering}: every layer or none, as they say")
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +113,11 @@ class Artifact:
     def granularity(self) -> str:
         return self.settings.granularity
 
+    @property
+    def key_centering(self) -> bool:
+        """Every layer stores its keys centered on ``k_mean`` (its ``[h, d]`` mean key)."""
+        return self.settings.key_centering
+
     def shared_rotation(self, layer: int, which: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's one rotation for all KV heads ``[d, d]`` and its eigenvalues ``[d]``
         (descending), for ``which`` in ``"k"``/``"v"``: the stored shared rotation, or the per-head
@@ -130,7 +140,7 @@ class Artifact:
 
         out = {}
         for i, layer in enumerate(self.layers):
-            for kind in TENSOR_KINDS + SHARED_KINDS:
+            for kind in KINDS:
                 t = getattr(layer, kind)
                 if t is not None:
                     out[tensor_name(i, kind)] = t.detach().to("cpu", torch.float32).contiguous()
@@ -254,7 +264,7 @@ def load_artifact(path: Path) -> Artifact:
         warnings.warn(f"{path}: {w}", OscarWarning, stacklevel=2)
     tensors = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}
     n = report.settings.num_layers
-    layers = [LayerRotations(**{k: tensors.get(tensor_name(i, k)) for k in TENSOR_KINDS + SHARED_KINDS})
+    layers = [LayerRotations(**{k: tensors.get(tensor_name(i, k)) for k in KINDS})
               for i in range(n)]
     rep = {}
     rpath = wpath.parent / REPORT_NAME

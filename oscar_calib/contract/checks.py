@@ -34,9 +34,11 @@ from ..errors import ArtifactError, OscarError
 from . import stfile
 from .digest import content_digest, digest_problem, missing_digest_warning
 from .layout import (
+    CENTER_KINDS,
     DIGEST_KEY,
     FORMAT_NAME,
     INT_METADATA,
+    KEY_CENTERING_METADATA,
     REQUIRED_METADATA,
     SHARED_KINDS,
     TENSOR_KINDS,
@@ -146,12 +148,22 @@ def contradictions(tensors: dict, md: dict[str, str]) -> list[str]:
 
 
 def shape_problems(tensors: dict, md: dict[str, str]) -> list[str]:
-    """Every tensor of the contract present, with its shape and dtype float32; no others."""
+    """Every tensor of the contract present, with its shape and dtype float32; no others. The
+    shared rotations are optional (all of them or none); the key means are there exactly when the
+    metadata says the keys are centered (``k_centered``)."""
     problems = []
     n, h, d = (int(md[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     kinds = TENSOR_KINDS
     if any(name.endswith(SHARED_KINDS) for name in tensors):      # optional: all of them or none
         kinds = TENSOR_KINDS + SHARED_KINDS
+    centered = md.get(KEY_CENTERING_METADATA) == "true"
+    if centered:
+        kinds = kinds + CENTER_KINDS
+    elif any(name.endswith(CENTER_KINDS) for name in tensors):
+        first = next(name for name in sorted(tensors) if name.endswith(CENTER_KINDS))
+        problems.append(f"{first} is stored but metadata {KEY_CENTERING_METADATA!r} is not 'true': a reader would "
+                        "serve the keys uncentered")
+        tensors = {k: v for k, v in tensors.items() if not k.endswith(CENTER_KINDS)}
     expected = {tensor_name(i, k): tensor_shape(k, h, d) for i in range(n) for k in kinds}
     for name, shape in expected.items():
         if name not in tensors:

@@ -64,6 +64,7 @@ class CalibrationConfig:
     refine_steps: int = 0               # Cayley refinement of the rotations on held-out rows (0: off)
     refine_lr: float = DEFAULT_REFINE_LR    # its Adam learning rate (numerics.refine)
     logit_correction: float = 0.0       # gain of the logit-noise correction the artifact asks for (0: off)
+    center_keys: bool = False           # store every key centered on the calibration's mean key (k_mean)
     extra: dict = field(default_factory=dict)   # free-form notes carried into the report
 
     def validate(self) -> "CalibrationConfig":
@@ -101,6 +102,8 @@ class CalibrationConfig:
         elif self.split_kv:
             raise InputError("--split-kv splits a bit budget between keys and values: it needs --bit-budget")
         self.logit_correction = check_logit_correction(self.logit_correction)
+        if not isinstance(self.center_keys, bool):
+            raise InputError(f"center_keys must be true or false, got {self.center_keys!r}")
         return self
 
     def fingerprint_fields(self) -> dict:

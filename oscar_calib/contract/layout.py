@@ -27,6 +27,13 @@ TENSOR_KINDS = ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues",
 # pooled statistics, for engines that take one rotation per layer (the OSCAR SGLang fork's main). All of
 # them or none, for every layer; eigenvalues descending like the per-head ones.
 SHARED_KINDS = ("k_layer_rotation", "v_layer_rotation", "k_layer_eigenvalues", "v_layer_eigenvalues")
+# Optional, additive: the mean post-RoPE key of every KV head ``[num_kv_heads, head_dim]`` (key centering,
+# `oscar calibrate --center-keys`). Every stored key is ``(k − μ) @ R_k``; ``q·μ`` is the same for every key a
+# query reads, so softmax is unchanged while the INT2 range of every key group shrinks. On every layer exactly
+# when the metadata says ``k_centered = "true"`` (:data:`KEY_CENTERING_METADATA`), on none otherwise.
+CENTER_KINDS = ("k_mean",)
+# every tensor kind a layer may hold, required then optional
+KINDS = TENSOR_KINDS + SHARED_KINDS + CENTER_KINDS
 # Optional metadata (toolkit 0.2): the one K and one V clip ratio fitted for the shared rotations
 # (an engine that applies one ratio per cache for the whole model).
 SHARED_CLIP_METADATA = ("fork_k_clip", "fork_v_clip")
@@ -45,6 +52,10 @@ LOGIT_CORRECTION_METADATA = "logit_correction"
 # Optional metadata: "true" when the value rotation is folded into a checkpoint's v_proj/o_proj (`oscar
 # fold-weights` marks the artifact copy it writes beside the checkpoint); absent or "false" otherwise.
 V_FOLDED_METADATA = "v_folded"
+# Optional metadata: "true" when every layer stores its keys centered (``layers.{i}.k_mean``, :data:`CENTER_KINDS`);
+# absent otherwise. A reader that predates it stores the keys uncentered: the rotations and clips then meet keys
+# whose range they were not fitted for (still a valid cache, a less accurate one).
+KEY_CENTERING_METADATA = "k_centered"
 # Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
 # sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
 # (:mod:`.digest`). A reader refuses a file whose content no longer matches it.
@@ -62,7 +73,7 @@ GEOMETRY_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"
 
 
 def tensor_name(layer: int, kind: str) -> str:
-    if kind not in TENSOR_KINDS and kind not in SHARED_KINDS:
+    if kind not in KINDS:
         raise KeyError(kind)
     return f"layers.{layer}.{kind}"
 
@@ -76,7 +87,7 @@ def tensor_shape(kind: str, num_kv_heads: int, head_dim: int) -> tuple[int, ...]
         return (num_kv_heads, head_dim, head_dim)
     if kind.endswith("clip"):
         return (num_kv_heads,)
-    return (num_kv_heads, head_dim)
+    return (num_kv_heads, head_dim)          # eigenvalues, k_mean
 
 
 def dtype_name(t) -> str:

@@ -30,6 +30,8 @@ field                      metadata key           meaning
                            ``k_objective``,
                            ``v_objective``
 ``v_folded``               ``v_folded``           the value rotation is folded into the weights
+``key_centering``          ``k_centered``         every layer stores its keys centered on the
+                                                  calibration's mean key (``layers.{i}.k_mean``)
 ``shared_clips``           ``fork_k_clip``,       one (K, V) clip pair for the shared per-layer
                            ``fork_v_clip``        rotations (engines with one ratio per cache)
 ``model_type``             ``model_type``         transformers' model type of the (text) model
@@ -68,6 +70,7 @@ from .defaults import (
 )
 from .layout import (
     IMPORTED,
+    KEY_CENTERING_METADATA,
     LAYER_GROUPS_METADATA,
     LAYER_V_GROUPS_METADATA,
     LOGIT_CORRECTION_METADATA,
@@ -117,6 +120,7 @@ class ArtifactSettings:
     k_objective: str = IMPORTED
     v_objective: str = IMPORTED
     v_folded: bool = False
+    key_centering: bool = False
     shared_clips: tuple[float, float] | None = None
     model_type: str | None = None
 
@@ -174,6 +178,8 @@ class ArtifactSettings:
             md[LOGIT_CORRECTION_METADATA] = f"{self.logit_correction:g}"
         if self.v_folded:
             md[V_FOLDED_METADATA] = "true"
+        if self.key_centering:
+            md[KEY_CENTERING_METADATA] = "true"
         if self.shared_clips is not None:
             md.update(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in self.shared_clips)))
         if self.model_type is not None:
@@ -262,10 +268,11 @@ def _parse(md: dict[str, str], problems: list[str]) -> dict:
             problems.append(why.replace(repr(gain), repr(raw)))
         else:
             out["logit_correction"] = gain
-    folded = md.get(V_FOLDED_METADATA, "false")
-    if folded not in ("true", "false"):
-        problems.append(f"metadata 'v_folded' is {folded!r}, expected 'true' or 'false'")
-    out["v_folded"] = folded == "true"
+    for key, name in ((V_FOLDED_METADATA, "v_folded"), (KEY_CENTERING_METADATA, "key_centering")):
+        flag = md.get(key, "false")
+        if flag not in ("true", "false"):
+            problems.append(f"metadata {key!r} is {str(flag)[:40]!r}, expected 'true' or 'false'")
+        out[name] = flag == "true"
     present = [k for k in SHARED_CLIP_METADATA if k in md]
     if present and len(present) != len(SHARED_CLIP_METADATA):
         problems.append(f"metadata has {present[0]!r} without {[k for k in SHARED_CLIP_METADATA if k not in md][0]!r}")
@@ -397,6 +404,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             lambda s: s.per_head,
             lambda s, e: (f"{e} loads one rotation per layer: it serves the artifact's shared per-layer rotations, "
                           f"not its {s.num_kv_heads} per-KV-head ones")),
+    Feature("key_centering", "key centering",
+            lambda s: s.key_centering,
+            lambda s, e: (f"{e} does not subtract the mean key (k_mean) this artifact was calibrated with: it serves "
+                          "the rotations and clips on uncentered keys, whose INT2 groups span a wider range than "
+                          "the clips were fitted for")),
     Feature("windows", "BF16 sink and recent window",
             lambda s: s.sink_tokens + s.recent_tokens > 0,
             lambda s, e: (f"{e} keeps no BF16 sink or recent window: the {s.sink_tokens} sink and "

@@ -19,11 +19,10 @@ import numpy as np
 
 from .defaults import ORTHOGONALITY_TOL
 from .layout import (
+    KINDS,
     MODEL_SOURCE_FIELDS,
     MODEL_SOURCE_KINDS,
     MODEL_SOURCE_METADATA,
-    SHARED_KINDS,
-    TENSOR_KINDS,
     tensor_name,
 )
 from .settings import MODEL_TYPE, ArtifactSettings
@@ -76,15 +75,14 @@ def _transformers_model_types() -> set[str] | None:
 
 
 def check_values(tensors: dict, md: dict[str, str]) -> dict[str, list[str]]:
-    """Finite values, orthogonality, clip range, eigenvalue order, per-layer granularity.
+    """Finite values (the key means too), orthogonality, clip range, eigenvalue order, per-layer granularity.
     Assumes the structure checks passed; ``tensors`` are numpy arrays or torch tensors (an
     in-memory artifact's, on any device). Returns problems per check name."""
     out = {"finite": [], "orthogonal": [], "clips": [], "eigenvalues": [], "granularity": []}
     n = int(md["num_layers"])
     per_layer = md.get("granularity") == "layer"
     for i in range(n):
-        t = {k: _numpy(tensors[tensor_name(i, k)]) for k in TENSOR_KINDS + SHARED_KINDS
-             if tensor_name(i, k) in tensors}
+        t = {k: _numpy(tensors[tensor_name(i, k)]) for k in KINDS if tensor_name(i, k) in tensors}
         for k, x in t.items():
             bad = int(np.count_nonzero(~np.isfinite(x)))
             if bad:

@@ -3,6 +3,9 @@
 Held-out rows are whole causal prefixes of sequences that the statistics never saw (see
 :class:`oscar_calib.calibrate.stats.Reservoir`). For KV head ``h`` with rotation ``R`` and clip ratio ``c``,
 ``x̂ = Q_int2(clip_c(x R))`` (every held-out token quantised, no BF16 sink/window: the harshest case).
+With key centering (a layer's ``k_mean`` μ) the keys are quantised as the cache stores them,
+``k̂ = Q_int2(clip_c((k − μ) R)) Rᵀ + μ``: every figure below compares keys in the model's basis, so
+the references (logits, probabilities, outputs) are the model's own, soft-capped or not.
 
 Objectives minimised over the clip grid, independently per layer and KV head:
 
@@ -22,6 +25,7 @@ on held-out sequences longer than the sliding window, :mod:`oscar_calib.calibrat
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -55,6 +59,7 @@ class HeldoutLayer:
     sliding_window: int | None = None
     softcap: float | None = None
     serving: tuple[int, int] | None = None       # (sink, recent) read in full precision by heldout_errors
+    k_mean: torch.Tensor | None = None           # [Hkv, d]: the keys are quantised centered on it (None: raw)
 
     def exact(self, t: int) -> torch.Tensor | None:
         """[t, t] boolean: the (query, key) pairs a serving cache reads in full precision (None: none)."""
@@ -79,7 +84,17 @@ class HeldoutLayer:
             return self
         move = lambda xs: [x.to(device) for x in xs]  # noqa: E731
         return HeldoutLayer(move(self.q), move(self.k), move(self.v), move(self.o), self.scaling,
-                            self.sliding_window, self.softcap, self.serving)
+                            self.sliding_window, self.softcap, self.serving,
+                            None if self.k_mean is None else self.k_mean.to(device))
+
+    def uncentered(self) -> "HeldoutLayer":
+        """The same rows with the keys quantised raw (no ``k_mean``), sharing the references already
+        computed (they are the model's own either way)."""
+        if self.k_mean is None:
+            return self
+        out = copy.copy(self)
+        out.k_mean = None
+        return out
 
     @property
     def group(self) -> int:
@@ -129,7 +144,10 @@ class HeldoutLayer:
         return torch.einsum("hts,shd->thd", p, vx)
 
     def k_rows(self) -> torch.Tensor:
-        return torch.cat(self.k).double()         # [N, Hkv, d]
+        """Every held-out key as the cache quantises it, ``[N, Hkv, d]`` float64: centered on
+        ``k_mean`` when the layer has one (the clip fit's rows)."""
+        rows = torch.cat(self.k).double()
+        return rows if self.k_mean is None else rows - self.k_mean.to(rows)
 
 
 def _quant_grid(x: torch.Tensor, grid: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -192,7 +210,7 @@ def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size:
     den = {"k": 0.0, "v": 0.0, "attn": 0.0}
     for q, k, v, p, (s_ref, o_ref) in zip(held.q, held.k, held.v, held.probs(), held.references()):
         m = held.mask(q.shape[0])
-        kq = _dequant_heads(k, k_rot, k_clip, group_size)
+        kq = _dequant_heads(k, k_rot, k_clip, group_size, held.k_mean)
         vq = _dequant_heads(v, v_rot, v_clip, v_group_size or group_size)
         s_q = held.logits(q, kq)
         exact = held.exact(q.shape[0])
@@ -210,9 +228,13 @@ def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size:
     return {key: math.sqrt(num[key] / max(den[key], 1e-300)) for key in num}
 
 
-def _dequant_heads(x: torch.Tensor, rot: torch.Tensor, clip: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Quantise [T, h, d] rows per head and return them un-rotated (float64)."""
+def _dequant_heads(x: torch.Tensor, rot: torch.Tensor, clip: torch.Tensor, group_size: int,
+                   mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantise [T, h, d] rows per head and return them un-rotated (float64); ``mean`` [h, d]: the
+    rows are quantised centered on it and it is added back."""
     r = rot.double().to(x.device)
+    if mean is not None:
+        return _dequant_heads(x.double() - mean.double().to(x.device), rot, clip, group_size) + mean.double().to(x.device)
     xr = torch.einsum("thd,hde->the", x.double(), r)
     out = torch.empty_like(xr)
     for i in range(x.shape[1]):

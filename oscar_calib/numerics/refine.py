@@ -7,7 +7,8 @@ them:
 
     E(R_k, R_v) = Σ_j ‖softmax(q_j K̂ᵀ·scale) V̂ − softmax(q_j Kᵀ·scale) V‖² / Σ_j ‖softmax(q_j Kᵀ·scale) V‖²
 
-with ``K̂ = Q(clip(K R_k)) R_kᵀ`` and ``V̂ = Q(clip(V R_v)) R_vᵀ`` (``Q`` the INT2 fake quantiser of
+with ``K̂ = Q(clip(K R_k)) R_kᵀ`` (centered keys: ``Q(clip((K − μ) R_k)) R_kᵀ + μ``) and
+``V̂ = Q(clip(V R_v)) R_vᵀ`` (``Q`` the INT2 fake quantiser of
 :mod:`.quant`, the clip ratios fixed), the causal (and sliding-window, soft-capped) attention of the
 layer, and the first ``sink`` tokens kept exact as the cache keeps them in BF16. Every other token
 is quantised (no recent window: the harshest case, as in the clip fit of :mod:`.clip`).
@@ -91,7 +92,8 @@ def fake_quant_exact(y: torch.Tensor, clip: float, group_size: int) -> torch.Ten
 
 @dataclass
 class HeadRows:
-    """Held-out rows of one KV head: per sequence ``q`` [T, J, d] (its J query heads), ``k``/``v`` [T, d]."""
+    """Held-out rows of one KV head: per sequence ``q`` [T, J, d] (its J query heads), ``k``/``v`` [T, d];
+    ``k_mean`` [d]: the keys are stored centered on it (None: raw)."""
 
     q: list[torch.Tensor]
     k: list[torch.Tensor]
@@ -99,13 +101,15 @@ class HeadRows:
     scaling: float
     sliding_window: int | None = None
     softcap: float | None = None
+    k_mean: torch.Tensor | None = None
 
     def mask(self, t: int) -> torch.Tensor:
         return causal_mask(t, self.sliding_window)
 
     def to(self, dtype: torch.dtype) -> "HeadRows":
         return HeadRows([x.to(dtype) for x in self.q], [x.to(dtype) for x in self.k],
-                        [x.to(dtype) for x in self.v], self.scaling, self.sliding_window, self.softcap)
+                        [x.to(dtype) for x in self.v], self.scaling, self.sliding_window, self.softcap,
+                        None if self.k_mean is None else self.k_mean.to(dtype))
 
     @classmethod
     def of_layer(cls, held, head: int, seqs: list[int] | None = None) -> "HeadRows":
@@ -115,7 +119,8 @@ class HeadRows:
         sl = slice(head * grp, (head + 1) * grp)
         idx = range(len(held.q)) if seqs is None else seqs
         return cls([held.q[i][:, sl] for i in idx], [held.k[i][:, head] for i in idx],
-                   [held.v[i][:, head] for i in idx], held.scaling, held.sliding_window, held.softcap)
+                   [held.v[i][:, head] for i in idx], held.scaling, held.sliding_window, held.softcap,
+                   None if held.k_mean is None else held.k_mean[head])
 
 
 def split_sequences(n: int) -> tuple[list[int], list[int] | None]:
@@ -144,7 +149,8 @@ def attention_error(rows: HeadRows, rk: torch.Tensor, ck: float, rv: torch.Tenso
     for n, (q, k, v) in enumerate(zip(rows.q, rows.k, rows.v)):
         mask = rows.mask(q.shape[0])
         ref = refs[n] if refs is not None else _attend(q, k, v, mask, rows.scaling, rows.softcap)
-        kq = quantise(k @ rk, ck, group_size) @ rk.T
+        mu = 0.0 if rows.k_mean is None else rows.k_mean.to(k)
+        kq = quantise((k - mu) @ rk, ck, group_size) @ rk.T + mu
         vq = quantise(v @ rv, cv, group_size) @ rv.T
         keep = (torch.arange(k.shape[0]) < sink).unsqueeze(-1)
         kq, vq = torch.where(keep, k, kq), torch.where(keep, v, vq)

@@ -119,6 +119,25 @@ def test_an_artifact_read_parses_its_settings_once(tmp_path, monkeypatch):
     assert len(calls) == 1
 
 
+def test_key_centering_is_one_flag_written_only_when_on():
+    on = ArtifactSettings(**BASE, key_centering=True)
+    assert on.metadata()["k_centered"] == "true" and ArtifactSettings.from_metadata(on.metadata()) == on
+    assert "k_centered" not in ArtifactSettings(**BASE).metadata()
+    _, problems = ArtifactSettings.read({**on.metadata(), "k_centered": "1"})
+    assert problems == ["metadata 'k_centered' is '1', expected 'true' or 'false'"]
+
+
+def test_an_artifact_in_memory_holds_its_key_means_exactly_when_its_settings_say_so():
+    art = build_artifact(centered=True)
+    assert art.key_centering and all(lr.k_mean.shape == (2, 8) for lr in art.layers)
+    assert set(art.tensors()) >= {"layers.0.k_mean", "layers.1.k_mean"}
+    with pytest.raises(ArtifactError, match="2 of 2 layers hold a key mean .* key_centering=False"):
+        dataclasses.replace(art, settings=None, metadata={k: v for k, v in art.metadata.items() if k != "k_centered"})
+    art.layers[1].k_mean = None
+    with pytest.raises(ArtifactError, match="1 of 2 layers hold a key mean"):
+        dataclasses.replace(art)
+
+
 def test_an_artifact_in_memory_is_refused_with_bad_settings():
     with pytest.raises(ArtifactError, match="group_size 3 is not a power of two"):
         build_artifact(metadata={"group_size": "3"})
@@ -142,6 +161,12 @@ def test_feature_lines_name_each_dropped_setting_once():
     assert warnings == ["engine Y takes one group size per layer for K and V: the values are stored in the keys' "
                         "groups (4–8) instead of their own (8–16)"]
     assert feature_lines(s, set(FEATURES), "engine Z") == ([], [])
+    centered = ArtifactSettings(**BASE, key_centering=True)
+    warnings, refusals = feature_lines(centered, {"windows", "per_head_rotations"}, "engine W")
+    assert not refusals and warnings == [
+        "engine W does not subtract the mean key (k_mean) this artifact was calibrated with: it serves the rotations "
+        "and clips on uncentered keys, whose INT2 groups span a wider range than the clips were fitted for"]
+    assert feature_lines(centered, {"windows", "per_head_rotations", "key_centering"}, "engine V") == ([], [])
     with pytest.raises(InputError, match="unknown artifact feature"):
         feature_lines(s, {"typo"}, "engine")
 
