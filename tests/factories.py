@@ -43,6 +43,10 @@ TINY = {
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2),
     "gemma3": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+    # a logit soft-cap small enough to bite on random weights (Gemma 2's own is 50)
+    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                   attn_logit_softcapping=1.0),
 }
 
 

@@ -67,7 +67,8 @@ def test_simulation_equals_plain_attention_when_nothing_is_quantised(kind):
 
 def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
     """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops)."""
-    rk, ck, rv, cv = scheme.layer(0)
+    ls = scheme.layer(0)
+    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
     g = scheme.group_size
     kq = quantize_kv(kb.transpose(1, 2), rk, ck, g).dequantize()[0]       # [S, H, d] rotated

@@ -201,10 +201,12 @@ def codebook_rows(sch: CodebookScheme, layer: int, q, k, v):
     ``codebook`` equals ``oscar`` (tested)."""
     levels = {"k": sch.k_levels[layer], "v": sch.v_levels[layer]}
 
-    def store(x, rotation, clip, group_size, cache):       # x [B, S, H, d] -> rotated, dequantised
+    def store(x, rotation, clip, group_size, cache, center=None):  # x [B, S, H, d] -> rotated, dequantised
         y = x.float()
         if rotation is not None:
             y = torch.einsum("bshd,hde->bshe", y, rotation)
+        if center is not None:                               # key centering: the shift of the rotated rows
+            y = y - center
         if clip is not None:
             y = clip_rows(y, clip.to(torch.float64))
         lv = levels[cache]

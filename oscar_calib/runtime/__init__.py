@@ -17,6 +17,8 @@ name                        module                 what it is
                                                    the history for the model's own attention)
 :class:`SimulatedKV`        :mod:`.simulate`       accuracy simulation per query position (ppl)
 :class:`KVScheme`           :mod:`.scheme`         how a method stores K/V (rotations, clips, G, window)
+:class:`LayerScheme`        :mod:`.scheme`         one layer of a scheme (rotations, clips, groups,
+                                                   k_mean, correction, windows), passed whole
 ==========================  =====================  ==============================================
 
 The INT2 kernels themselves live in :mod:`oscar_calib.kernels`. Importing this package does not
@@ -25,7 +27,7 @@ import transformers; its names load on first use.
 
 from __future__ import annotations
 
-_EXPORTS = {"KVScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
+_EXPORTS = {"KVScheme": ".scheme", "LayerScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
             "DecodeGraph": ".graph", "graph_decoding": ".graph",
             "SimulatedCache": ".simulated", "SimulatedLayer": ".simulated", "SimulatedKV": ".simulate",
             "SUPPORTED_TRANSFORMERS": ".compat", "check_transformers": ".compat"}

@@ -24,6 +24,9 @@ this call is read as INT2, the call's own tokens as the model computed them. Att
 computed in the rotated basis (``q @ R_k``, values ``v @ R_v``) and the output rotated back with
 ``R_vᵀ`` unless V is folded. With the plan's ``logit_correction``, every INT2 key's logit loses its
 logit-noise correction (:func:`~oscar_calib.numerics.quant.logit_noise`, from its stored scales).
+With key centering the call's own keys are centered like the stored ones (``k @ R_k − μ @ R_k``),
+and a soft-capped layer gets ``q·μ`` back on every logit before the cap (softmax alone does not
+see the shift; ``tanh`` does).
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
-def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None) -> torch.Tensor:
+def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ · scale - noise) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query
     heads per KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool,
-    noise)``, ``noise`` None or ``[B, H, G, T, L]`` subtracted from the (soft-capped) logits.
+    noise)``, ``noise`` None or ``[B, H, G, T, L]`` subtracted from the (soft-capped) logits;
+    ``bias [B, H, G, T]`` (None: none) added to every logit before the soft-cap.
     Rows that may read no key at all return 0."""
     b, h, g, t, d = q.shape
     m = torch.full((b, h, g, t), float("-inf"), device=q.device)
@@ -53,6 +58,8 @@ def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None)
         if k.shape[2] == 0:
             continue
         s = torch.einsum("bhgtd,bhld->bhgtl", q, k.float()) * scale
+        if bias is not None:
+            s = s + bias.unsqueeze(-1)
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         if noise is not None:
@@ -129,9 +136,12 @@ def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_
     def all_blocks():
         yield from _cached_blocks(store, n_new, qidx, chunk, noise)
         if k is not None:
-            yield _per_head(k, p.k_rotation), _per_head(v, p.v_rotation), new_allowed, None
+            yield p.rotate_keys(k), _per_head(v, p.v_rotation), new_allowed, None
 
-    o = online_softmax(qr, all_blocks(), scale, softcap)                          # [B, H, G, T, d]
+    bias = None
+    if softcap and p.k_shift is not None:            # tanh sees the shift: every logit gets q·μ back
+        bias = torch.einsum("bhgtd,hd->bhgt", qr, p.k_shift) * scale
+    o = online_softmax(qr, all_blocks(), scale, softcap, bias)                    # [B, H, G, T, d]
     if p.v_rotation is not None:
         o = _per_head(o, p.v_rotation, transpose=True)
     return o.reshape(bsz, hq, t, d).transpose(1, 2)

@@ -9,7 +9,8 @@ function decides, per call:
 call                     what runs
 =======================  =================================================================
 prefill (layer empty)    the model's own SDPA over the new tokens with the model's mask (full
-                         precision, exactly as a ``DynamicCache`` prefill), then the write
+                         precision, exactly as a ``DynamicCache`` prefill), then the write; a
+                         soft-capped layer (SDPA has no soft-cap) as a chunked prefill
 decode step, CUDA        write the token (window slot + INT2 history slot), then the Triton
                          decode kernel (:func:`oscar_calib.kernels.decode_attention`) on the
                          packed cache: query rotated online by ``k_rotation``, output rotated
@@ -123,7 +124,7 @@ def layer_attention(layer, module, query, key, value, mask, kwargs):
         out = attend_cached(store, query, None, None, None, store.n.unsqueeze(1) - 1, store.n, scale, softcap)
         return out.to(query.dtype), None
     valid, allowed = new_token_rows(mask, bsz, t)
-    if max(store.exact_counts()) == 0:
+    if max(store.exact_counts()) == 0 and not softcap:
         out, _ = attention_function("sdpa", module)(module, query, key, value, mask, **kwargs)
         layer.write(key, value, valid)
         return out, None

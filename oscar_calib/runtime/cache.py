@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import ArtifactError, CacheError, InputError
 from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
 from .plan import LayerPlan
-from .scheme import KVScheme
+from .scheme import KVScheme, LayerScheme
 from .storage import LayerStore, write_step, write_tokens
 
 
@@ -79,12 +79,12 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
-                 sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0):
+    def __init__(self, layer: LayerScheme, *, sliding_window: int | None, backend: str = "auto"):
+        """``layer``: one quantised layer of the cache's scheme (:meth:`KVScheme.layer`)."""
         super().__init__()
-        self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
-        self.logit_correction = logit_correction
-        self.window_dtype, self.backend = window_dtype, backend
+        if not layer.quantized:
+            raise InputError("OscarLayer stores an INT2 history: its layer scheme needs group sizes")
+        self.layer, self.backend = layer, backend
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.attached = 0            # > 0 while an OscarAttention route serves this cache
@@ -94,10 +94,8 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
-                               v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
-                               sliding_window=self.sliding_window, window_dtype=self.window_dtype or key_states.dtype,
-                               device=self.device, backend=self.backend, logit_correction=self.logit_correction)
+        plan = LayerPlan.build(self.layer, heads=h, d=d, sliding_window=self.sliding_window, device=self.device,
+                               backend=self.backend, window_dtype=key_states.dtype)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -183,10 +181,7 @@ class OscarCache(Cache):
                                 f"{len(windows)} layers")
         self.scheme = scheme
         super().__init__(layers=[
-            OscarLayer(scheme.layer(i), groups=scheme.groups(i), sink=scheme.sink, recent=scheme.recent,
-                       window_dtype=scheme.window_dtype, sliding_window=w, backend=backend,
-                       logit_correction=scheme.logit_correction)
-            for i, w in enumerate(windows)])
+            OscarLayer(scheme.layer(i), sliding_window=w, backend=backend) for i, w in enumerate(windows)])
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,

@@ -5,7 +5,9 @@ K and V are handled as one block of ``2H`` heads (K heads first): one rotation t
 both. A missing rotation is the identity and a missing clip the ratio 1 (no clip), which give
 exactly the codes of "no rotation" / "no clip" (``x @ I`` and a clamp at the row maximum are
 exact). Keys and values may be stored in groups of different sizes (``group_size`` and
-``v_group_size``); the write then quantises the K and V heads in two launches.
+``v_group_size``); the write then quantises the K and V heads in two launches. With key centering
+``center2 [2H, d]`` holds the keys' shift ``μ @ R_k`` and zeros for the values: every row is
+stored as ``x @ R − center2`` (the write kernels' one extra operand), in the window and the history.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from ..contract.defaults import group_pair
 from ..kernels import QuantizedKV, quantize_kv
 from ..kernels.append import rotate_kv
+from .scheme import LayerScheme
 
 
 @dataclass
@@ -35,6 +38,8 @@ class LayerPlan:
     backend: str = "auto"                # kernel backend of the write and decode kernels
     v_group_size: int | None = None      # the values' group size (None: group_size)
     logit_correction: float = 0.0        # gain of the logit-noise correction of the INT2 keys (0: off)
+    k_shift: torch.Tensor | None = None  # [H, d] float32: the keys' centering shift μ @ R_k (None: none)
+    center2: torch.Tensor | None = None  # [2H, d]: k_shift, then zeros for the values
 
     def __post_init__(self) -> None:
         self.group_size, self.v_group_size = group_pair(self.group_size, self.v_group_size)
@@ -49,12 +54,16 @@ class LayerPlan:
         return self.group_size != self.v_group_size
 
     @classmethod
-    def build(cls, layer: tuple, *, heads: int, d: int, group_size: int, sink: int, recent: int,
-              sliding_window: int | None, window_dtype: torch.dtype, device, backend: str = "auto",
-              v_group_size: int | None = None, logit_correction: float = 0.0) -> "LayerPlan":
-        """From a :meth:`KVScheme.layer` tuple ``(k_rotation, k_clip, v_rotation, v_clip)``; keys in
-        groups of ``group_size``, values of ``v_group_size`` (default the same)."""
-        rk, ck, rv, cv = (None if t is None else t.to(device, torch.float32).contiguous() for t in layer)
+    def build(cls, layer: LayerScheme, *, heads: int, d: int, sliding_window: int | None, device,
+              backend: str = "auto", window_dtype: torch.dtype | None = None) -> "LayerPlan":
+        """From one quantised layer of a scheme (:meth:`~oscar_calib.runtime.scheme.KVScheme.layer`);
+        ``window_dtype``: the window's dtype when the layer leaves it to the model (its
+        ``window_dtype`` None)."""
+        ls = layer.to(device)
+        rk, ck, rv, cv = (None if t is None else t.contiguous() for t in (ls.k_rotation, ls.k_clip, ls.v_rotation,
+                                                                           ls.v_clip))
+        shift = ls.k_shift()
+        center2 = None if shift is None else torch.cat([shift, torch.zeros_like(shift)]).contiguous()
         rot2 = clip2 = None
         if rk is not None or rv is not None:
             eye = torch.eye(d, device=device).expand(heads, d, d)
@@ -62,19 +71,29 @@ class LayerPlan:
         if ck is not None or cv is not None:
             one = torch.ones(heads, device=device)
             clip2 = torch.cat([one if ck is None else ck.reshape(heads), one if cv is None else cv.reshape(heads)])
-        return cls(rk, rv, rot2, clip2, group_size, sink, recent, sliding_window, window_dtype, backend,
-                   v_group_size, logit_correction)
+        gk, gv = ls.groups
+        return cls(rk, rv, rot2, clip2, gk, ls.sink, ls.recent, sliding_window, ls.window_dtype or window_dtype,
+                   backend, gv, ls.logit_correction, shift, center2)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R`` per head."""
-        return rotate_kv(x, self.rot2)
+        """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R − center2`` per head (the rows as the window
+        holds them, before its rounding)."""
+        y = rotate_kv(x, self.rot2)
+        return y if self.center2 is None else y - self.center2.view(2, -1, self.center2.shape[-1])
+
+    def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys ``k [B, H, T, d]`` as the cache stores them, float32 ``k @ R_k − k_shift`` per head."""
+        y = k.float() if self.k_rotation is None else torch.einsum("bhtd,hde->bhte", k.float(), self.k_rotation)
+        return y if self.k_shift is None else y - self.k_shift[:, None]
 
     def quantize(self, x: torch.Tensor) -> list[QuantizedKV]:
-        """``x [N, 2H, d]`` -> packed INT2 of ``clip(x @ R)`` (the write kernel): one result for the
-        ``2H`` heads, or with K and V group sizes apart one for the K heads and one for the V heads."""
+        """``x [N, 2H, d]`` -> packed INT2 of ``clip(x @ R − center2)`` (the write kernel): one result
+        for the ``2H`` heads, or with K and V group sizes apart one for the K heads and one for the V
+        heads."""
         if not self.split:
-            return [quantize_kv(x, self.rot2, self.clip2, self.group_size, backend=self.backend)]
+            return [quantize_kv(x, self.rot2, self.clip2, self.group_size, center=self.center2, backend=self.backend)]
         h = x.shape[1] // 2
         return [quantize_kv(x[:, part], None if self.rot2 is None else self.rot2[part],
-                            None if self.clip2 is None else self.clip2[part], g, backend=self.backend)
+                            None if self.clip2 is None else self.clip2[part], g,
+                            center=None if self.center2 is None else self.center2[part], backend=self.backend)
                 for part, g in ((slice(0, h), self.group_size), (slice(h, 2 * h), self.v_group_size))]

@@ -1,18 +1,25 @@
-"""``KVScheme``: how one method stores K/V (rotations, clips, INT2 group size, BF16 sink and window).
+"""``KVScheme``: how one method stores K/V (rotations, clips, INT2 group size, BF16 sink and window),
+and ``LayerScheme``: one layer of it, the object every cache and simulation builds a layer from.
 
 Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the two accuracy simulations
 (:mod:`oscar_calib.runtime.simulated`, a ``Cache``; :mod:`oscar_calib.runtime.simulate`, per query
 position for perplexity) and every evaluation method.
+
+Key centering (an artifact with ``k_mean``): every key a cache stores, in the BF16 window and in the
+INT2 history alike, is ``(k − μ) @ R_k``. ``q·μ`` is the same for every key a query reads, so softmax
+is unchanged; a logit soft-cap (``tanh(s / c)``) is not shift-invariant, so the torch paths add
+``q·μ`` back before it. The decode kernel needs nothing: it reads the stored keys as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
+from ..contract.settings import GroupPair
 from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
@@ -26,6 +33,53 @@ from ..errors import InputError
 # vLLM's (pull request #46774) or llama.cpp's q2_0 (OSCAR's branch): :mod:`oscar_calib.numerics.engines`
 QUANTIZERS = ("oscar", "fork", "fork-lloyd", "vllm", "llamacpp")
 ENGINE_QUANTIZERS = ("vllm", "llamacpp")
+# the quantisers whose simulations store keys as those engines' code does: uncentered (no k_mean)
+UNCENTERED_QUANTIZERS = ("fork", "fork-lloyd", *ENGINE_QUANTIZERS)
+
+
+@dataclass(frozen=True)
+class LayerScheme:
+    """Everything one layer of a :class:`KVScheme` stores K/V by, passed whole to the caches and the
+    simulations (:meth:`KVScheme.layer`).
+
+    ``k_rotation``/``v_rotation`` ``[H, d, d]`` (None: identity), ``k_clip``/``v_clip`` ``[H]`` (None:
+    no clip), ``groups`` the keys' and the values' INT2 group sizes (None: nothing quantised),
+    ``k_mean`` ``[H, d]`` the mean key every stored key is centered on (None: no centering; see the
+    module docstring), ``logit_correction`` the gain of the logit-noise correction of the INT2 keys,
+    ``sink``/``recent`` the BF16 windows and ``window_dtype`` their dtype (None: the model's)."""
+
+    k_rotation: torch.Tensor | None = None
+    k_clip: torch.Tensor | None = None
+    v_rotation: torch.Tensor | None = None
+    v_clip: torch.Tensor | None = None
+    groups: GroupPair | None = None
+    k_mean: torch.Tensor | None = None
+    logit_correction: float = 0.0
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    window_dtype: torch.dtype | None = torch.bfloat16
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("k_rotation", "k_clip", "v_rotation", "v_clip", "k_mean")
+
+    @property
+    def quantized(self) -> bool:
+        return self.groups is not None
+
+    def to(self, device) -> "LayerScheme":
+        """The same layer with its tensors float32 on ``device``."""
+        return replace(self, **{n: None if getattr(self, n) is None else getattr(self, n).to(device, torch.float32)
+                                for n in self.TENSORS})
+
+    def k_shift(self) -> torch.Tensor | None:
+        """``[H, d]`` float32: the shift every stored key carries in the keys' rotated basis,
+        ``μ @ R_k`` (``μ`` without a rotation; computed in float64), or None without centering.
+        A stored key is ``k @ R_k − k_shift``."""
+        if self.k_mean is None:
+            return None
+        mu = self.k_mean.to(torch.float64)
+        if self.k_rotation is None:
+            return mu.float()
+        return torch.einsum("hd,hde->he", mu, self.k_rotation.to(mu.device, torch.float64)).float()
 
 
 @dataclass
@@ -59,6 +113,11 @@ class KVScheme:
     ``a`` times half the variance of each INT2 key's logit noise from its logit
     (:func:`~oscar_calib.numerics.quant.logit_noise`); oscar's quantiser only. Every cache,
     simulation and kernel of oscar applies it; no other engine does.
+
+    ``k_mean[i]``: layer ``i``'s mean key ``[kv_heads, d]`` (``None``: no key centering); not with
+    the other engines' quantisers (:data:`UNCENTERED_QUANTIZERS`). Every cache and simulation of
+    oscar stores the keys centered on it (the module docstring). :meth:`layer` gives one layer as a
+    :class:`LayerScheme`.
     """
 
     name: str
@@ -80,10 +139,11 @@ class KVScheme:
     v_groups: list = field(default_factory=list)
     native_layers: tuple = ()
     logit_correction: float = 0.0
+    k_mean: list = field(default_factory=list)
 
     # the quantizer names this class accepts, and its per-layer list fields (empty: None per layer)
     quantizers: ClassVar[tuple[str, ...]] = QUANTIZERS
-    per_layer: ClassVar[tuple[str, ...]] = ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output")
+    per_layer: ClassVar[tuple[str, ...]] = ("k_rotation", "v_rotation", "k_clip", "v_clip", "v_output", "k_mean")
 
     def __post_init__(self):
         for name in self.per_layer:
@@ -96,6 +156,9 @@ class KVScheme:
         self.logit_correction = check_logit_correction(self.logit_correction, f"{self.name}: logit_correction")
         if self.logit_correction and (self.quantizer != "oscar" or self.group_size is None):
             raise InputError(f"{self.name}: the logit-noise correction applies to oscar's INT2 history only")
+        if self.centered and (self.quantizer in UNCENTERED_QUANTIZERS or self.group_size is None):
+            raise InputError(f"{self.name}: key centering (k_mean) applies to a quantised history stored the oscar "
+                             f"way; the {self.quantizer!r} simulation stores the keys as that engine does, uncentered")
         if self.quantizer not in self.quantizers:
             raise InputError(f"{self.name}: unknown quantizer {self.quantizer!r}; choose from "
                              f"{', '.join(self.quantizers)}")
@@ -114,6 +177,11 @@ class KVScheme:
     @property
     def quantized(self) -> bool:
         return self.group_size is not None
+
+    @property
+    def centered(self) -> bool:
+        """Some layer stores its keys centered on a mean key (``k_mean``)."""
+        return any(m is not None for m in self.k_mean)
 
     @property
     def bits_per_element(self) -> float:
@@ -164,8 +232,11 @@ class KVScheme:
             raise InputError(f"{self.name}: {cache} stores oscar's uniform INT2; the {self.quantizer!r} quantiser "
                              "exists only in the perplexity simulation (SimulatedKV)")
 
-    def layer(self, i: int) -> tuple:
-        return self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i]
+    def layer(self, i: int) -> LayerScheme:
+        """Layer ``i`` as one :class:`LayerScheme` (its tensors as the scheme holds them)."""
+        return LayerScheme(self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i],
+                           GroupPair.of(*self.groups(i)) if self.quantizes(i) else None, self.k_mean[i],
+                           self.logit_correction, self.sink, self.recent, self.window_dtype)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -200,7 +271,8 @@ class KVScheme:
         """The artifact's rotations and clips; group size, sink, window and logit-noise correction
         default to its metadata (its per-layer K and V sizes, ``layer_group_sizes`` /
         ``layer_v_group_sizes``, when stored; ``group_size`` given: that size everywhere, for K
-        and V; ``logit_correction`` given: that gain instead of the artifact's).
+        and V; ``logit_correction`` given: that gain instead of the artifact's); an artifact with key
+        centering gives every layer its ``k_mean``.
 
         An artifact marked ``v_folded = "true"`` (``oscar fold-weights``) belongs to a checkpoint whose
         ``v_proj`` already outputs ``v @ R_v`` and whose ``o_proj`` takes the output in that basis: V
@@ -218,7 +290,8 @@ class KVScheme:
             [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
             sink=st.sink_tokens if sink is None else sink, recent=st.recent_tokens if recent is None else recent,
             window_dtype=window_dtype, k_groups=k_sizes, v_groups=v_sizes,
-            logit_correction=st.logit_correction if logit_correction is None else logit_correction)
+            logit_correction=st.logit_correction if logit_correction is None else logit_correction,
+            k_mean=[lr.k_mean.float() for lr in art.layers] if st.key_centering else [])
 
     @classmethod
     def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,

@@ -10,7 +10,9 @@ plain attention (tested). It de-quantises every key for every layer: memory and 
 the context like a full-precision cache, so it measures accuracy only.
 
 A scheme with a ``logit_correction`` subtracts it from the logit of every INT2 key
-(:func:`logit_noise_rows`), as the real cache and the decode kernel do.
+(:func:`logit_noise_rows`), as the real cache and the decode kernel do. A scheme with key centering
+(``k_mean``) quantises the INT2 keys centered and reads them back in the model's basis
+(:func:`oscar_rows`), which is the real cache's softmax, soft-capped or not.
 
 A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
 (:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).
@@ -158,11 +160,11 @@ def logit_noise_rows(sch: KVScheme, layer: int, q, k, scaling: float) -> torch.T
     from ..kernels import quantize_kv
     from ..numerics.quant import logit_noise
 
-    rk, ck, _, _ = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
-    gk = sch.groups(layer)[0]
+    ls = sch.layer(layer).to(q.device)
+    rk, gk = ls.k_rotation, ls.groups.k
     k_in = k.to(sch.window_dtype) if sch.window_dtype is not None else k
     grp = q.shape[1] // k.shape[1]
-    ks = quantize_kv(k_in.transpose(1, 2), rk, ck, gk).scale                        # [B, S, Hkv, d/G]
+    ks = quantize_kv(k_in.transpose(1, 2), rk, ls.k_clip, gk, center=ls.k_shift()).scale   # [B, S, Hkv, d/G]
     ks = ks.permute(0, 2, 1, 3).repeat_interleave(grp, 1)                           # [B, Hq, S, d/G]
     qr = q.float() if rk is None else torch.einsum("bhtd,hde->bhte", q.float(), rk.repeat_interleave(grp, 0))
     return logit_noise(qr, ks, gk, sch.logit_correction, scaling)
@@ -184,32 +186,37 @@ def _round(x: torch.Tensor, dtype) -> torch.Tensor:
     return x.float() if dtype is None else x.to(dtype).float()
 
 
-def kernel_store(x: torch.Tensor, rotation, clip, group_size: int, cache: str) -> torch.Tensor:
-    """oscar's INT2 history: rows ``x [B, S, Hkv, d]`` rotated, clipped, quantised with fp16
-    scale/offset exactly as :func:`oscar_calib.kernels.quantize_kv` stores them and dequantised
-    (float32, still rotated). ``cache`` (``"k"`` or ``"v"``) is unused here."""
+def kernel_store(x: torch.Tensor, rotation, clip, group_size: int, cache: str, center=None) -> torch.Tensor:
+    """oscar's INT2 history: rows ``x [B, S, Hkv, d]`` rotated, centered (``center [Hkv, d]``, the
+    keys' shift ``μ @ R``; None: not), clipped, quantised with fp16 scale/offset exactly as
+    :func:`oscar_calib.kernels.quantize_kv` stores them and dequantised (float32, still rotated and
+    centered). ``cache`` (``"k"`` or ``"v"``) is unused here."""
     from ..kernels import quantize_kv
 
-    return quantize_kv(x, rotation, clip, group_size).dequantize()
+    return quantize_kv(x, rotation, clip, group_size, center=center).dequantize()
 
 
 def oscar_rows(sch: KVScheme, layer: int, q, k, v, store=kernel_store):
     """oscar's storage: ``(query, bf16 keys, bf16 values, INT2 keys, INT2 values, output map)``, all in
-    the model's basis (the INT2 rows rotated, clipped, quantised by ``store``, then rotated back);
-    the query as it comes. ``store(x, rotation, clip, group_size, cache)`` (see :func:`kernel_store`)
-    is how another 4-level quantiser on oscar's rotations and clips is simulated
+    the model's basis (the INT2 rows rotated, centered with key centering, clipped, quantised by
+    ``store``, then rotated back and the key mean added back); the query as it comes.
+    ``store(x, rotation, clip, group_size, cache, center=None)`` (see :func:`kernel_store`) is how
+    another 4-level quantiser on oscar's rotations and clips is simulated
     (:mod:`oscar_calib.experimental`)."""
     wd = sch.window_dtype
     k_in = k.to(wd) if wd is not None else k
     v_in = v.to(wd) if wd is not None else v
     k_lo = v_lo = None
     if sch.quantized:
-        rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+        ls = sch.layer(layer).to(q.device)
+        rk, rv = ls.k_rotation, ls.v_rotation
         gk, gv = sch.groups(layer)
-        kq = store(k_in.transpose(1, 2), rk, ck, gk, "k")     # [B, S, Hkv, d] rotated
-        vq = store(v_in.transpose(1, 2), rv, cv, gv, "v")
+        kq = store(k_in.transpose(1, 2), rk, ls.k_clip, gk, "k", center=ls.k_shift())   # [B, S, Hkv, d] rotated
+        vq = store(v_in.transpose(1, 2), rv, ls.v_clip, gv, "v")
         k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
         v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
+        if ls.k_mean is not None:            # back in the model's basis: the shift every stored key carries
+            k_lo = k_lo + ls.k_mean[:, None]
     out_rot = sch.v_output[layer]        # absorbed R_v: map the output back, o @ Rᵀ per KV head
     back = output_unrotation(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) \
         if out_rot is not None else None
@@ -234,7 +241,8 @@ def fork_rows(sch: KVScheme, layer: int, q, k, v):
 
     hp = sch.window_dtype
     grp = q.shape[1] // k.shape[1]
-    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    ls = sch.layer(layer).to(q.device)
+    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
 
     def rotate(x, r):                      # x [B, H, S, d], r [H, d, d] or None
         xb = _round(x, hp)
@@ -270,7 +278,8 @@ def vllm_rows(sch: KVScheme, layer: int, q, k, v):
     if not sch.quantizes(layer):              # a native layer: vLLM's own attention, K/V in the model's dtype
         return q.float(), _round(k, wd), _round(v, wd), None, None, None
     grp = q.shape[1] // k.shape[1]
-    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    ls = sch.layer(layer).to(q.device)
+    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
 
     def rotate(x, r):
         return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
@@ -298,7 +307,8 @@ def llamacpp_rows(sch: KVScheme, layer: int, q, k, v):
 
     b, hkv, s, d = k.shape
     grp = q.shape[1] // hkv
-    rk, ck, rv, _ = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    ls = sch.layer(layer).to(q.device)
+    rk, ck, rv = ls.k_rotation, ls.k_clip, ls.v_rotation
 
     def rotate(x, r):
         return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)

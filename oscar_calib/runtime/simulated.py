@@ -17,7 +17,9 @@ recent      ``[n - recent, n)``           BF16, un-rotated; a token that leaves 
 ==========  ===========================  ===================================================
 
 ``update`` returns everything cached *before* the call in its stored form (history as
-``Q(clip(xR))·Rᵀ``; a token this call pushed out of the window already INT2), then the call's
+``Q(clip(xR))·Rᵀ``, with key centering ``Q(clip(xR − μR))·Rᵀ + μ``: the model's attention reads
+every key in the model's basis, so the shift the real cache gives every key is taken back
+here; a token this call pushed out of the window already INT2), then the call's
 new tokens exactly as the model computed them. A decode step therefore reads what a kernel reads
 with the query rotated online; a multi-token call (the prefill) attends in full precision.
 Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``.
@@ -31,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
 from .compat import check_transformers, layer_windows
-from .scheme import KVScheme
+from .scheme import KVScheme, LayerScheme
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
@@ -81,9 +83,13 @@ class _Int2Rows:
 class _Segments:
     """Sink, history and recent segments of one simulated layer (see the module docstring)."""
 
-    def __init__(self, rotations: tuple, groups: tuple[int, int] | None, sink: int, recent: int):
-        self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = rotations
-        self.groups, self.sink, self.recent = groups, sink, recent
+    def __init__(self, layer: LayerScheme):
+        """``layer``: the scheme's layer, its tensors on the cache's device."""
+        self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = (layer.k_rotation, layer.k_clip,
+                                                                      layer.v_rotation, layer.v_clip)
+        self.k_mean, self.k_shift = layer.k_mean, layer.k_shift()
+        groups, self.sink, self.recent = layer.groups, layer.sink, layer.recent
+        self.groups = None if groups is None else tuple(groups)
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None       # [B, H, n, d]
         self.hist = _Int2Rows() if groups is not None else None
         self.hist_k = self.hist_v = None        # history kept as it is when quantisation is off
@@ -111,7 +117,8 @@ class _Segments:
                 from ..kernels import quantize_kv
 
                 gk, gv = self.groups
-                self.hist.append(quantize_kv(old_k.transpose(1, 2), self.k_rotation, self.k_clip, gk),
+                self.hist.append(quantize_kv(old_k.transpose(1, 2), self.k_rotation, self.k_clip, gk,
+                                             center=self.k_shift),
                                  quantize_kv(old_v.transpose(1, 2), self.v_rotation, self.v_clip, gv))
 
     def evict(self, n: int) -> None:
@@ -140,7 +147,8 @@ class _Segments:
         elif len(self.hist):
             x = getattr(self.hist, which).dequantize()                          # [B, T, H, d] rotated
             rot = getattr(self, f"{which}_rotation")
-            parts.append(torch.einsum("bthe,hde->bhtd", x, rot) if rot is not None else x.transpose(1, 2))
+            x = torch.einsum("bthe,hde->bhtd", x, rot) if rot is not None else x.transpose(1, 2)
+            parts.append(x if which == "v" or self.k_mean is None else x + self.k_mean[:, None])
         parts.append(getattr(self, f"recent_{which}"))
         out = torch.cat([p.to(dtype) for p in parts if _n(p)], dim=-2)
         return out[..., :out.shape[-2] - skip_last, :]
@@ -163,14 +171,11 @@ class SimulatedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, *, k_rotation=None, k_clip=None, v_rotation=None, v_clip=None,
-                 groups: tuple[int, int] | None = None, sink: int = 64, recent: int = 256,
-                 window_dtype=torch.bfloat16, sliding_window: int | None = None):
-        """``groups``: the keys' and the values' INT2 group sizes (None: nothing quantised)."""
+    def __init__(self, layer: LayerScheme, *, sliding_window: int | None = None):
+        """``layer``: one layer of the scheme (:meth:`KVScheme.layer`; ``groups`` None: nothing quantised)."""
         super().__init__()
-        self._args = ((k_rotation, k_clip, v_rotation, v_clip), None if groups is None else tuple(groups), int(sink),
-                      int(recent))
-        self.window_dtype = window_dtype
+        self.layer = layer
+        self.window_dtype = layer.window_dtype
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.is_sliding = self.sliding_window is not None
         self.reset()
@@ -178,8 +183,7 @@ class SimulatedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store_dtype = self.window_dtype or key_states.dtype
-        rots = tuple(None if t is None else t.to(self.device, torch.float32) for t in self._args[0])
-        self.seg = _Segments(rots, *self._args[1:])
+        self.seg = _Segments(self.layer.to(self.device))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -252,14 +256,7 @@ class SimulatedCache(Cache):
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
                                 f"{len(windows)} layers")
         self.scheme = scheme
-        layers = []
-        for i, w in enumerate(windows):
-            rk, ck, rv, cv = scheme.layer(i)
-            layers.append(SimulatedLayer(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
-                                         groups=scheme.groups(i) if scheme.quantized else None,
-                                         sink=scheme.sink, recent=scheme.recent,
-                                         window_dtype=scheme.window_dtype, sliding_window=w))
-        super().__init__(layers=layers)
+        super().__init__(layers=[SimulatedLayer(scheme.layer(i), sliding_window=w) for i, w in enumerate(windows)])
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,

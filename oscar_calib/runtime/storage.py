@@ -10,12 +10,18 @@ part                shape                                          content
 ==================  =============================================  ===================================
 window ``kv``       ``[B, 2, H, S + R + 1, d]`` bf16/fp16           sink slots ``[0, S)`` and a ring of
                                                                    ``R`` recent slots, rotated
-                                                                   (``x @ R``); the last slot is scratch
-history ``codes``   ``[B, 2, H, cap + 1, d/4]`` uint8               packed INT2 codes of ``clip(x @ R)``
+                                                                   (``x @ R − c``); the last slot is
+                                                                   scratch
+history ``codes``   ``[B, 2, H, cap + 1, d/4]`` uint8               packed INT2 codes of
+                                                                   ``clip(x @ R − c)``
 history ``scale``,  ``[B, 2, H, cap + 1, d/G]`` fp16                per-group scale and offset
 ``offset``
 counts ``n``        ``[B]`` int64 (device) and a host list          valid tokens stored per sequence
 ==================  =============================================  ===================================
+
+``c`` is the layer's centering shift (:attr:`~oscar_calib.runtime.plan.LayerPlan.center2`: ``μ @ R_k``
+for the keys of an artifact with key centering, zeros otherwise): window and history hold every key
+with the same shift.
 
 A layer whose keys and values use different group sizes ``G_K != G_V`` keeps their parameters
 apart: ``[B, 1, H, cap + 1, d/G_K]`` for K and ``[B, 1, H, cap + 1, d/G_V]`` for V (scale and
@@ -274,7 +280,7 @@ def write_step(st: LayerStore, k: torch.Tensor, v: torch.Tensor, real: torch.Ten
     qr = append_token(k[:, :, 0], v[:, :, 0], st.window.kv, st.hist.codes, scale, offset, st.n, sink=p.sink,
                       recent=p.recent, group_size=p.groups, rotation=p.rot2, clip=p.clip2, ring=st.hist.ring,
                       real=real, lens=(st.bf16_lens, st.hist_lens), ticket=st.ticket, gate=gate, query=query,
-                      backend=p.backend)
+                      center=p.center2, backend=p.backend)
     if real is not None or gate is not None:
         st.counts_stale = True
     st.counts = [c + 1 for c in st.counts]

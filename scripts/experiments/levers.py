@@ -110,18 +110,23 @@ class LeverKV(SimulatedKV):
     def _int2(self, layer: int, which: str, x: torch.Tensor):
         """``x [B, H, S, d]`` -> (dequantised rows in the model's basis [B, H, S, d], scales [B, S, H, NG])."""
         sch = self.scheme
-        rk, ck, rv, cv = (None if t is None else t.to(x.device, torch.float32) for t in sch.layer(layer))
-        r, c = (rk, ck) if which == "k" else (rv, cv)
-        g = sch.groups(layer)[0 if which == "k" else 1]
+        ls = sch.layer(layer).to(x.device)
+        r, c = (ls.k_rotation, ls.k_clip) if which == "k" else (ls.v_rotation, ls.v_clip)
+        g = ls.groups.k if which == "k" else ls.groups.v
+        shift = ls.k_shift() if which == "k" else None           # key centering: y = (x - mu) @ R
         y = x.float().transpose(1, 2)                                           # [B, S, H, d]
         if r is not None:
             y = torch.einsum("bshd,hde->bshe", y, r)
+        if shift is not None:
+            y = y - shift
         yc = torch.stack([clip_rows(y[:, :, h], c[h].double()) for h in range(y.shape[2])], 2) if c is not None else y
         levels = 7 if layer in sch.int3_layers else 3
         yq, s = fake_quant_rows(yc, g, levels, sch.params)
         if sch.sparse:
             yq = _sparse_fix(y, yq, sch.sparse)
         back = torch.einsum("bshe,hde->bhsd", yq, r) if r is not None else yq.transpose(1, 2)
+        if shift is not None:
+            back = back + ls.k_mean[:, None]
         return back, s
 
     def attend(self, layer, q, k, v, mask, scaling, window, softcap, positions=None):
@@ -146,7 +151,7 @@ class LeverKV(SimulatedKV):
         if softcap:
             sc = torch.tanh(sc / softcap) * softcap
         if sch.logit_correction:
-            rk = sch.layer(layer)[0]
+            rk = sch.layer(layer).k_rotation
             qr = qf if rk is None else torch.einsum("bhtd,hde->bhte", qf,
                                                     rk.to(q.device, torch.float32).repeat_interleave(grp, 0))
             scales = k_scales.permute(0, 2, 1, 3).repeat_interleave(grp, 1)             # [B, Hq, S, NG]
@@ -179,7 +184,8 @@ def self_check(scheme: KVScheme, head_dim: int, seed: int = 0) -> float:
     """Largest difference between :class:`LeverKV` with every lever off and ``SimulatedKV`` on random
     rows of layer 0 (the lever simulation's own test)."""
     g = torch.Generator().manual_seed(seed)
-    heads = scheme.layer(0)[0].shape[0] if scheme.layer(0)[0] is not None else 1
+    rk = scheme.layer(0).k_rotation
+    heads = rk.shape[0] if rk is not None else 1
     q = torch.randn(1, 2 * heads, 400, head_dim, generator=g)
     k = torch.randn(1, heads, 400, head_dim, generator=g) * 3
     v = torch.randn(1, heads, 400, head_dim, generator=g)

@@ -32,8 +32,9 @@ def _reference(q, k, v, sch, layer, scaling):
     """Per query head, per (i, j): BF16 inside sink/window, else K/V rotated, clipped, quantised in
     groups of the layer's own K and V sizes, rotated back."""
     bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
-    rk, ck, rv, cv = sch.layer(layer)
-    gk, gv = sch.groups(layer)
+    ls = sch.layer(layer)
+    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
+    gk, gv = ls.groups
     hq, t = q.shape[1], q.shape[2]
     grp = hq // k.shape[1]
     i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]

@@ -103,11 +103,11 @@ def test_padded_batch_equals_solo_runs_int2():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("correction", [0.0, 1.0])
-def test_kernel_path_equals_torch_path(correction):
+@pytest.mark.parametrize("correction,centered", [(0.0, False), (1.0, False), (0.0, True)])
+def test_kernel_path_equals_torch_path(correction, centered):
     """The Triton write and decode kernels (the CPU interpreter here, the real compiler on a GPU)
     against the pure-torch path, model level, GQA (4 query / 2 KV heads), batch 2, without and
-    with the logit-noise correction."""
+    with the logit-noise correction, and with key centering (the write kernels' shift)."""
     import dataclasses
 
     dev = "cuda" if ON_GPU else "cpu"
@@ -115,6 +115,9 @@ def test_kernel_path_equals_torch_path(correction):
     # 10 tokens of prefill (an INT2 history of 5 behind the 2 + 3 window), then 3 decode steps
     ids = torch.randint(1, 120, (2, 13), generator=torch.Generator().manual_seed(3)).to(dev)
     sch = dataclasses.replace(scheme(m, group_size=32), logit_correction=correction)
+    if centered:
+        g = torch.Generator().manual_seed(8)
+        sch = dataclasses.replace(sch, k_mean=[torch.randn(2, 64, generator=g) * 3 for _ in range(2)])
     tri_cache = OscarCache(m.config, sch, backend="triton")
     tri = step_logits(m, tri_cache, ids, 10)
     ref = step_logits(m, OscarCache(m.config, sch, backend="torch"), ids, 10)

@@ -14,19 +14,21 @@ from oscar_calib.kernels import (
 from oscar_calib.kernels.testing import random_rotation
 from oscar_calib.runtime import attend
 from oscar_calib.runtime.attend import attend_cached
+from oscar_calib.contract.settings import GroupPair
 from oscar_calib.runtime.plan import LayerPlan
+from oscar_calib.runtime.scheme import LayerScheme
 from oscar_calib.runtime.storage import GROW_MIN, LayerStore, write_step, write_tokens
 
 H, G, D = 2, 2, 64
 
 
 def make_store(batch=2, sink=2, recent=3, window=None, reserve=0, seed=0, group_size=32, device="cpu",
-               v_group_size=None, backend="torch"):
+               v_group_size=None, backend="torch", k_mean=None):
     g = torch.Generator().manual_seed(seed)
     rk, rv = random_rotation(H, D, generator=g), random_rotation(H, D, generator=g)
-    plan = LayerPlan.build((rk, torch.full((H,), 0.95), rv, torch.full((H,), 0.9)), heads=H, d=D,
-                           group_size=group_size, v_group_size=v_group_size, sink=sink, recent=recent,
-                           sliding_window=window, window_dtype=torch.bfloat16, device=device, backend=backend)
+    layer = LayerScheme(rk, torch.full((H,), 0.95), rv, torch.full((H,), 0.9), GroupPair.of(group_size, v_group_size),
+                        k_mean=k_mean, sink=sink, recent=recent, window_dtype=torch.bfloat16)
+    plan = LayerPlan.build(layer, heads=H, d=D, sliding_window=window, device=device, backend=backend)
     return LayerStore(plan, batch, H, D, device, reserve=reserve), g
 
 
