@@ -210,3 +210,36 @@ def test_verify_runs_each_layer_of_a_bit_budget_artifact_at_its_size(tmp_path):
     for i in range(3):
         same = res.layers[i]["artifact"]["attn"] == flat.layers[i]["artifact"]["attn"]
         assert same == (i != small)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verify_reads_centered_keys_as_the_cache_stores_them(backend):
+    """Key centering in verify's write/decode path: keys ``k + μ`` verified with ``k_mean = μ`` give
+    the attention error of keys ``k`` verified without centering (window and history hold the same
+    stored keys, the query's logits all move by ``q·μ``), and the logits are compared in the model's
+    basis (the same numerator); a centering missing from the window or the history would not."""
+    from oscar_calib.kernels.testing import random_rotation
+    from oscar_calib.tools.verify import _layer_errors, _samples
+
+    if backend == "triton":
+        assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(12)
+    h, hq, d, t = 2, 4, 64, 60
+    samples = _samples((48, 60), 2, 7, None)
+    at = {p: j for j, p in enumerate(sorted({e - 1 for _, e in samples}))}
+    k = torch.randn(1, t, h, d, generator=g)
+    mu = torch.randn(h, d, generator=g) * 4
+    caps = {"k": k, "v": torch.randn(1, t, h, d, generator=g), "q": torch.randn(1, len(at), hq, d, generator=g),
+            "o": torch.randn(1, len(at), hq, d, generator=g), "at": at}
+    rot = random_rotation(h, d, generator=g)
+    kw = dict(group_size=32, v_group_size=32, sink=4, recent=8, backend=backend, scaling=d ** -0.5)
+    clips = (torch.tensor([0.95, 0.9]), torch.tensor([0.92, 0.92]))
+    moved = {n: (x.to(dev) if torch.is_tensor(x) else x) for n, x in dict(caps, k=k + mu).items()}
+    plain = {n: (x.to(dev) if torch.is_tensor(x) else x) for n, x in caps.items()}
+    args = (rot.to(dev), clips[0].to(dev), rot.to(dev), clips[1].to(dev))
+    centered = _layer_errors(moved, samples, *args, **kw, k_mean=mu.to(dev))
+    uncentered = _layer_errors(plain, samples, *args, **kw)
+    assert centered["attn"] == pytest.approx(uncentered["attn"], rel=1e-3)
+    ignored = _layer_errors(moved, samples, *args, **kw)                    # the shifted keys served raw
+    assert abs(ignored["attn"] - uncentered["attn"]) > 1e-2 * uncentered["attn"]

@@ -71,15 +71,20 @@ class LayerScheme:
                                 for n in self.TENSORS})
 
     def k_shift(self) -> torch.Tensor | None:
-        """``[H, d]`` float32: the shift every stored key carries in the keys' rotated basis,
-        ``μ @ R_k`` (``μ`` without a rotation; computed in float64), or None without centering.
-        A stored key is ``k @ R_k − k_shift``."""
-        if self.k_mean is None:
-            return None
-        mu = self.k_mean.to(torch.float64)
-        if self.k_rotation is None:
-            return mu.float()
-        return torch.einsum("hd,hde->he", mu, self.k_rotation.to(mu.device, torch.float64)).float()
+        """The layer's :func:`key_shift` (None without centering)."""
+        return key_shift(self.k_mean, self.k_rotation)
+
+
+def key_shift(k_mean: torch.Tensor | None, k_rotation: torch.Tensor | None) -> torch.Tensor | None:
+    """``[H, d]`` float32: the shift every stored key carries in the keys' rotated basis, ``μ @ R_k``
+    per KV head (``μ`` without a rotation; computed in float64), or None without a mean ``k_mean``.
+    A stored key is ``k @ R_k − key_shift``: the write kernels' ``center`` operand."""
+    if k_mean is None:
+        return None
+    mu = k_mean.to(torch.float64)
+    if k_rotation is None:
+        return mu.float()
+    return torch.einsum("hd,hde->he", mu, k_rotation.to(mu.device, torch.float64)).float()
 
 
 @dataclass

@@ -11,7 +11,8 @@ Procedure
    batch of sequences with different lengths.
    K and V go through the write kernel (rotation, clip, INT2) with the first ``sink`` and last
    ``recent`` tokens kept in BF16, exactly as at serving time, and the decode kernel computes
-   the attention output (un-rotated back with ``Rᵀ``).
+   the attention output (un-rotated back with ``Rᵀ``). An artifact with key centering stores
+   every key (window and history) centered on its ``k_mean``, as the cache does.
 3. Per layer, relative errors against full-precision attention (the model's own output):
    ``attn`` = ‖o_int2 − o‖ / ‖o‖ and ``logit`` = ‖q K̂ᵀ − q Kᵀ‖ / ‖q Kᵀ‖ over the cached tokens,
    pooled over depths, sequences and heads.
@@ -61,6 +62,7 @@ from ..model.load import LoadedModel
 from ..model.placement import input_device
 from ..numerics.hadamard import hadamard
 from ..progress import ProgressFn, counter, step
+from ..runtime.scheme import key_shift
 
 DEFAULT_DEPTHS = (512, 1024, 2048)
 # what ``oscar calibrate --quick`` verifies with: one held-out sequence, depths up to 1024
@@ -129,9 +131,10 @@ PAGE = 16
 
 
 def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_size, v_group_size, sink, recent,
-                  backend, scaling: float, logit_correction: float = 0.0) -> dict:
+                  backend, scaling: float, logit_correction: float = 0.0, k_mean=None) -> dict:
     """Relative attention-output and logit errors of one layer, pooled over all samples (the
-    attention output with the artifact's logit-noise correction, as the cache serves it).
+    attention output with the artifact's logit-noise correction and, given ``k_mean [H, d]``, the
+    keys centered on it, as the cache serves it).
 
     Quantisation is per token, so every held-out sequence goes through the write kernel once;
     each sample's INT2 history is a run of pages of its sequence (paged layout: samples that
@@ -148,9 +151,12 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
     q_all, o_all, at = caps["q"], caps["o"], caps["at"]     # [B, P, H, d] at the query positions; at[pos] -> P
     n_seq, _, h, d = k_all.shape
     dev = k_all.device
-    qk = quantize_kv(k_all, rot_k, clip_k, group_size, backend=backend)       # the write kernel
+    shift = key_shift(k_mean, rot_k)                                          # [H, d]: μ @ R_k, or None
+    qk = quantize_kv(k_all, rot_k, clip_k, group_size, center=shift, backend=backend)       # the write kernel
     qv = quantize_kv(v_all, rot_v, clip_v, v_group_size, backend=backend)
     kr = torch.einsum("bthd,hde->bthe", k_all.float(), rot_k.float())
+    if shift is not None:
+        kr = kr - shift
     vr = torch.einsum("bthd,hde->bthe", v_all.float(), rot_v.float())
     rows = [(b, s, e) for b in range(n_seq) for s, e in samples]
     parts = [split_lengths(e - s, sink, recent) for _, s, e in rows]
@@ -197,6 +203,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
     # logits over each sample's cached tokens: INT2 history dequantised, sink/window exact
     deq = dequantize_packed(qk.codes, qk.scale, qk.offset, group_size)
     kq_all = torch.einsum("bthe,hde->bthd", deq, rot_k.float())
+    if k_mean is not None:
+        kq_all = kq_all + k_mean.float()
     grp = q.shape[1] // h
     num_l = den_l = 0.0
     for n, ((b, s, e), (ns, nh, _)) in enumerate(zip(rows, parts)):
@@ -327,7 +335,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         cap = {k: t.to(dev) if torch.is_tensor(t) else t for k, t in caps.pop(i).items()}  # a layer at a time on dev
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
                              layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw,
-                             logit_correction=st.logit_correction)
+                             logit_correction=st.logit_correction,
+                             k_mean=None if layer.k_mean is None else layer.k_mean.to(dev))
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
@@ -346,7 +355,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                 "depths": depths,
                 "sequences": sequences, "positions_per_depth": positions, "position_stride": POSITION_STRIDE, "data": plan.source, "sink_tokens": sink, "recent_tokens": recent,
                 "group_size": group_size, "max_layer_error": max_layer_error, "baseline_clips": list(BASELINE_CLIPS),
-                "token_sha256": plan.sha256()}
+                "token_sha256": plan.sha256(), "key_centering": st.key_centering}
     if st.per_layer_groups:
         settings["layer_group_sizes"] = st.k_groups
     if st.split_groups:
