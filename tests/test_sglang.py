@@ -260,6 +260,49 @@ def test_import_reads_what_the_fork_loads(tmp_path):
     assert "re-orthogonalised" in (tmp_path / "art" / "README.md").read_text()
 
 
+def test_key_centering_round_trips_through_the_forks_newer_files(tmp_path):
+    """sglang-fork-v2 writes every layer's k_mean into the K file (the fork's newer loader reads it
+    there, on every layer or none, [d] or [h, d]); the fork's main does not read it, so its export
+    says so; importing the V2 files gives the artifact's centering back."""
+    art = make_artifact(tmp_path / "c", kv=2, heads=4, d=16, centered=True, granularity="layer",
+                        metadata={"fork_k_clip": "0.95", "fork_v_clip": "0.9"})
+    src = load_artifact(art)
+    res = export_sglang(art, tmp_path / "v2", target="sglang-fork-v2")
+    k = torch.load(tmp_path / "v2" / res.files[0], weights_only=True)
+    v = torch.load(tmp_path / "v2" / res.files[1], weights_only=True)
+    assert all(torch.equal(k["layers"][i]["k_mean"], src.layers[i].k_mean) for i in range(2))
+    assert all("k_mean" not in e for e in v["layers"].values()) and not any("k_mean" in w for w in res.warnings)
+    got = import_files("sglang-fork-v2", [tmp_path / "v2" / res.files[0], tmp_path / "v2" / res.files[1]],
+                       tiny_target(), tmp_path / "back")
+    back = load_artifact(tmp_path / "back")
+    assert back.key_centering and all(torch.equal(a.k_mean, b.k_mean) for a, b in zip(back.layers, src.layers))
+    assert "key centering" in " ".join(got.report["imported"]["k"]["notes"])
+    main = export_sglang(art, tmp_path / "v1", target="sglang-fork")
+    assert any("does not subtract the mean key (k_mean)" in w for w in main.warnings)
+    assert "k_mean" not in torch.load(tmp_path / "v1" / main.files[0], weights_only=True)["layers"][0]
+    # the loader's rules on the field: every layer or none, [d] or [h, d], finite
+    eye = torch.eye(16).expand(2, 16, 16).clone()
+    cases = {"one_layer": ({0: {"rotation": eye, "k_mean": torch.zeros(2, 16)}, 1: {"rotation": eye}},
+                           "'k_mean' is on 1 of 2 layers"),
+             "wrong_heads": ({i: {"rotation": eye, "k_mean": torch.zeros(3, 16)} for i in range(2)},
+                             "layer 0 'k_mean' has shape [3, 16]"),
+             "nan": ({i: {"rotation": eye, "k_mean": torch.full((16,), float("nan"))} for i in range(2)},
+                     "layer 0 'k_mean' is not a finite")}
+    for name, (layers, line) in cases.items():
+        f = save(tmp_path / f"{name}.pt", {"format_version": 2, "layers": layers})
+        problems = fork_load_problems(f, num_layers=2, head_dim=16, target="sglang-fork-v2", num_kv_heads=2)
+        assert problems and line in problems[0], (name, problems)
+        with pytest.raises(ArtifactError, match=line.replace("[", r"\[").replace("]", r"\]")):
+            read_rotation_file(f, num_layers=2, num_kv_heads=2, head_dim=16)
+    shared = save(tmp_path / "d.pt", {"layers": {i: {"rotation": torch.eye(16), "k_mean": torch.ones(16)}
+                                                 for i in range(2)}})
+    assert read_rotation_file(shared, num_layers=2, num_kv_heads=2, head_dim=16).k_means[1].shape == (2, 16)
+    q = save(tmp_path / "q.pt", {"layers": {i: {"rotation": torch.eye(16), "q_rotation": torch.eye(16)}
+                                            for i in range(2)}})
+    with pytest.raises(ArtifactError, match="'q_rotation' .* not imported"):
+        read_rotation_file(q, num_layers=2, num_kv_heads=2, head_dim=16)
+
+
 @pytest.mark.parametrize("name,obj,expected", [
     ("per_head_wrong_h", {"format_version": 2, "layers": {i: {"rotation": torch.eye(16).expand(3, 16, 16).clone()}
                                                           for i in range(2)}},

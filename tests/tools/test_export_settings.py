@@ -15,8 +15,8 @@ from oscar_calib.contract.settings import FEATURES, feature_lines
 from oscar_calib.tools.export import TARGETS, ExportSettings, export_artifact
 from oscar_calib.tools.export.base import ExportTarget
 
-# every optional setting at once: per-layer key sizes, values apart, the logit-noise correction, windows;
-# head_dim 128 so that every engine's shape rules hold (llama.cpp's q2_0 blocks of 128)
+# every optional setting at once: per-layer key sizes, values apart, the logit-noise correction, key centering,
+# windows; head_dim 128 so that every engine's shape rules hold (llama.cpp's q2_0 blocks of 128)
 EVERYTHING = {"group_size": "64", "layer_group_sizes": "32,64", "layer_v_group_sizes": "128,64",
               "logit_correction": "0.5", "fork_k_clip": "0.96", "fork_v_clip": "0.92", "model_type": "qwen3"}
 
@@ -24,7 +24,8 @@ EVERYTHING = {"group_size": "64", "layer_group_sizes": "32,64", "layer_v_group_s
 @pytest.fixture(scope="module")
 def everything(tmp_path_factory):
     root = tmp_path_factory.mktemp("settings")
-    art = make_artifact(root / "art", layers=2, kv=2, heads=4, d=128, granularity="layer", metadata=EVERYTHING)
+    art = make_artifact(root / "art", layers=2, kv=2, heads=4, d=128, granularity="layer", metadata=EVERYTHING,
+                        centered=True)
     gguf = write_gguf(root / "m.gguf", arch="qwen3", layers=2, heads=4, kv=2, d=128)
     return art, gguf
 
@@ -70,6 +71,20 @@ def test_the_two_settings_that_were_dropped_in_silence(tmp_path, everything):
     ort = export_artifact(path, tmp_path / "ort", "onnxruntime", ExportSettings())
     assert any("values are stored in the keys' groups (32–64) instead of their own (64–128)" in w
                for w in ort.warnings)
+
+
+def test_key_centering_is_served_by_the_forks_newer_code_only(tmp_path, everything):
+    """Every target but sglang-fork-v2 names the key mean it does not subtract, saying what it serves
+    without it; sglang-fork-v2 writes it."""
+    path, gguf = everything
+    art = load_artifact(path)
+    line = FEATURES["key_centering"].dropped(art.settings, "X").removeprefix("X ")
+    assert "serves the rotations and clips on uncentered keys" in line
+    for name, target in TARGETS.items():
+        warnings, _ = target.setting_lines(art, ExportSettings(gguf=gguf))
+        said = [w for w in warnings if "k_mean" in w]
+        assert said == ([] if name == "sglang-fork-v2" else [f"{target.engine} {line}"]), name
+    assert {n for n, t in TARGETS.items() if "key_centering" in t.serves} == {"sglang-fork-v2"}
 
 
 def test_an_artifact_without_optional_settings_gets_no_setting_lines(tmp_path):

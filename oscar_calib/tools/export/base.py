@@ -165,6 +165,7 @@ class ReadRotations:
     eigenvalues: list[torch.Tensor | None] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     source_dtype: str = "float32"
+    k_means: list[torch.Tensor] | None = None   # every layer's mean key [h, d] (key centering), or None
 
     def __post_init__(self):
         if not self.eigenvalues:

@@ -12,6 +12,8 @@ carry:
   which;
 * granularity ``layer`` when both caches hold one rotation per layer (repeated per KV head), else
   ``head``; ``composition`` and objectives ``"imported"``;
+* key centering when the K file carries a ``k_mean`` on every layer (the OSCAR fork's newer files):
+  the artifact stores it (``[h, d]``, a ``[d]`` one repeated per KV head);
 * fingerprint, model_id and geometry: from the model (a :class:`~oscar_calib.model.load.LoadedModel`,
   or any :class:`ModelTarget`, e.g. one built from ``configs/`` geometry when the weights are not at
   hand); group size ``min(128, head_dim)``, sink 64, recent 256 unless given.
@@ -133,6 +135,8 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
     group_size = group_size or default_group_size(d)
     check_group_size(d, group_size)
     kf, vf = read(Geometry(n, h, d))
+    if vf.k_means is not None:                 # the fork reads k_mean from the K file only
+        vf.notes.append("k_mean in the V file ignored (the fork reads the key mean from the K file only)")
     granularity = "head" if kf.per_head or vf.per_head else "layer"
     layers, eig_src = [], {"k": set(), "v": set()}
     for i in range(n):
@@ -142,7 +146,8 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
         eig_src["v"].add(vs)
         layers.append(LayerRotations(
             k_rotation=kf.rotations[i].expand(h, d, d).clone(), v_rotation=vf.rotations[i].expand(h, d, d).clone(),
-            k_clip=torch.full((h,), k_clip), v_clip=torch.full((h,), v_clip), k_eigenvalues=ke, v_eigenvalues=ve))
+            k_clip=torch.full((h,), k_clip), v_clip=torch.full((h,), v_clip), k_eigenvalues=ke, v_eigenvalues=ve,
+            k_mean=None if kf.k_means is None else kf.k_means[i]))
     imported = {which: {"file": f.source, "sha256": f.sha256, "format_version": f.format_version,
                         "eigenvalues": "+".join(sorted(eig_src[which])), "dtype": f.source_dtype,
                         "notes": f.notes, "per_head": f.per_head}
@@ -155,7 +160,7 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
     settings = ArtifactSettings(num_layers=n, num_attention_heads=target.num_attention_heads, num_kv_heads=h,
                                 head_dim=d, group_size=group_size, sink_tokens=sink_tokens,
                                 recent_tokens=recent_tokens, granularity=granularity, shared_clips=(k_clip, v_clip),
-                                model_type=target.model_type)
+                                key_centering=kf.k_means is not None, model_type=target.model_type)
     metadata = {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": target.model_id,
         "model_fingerprint": target.fingerprint, "calibration": json.dumps(calibration, sort_keys=True),

@@ -45,7 +45,10 @@ FORK_MAIN = Checked(
      "rotation/compute_kv_rotation.py: the V1 writer"))
 FORK_V2 = Checked(
     "FutureMLS-Lab/OSCAR (newer code; PR #20)", "8dbf789065",
-    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations, load_oscar_rotation_field",),
+    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations, load_oscar_rotation_field (k_mean: [d] "
+     "or [h_kv, d] per layer, every layer or none)",
+     "rotation/tests/test_oscar2_transforms.py @ 2911dd3f9a: the pool subtracts k_mean from every key before "
+     "the key rotation"),
     status="partial",
     note="PR #20's head was not readable; the rules are the fork's newer code, which carries the per-head loader")
 UPSTREAM = Checked(
@@ -108,9 +111,10 @@ class SGLangTarget(ExportTarget):
 
 
 # what each loader honours besides the rotations (every one: one group size for all layers and both caches,
-# ONE K and ONE V clip ratio, BF16 sink and recent windows, no logit-noise correction)
+# ONE K and ONE V clip ratio, BF16 sink and recent windows, no logit-noise correction; the fork's newer code
+# also subtracts a per-layer key mean, k_mean)
 TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, frozenset({"windows"})),
-               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations"})),
+               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations", "key_centering"})),
                SGLangTarget("sglang", UPSTREAM, frozenset({"windows"}))]
 
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",

@@ -7,7 +7,8 @@ Writes into ``--out`` (staged, moved into place only when complete):
 =====================================  =====================================================
 file                                   content
 =====================================  =====================================================
-``k_rotation_<obj>.pt``                key/query rotations (:mod:`.fileformat`, the target's form)
+``k_rotation_<obj>.pt``                key/query rotations (:mod:`.fileformat`, the target's form;
+                                       ``sglang-fork-v2``: with the artifact's ``k_mean`` per layer)
 ``v_rotation_<obj>.pt``                value rotations, or identities when V is already folded into
                                        the checkpoint (``v_rotation_identity.pt``)
 ``serve.env``                          the fork's environment variables (``set -a; . serve.env``)
@@ -180,8 +181,11 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
     v_obj = identity_payload(art.num_layers, d) if folded else payload(*_rotations(art, "v", target, artifact_path),
                                                                       objective=_objective(art, "v"))
     out = Path(out)
+    # key centering: the fork's newer code subtracts each layer's k_mean before the key rotation
+    k_means = [lr.k_mean for lr in art.layers] if art.key_centering and target in PER_HEAD_TARGETS else None
     with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
-        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"))))
+        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"),
+                                                            k_means=k_means)))
         atomic_write_bytes(tmp / v_name, save_bytes(v_obj))
         for name in (k_name, v_name):     # the files must load in the fork: check them as it would
             problems = fork_load_problems(tmp / name, num_layers=art.num_layers, head_dim=d, target=target,

@@ -19,9 +19,13 @@ Three loaders, read for this module (nothing copied):
   sparse), each rotation ``[d, d]`` (V1) or ``[num_kv_heads, d, d]`` (V2, dispatched on
   ``rotation.dim()``; sliced per tensor-parallel rank, so the head count must be the model's), and
   the optional per-layer fields ``q_rotation`` / ``o_rotation`` (``[d, d]`` or ``[h, d, d]``) and
-  ``k_mean`` (``[d]`` or ``[h, d]``), each on every layer or on none. The per-head writer stores
-  ``{"format_version": 2, "objective", "source_grouping": "per_kv_head", "layers": {i: {"layer_id",
-  "rotation" [h, d, d]}}}`` and no eigenvalues;
+  ``k_mean`` (``[d]`` or ``[h, d]``; ``load_oscar_rotation_field(path, "k_mean", ..., vector=True)``),
+  each on every layer or on none (a field on some layers only is a ``ValueError``), cast to the
+  pool's dtype. ``k_mean`` is subtracted from every key before the key rotation, for every stored
+  key and the keys of an extend alike (its test ``rotation/tests/test_oscar2_transforms.py`` at
+  2911dd3f9a: the pool centers in bf16, ``k − k_mean``, then rotates), so a query's logits all move
+  by ``q·k_mean``. The per-head writer stores ``{"format_version": 2, "objective", "source_grouping":
+  "per_kv_head", "layers": {i: {"layer_id", "rotation" [h, d, d]}}}`` and no eigenvalues;
 * upstream SGLang's pull request #32129 (sgl-project/sglang at 166afca4bc,
   ``UnifiedInt2HPKVPool.__init__`` in ``python/sglang/srt/mem_cache/unified_kv_pool.py``): it calls
   the fork's loader (``load_oscar_rotations`` of its ``memory_pool.py``, which was not readable at
@@ -37,7 +41,8 @@ target                 what :func:`payload` writes per layer
                        eigenvalues fp32 ``[d]`` ascending (what the fork's main loads)
 ``sglang-fork-v2``     format_version 2, ``source_grouping: "per_kv_head"``: every KV head's
                        rotation fp32 ``[h, d, d]``, heads in the model's ``k_proj``/``v_proj``
-                       order, no eigenvalues (its writer's form)
+                       order, no eigenvalues (its writer's form); with key centering the K
+                       file's layers also hold ``k_mean`` fp32 ``[h, d]`` (the artifact's)
 ``sglang``             as ``sglang-fork`` (upstream's pull request loads the fork's V1 files)
 =====================  =====================================================================
 
@@ -82,10 +87,12 @@ def file_name(which: str, objective: str) -> str:
     return f"{which}_rotation_{objective}.pt"
 
 
-def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str) -> dict:
+def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str,
+            k_means: list[torch.Tensor] | None = None) -> dict:
     """The fork's dict for one cache: ``rotations[i]`` ``[d, d]`` (format_version 1) or ``[h, d, d]``
     (format_version 2), ``eigenvalues[i]`` descending (oscar's order; written ascending, the
-    fork's, and only in format_version 1, as its writers do) or None. Tensors are cloned, fp32 and
+    fork's, and only in format_version 1, as its writers do) or None, ``k_means[i]`` ``[h, d]`` (the
+    K file of a centered artifact: every layer's ``k_mean``) or None. Tensors are cloned, fp32 and
     contiguous (a saved view would carry its whole storage)."""
     dims = {r.dim() for r in rotations}
     if len(dims) != 1 or dims.pop() not in (2, 3):
@@ -96,6 +103,8 @@ def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None
         entry = {"layer_id": i, "rotation": r.detach().to("cpu", torch.float32).contiguous().clone()}
         if e is not None and version == 1:
             entry["eigenvalues"] = e.detach().to("cpu", torch.float32).flip(-1).contiguous().clone()
+        if k_means is not None:
+            entry["k_mean"] = k_means[i].detach().to("cpu", torch.float32).contiguous().clone()
         layers[i] = entry
     return {"format_version": version, "objective": objective,
             "source_grouping": "layer" if version == 1 else "per_kv_head", "layers": layers}
@@ -228,6 +237,9 @@ def optional_field_problems(entries: dict[int, object], d: int, h: int | None) -
                 shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 problems.append(f"layer {i} '{name}' has shape {shape}, expected {list(tail)} or [{h}, *{list(tail)}]")
                 break
+            if not t.is_floating_point() or not torch.isfinite(t).all():
+                problems.append(f"layer {i} '{name}' is not a finite floating-point tensor")
+                break
     return problems
 
 
@@ -261,13 +273,33 @@ def read_rotation_file(path: Path, *, num_layers: int, num_kv_heads: int, head_d
             eigs.append(e)
             fixed = max(fixed, err)
             dtypes.add(str(entries[i]["rotation"].dtype).replace("torch.", ""))
+        means = _key_means({i: entries[i] for i in ids}, num_kv_heads, head_dim)
     except ArtifactError as e:
         raise ArtifactError(f"{path}: {e}") from None
     notes = [f"layer(s) {_span(extra)} ignored (not among the model's layers)"] if extra else []
     if fixed:
         notes.append(f"16-bit rotations re-orthogonalised (‖RRᵀ − I‖∞ was {fixed:.1e})")
+    if means is not None:
+        notes.append("k_mean on every layer: the keys are stored centered on it (key centering)")
     return ReadRotations(path.name, str(version), rots, hashlib.sha256(raw).hexdigest(), eigs, notes,
-                         "+".join(sorted(dtypes)))
+                         "+".join(sorted(dtypes)), k_means=means)
+
+
+def _key_means(entries: dict[int, object], h: int, d: int) -> list[torch.Tensor] | None:
+    """Every layer's ``k_mean`` as float32 ``[h, d]`` (a ``[d]`` one repeated per KV head), or None
+    when no layer has one; the fork's newer loader's rules (:func:`optional_field_problems`), and
+    the non-orthogonal OSCAR-2 companions (``q_rotation``, ``o_rotation``), which oscar's artifact
+    cannot hold, refused in one line rather than dropped."""
+    for name in ("q_rotation", "o_rotation"):
+        if any(isinstance(e, dict) and e.get(name) is not None for e in entries.values()):
+            raise ArtifactError(f"holds '{name}' (a non-orthogonal OSCAR-2 transform): oscar's artifact stores "
+                                "orthogonal rotations only, so it is not imported")
+    problems = optional_field_problems(entries, d, h)
+    if problems:
+        raise ArtifactError(problems[0])
+    if not any(isinstance(e, dict) and e.get("k_mean") is not None for e in entries.values()):
+        return None
+    return [entries[i]["k_mean"].to(torch.float32).expand(h, d).contiguous().clone() for i in sorted(entries)]
 
 
 def _read_layer(entry, i: int, h: int, d: int) -> tuple[torch.Tensor, torch.Tensor | None, float]:
