@@ -232,7 +232,7 @@ def test_checkpoint_sharded_reloads(tmp_path):
 
     src, model = save_tiny(tmp_path, "llama")
     art_dir = tmp_path / "art"
-    make_artifact(art_dir, model)
+    make_artifact(art_dir, model, centered=True)            # key centering: k_mean stays online, in the copy
     before_src, before_art = tree_digest(src), tree_digest(art_dir)
     out = tmp_path / "out"
     res = fold_checkpoint(str(src), art_dir, out, shard_size="100KB")
@@ -253,7 +253,9 @@ def test_checkpoint_sharded_reloads(tmp_path):
     assert meta["v_folded"] == "true" and {k: v for k, v in meta.items() if k not in own} == \
         {k: v for k, v in read_metadata(art_dir).items() if k not in own}
     copy_ = load_artifact(out / "oscar")
-    assert all(torch.equal(a.v_rotation, b.v_rotation) for a, b in zip(copy_.layers, load_artifact(art_dir).layers))
+    assert all(torch.equal(a.v_rotation, b.v_rotation) and torch.equal(a.k_mean, b.k_mean)
+               for a, b in zip(copy_.layers, load_artifact(art_dir).layers))
+    assert copy_.key_centering and "`k_mean`" in (out / "oscar" / "README.md").read_text()
 
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert reloaded.dtype == torch.float32

@@ -181,6 +181,8 @@ def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
     assert sha256(tmp_path / "c" / "oscar.safetensors") == sha256(tmp_path / "w" / "oscar.safetensors")
     art, plain = load_artifact(tmp_path / "c"), load_artifact(tiny_calibrated)
     assert art.metadata["k_centered"] == "true" and "k_centered" not in plain.metadata
+    assert "| key centering |" in (tmp_path / "c" / "README.md").read_text()
+    assert "| key centering |" not in (tiny_calibrated / "README.md").read_text()
     ref = json.loads((tiny_calibrated / "calibration.json").read_text())["layers"]
     for i, (lr, lp) in enumerate(zip(art.layers, plain.layers)):
         assert torch.equal(lr.k_mean, res.stats.stats[i].key_mean().float()) and lp.k_mean is None

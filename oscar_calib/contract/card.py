@@ -27,6 +27,9 @@ def model_card(report: dict) -> str:
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
+        *(["| key centering | every key stored as `(k − k_mean) @ k_rotation`, `k_mean` the calibration's mean "
+           "post-RoPE key per layer and KV head; `oscar export` names every engine that does not subtract it |"]
+          if s.get("center_keys") else []),
         f"| calibration data | {cal['data']}, {cal['tokens']} tokens in {cal['sequences']} sequences of ≤{cal['seq_len']}, seed {cal['seed']} |",
         *([f"| content digest | `{report['content_sha256']}` (sha256 of the tensors and metadata; `verify.json` records "
            "the digest it verified) |"] if report.get("content_sha256") else []),

@@ -18,7 +18,8 @@ module             what it holds
 The attention weights ``softmax(q kᵀ)`` do not involve V, so the folded model computes the same
 logits; its V cache holds ``v R`` and an INT2 cache quantises that directly, with no run-time
 rotation of V. Keys are untouched: ``k_rotation`` is applied online (after RoPE it cannot be
-folded). The output checkpoint records what was folded (``config.json`` key ``oscar``, and the
+folded), and so is an artifact's key mean ``k_mean`` (a mean of post-RoPE keys: ``k_proj`` produces
+the keys before RoPE, so no bias there subtracts it); the artifact copy keeps it. The output checkpoint records what was folded (``config.json`` key ``oscar``, and the
 artifact copy), so no engine rotates V twice.
 """
 

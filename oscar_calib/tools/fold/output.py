@@ -57,9 +57,12 @@ def write_artifact_copy(directory: Path, artifact: Artifact, source_sha256: str)
     if src is not None and (src / REPORT_NAME).exists():
         shutil.copyfile(src / REPORT_NAME, directory / REPORT_NAME)
     card = (src / CARD_NAME).read_text() if src is not None and (src / CARD_NAME).exists() else ""
+    centered = (" With key centering every key is stored as `(k − k_mean) @ k_rotation`: `k_mean` is a mean of "
+                "post-RoPE keys, which no projection weight can subtract, so it stays in this copy and is applied "
+                "online too." if artifact.key_centering else "")
     card = card.rstrip("\n") + ("\n\n" if card else "") + (
         "## Folded\n\n"
         "This copy's `v_rotation` is already folded into the checkpoint one directory up (`v_proj` rows and "
         "`o_proj` columns; metadata `v_folded = true`). Engines apply only `k_rotation` (online, to keys and "
-        f"queries after RoPE) and must not rotate V again. Source artifact sha256: `{source_sha256}`.\n")
+        f"queries after RoPE) and must not rotate V again.{centered} Source artifact sha256: `{source_sha256}`.\n")
     (directory / CARD_NAME).write_text(card)
