@@ -5,8 +5,10 @@ not the write kernel, so treat the ratio as an order of magnitude).
 Qwen3-8B shapes per layer (8 KV heads, head_dim 128, G = 128, sink 64 + recent 256, bf16
 window), 36 layers per step: a CUDA graph holds one call per layer, each into its own layer's
 buffers, and the median replay over 36 is the time per call (launch gaps included, L2 warm).
-Variants: the defaults; without clip, without rotation, without both (the floor of a launch that
-moves the same bytes); other ``KB`` (rows of ``R`` per product step) and warp counts.
+Variants: the defaults; with key centering (``centered``: the defaults plus the shift operand,
+timed in the same run, so the ratio to ``default`` is the cost of centering); without clip,
+without rotation, without both (the floor of a launch that moves the same bytes); other ``KB``
+(rows of ``R`` per product step) and warp counts.
 
 The ``step`` section (``--sections step``) times a decode step's attention per layer, the write
 and the decode kernel together, over a filled cache of ``--contexts`` tokens (36 layers, each its
@@ -59,6 +61,8 @@ VARIANTS = {
     "no clip": {"clip": None},
     "no rotation": {"rotation": None},
     "neither": {"clip": None, "rotation": None},
+    # key centering: the K heads' shift subtracted after the rotation (one more [2H, d] operand)
+    "centered": {"center": "shift"},
     "KB 32": {"config": {"KB": 32}},
     "KB 64, 2 warps": {"config": {"KB": 64, "num_warps": 2}},
     "torch reference": {"backend": "torch"},
@@ -229,6 +233,8 @@ def main(argv=None) -> int:
     res = new_result("append", device, script=__file__, argv=argv, settings=settings)
     rot = random_rotation(2 * heads, d, generator=torch.Generator().manual_seed(0)).float().to(dev)
     clip = torch.full((2 * heads,), 0.92, device=dev)
+    g = torch.Generator().manual_seed(1)
+    shift = torch.cat([torch.randn(heads, d, generator=g) * 2, torch.zeros(heads, d)]).to(dev)   # K heads, V zeros
     rows = res["rows"]
     for batch in (batches if "append" in sections else []):
         bufs = [layer_buffers(batch, heads, d, sink, recent, 4096 if cuda else 64, dev) for _ in range(layers)]
@@ -237,6 +243,8 @@ def main(argv=None) -> int:
         for variant, over in VARIANTS.items():
             kw = {"rotation": rot, "clip": clip, "backend": "triton"}
             kw.update(over)
+            if kw.get("center") == "shift":
+                kw["center"] = shift
 
             def step():
                 for b in bufs:

@@ -10,14 +10,14 @@ import statistics
 import torch
 from kernels_common import Ctx, kernel_info
 from kernels_decode import check_correctness, safe_time_decode
-from kernels_write import ratio_tensor, write_inputs, zoo_clip_ratios
+from kernels_write import centering_shift, ratio_tensor, write_inputs, zoo_clip_ratios
 
 from oscar_calib.kernels import quantize_kv, quantize_kv_reference
 from oscar_calib.kernels import write as write_mod
 from oscar_calib.kernels.testing import code_agreement, kv_rows, random_rotation
 
 WRITE_ROUNDS = 3  # alternating rounds of a write sweep (each config timed once per round)
-BENCH_KEYS = ("rotation", "clip", "clip_ratio")
+BENCH_KEYS = ("rotation", "clip", "clip_ratio", "center")
 
 
 def sweep_variants(ctx: Ctx, report: dict, shape: dict, contexts: list[int], batches: list[int], bw: float) -> None:
@@ -68,13 +68,22 @@ def write_check_rows(h: int, d: int, gen, tokens: int = 1200) -> torch.Tensor:
 def kernel_config(cfg: dict, rot, clip):
     """A write-sweep entry's kernel config and its inputs: ``"rotation": false`` / ``"clip": false``
     in the entry time it without them, ``"clip_ratio"`` (a number, or one per KV head) with other
-    clip ratios than ``clip``'s (all other keys go to the kernel)."""
+    clip ratios than ``clip``'s, ``"center": true`` with a key-centering shift (:func:`centering_shift`;
+    all other keys go to the kernel)."""
     kcfg = {k: v for k, v in cfg.items() if k not in BENCH_KEYS}
+    if cfg.get("center"):
+        kcfg["center"] = True              # resolved to the shift tensor by the caller (center_of)
     if not cfg.get("clip", True):
         return kcfg, (rot if cfg.get("rotation", True) else None), None
     if "clip_ratio" in cfg and clip is not None:
         clip = ratio_tensor(cfg["clip_ratio"], clip)
     return kcfg, (rot if cfg.get("rotation", True) else None), clip
+
+
+def center_of(kcfg: dict, h: int, d: int, device) -> tuple[dict, torch.Tensor | None]:
+    """``kcfg`` without the ``center`` flag, and the shift it asks for (None)."""
+    kcfg = dict(kcfg)
+    return kcfg, centering_shift(h, d, device) if kcfg.pop("center", False) else None
 
 
 def check_write_configs(ctx: Ctx, report: dict, shape: dict, configs: list[dict]) -> list[dict]:
@@ -91,13 +100,15 @@ def check_write_configs(ctx: Ctx, report: dict, shape: dict, configs: list[dict]
         row = {"config": cfg}
         try:
             kcfg, _, clip_i = kernel_config(cfg, None, clip)
+            kcfg, shift = center_of(kcfg, h, d, "cpu")
             if clip_i is not None and clip_i.numel() != h:
                 raise ValueError(f"clip_ratio needs one number or {h}, got {clip_i.numel()}")
             for name, rot in (("rot", rk), ("no rot", None)):
                 got = quantize_kv(xc.to(ctx.dev), None if rot is None else rot.to(ctx.dev),
-                                  None if clip_i is None else clip_i.to(ctx.dev), g, backend="triton", config=kcfg)
-                ref = refs[(clip_i is not None, name)] if "clip_ratio" not in cfg else \
-                    quantize_kv_reference(xc, rot, clip_i, g)
+                                  None if clip_i is None else clip_i.to(ctx.dev), g, backend="triton", config=kcfg,
+                                  center=None if shift is None else shift.to(ctx.dev))
+                ref = refs[(clip_i is not None, name)] if "clip_ratio" not in cfg and shift is None else \
+                    quantize_kv_reference(xc, rot, clip_i, g, center=shift)
                 worst, frac = code_agreement(got, ref)
                 same = bool(torch.equal(got.scale.cpu(), ref.scale) and torch.equal(got.offset.cpu(), ref.offset))
                 row[name] = {"max_level_diff": worst, "codes_differing": frac, "params_identical": same}
@@ -133,9 +144,10 @@ def sweep_write(ctx: Ctx, report: dict, shape: dict, configs: list[dict]) -> Non
             if ctx.over_budget():
                 break
             kcfg, r_i, c_i = kernel_config(cfg, rot, clip_d)
+            kcfg, shift = center_of(kcfg, h, d, x.device)
 
-            def fn(kcfg=kcfg, r_i=r_i, c_i=c_i):
-                quantize_kv(x, r_i, c_i, g, backend="triton", out=out, config=kcfg)
+            def fn(kcfg=kcfg, r_i=r_i, c_i=c_i, shift=shift):
+                quantize_kv(x, r_i, c_i, g, backend="triton", out=out, config=kcfg, center=shift)
 
             times[i].append(ctx.time([fn]))
             regs[i] = kernel_info(write_mod.LAST_LAUNCH.get("write"))
@@ -146,7 +158,8 @@ def sweep_write(ctx: Ctx, report: dict, shape: dict, configs: list[dict]) -> Non
         report["rows"].append({"config": cfg, "ms": ms, "runs_ms": times[i], "tokens": t, "bytes": nbytes,
                                "bytes_per_s": nbytes / (ms * 1e-3), "kernel": regs.get(i)})
     report["ncu_decode"] = []
-    report["write_profile"] = [{"name": json.dumps(cfg), "config": kernel_config(cfg, None, None)[0],
+    report["write_profile"] = [{"name": json.dumps(cfg), "config": center_of(kernel_config(cfg, None, None)[0], h, d,
+                                                                         "cpu")[0],
                                 "rot": cfg.get("rotation", True), "clip": cfg.get("clip", True),
                                 "clip_ratio": cfg.get("clip_ratio", list(zoo_clip_ratios(h)))}
                                for cfg in ok_cfgs]

@@ -18,7 +18,8 @@ ZOO = Path(__file__).resolve().parents[2] / "zoo"
 
 def write_variants(ctx: Ctx) -> list[tuple[str, dict, dict]]:
     """(name, kernel config, options) of every timed write; options: ``clip``, ``rot`` (default
-    True), ``ratio`` (instead of the zoo's), ``fp32`` (float32 rows), ``fast`` (fast rotation)."""
+    True), ``ratio`` (instead of the zoo's), ``fp32`` (float32 rows), ``fast`` (fast rotation),
+    ``center`` (a key-centering shift, the one more operand of a centered key cache)."""
     if ctx.quick:
         return [("rot+clip", {}, {"clip": True})]
     gen = {"planes": False}
@@ -31,6 +32,7 @@ def write_variants(ctx: Ctx) -> list[tuple[str, dict, dict]]:
     blocks = {"programs_per_sm": 0, "num_stages": 3}  # one program per 64-row block
     tile2d = {"BT": 64, "num_warps": 4, "num_stages": 2}  # a 64-row tile of the persistent grid
     return [("rot+clip", {}, clip),
+            ("rot+clip centered", {}, {"clip": True, "center": True}),
             ("rot+clip 0.96", {}, {"clip": True, "ratio": 0.96}),
             ("rot+clip 0.96 top3", {"select_top3": True}, {"clip": True, "ratio": 0.96}),
             ("rot+clip top3", {"select_top3": True}, clip),
@@ -49,6 +51,7 @@ def write_variants(ctx: Ctx) -> list[tuple[str, dict, dict]]:
             ("rot, no clip per block", blocks, noclip),
             ("rot, no clip general", gen, noclip),
             ("no rot, clip", {}, norot),
+            ("no rot, clip centered", {}, {**norot, "center": True}),
             ("no rot, clip general", gen, norot),
             ("no rot, fp32 clip", {}, fp32),
             ("no rot, fp32 clip rounds", {"select": "rounds"}, fp32),
@@ -98,6 +101,12 @@ def zoo_clip_ratios(h: int) -> tuple[float, ...]:
     return tuple(round(float(c), 4) for c in q)
 
 
+def centering_shift(h: int, d: int, device) -> torch.Tensor:
+    """A key-centering shift ``[h, d]`` float32 (the mean key in the rotated basis; random here: the
+    kernel's cost does not depend on its values)."""
+    return (torch.randn(h, d, generator=torch.Generator().manual_seed(11)) * 2).to(device)
+
+
 def ratio_tensor(ratio, like: torch.Tensor) -> torch.Tensor:
     """Clip ratios shaped like ``like``: one number for every head, or a list, one per head."""
     vals = list(ratio) if isinstance(ratio, (list, tuple)) else [ratio] * like.numel()
@@ -140,8 +149,11 @@ def time_write(ctx: Ctx, shape: dict) -> list[dict]:
         xin = x32 if opt.get("fp32") else x
         nbytes = xin.numel() * xin.element_size() + out.codes.numel() + 2 * out.scale.numel() * 2
 
-        def fn(xin=xin, rot=rot, cl=cl, opt=opt, cfg=cfg):
-            quantize_kv(xin, rot, cl, g, backend="triton", out=out, fast_rotation=opt.get("fast", False), config=cfg)
+        shift = centering_shift(h, d, ctx.dev) if opt.get("center") else None
+
+        def fn(xin=xin, rot=rot, cl=cl, opt=opt, cfg=cfg, shift=shift):
+            quantize_kv(xin, rot, cl, g, backend="triton", out=out, fast_rotation=opt.get("fast", False), config=cfg,
+                        center=shift)
 
         try:
             ms = ctx.time([fn])

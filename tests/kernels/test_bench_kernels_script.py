@@ -74,16 +74,17 @@ def test_write_sweep_quick(bench, tmp_path, capsys):
     # rows), then timed; a config the kernel refuses fails its check and is not timed (entries may
     # carry their own clip ratios: one number, or one per head; the quick shape has 2)
     cfg = ('[{"late_clip": false, "select_top3": false, "sign_bits": false}, {"quantize": "bogus"}, '
-           '{"select_top3": true, "clip_ratio": [0.85, 0.95]}, {"clip_ratio": [0.9]}]')
+           '{"select_top3": true, "clip_ratio": [0.85, 0.95]}, {"clip_ratio": [0.9]}, {"center": true}]')
     assert bench.main(["--quick", "--out", str(tmp_path), "--write-variants", cfg]) == 0
     rep = json.loads((tmp_path / "write_sweep.json").read_text())
-    first, second, third, fourth = rep["write_check"]
+    first, second, third, fourth, fifth = rep["write_check"]
+    assert fifth["ok"] and fifth["no rot"]["codes_differing"] == 0     # key centering: the shift operand
     assert first["ok"] and first["no rot"]["codes_differing"] == 0 and first["no rot"]["params_identical"]
     assert not second["ok"] and "quantize" in second["error"]
     assert third["ok"] and third["no rot"]["codes_differing"] == 0 and third["no rot"]["params_identical"]
     assert not fourth["ok"] and "clip_ratio" in fourth["error"]
     assert [r["config"] for r in rep["rows"]] == [{"late_clip": False, "select_top3": False, "sign_bits": False},
-                                                  {"select_top3": True, "clip_ratio": [0.85, 0.95]}]
+                                                  {"select_top3": True, "clip_ratio": [0.85, 0.95]}, {"center": True}]
     assert all(r["ms"] > 0 for r in rep["rows"])
     # without "clip_ratio" the heads take the bundled zoo's ratios (spread, not all alike)
     zoo, own = rep["write_profile"][0]["clip_ratio"], rep["write_profile"][1]["clip_ratio"]
