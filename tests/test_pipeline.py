@@ -195,6 +195,13 @@ def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
         assert row["k_mean_share"] == ref[i]["k_mean_share"] and all(0 < x < 1 for x in row["k_mean_share"])
     assert (art.metadata["fork_k_clip"], art.metadata["fork_v_clip"]) == (plain.metadata["fork_k_clip"],
                                                                           plain.metadata["fork_v_clip"])
+    # one KV head: the per-head rotation fits centered keys, so the layer's uncentered one is stored beside it
+    one, one_plain = (load_artifact(calibrate_tiny(tmp_path / n, "gemma3", **kw).out)
+                      for n, kw in (("g", {"center_keys": True}), ("gp", {})))
+    assert one_plain.layers[0].k_layer_rotation is None
+    for lr, lp in zip(one.layers, one_plain.layers):
+        assert torch.equal(lr.k_layer_rotation, lp.k_rotation[0]) and not torch.equal(lr.k_rotation, lp.k_rotation)
+    assert one.metadata["fork_k_clip"] == one_plain.metadata["fork_k_clip"]
 
 
 def test_resume_refuses_checkpoint_of_other_settings(tmp_path):

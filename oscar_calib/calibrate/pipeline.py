@@ -62,13 +62,8 @@ from .checkpoint import (
 from .corpus import TokenPlan, load_texts, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
-from .shared import fit_shared, in_layer_order
+from .shared import centered_key_objective, fit_shared, in_layer_order
 from .stats import ACCUMULATORS, LayerStats, Reservoir, check_finite, require_finite, rows_on
-
-# With key centering (``center_keys``) the ``ktk`` objective is the second moment of the keys as the
-# cache stores them, centered: Σ (k − μ)ᵀ(k − μ) / n. Measured against the raw Σ kᵀk / n with the same
-# centered clips: docs/guides/accuracy.md ("Key centering"), scripts/experiments/centering.py.
-CENTER_KEY_OBJECTIVE = True
 
 
 def prepare_model(cfg: CalibrationConfig, *, device: str | None = None, placement: Placement | None = None,
@@ -220,9 +215,9 @@ def spread(eig: torch.Tensor) -> float:
 def layer_rotations(run: StatsRun, cfg: CalibrationConfig, only: list[int] | None = None) -> list[tuple]:
     """Per layer (of ``only``, default all) ``(k_rot, k_eig, v_rot, v_eig)``: the eigenbases of the
     objectives' covariances, composed as ``cfg`` says (float64); with key centering the ``ktk``
-    objective of the centered keys (:data:`CENTER_KEY_OBJECTIVE`)."""
+    objective of the centered keys (:func:`~.shared.centered_key_objective`)."""
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
-    centered = cfg.center_keys and CENTER_KEY_OBJECTIVE and kc == "k"
+    centered = centered_key_objective(cfg)
     out = []
     for i in range(len(run.stats)) if only is None else only:
         s = run.stats[i]

@@ -5,8 +5,11 @@ Decisions (documented in docs/guides/serving.md):
 
 * **Shared rotation**: the layer's KV-head covariances are pooled (their mean, the same pooling as
   ``--granularity layer``) and eigendecomposed once; composed exactly like the per-head rotations
-  (``U·H·P_br`` by default). It is stored only when the per-head rotations differ between heads;
-  for ``--granularity layer`` or one KV head the per-head rotation already is the layer's.
+  (``U·H·P_br`` by default), from the uncentered keys' objective (the engines that take one
+  rotation per layer do not center keys). It is stored only when it differs from the per-head
+  rotations: when those differ between heads, or were fitted on centered keys
+  (:func:`centered_key_objective`); for ``--granularity layer`` or one KV head without key centering
+  the per-head rotation already is the layer's.
 * **Global clips**: one K ratio and one V ratio for the whole model, chosen from the same grid as the
   per-head fit on the same held-out rows, with the shared rotations and uncentered keys (the engines
   that take one rotation per layer do not center keys), by
@@ -25,6 +28,19 @@ from ..numerics.clip import choose_global_clips, fit_k_clip, fit_v_clip, heldout
 from ..numerics.rotation import K_OBJECTIVES, V_OBJECTIVES, rotations_from_covariance
 from ..progress import ProgressFn, counter
 
+# With key centering (``center_keys``) the ``ktk`` objective is the second moment of the keys as the
+# cache stores them, centered: Σ (k − μ)ᵀ(k − μ) / n, instead of the raw Σ kᵀk / n (both with clips
+# fitted on centered keys): measured in docs/guides/accuracy.md ("Key centering") by
+# scripts/experiments/centering.py, which sets this to compare them.
+CENTER_KEY_OBJECTIVE = True
+
+
+def centered_key_objective(cfg) -> bool:
+    """Whether the key rotations of ``cfg`` are fitted on the objective of centered keys: key
+    centering on, the ``ktk`` objective (``qqt`` does not see the keys) and
+    :data:`CENTER_KEY_OBJECTIVE`."""
+    return bool(cfg.center_keys) and CENTER_KEY_OBJECTIVE and K_OBJECTIVES[cfg.k_objective] == "k"
+
 
 def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list, rows: list, *,
                exchange=None, progress: ProgressFn | None = None) -> tuple[float, float]:
@@ -38,7 +54,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
     in layer order, so the global clips are chosen from the same tables in the same order wherever
     the layers were fitted."""
     h = geo.num_kv_heads
-    shared_needed = cfg.granularity == "head" and h > 1
+    shared_needed = (cfg.granularity == "head" and h > 1) or centered_key_objective(cfg)
     reuse_k = not shared_needed and not cfg.center_keys        # the per-head K tables fit these keys
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     k_tables, v_tables = [], []

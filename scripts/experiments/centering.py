@@ -15,7 +15,7 @@ variant            calibration (everything else the recipe's)
 ``center``         ``center_keys: true``: keys stored centered on the calibration's mean key,
                    the ``ktk`` objective and the clips fitted on the centered keys
 ``center-raw-ktk`` ``center_keys: true`` with the ``ktk`` objective of the raw keys
-                   (``pipeline.CENTER_KEY_OBJECTIVE`` off): the clips still fitted centered
+                   (``calibrate.shared.CENTER_KEY_OBJECTIVE`` off): the clips still fitted centered
 =================  ===========================================================================
 
 Each variant is scored on ``--sequences`` × ``--seq-len`` held-out tokens of every text of
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import torch
 
-    from oscar_calib.calibrate import pipeline
+    from oscar_calib.calibrate import pipeline, shared
     from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.contract.config import config_from_options
     from oscar_calib.eval import EvalOptions, evaluate_ppl
@@ -74,10 +74,10 @@ def main(argv=None) -> None:
         center, centered_objective = VARIANTS[v]
         cfg = base.__class__(**{**base.to_dict(), "center_keys": center})
         out = ROOT / "runs" / "centering" / name / v
-        pipeline.CENTER_KEY_OBJECTIVE = centered_objective
+        shared.CENTER_KEY_OBJECTIVE = centered_objective
         t1 = time.perf_counter()
         pipeline.calibrate(cfg, out, overwrite=True, loaded=lm)
-        pipeline.CENTER_KEY_OBJECTIVE = True
+        shared.CENTER_KEY_OBJECTIVE = True
         t2 = time.perf_counter()
         verdict = verify_artifact(out, loaded=lm, write=False, plot=False).summary()
         t3 = time.perf_counter()
