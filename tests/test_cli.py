@@ -90,6 +90,24 @@ def test_config_file_sets_defaults_and_rejects_unknown_keys(tmp_path, tiny_llama
     assert_one_line_error(code, err, "unknown key(s) tokenz")
 
 
+def test_key_centering_from_the_command_line_and_the_config(tmp_path, tiny_llama_dir):
+    from oscar_calib.contract.artifact import read_metadata
+
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "c"), *FAST_ARGS, "--center-keys")
+    assert code == 0, err
+    assert read_metadata(tmp_path / "c")["k_centered"] == "true"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("calibration:\n  center_keys: true\n")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg), "--out", str(tmp_path / "r"),
+                         *FAST_ARGS, "--raw-keys")
+    assert code == 0, err
+    assert "k_centered" not in read_metadata(tmp_path / "r")
+    cfg.write_text("calibration:\n  center_keys: sometimes\n")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg), "--out", str(tmp_path / "b"))
+    assert_one_line_error(code, err, "center_keys must be true or false, got 'sometimes'")
+    assert not (tmp_path / "b").exists()
+
+
 def test_console_script_maps_errors_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "oscar_calib", "calibrate", str(tmp_path / "missing-model"),
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)

@@ -78,7 +78,7 @@ def calibrate_command(
                                                               "(0-4) of the expected logit inflation an INT2 key's "
                                                               "rounding noise causes (default: 0 = off; docs: "
                                                               "guides/accuracy.md).")] = None,
-    center_keys: Annotated[Optional[bool], typer.Option("--center-keys/--no-center-keys", help="Store every key "
+    center_keys: Annotated[Optional[bool], typer.Option("--center-keys/--raw-keys", help="Store every key "
                                                         "centered on the calibration's mean post-RoPE key of its "
                                                         "layer and KV head (k_mean; softmax is unchanged, every INT2 "
                                                         "key group's range shrinks) and fit the rotations and clips "
