@@ -19,10 +19,12 @@ from ._common import (
     TrustOpt,
     emit_json,
     fmt,
+    more_data_hint,
     next_step,
     quote,
     stdout,
     table,
+    takes,
 )
 from ._progress import StageClock, progress_display
 
@@ -152,12 +154,12 @@ def _next(model: str, out: Path, verdict: dict | None) -> str:
     calibrate on more data (failed)."""
     m, art = quote(model), quote(out)
     if verdict is None:
-        return f"oscar verify {art} checks the artifact with the INT2 kernels, then oscar eval {m} {art}"
+        return (f"oscar verify {art} checks the artifact with the INT2 kernels{takes('verify', model)}, then oscar "
+                f"eval {m} {art}")
     if not verdict["passed"]:
-        return (f"see the reasons above; more calibration text often helps: oscar calibrate {m} --tokens 32768 "
-                f"--out {art} --overwrite")
-    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard; oscar export {art} --out "
-            f"{quote(Path('serve') / out.name)} prepares serving in the OSCAR SGLang fork")
+        return more_data_hint(model, out)
+    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard{takes('eval', model)}; oscar "
+            f"export {art} --out {quote(Path('serve') / out.name)} prepares serving in the OSCAR SGLang fork")
 
 
 @contextlib.contextmanager
