@@ -15,6 +15,7 @@ choice: ``rich``, ``plain`` or ``off``.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -31,7 +32,9 @@ ANNOUNCE_AFTER_S = 2.0       # plain lines: only for stages running at least thi
 
 
 class _RichDisplay:
-    """A rich ``Progress`` with one task per stage, started at the first report."""
+    """A rich ``Progress`` with one task per stage, started at the first report. It draws on the
+    stderr of the moment it is made, whatever replaces ``sys.stderr`` later (model loading hides
+    the stray output of the libraries it calls that way)."""
 
     def __init__(self):
         from rich.progress import (
@@ -45,7 +48,7 @@ class _RichDisplay:
 
         self.bar = Progress(SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description:<18}"),
                             BarColumn(), TextColumn("{task.fields[count]}"), TimeElapsedColumn(),
-                            TimeRemainingColumn(), console=console)
+                            TimeRemainingColumn(), console=Console(file=sys.stderr))
         self.tasks: dict[str, int] = {}
         self.current: str | None = None
 
@@ -76,7 +79,9 @@ class _RichDisplay:
 class _PlainDisplay:
     """Plain lines on stderr for stages that run ``announce_after`` seconds or more: started, progress
     at most every ``interval`` s, done. A background ticker prints them while a stage gives no
-    reports (loading a model); quicker stages print nothing, so a bad input still ends in one line."""
+    reports (loading a model); quicker stages print nothing, so a bad input still ends in one line.
+    Lines go to the stderr of the moment it is made, whatever replaces ``sys.stderr`` later (model
+    loading hides the stray output of the libraries it calls that way)."""
 
     def __init__(self, interval: float | None = None, announce_after: float | None = None, ticker: bool = True):
         self.interval = PLAIN_INTERVAL_S if interval is None else interval
@@ -85,6 +90,7 @@ class _PlainDisplay:
         self.started = self.last = 0.0
         self.done, self.total, self.unit, self.announced = 0, None, "", False
         self.lock = threading.Lock()
+        self.file = sys.stderr
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True) if ticker else None
         if self.thread:
@@ -137,7 +143,8 @@ class _PlainDisplay:
         self.current = None
 
     def _line(self, text: str) -> None:
-        console.print(text, markup=False, highlight=False, soft_wrap=True)
+        self.file.write(text + "\n")
+        self.file.flush()
 
     def close(self, ok: bool) -> None:
         self.stop.set()
