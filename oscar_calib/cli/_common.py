@@ -55,12 +55,12 @@ SLOW_COMMANDS = {"verify", "eval", "calibrate", "fold-weights"}     # they load 
 
 def takes(command: str, model: str) -> str:
     """`` (about N min on 2 CPU cores)`` for a `next:` line proposing ``oscar COMMAND MODEL ...``;
-    for a model not in :data:`CPU_TIMES`, that it runs the model (minutes on a CPU for a small one).
+    for a model not in :data:`CPU_TIMES`, the scale of it (minutes on a CPU for a small model).
     Empty for a command that does not run a model."""
     if command not in SLOW_COMMANDS:
         return ""
     known = CPU_TIMES.get((command, model))
-    return f" ({known} on 2 CPU cores)" if known else " (it runs the model: minutes on a CPU even for a small one)"
+    return f" ({known} on 2 CPU cores)" if known else " (minutes on a CPU for a model of 100M parameters)"
 
 
 def more_data_hint(model: str, out: Path) -> str:
@@ -71,8 +71,8 @@ def more_data_hint(model: str, out: Path) -> str:
 
     again = Path("runs") / Path(out).name if zoo_of(out) is not None else out
     return (f"see the reasons above; more calibration text often helps: oscar calibrate {quote(model)} --tokens "
-            f"{4 * CalibrationConfig.tokens} --out {quote(again)} --overwrite (four times the text of a default run, about four "
-            "times its time)")
+            f"{4 * CalibrationConfig.tokens} --out {quote(again)} --overwrite (four times the text of a default run, "
+            "about four times its time)")
 
 
 def quote(value) -> str:

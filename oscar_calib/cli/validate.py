@@ -110,7 +110,8 @@ def _next(reports) -> str:
                 "measures it on its model")
     models = [_model_of(r.metadata) for r in reports if "model_id" in r.metadata]
     # the default model (make setup installs it) first, then any other installed one
-    ready = sorted(((a, m) for a, m in zip(arts, models) if not wheel_missing(m)), key=lambda am: am[1] != DEFAULT_MODEL)
+    ready = sorted(((a, m) for a, m in zip(arts, models) if not wheel_missing(m)),
+                   key=lambda am: am[1] != DEFAULT_MODEL)
     where, model = (ready or list(zip(arts, models)))[0]
     zoo = zoo_of(where) is not None
     text = (f"oscar verify {quote(where)} measures it on its model with the INT2 kernels{takes('verify', model)}"
