@@ -41,14 +41,14 @@ def next_step(text: str, *, json_out: bool = False) -> None:
 
 
 # About how long a command that a `next:` line proposes runs, with its defaults, on a 2-core CPU
-# machine for the pip-shipped models (model load included; measured with the commands' --help
-# defaults, CHANGELOG.md 2026-11-29). Another model: its size decides, so the line says so.
+# machine for the pip-shipped models, model load included (scripts/bench/bench_first_run.py: demo,
+# eval; the fresh-clone runs in CHANGELOG.md). Another model: its size decides, so the line says so.
 CPU_TIMES = {
     ("verify", "smollm2-135m"): "about 1 min",
-    ("verify", "gemma3-270m"): "about 3 min",
-    ("eval", "smollm2-135m"): "about 1.5 min",
-    ("eval", "gemma3-270m"): "about 4 min",
-    ("calibrate", "smollm2-135m"): "about 3 min",
+    ("verify", "gemma3-270m"): "a few minutes",
+    ("eval", "smollm2-135m"): "about 1 min",
+    ("eval", "gemma3-270m"): "a few minutes",
+    ("calibrate", "smollm2-135m"): "about 1 min",
 }
 SLOW_COMMANDS = {"verify", "eval", "calibrate", "fold-weights"}     # they load and run the model
 

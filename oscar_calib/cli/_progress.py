@@ -14,7 +14,13 @@ from ..display import (  # noqa: F401  (the commands import the display from her
     progress_display,
     show_progress,
 )
-from ..progress import ProgressFn
+from ..progress import ProgressFn, step
+
+
+def starting(progress: ProgressFn | None):
+    """The stage around a command's heavy imports (torch, transformers: seconds on a busy machine),
+    so a display says something before the first stage of the work."""
+    return step(progress, "starting")
 
 
 class StageClock:

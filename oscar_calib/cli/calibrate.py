@@ -26,7 +26,7 @@ from ._common import (
     table,
     takes,
 )
-from ._progress import StageClock, progress_display
+from ._progress import StageClock, progress_display, starting
 
 EXAMPLES = """
     Examples:
@@ -114,7 +114,6 @@ def calibrate_command(
     """
     clock = StageClock()                 # from here: the time line accounts for the whole command
     from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
-    from ..calibrate.pipeline import calibrate
     from ..contract.config import config_from_options
     from ..model.placement import placement_from_options
 
@@ -131,6 +130,8 @@ def calibrate_command(
     if wants_launch(nproc):
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
     with progress_display(enabled=os.environ.get("RANK", "0") == "0") as display, _rank_named_errors():
+        with starting(display):              # (not a stage of the time line: imports count as "other")
+            from ..calibrate.pipeline import calibrate
         progress = clock.wrap(display)
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
         verdict = _verify(result, progress, quick) if verify and result.rank == 0 else None

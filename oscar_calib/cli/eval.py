@@ -22,7 +22,7 @@ from ._common import (
     table,
     takes,
 )
-from ._progress import progress_display
+from ._progress import progress_display, starting
 
 
 def eval_command(
@@ -99,8 +99,6 @@ def eval_command(
     * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,oscar --logit-correction 0.5` (try a gain)
     """
     from ..errors import InputError
-    from ..eval import EvalOptions, run_eval
-    from ..eval.report import record_eval
     from ..model.placement import placement_from_options
     from ..tools.zoo import refresh_index
 
@@ -109,13 +107,16 @@ def eval_command(
     if record and logit_correction is not None:
         raise InputError("--record stores what the artifact serves: leave out --logit-correction (calibrate with "
                          "it instead)")
-    given = {k: v for k, v in (("methods", methods), ("sequences", sequences)) if v is not None}   # else the defaults
-    options = EvalOptions(task=task, group_size=group_size, logit_correction=logit_correction,
-                          sink=sink, recent=recent, seed=seed, seq_len=seq_len, data=data, lengths=lengths,
-                          depths=depths, samples=samples, prompts=prompts, haystack=haystack, **given)
     plot = plot or Path(f"eval-{Path(model).name.removesuffix('.gguf')}-{task}.png")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     with progress_display() as progress:
+        with starting(progress):
+            from ..eval import EvalOptions, run_eval
+            from ..eval.report import record_eval
+        given = {k: v for k, v in (("methods", methods), ("sequences", sequences)) if v is not None}   # or defaults
+        options = EvalOptions(task=task, group_size=group_size, logit_correction=logit_correction,
+                              sink=sink, recent=recent, seed=seed, seq_len=seq_len, data=data, lengths=lengths,
+                              depths=depths, samples=samples, prompts=prompts, haystack=haystack, **given)
         result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=progress,
                           placement=placement)
     if record:

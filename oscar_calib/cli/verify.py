@@ -23,7 +23,7 @@ from ._common import (
     table,
     takes,
 )
-from ._progress import progress_display
+from ._progress import progress_display, starting
 
 
 def verify_command(
@@ -72,7 +72,6 @@ def verify_command(
     """
     from ..errors import InputError
     from ..model.placement import placement_from_options
-    from ..tools.verify import verify_artifact
     from ..tools.zoo import refresh_index, zoo_display, zoo_of
 
     try:
@@ -84,6 +83,8 @@ def verify_command(
     write = zoo is None or record
     placement = placement_from_options(device_map, max_memory, offload_dir)
     with progress_display() as progress:
+        with starting(progress):
+            from ..tools.verify import verify_artifact
         result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
                                  max_layer_error=max_layer_error, seed=seed, write=write, progress=progress,

@@ -102,10 +102,10 @@ def readme_snippet(readme: Path) -> str:
 # cache.generate against model.generate on the snippet's prompt, in one process, alternating
 GENERATE_RATIO = """
 import json, sys, time
+from oscar_calib.model.load import load_model    # first, as the snippet: the package sets OMP_WAIT_POLICY before torch loads
+from oscar_calib.runtime import OscarCache
 import torch
 from pydoc_data.topics import topics
-from oscar_calib.model.load import load_model
-from oscar_calib.runtime import OscarCache
 lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16")
 model, tok = lm.model, lm.tokenizer
 ids = tok(topics["class"][:3000], return_tensors="pt").input_ids

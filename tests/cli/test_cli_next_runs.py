@@ -158,3 +158,12 @@ def test_every_hint_from_the_zoo_and_a_calibration(clone, monkeypatch, smollm2_l
     assert {"verify", "eval", "export", "calibrate"} <= set(commands), commands
     assert ["verify", "zoo/smollm2-135m"] in [a for a, _ in ran]
     _assert_clean(clone, before)
+
+    # told to (--record), verify and eval write into a zoo entry, and refresh the zoo's index with it
+    shutil.copytree(clone / "runs" / "tiny", clone / "zoo" / "tiny")
+    assert oscar("zoo", "index", "--zoo", "zoo").exit_code == 0
+    code, out, err = oscar("verify", "zoo/tiny", "--record", *CHEAP["verify"])
+    assert code in (0, 1) and "recorded in zoo/tiny/verify.json and verify.png; zoo/index.json refreshed" in out, err
+    code, out, err = oscar("eval", str(tiny_llama_dir), "zoo/tiny", "--record", *CHEAP["eval"])
+    assert code == 0 and "zoo/index.json refreshed" in " ".join(out.split()), err
+    assert (clone / "zoo" / "tiny" / "verify.json").is_file() and check_index(clone / "zoo" / "index.json").ok
