@@ -63,6 +63,18 @@ def takes(command: str, model: str) -> str:
     return f" ({known} on 2 CPU cores)" if known else " (minutes on a CPU for a model of 100M parameters)"
 
 
+def model_of_artifact(metadata: dict) -> str:
+    """The MODEL argument `oscar verify` would load for an artifact (its model_id when that cannot
+    be told without the model's files)."""
+    from ..errors import OscarError
+    from ..model.load import model_for_artifact
+
+    try:
+        return model_for_artifact(metadata)
+    except OscarError:
+        return metadata.get("model_id", "")
+
+
 def more_data_hint(model: str, out: Path) -> str:
     """The `next:` line after a failed verification: calibrate again on four times the default
     text, into ``out`` (a zoo entry, committed: into runs/ instead)."""

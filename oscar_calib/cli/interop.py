@@ -16,6 +16,7 @@ from ._common import (
     quote,
     stdout,
     table,
+    takes,
 )
 
 EXPORT_EXAMPLES = """
@@ -172,7 +173,8 @@ def import_command(
     for w in ("k", "v"):
         for note in imp[w]["notes"]:
             console.print(f"[yellow]note:[/yellow] {w.upper()}: {note}")
-    next_step(f"oscar verify {quote(result.out)} measures the imported rotations with the INT2 kernels")
+    next_step(f"oscar verify {quote(result.out)} measures the imported rotations with the INT2 kernels"
+              f"{takes('verify', model)}")
 
 
 export_command.__doc__ += EXPORT_EXAMPLES

@@ -11,6 +11,7 @@ from ._common import (
     TrustOpt,
     console,
     emit_json,
+    model_of_artifact,
     next_step,
     quote,
     stdout,
@@ -108,7 +109,7 @@ def _next(reports) -> str:
         repo, _, rev = str(arts[0]).partition("@")
         return (f"oscar pull {quote(repo)}{' --revision ' + quote(rev) if rev else ''} fetches it, then oscar verify "
                 "measures it on its model")
-    models = [_model_of(r.metadata) for r in reports if "model_id" in r.metadata]
+    models = [model_of_artifact(r.metadata) for r in reports if "model_id" in r.metadata]
     # the default model (make setup installs it) first, then any other installed one
     ready = sorted(((a, m) for a, m in zip(arts, models) if not wheel_missing(m)),
                    key=lambda am: am[1] != DEFAULT_MODEL)
@@ -123,18 +124,6 @@ def _next(reports) -> str:
     if waiting:
         text += f"; {quote(waiting[0][0])} needs its model first: {waiting[0][1]}"
     return text
-
-
-def _model_of(metadata: dict) -> str:
-    """The MODEL argument `oscar verify` would load for an artifact (its model_id when that cannot
-    be told without the model's files)."""
-    from ..errors import OscarError
-    from ..model.load import model_for_artifact
-
-    try:
-        return model_for_artifact(metadata)
-    except OscarError:
-        return metadata.get("model_id", "")
 
 
 def _fix_digests(paths: list[str], allow_empty: bool) -> None:

@@ -71,7 +71,7 @@ def test_push_dry_run_and_pull(monkeypatch, capsys, artifact, tmp_path):
     code, _, err = oscar("pull", "hf:my-org/x")
     dest = tmp_path / "cache" / "zoo" / "hf" / "my-org" / "x"
     assert code == 0 and next_lines(err) == [f"next: oscar verify {dest} measures it on its model with the INT2 "
-                                             "kernels (--model if not its own)"]
+                                             "kernels (about 1 min on 2 CPU cores) (--model if not its own)"]
 
 
 @pytest.mark.slow
