@@ -161,6 +161,8 @@ def test_every_hint_from_the_zoo_and_a_calibration(clone, monkeypatch, smollm2_l
 
     # told to (--record), verify and eval write into a zoo entry, and refresh the zoo's index with it
     shutil.copytree(clone / "runs" / "tiny", clone / "zoo" / "tiny")
+    for name in ("verify.json", "verify.png"):                  # an entry not verified yet
+        (clone / "zoo" / "tiny" / name).unlink(missing_ok=True)
     assert oscar("zoo", "index", "--zoo", "zoo").exit_code == 0
     code, out, err = oscar("verify", "zoo/tiny", "--record", *CHEAP["verify"])
     assert code in (0, 1) and "recorded in zoo/tiny/verify.json and verify.png; zoo/index.json refreshed" in out, err
