@@ -34,6 +34,7 @@ from ..contract.layout import (
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
     SHARED_CLIP_METADATA,
+    TEXT_CONFIG_METADATA,
     WEIGHTS_NAME,
 )
 from ..errors import InputError, OscarWarning, UnsupportedModelError
@@ -84,7 +85,7 @@ class StatsRun:
     reservoir: list[Reservoir]
     batches_done: int = 0
     checkpointed: int = 0        # batches in the newest checkpoint (0: none)
-    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
+    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap", "sinks", "chunk"}
     fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see fit_device)
     fitting: list[int] | None = None    # the layers whose held-out rows this process keeps (None: all)
 
@@ -93,10 +94,15 @@ class StatsRun:
             if layer not in self.layer_info:
                 sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
                 cfg = getattr(module, "config", None)
+                sinks = kwargs.get("s_aux")           # gpt-oss: a learned sink logit per query head
+                types = getattr(cfg, "layer_types", None) or ()
+                chunked = layer < len(types) and types[layer] == "chunked_attention"
                 self.layer_info[layer] = {
                     "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                     "sliding_window": int(sw) if sw else None,
                     "softcap": getattr(cfg, "attn_logit_softcapping", None),
+                    "sinks": None if sinks is None else [float(x) for x in sinks.detach().float().cpu()],
+                    "chunk": int(cfg.attention_chunk_size) if chunked else None,
                 }
             if collect == "stats":
                 s = self.stats[layer]
@@ -193,8 +199,10 @@ def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
     """Layer ``layer``'s held-out rows (kept on the CPU), float32 on the run's fitting device."""
     r, info = run.reservoir[layer], run.layer_info[layer]
     dev = run.fit_device
+    sinks = info.get("sinks")
     return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
-                        info["sliding_window"], info["softcap"])
+                        info["sliding_window"], info["softcap"],
+                        sinks=None if sinks is None else torch.tensor(sinks, device=dev), chunk=info.get("chunk"))
 
 
 def spread(eig: torch.Tensor) -> float:
@@ -359,6 +367,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
         "toolkit_version": __version__, "model_type": geo.model_type,
         **({MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True)} if lm.source.record() else {}),
         **({LOGIT_CORRECTION_METADATA: f"{cfg.logit_correction:g}"} if cfg.logit_correction else {}),
+        **({TEXT_CONFIG_METADATA: geo.text_config} if geo.text_config else {}),
     }
 
 

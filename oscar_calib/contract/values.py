@@ -44,6 +44,7 @@ from .layout import (
     SHARED_CLIP_METADATA,
     SHARED_KINDS,
     TENSOR_KINDS,
+    TEXT_CONFIG_METADATA,
     tensor_name,
 )
 
@@ -65,7 +66,7 @@ def check_metadata_values(md: dict[str, str]) -> tuple[list[str], list[str]]:
     :func:`~oscar_calib.contract.checks.metadata_problems` checks: every count positive and within the
     bounds of :mod:`.defaults`, windows within :data:`~.defaults.MAX_WINDOW_TOKENS`, a group size that
     the kernels take (``layer_group_sizes``: :func:`layer_group_problems`), known method names, a sha256 fingerprint, ``calibration`` a JSON object, the
-    optional keys well formed, and ``model_type`` a transformers model type (a warning when
+    optional keys well formed (``text_config`` a wrapper's model type and attribute), and ``model_type`` a transformers model type (a warning when
     transformers, already imported by this process, does not list it)."""
     problems, warnings = [], []
     ints = {k: metadata_int(md, k) for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
@@ -142,6 +143,11 @@ def check_metadata_values(md: dict[str, str]) -> tuple[list[str], list[str]]:
             if known is not None and mt not in known:
                 warnings.append(f"metadata 'model_type' {mt!r} is not a model type this transformers knows (a model "
                                 "with remote code, or a newer transformers?)")
+    if TEXT_CONFIG_METADATA in md:
+        wrapper, _, attr = str(md[TEXT_CONFIG_METADATA]).partition(".")
+        if not (MODEL_TYPE.fullmatch(wrapper) and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", attr)):
+            problems.append(f"metadata {TEXT_CONFIG_METADATA!r} is {str(md[TEXT_CONFIG_METADATA])[:60]!r}, expected "
+                            "'<wrapper model_type>.<attribute>' (e.g. 'gemma3.text_config')")
     problems += model_source_problems(md)
     return problems, warnings
 

@@ -81,6 +81,15 @@ def _configs(model):
     return out
 
 
+def model_attention(model) -> str:
+    """The attention implementation a route runs for ``model``'s own attention: its configured
+    ``sdpa`` or ``eager`` (gpt-oss, whose attention sinks SDPA cannot express, supports eager only);
+    ``sdpa`` in place of any other (flash and flex kernels do not return what the routes need on every
+    device; sdpa is exact)."""
+    base = _configs(model)[0]._attn_implementation or "sdpa"
+    return base if base in ("sdpa", "eager") else "sdpa"
+
+
 class AttentionRoute:
     """Base of the context managers that route every attention layer of a model through one
     registered transformers attention function (``name``, registered by the subclass): on enter
@@ -128,14 +137,10 @@ class Capture(AttentionRoute):
 
     def __enter__(self) -> "Capture":
         _register()
-        base = _configs(self.model)[0]._attn_implementation or "sdpa"
-        if base == CAPTURE_NAME:
+        if _configs(self.model)[0]._attn_implementation == CAPTURE_NAME:
             raise RuntimeError("capture is already active on this model")
-        if base not in ("sdpa", "eager"):
-            # flash/flex kernels do not return what we need on every device; sdpa is exact
-            base = "sdpa"
-        self.base = base
-        return self._route(base)
+        self.base = model_attention(self.model)
+        return self._route(self.base)
 
 
 def capture_forward(model, ids: torch.Tensor) -> None:

@@ -33,6 +33,10 @@ LAUNCH_FILE = "launch.sh"
 
 # transformers model types with sliding-window attention layers (their KV cache is windowed per layer)
 SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
+# transformers model types whose attention adds a learned sink logit per query head (gpt-oss's ``sinks``,
+# passed to the attention function as ``s_aux``): an engine's INT2 decode must add it to its softmax
+SINK_MODEL_TYPES = ("gpt_oss",)
+NO_SINKS = "its OSCAR decode path was not read for attention sinks, so oscar does not write for it"
 
 STATUSES = {
     "checked": "loader code read at the cited revision; its rules are restated in oscar's checks and tests",
@@ -172,6 +176,7 @@ class ExportTarget:
     summary: str = ""
     checked: Checked
     reads: str = ""            # what `oscar import --from NAME` takes, for --help and errors
+    sinks: str | None = NO_SINKS   # why the engine cannot serve attention sinks (None: it serves them)
 
     # -- to implement -----------------------------------------------------------------------
     def refusals(self, art: Artifact, s: ExportSettings) -> list[str]:
@@ -195,7 +200,7 @@ class ExportTarget:
             raise InputError(f"--target {self.name}: {self.checked.note or 'no loader code could be read'}; "
                              "oscar does not write for a loader it could not check")
         art = load_artifact(artifact_path)              # every check of oscar validate, the digest included
-        why = self.refusals(art, s)
+        why = [w for w in (sinks_refusal(art, self),) if w] + self.refusals(art, s)
         if why:
             raise ArtifactError(f"{self.engine} cannot serve {artifact_path}: {why[0]}")
         out = Path(out)
@@ -240,6 +245,16 @@ def sliding_window_note(art: Artifact) -> str | None:
     if art.metadata.get("model_type") in SLIDING_MODEL_TYPES:
         return f"{art.metadata.get('model_id')} ({art.metadata.get('model_type')}) has sliding-window attention layers"
     return None
+
+
+def sinks_refusal(art: Artifact, target: "ExportTarget") -> str | None:
+    """One line when the artifact's model adds attention-sink logits (:data:`SINK_MODEL_TYPES`) and
+    ``target``'s engine does not serve them (its ``sinks`` says why), else None."""
+    model_type = art.metadata.get("model_type")
+    if model_type not in SINK_MODEL_TYPES or target.sinks is None:
+        return None
+    return (f"{art.metadata.get('model_id')} ({model_type}) adds a learned attention-sink logit per query head to "
+            f"its softmax, and {target.sinks}")
 
 
 def shared_rotations(art: Artifact, which: str, engine: str) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...contract.artifact import load_artifact
+from ...errors import ArtifactError
 from ..base import (
+    NO_SINKS,
     Checked,
     ExportResult,
     ExportSettings,
     ExportTarget,
     Geometry,
     Launch,
+    sinks_refusal,
     wrong_paths,
 )
 from .export import (
@@ -54,16 +58,24 @@ UPSTREAM = Checked(
          "checked as the fork's main loader, which the PR says it ports")
 
 
+# the fork's main refuses attention sinks on its INT2 path (read at 473ff3f9d)
+FORK_MAIN_SINKS = ("the fork's Triton decode raises NotImplementedError for sinks with its INT2 windows "
+                   "(sglang-research/python/sglang/srt/layers/attention/triton_backend.py: forward_decode)")
+
+
 class SGLangTarget(ExportTarget):
     engine = "SGLang"
     reads = "K.pt V.pt (the fork's files: V1 [d, d] or V2 [h, d, d] per layer)"
 
-    def __init__(self, name: str, checked: Checked):
-        self.name, self.checked, self.summary = name, checked, TARGETS[name]
+    def __init__(self, name: str, checked: Checked, sinks: str = NO_SINKS):
+        self.name, self.checked, self.summary, self.sinks = name, checked, TARGETS[name], sinks
         self.engine = {"sglang-fork": "the OSCAR SGLang fork", "sglang-fork-v2": "the OSCAR SGLang fork (per-head)",
                        "sglang": "upstream SGLang"}[name]
 
     def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:
+        why = sinks_refusal(load_artifact(artifact_path), self)
+        if why:
+            raise ArtifactError(f"{self.engine} cannot serve {artifact_path}: {why}")
         r: SGLangExport = export_sglang(artifact_path, out, target=self.name, model_path=s.model_path, clip=s.clip,
                                         sink=s.sink, recent=s.recent, folded=s.folded,
                                         prefill_backend=s.prefill_backend, overwrite=overwrite)
@@ -94,7 +106,7 @@ class SGLangTarget(ExportTarget):
                                         head_dim=geo.head_dim, layer_ids=geo.layer_ids) for p in paths)
 
 
-TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN), SGLangTarget("sglang-fork-v2", FORK_V2),
+TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, FORK_MAIN_SINKS), SGLangTarget("sglang-fork-v2", FORK_V2),
                SGLangTarget("sglang", UPSTREAM)]
 
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",
