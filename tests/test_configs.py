@@ -31,6 +31,10 @@ PUBLISHED = {
     "minimax-m2.7": ("minimax_m2", 62, 48, 8, 128, 3072),
     "smollm2-135m": ("llama", 30, 9, 3, 64, 576),
     "gemma3-270m": ("gemma3_text", 18, 4, 1, 256, 640),
+    "qwen3-30b-a3b": ("qwen3_moe", 48, 32, 4, 128, 2048),
+    "qwen3-235b-a22b": ("qwen3_moe", 94, 64, 4, 128, 4096),
+    "gpt-oss-20b": ("gpt_oss", 24, 64, 8, 64, 2880),
+    "gpt-oss-120b": ("gpt_oss", 36, 64, 8, 64, 2880),
 }
 
 def test_every_covered_model_has_a_config():

@@ -68,7 +68,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # dense families registered before (their stand-ins make the support table; tests/test_models.py
     # checks their fingerprints against the registry-based rule)
     Family("llama", "meta-llama/Llama-3.1-8B", dict(BASE)),
-    Family("mistral", "mistralai/Mistral-7B-v0.3", dict(BASE, sliding_window=8)),
+    Family("mistral", "mistralai/Mistral-7B-v0.1", dict(BASE, sliding_window=16)),
     Family("qwen2", "Qwen/Qwen2.5-7B", dict(BASE)),
     Family("qwen3", "Qwen/Qwen3-8B", dict(BASE)),
     Family("gemma2", "google/gemma-2-9b", dict(BASE, sliding_window=8, layer_types=TWO_KINDS,

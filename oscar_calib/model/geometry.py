@@ -76,6 +76,18 @@ def text_config_source(config) -> str | None:
     return f"{config.model_type}.text_config"
 
 
+def layer_kinds(config) -> list[tuple[str, dict]]:
+    """``(layer type, cache kwargs)`` per decoder layer of a text config, as transformers' own caches
+    read them (``transformers.cache_utils.get_layer_types_and_kwargs``: ``config.layer_types``, or
+    sliding / chunked / full inferred from the config's windows; a window under ``sliding_window``).
+    transformers 5.17 returns the kwargs as one dict for all layers, 5.23 as one per layer."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config)
+    per_layer = kwargs if isinstance(kwargs, (list, tuple)) else [kwargs] * len(types)
+    return [(kind, dict(kw or {})) for kind, kw in zip(types, per_layer)]
+
+
 def _layer_configs(config, n: int) -> list:
     if getattr(config, "is_heterogeneous", False):
         return list(config.per_layer_config)
@@ -100,7 +112,11 @@ def geometry_of(model_or_config) -> Geometry:
     if not isinstance(n_heads, int) or not isinstance(n_layers, int):
         raise UnsupportedModelError(f"{model_type}: its config names no num_attention_heads / num_hidden_layers "
                                     "(not a decoder with multi-head attention)")
-    types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+    types = tuple(kind for kind, _ in layer_kinds(config))
+    if len(types) != n_layers:
+        raise UnsupportedModelError(f"{model_type}: transformers' caches see {len(types)} attention layers of "
+                                    f"{n_layers} (layers sharing another's KV cache?); oscar calibrates models whose "
+                                    "every layer keeps its own")
     other = [(i, t) for i, t in enumerate(types) if t not in ATTENTION_KINDS]
     if other:
         i, kind = other[0]

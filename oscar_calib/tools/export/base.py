@@ -24,6 +24,7 @@ import torch
 from ... import __version__
 from ...contract.artifact import Artifact, load_artifact
 from ...errors import ArtifactError, InputError
+from ...model.registry import SINK_MODEL_TYPES
 from ...fsutil import atomic_write_text, staged_dir
 from ...numerics.rotation import orthogonality_error
 
@@ -33,9 +34,6 @@ LAUNCH_FILE = "launch.sh"
 
 # transformers model types with sliding-window attention layers (their KV cache is windowed per layer)
 SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
-# transformers model types whose attention adds a learned sink logit per query head (gpt-oss's ``sinks``,
-# passed to the attention function as ``s_aux``): an engine's INT2 decode must add it to its softmax
-SINK_MODEL_TYPES = ("gpt_oss",)
 NO_SINKS = "its OSCAR decode path was not read for attention sinks, so oscar does not write for it"
 
 STATUSES = {

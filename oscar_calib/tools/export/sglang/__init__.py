@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...contract.artifact import load_artifact
-from ...errors import ArtifactError
+from ....contract.artifact import load_artifact
+from ....errors import ArtifactError
 from ..base import (
     NO_SINKS,
     Checked,
