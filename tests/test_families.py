@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import FAST_ARGS, REPO, CharTokenizer, ascii_tokenizer, calibrate_tiny, oscar, save_checkpoint
+from factories import (
+    FAST_ARGS,
+    REPO,
+    CharTokenizer,
+    ascii_tokenizer,
+    calibrate_tiny,
+    oscar,
+    save_checkpoint,
+)
 
 from oscar_calib.errors import OscarError, UnsupportedModelError
 from oscar_calib.eval import EvalOptions, run_eval
@@ -40,8 +48,11 @@ EXPORTS = [t for t in TARGETS if t != "llamacpp"]
 
 
 def _loaded(name: str) -> LoadedModel:
-    return LoadedModel.wrap(FAMILIES[name].model(), CharTokenizer(),
-                            ModelSource(f"tiny-{name}", f"tiny-{name}", "", kind="local"))
+    """The stand-in as ``load_model`` gives it, the checkpoint's config beside it (a Llama 4
+    checkpoint loads as the text model alone, ``Llama4ForCausalLM``)."""
+    fam = FAMILIES[name]
+    return LoadedModel.wrap(fam.model(), CharTokenizer(), ModelSource(f"tiny-{name}", f"tiny-{name}", "", kind="local"),
+                            fam.config())
 
 
 @pytest.mark.parametrize("name", NEW_FAMILIES)

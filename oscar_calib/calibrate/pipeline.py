@@ -38,7 +38,7 @@ from ..contract.layout import (
     WEIGHTS_NAME,
 )
 from ..errors import InputError, OscarWarning, UnsupportedModelError
-from ..model.capture import Capture, capture_forward
+from ..model.capture import Capture, call_window, capture_forward
 from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model, load_tokenizer
 from ..model.placement import Placement, input_device
@@ -92,14 +92,14 @@ class StatsRun:
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):
             if layer not in self.layer_info:
-                sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+                sw = call_window(module, kwargs)
                 cfg = getattr(module, "config", None)
                 sinks = kwargs.get("s_aux")           # gpt-oss: a learned sink logit per query head
                 types = getattr(cfg, "layer_types", None) or ()
                 chunked = layer < len(types) and types[layer] == "chunked_attention"
                 self.layer_info[layer] = {
                     "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
-                    "sliding_window": int(sw) if sw else None,
+                    "sliding_window": sw,
                     "softcap": getattr(cfg, "attn_logit_softcapping", None),
                     "sinks": None if sinks is None else [float(x) for x in sinks.detach().float().cpu()],
                     "chunk": int(cfg.attention_chunk_size) if chunked else None,

@@ -143,6 +143,14 @@ class Capture(AttentionRoute):
         return self._route(self.base)
 
 
+def call_window(module, kwargs: dict) -> int | None:
+    """The sliding window of one attention call: the ``sliding_window`` the model passes (None on
+    its full-attention layers: EXAONE 4 keeps the config's window on every module and passes None
+    for its global ones), else the module's own attribute; None for full attention."""
+    w = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    return int(w) if w else None
+
+
 def capture_forward(model, ids: torch.Tensor) -> None:
     """A forward pass for its captures only: no KV cache and, where the model allows, logits for
     the last position only (the full [tokens, vocab] logits are the largest activation: 0.8 GB in

@@ -18,7 +18,8 @@ history        stored token ``t`` with ``S <= t < n' - R`` (INT2, rotated)
 new tokens     the model's own mask over the call's tokens, at full precision (rotated here)
 =============  ==============================================================================
 
-and, in sliding-window layers, only ``i - t < W``. This is the simulation's rule
+and, in sliding-window layers, only ``i - t < W``; in chunked-attention layers (Llama 4), only the
+tokens of ``i``'s chunk, ``t >= C * floor(i / C)``. This is the simulation's rule
 (:class:`~oscar_calib.runtime.simulated.SimulatedCache`): a token pushed out of the window by
 this call is read as INT2, the call's own tokens as the model computed them. Attention is
 computed in the rotated basis (``q @ R_k``, values ``v @ R_v``) and the output rotated back with
@@ -90,6 +91,7 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
     ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off)."""
     p = store.plan
     w = p.sliding_window
+    start = None if p.chunk is None else (qidx // p.chunk * p.chunk).unsqueeze(2)   # [B, T, 1]: each query's chunk
 
     keep = (n_new - p.recent).unsqueeze(1)          # tokens from here on stay 16-bit after this call
 
@@ -99,7 +101,9 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
         else:
             ok = (tok >= p.sink) & (tok < keep)
         ok = ok.unsqueeze(1)                                                      # [B, 1, L]
-        if w is not None:
+        if start is not None:
+            ok = ok & (tok.unsqueeze(1) >= start)                                 # [B, T, L]
+        elif w is not None:
             ok = ok & (qidx.unsqueeze(2) - tok.unsqueeze(1) < w)                  # [B, T, L]
         return ok
 

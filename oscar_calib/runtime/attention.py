@@ -83,12 +83,18 @@ def decode_rows(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     return None if mask is None else allowed_mask(mask[:, 0, -1, -1]).expand(batch)
 
 
-def _causal(t: int, window: int | None, device) -> torch.Tensor:
+def _causal(t: int, window: int | None, device, chunk: int | None = None, start: torch.Tensor | None = None):
+    """``[B|1, T, T]``: causal (and within ``window``) over a call's tokens; with ``chunk``, also within
+    one chunk, the call's first token being token ``start [B]`` of its sequence."""
     i = torch.arange(t, device=device)
     ok = i.unsqueeze(1) >= i.unsqueeze(0)
     if window:
         ok &= i.unsqueeze(1) - i.unsqueeze(0) < window
-    return ok.unsqueeze(0)
+    ok = ok.unsqueeze(0)
+    if chunk:
+        c = torch.div(start.unsqueeze(1) + i, chunk, rounding_mode="floor")                     # [B, T]
+        ok = ok & (c.unsqueeze(2) == c.unsqueeze(1))
+    return ok
 
 
 def kernel_decodes(layer, query: torch.Tensor, softcap) -> bool:
@@ -130,13 +136,18 @@ def layer_attention(layer, module, query, key, value, mask, kwargs, base: str = 
         out = attend_cached(store, query, None, None, None, store.n.unsqueeze(1) - 1, store.n, scale, softcap, sinks)
         return out.to(query.dtype), None
     valid, allowed = new_token_rows(mask, bsz, t)
+    if layer.chunk and any(v is not None for v in valid):
+        raise CacheError(f"layer {getattr(module, 'layer_idx', '?')}: a padded batch with chunked-attention layers "
+                         "(left padding moves transformers' chunk boundaries, which OscarCache counts over real "
+                         "tokens); run the sequences one at a time")
     if max(store.exact_counts()) == 0:
         out, _ = attention_function(base, module)(module, query, key, value, mask, **kwargs)
         layer.write(key, value, valid)
         return out, None
     counts = torch.tensor([t if v is None else len(v) for v in valid], device=query.device)
     if allowed is None:
-        allowed = _causal(t, layer.sliding_window, query.device).expand(bsz, t, t)
+        allowed = _causal(t, None if layer.chunk else layer.sliding_window, query.device, layer.chunk,
+                          store.n).expand(bsz, t, t)
         qidx = store.n.unsqueeze(1) + torch.arange(t, device=query.device)
     else:
         real = allowed.diagonal(dim1=-2, dim2=-1).long()

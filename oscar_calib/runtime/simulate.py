@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..errors import EvalError
-from ..model.capture import AttentionRoute
+from ..model.capture import AttentionRoute, call_window
 from .attend import allowed_mask
 from .scheme import QUANTIZERS, KVScheme
 
@@ -43,15 +43,15 @@ SIM_NAME = "oscar_kv_sim"
 _ACTIVE: list["SimulatedKV"] = []
 
 
-def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                   softcap=None, s_aux=None, **kwargs):
+def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, s_aux=None,
+                   **kwargs):
     sim = _ACTIVE[-1]
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise EvalError(f"{type(module).__name__} has no layer_idx")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = sim.attend(layer, query, key, value, attention_mask, scale,
-                     sliding_window or getattr(module, "sliding_window", None), softcap, sinks=s_aux)
+    out = sim.attend(layer, query, key, value, attention_mask, scale, call_window(module, kwargs), softcap,
+                     **({} if s_aux is None else {"sinks": s_aux}))
     return out.to(query.dtype), None
 
 

@@ -68,7 +68,11 @@ def _synthetic_artifact(directory: Path, geo, model_id: str) -> Path:
     from .. import FORMAT_VERSION, __version__
     from ..contract.artifact import Artifact, LayerRotations, write_artifact_files
     from ..contract.defaults import DEFAULT_RECENT, DEFAULT_SINK, default_group_size
-    from ..contract.layout import FORMAT_NAME, SHARED_CLIP_METADATA, TEXT_CONFIG_METADATA
+    from ..contract.layout import (
+        FORMAT_NAME,
+        SHARED_CLIP_METADATA,
+        TEXT_CONFIG_METADATA,
+    )
 
     h, d = geo.num_kv_heads, HEAD_DIM
     eye, eig = torch.eye(d).expand(h, d, d).clone(), torch.linspace(1, 0, d).expand(h, d).clone()
@@ -107,8 +111,10 @@ def family_support(family) -> dict[str, Cell]:
 
     def kernel():
         kinds = set(geo.layer_types)
+        windowed = [n for kind, n in (("sliding_attention", "sliding-window"), ("chunked_attention", "chunked"))
+                    if kind in kinds]
         parts = (["with attention sinks"] if sinks else []) + \
-            (["sliding-window layers read through the torch path"] if "sliding_attention" in kinds else [])
+            ([f"{' and '.join(windowed)} layers read through the torch path"] if windowed else [])
         return "full-attention layers; " + "; ".join(parts) if parts else None
 
     cells["decode kernel"] = _cell(kernel) if cells["cache"].ok else Cell(False, "no cache")
@@ -147,7 +153,7 @@ def render() -> str:
         if not cell.note:
             return OK if cell.ok else NO
         # the stand-ins' layer counts are not the published models': a note says what, not how many
-        note = re.sub(r"has \d+ sliding-window attention layers", "has sliding-window attention layers", cell.note)
+        note = re.sub(r"has \d+ (sliding-window|chunked)", r"has \1", cell.note)
         if note not in notes:
             notes.append(note)
         return f"{OK if cell.ok else NO} [{notes.index(note) + 1}](#note-{notes.index(note) + 1})"

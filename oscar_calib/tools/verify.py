@@ -262,7 +262,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     is refused with one :class:`InputError` before anything loads, rather than falling back: a run
     that asks for the kernels must not silently check the references instead."""
     from ..calibrate.corpus import load_texts, plan_tokens
-    from ..model.capture import Capture, capture_forward
+    from ..model.capture import Capture, call_window, capture_forward
     from ..model.load import load_model
 
     t0 = time.perf_counter()
@@ -311,10 +311,9 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                                           device="cpu" if spread else dev) for n, t in got.items()} | {"at": at}
         for n, t in got.items():
             caps[layer][n][seq[0]] = t[0]
-        sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         sinks = kwargs.get("s_aux")
         info[layer] = {"scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
-                       "window": int(sw) if sw else None,
+                       "window": call_window(module, kwargs),
                        "sinks": None if sinks is None else sinks.detach().float().to("cpu" if spread else dev)}
 
     with step(progress, "verify: held-out pass"), torch.no_grad(), Capture(lm.model, [observe]):

@@ -1,8 +1,9 @@
 """The real cache on every model family's tiny stand-in (``oscar_calib.model.families``), at both
 ends of the transformers range (``make test-low`` runs this file at 5.17): ``OscarCache.generate``
 gives the tokens and scores of the simulation (``SimulatedCache``) with an INT2 history, or the
-cache is refused in one line where the support table says so (chunked attention). gpt-oss's
-attention sinks through the Triton decode kernel (the CPU interpreter here) equal the torch path."""
+chunked-attention layers (Llama 4) read their own chunk, and a padded batch is refused there in
+one line. gpt-oss's attention sinks through the Triton decode kernel (the CPU interpreter here)
+equal the torch path."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from factories import build_artifact
 
-from oscar_calib.errors import UnsupportedModelError
+from oscar_calib.errors import CacheError
 from oscar_calib.model.families import FAMILIES
 from oscar_calib.runtime import OscarCache, SimulatedCache
 from oscar_calib.runtime.attention import kernel_decodes
@@ -35,11 +36,6 @@ def test_family_cache_generates_like_the_simulation(name):
     model = fam.model()
     art = build_artifact(model, seed=3)
     ids = torch.randint(1, 120, (1, 20), generator=torch.Generator().manual_seed(5))
-    if any(t == "chunked_attention" for t in getattr(model.config.get_text_config(decoder=True), "layer_types", ())):
-        with pytest.raises(UnsupportedModelError, match="'chunked_attention' layer; the OSCAR caches support full "
-                                                        "and sliding-window attention only"):
-            OscarCache.from_artifact(art, model, **WINDOWS)
-        return
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     real_cache = OscarCache.from_artifact(art, model, window_dtype=None, **WINDOWS)
     real = real_cache.generate(model, ids, **kw)
@@ -51,6 +47,50 @@ def test_family_cache_generates_like_the_simulation(name):
     assert max(float((a - b).abs().max()) for a, b in zip(real.scores, sim.scores)) < 1e-4
     plain = model.generate(ids, **kw)
     assert max(float((a - b).abs().max()) for a, b in zip(real.scores, plain.scores)) > 1e-3   # INT2 is lossy
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_perplexity_simulation_is_the_model_when_nothing_is_lossy(name):
+    """``SimulatedKV`` (``oscar eval``'s attention) with nothing quantised gives the model's own
+    logits: its masks, windows (EXAONE 4 passes no window on its global layers), chunks and sinks
+    are the model's."""
+    from oscar_calib.runtime import KVScheme, SimulatedKV
+
+    fam = FAMILIES[name]
+    if not _installed(fam):
+        pytest.skip(f"{name} needs transformers >= {fam.since}")
+    model = fam.model()
+    if name == "gpt_oss":
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(1.0, 3.0, layer.self_attn.sinks.numel()))
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    ids = torch.randint(1, 120, (1, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        with SimulatedKV(model, KVScheme.full_precision(n, window_dtype=None, sink=4, recent=8)):
+            got = model(input_ids=ids).logits
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_chunked_attention_reads_the_query_chunk_and_refuses_padding():
+    """Llama 4's chunked layers (chunks of 16 here) past two chunk boundaries: every decode step
+    reads its own chunk only, as the simulation (transformers' chunked mask) does; a left-padded
+    batch is refused in one line (transformers' chunk boundaries then count the pads)."""
+    model = FAMILIES["llama4_text"].model()
+    assert model.config.layer_types == ["chunked_attention", "full_attention"]
+    art = build_artifact(model, seed=3)
+    ids = torch.randint(1, 120, (1, 30), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    real = OscarCache.from_artifact(art, model, window_dtype=None, **WINDOWS).generate(model, ids, **kw)
+    sim = model.generate(ids, past_key_values=SimulatedCache.from_artifact(art, model, window_dtype=None, **WINDOWS),
+                         **kw)
+    assert torch.equal(real.sequences, sim.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(real.scores, sim.scores)) < 1e-4
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(CacheError, match="padded batch with chunked-attention layers"):
+        OscarCache.from_artifact(art, model, **WINDOWS).generate(model, ids[:, :20].repeat(2, 1), attention_mask=mask,
+                                                                 max_new_tokens=2, pad_token_id=0)
 
 
 @pytest.mark.slow
