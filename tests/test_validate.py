@@ -108,6 +108,7 @@ DEFECTS = {
     "layer_groups_power": (dict(metadata={"layer_group_sizes": "8,3"}), "3 is not a power of two dividing head_dim 8"),
     "layer_groups_divide": (dict(metadata={"layer_group_sizes": "16,8"}), "16 is not a power of two dividing"),
     "layer_groups_syntax": (dict(metadata={"layer_group_sizes": "8;4"}), "not comma-separated integers"),
+    "text_config": (dict(metadata={"text_config": "gemma3"}), "expected '<wrapper model_type>.<attribute>'"),
 }
 
 

@@ -40,6 +40,14 @@ class Family:
     tiny: dict = field(default_factory=dict)
     since: str | None = None
 
+    def available(self) -> bool:
+        """Whether the installed transformers has the family (``since`` or later)."""
+        import transformers
+
+        from ..versions import version_tuple
+
+        return self.since is None or version_tuple(transformers.__version__) >= version_tuple(self.since)
+
     @property
     def wrapper(self) -> bool:
         """A multimodal wrapper: its language model is what oscar calibrates."""

@@ -10,7 +10,9 @@ plain attention (tested). It de-quantises every key for every layer: memory and 
 the context like a full-precision cache, so it measures accuracy only.
 
 A scheme with a ``logit_correction`` subtracts it from the logit of every INT2 key
-(:func:`logit_noise_rows`), as the real cache and the decode kernel do.
+(:func:`logit_noise_rows`), as the real cache and the decode kernel do. Attention sinks (gpt-oss's
+``s_aux``, a learned logit per query head) join every softmax as one more key of value zero, as
+the model's own attention adds them.
 
 A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
 (:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).

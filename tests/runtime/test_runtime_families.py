@@ -15,23 +15,16 @@ from oscar_calib.errors import CacheError
 from oscar_calib.model.families import FAMILIES
 from oscar_calib.runtime import OscarCache, SimulatedCache
 from oscar_calib.runtime.attention import kernel_decodes
-from oscar_calib.versions import version_tuple
 
 ON_GPU = torch.cuda.is_available()
 # 4 BF16 sink + 8 recent tokens: a 20-token prompt leaves 8 tokens of INT2 history, which grows as it decodes
 WINDOWS = dict(sink=4, recent=8)
 
 
-def _installed(family) -> bool:
-    import transformers
-
-    return family.since is None or version_tuple(transformers.__version__) >= version_tuple(family.since)
-
-
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_cache_generates_like_the_simulation(name):
     fam = FAMILIES[name]
-    if not _installed(fam):
+    if not fam.available():
         pytest.skip(f"{name} needs transformers >= {fam.since}")
     model = fam.model()
     art = build_artifact(model, seed=3)
@@ -57,7 +50,7 @@ def test_family_perplexity_simulation_is_the_model_when_nothing_is_lossy(name):
     from oscar_calib.runtime import KVScheme, SimulatedKV
 
     fam = FAMILIES[name]
-    if not _installed(fam):
+    if not fam.available():
         pytest.skip(f"{name} needs transformers >= {fam.since}")
     model = fam.model()
     if name == "gpt_oss":
