@@ -111,6 +111,33 @@ def test_family_end_to_end(name, tmp_path):
             fold_and_check(model, art, ids)
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_capture_gives_the_models_own_logits(name):
+    """Capture routes every attention call through an observer and returns the model's own
+    output: the logits are bit for bit those without it, on every family (gpt-oss with sinks that
+    take a real share, and configured for a kernel the route replaces: it falls back to eager, the
+    implementation that adds them, not SDPA)."""
+    from oscar_calib.model.capture import Capture
+
+    fam = FAMILIES[name]
+    if not fam.available():
+        pytest.skip(f"{name} needs transformers >= {fam.since}")
+    model = fam.model()
+    if name == "gpt_oss":
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(1.0, 3.0, layer.self_attn.sinks.numel()))
+    ids = torch.randint(1, 120, (2, 24), generator=torch.Generator().manual_seed(8))
+    seen = []
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits                   # gpt-oss: its eager attention
+        if name == "gpt_oss":
+            model.config._attn_implementation = "flex_attention"
+        with Capture(model, [lambda layer, *_: seen.append(layer)]):
+            got = model(input_ids=ids).logits
+    assert torch.equal(got, ref)
+    assert sorted(set(seen)) == list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
+
+
 def test_gpt_oss_sinks_reach_verify_and_eval(tmp_path):
     """With windows that hold every token (nothing INT2), verify's kernel output is the model's own
     attention, sinks included, and eval's simulation gives the model's own perplexity; without the

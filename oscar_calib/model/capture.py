@@ -83,11 +83,13 @@ def _configs(model):
 
 def model_attention(model) -> str:
     """The attention implementation a route runs for ``model``'s own attention: its configured
-    ``sdpa`` or ``eager`` (gpt-oss, whose attention sinks SDPA cannot express, supports eager only);
-    ``sdpa`` in place of any other (flash and flex kernels do not return what the routes need on every
-    device; sdpa is exact)."""
+    ``sdpa`` or ``eager``; in place of any other (flash and flex kernels do not return what the
+    routes need on every device) ``sdpa`` where the model supports it, else ``eager`` (gpt-oss, whose
+    attention sinks SDPA cannot express, declares no SDPA support)."""
     base = _configs(model)[0]._attn_implementation or "sdpa"
-    return base if base in ("sdpa", "eager") else "sdpa"
+    if base in ("sdpa", "eager"):
+        return base
+    return "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
 
 
 class AttentionRoute:
