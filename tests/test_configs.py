@@ -173,7 +173,7 @@ def test_rotationzoo_sections():
     assert zoo["qwen3-32b"].tag == "seq16000_prompt69_group128"
     for bad, message in [({"tags": "x"}, "unknown key"), ({"k_clip": 1.5}, "outside"),
                          ({"sink": 60}, "multiple of 8"), ({"recent": 0}, "at least 8"),
-                         ({"group_size": 256}, "not divisible"), ({"names": "Qwen3-8B"}, "must be a list"),
+                         ({"group_size": 256}, "not a power of two dividing head_dim"), ({"names": "Qwen3-8B"}, "must be a list"),
                          ({"repo": "no-slash"}, "ORG/NAME")]:
         with pytest.raises(InputError, match=message):
             rotationzoo_from_mapping(bad, head_dim=128)

@@ -4,6 +4,7 @@ the registry and fingerprints."""
 from pathlib import Path
 
 import pytest
+import torch
 from factories import byte_tokenizer, loaded_tiny, tiny_model
 
 from oscar_calib.calibrate.corpus import load_texts, plan_tokens
@@ -207,9 +208,12 @@ def test_gguf_cache_is_installed_whole_and_only_once(tmp_path):
     from oscar_calib.model.load import _save_gguf_cache
 
     class Saver:
-        def __init__(self, name: str, fail: bool = False):
-            self.name, self.fail = name, fail
+        def __init__(self, name: str, fail: bool = False, dtype=torch.float32):
+            self.name, self.fail, self.dtype = name, fail, dtype
             self.config, self.hf_quantizer = types.SimpleNamespace(quantization_config={}), object()
+
+        def parameters(self):
+            return iter([torch.zeros(1, dtype=self.dtype)])
 
         def save_pretrained(self, d):
             if self.fail:
@@ -217,6 +221,9 @@ def test_gguf_cache_is_installed_whole_and_only_once(tmp_path):
             (Path(d) / self.name).write_text(self.name)
 
     target = tmp_path / "gguf" / "m-0123"
+    # a model loaded in bfloat16 is not cached: the copy is what dtype="auto" loads later (float32)
+    _save_gguf_cache(Saver("model.safetensors", dtype=torch.bfloat16), Saver("tokenizer.json"), target)
+    assert not target.exists()
     _save_gguf_cache(Saver("model.safetensors", fail=True), Saver("tokenizer.json"), target)
     assert not target.exists() and not list(target.parent.iterdir())
     _save_gguf_cache(Saver("model.safetensors"), Saver("tokenizer.json"), target)

@@ -90,7 +90,7 @@ Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 B
 tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; docs/design/kernels.md): at 128K
 context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
-gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
+gives 45 us and 0.84 ms (68% of its 4.24 TB/s). Nsight Compute finds the batch-32 decode kernel
 memory-bound on the H100 (81% of DRAM peak) and the batch-1 kernel (and the H200's) latency-bound
 (issue active ~50-56%). At batch 1 the query rotation adds 2.1-3.2 us and the merge 1.3-2.7 us
 to a call at 512-128K tokens (the call with each left out); a graph of one trivial kernel, which
@@ -103,9 +103,9 @@ import math
 
 import torch
 
-from ..contract.defaults import is_power_of_two
+from ..contract.defaults import check_logit_correction, is_power_of_two
 from ..errors import InputError
-from ..numerics.quant import logit_noise
+from ..numerics.quant import logit_noise, logit_noise_coefficient
 from ._common import (
     check_tensor,
     derived,
@@ -125,9 +125,7 @@ LOG2E = 1.4426950408889634
 
 
 def _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction=0.0, sinks=None) -> tuple[int, int, int]:
-    if isinstance(logit_correction, bool) or not isinstance(logit_correction, (int, float)) \
-            or not math.isfinite(logit_correction) or logit_correction < 0:
-        raise InputError(f"logit_correction must be a finite number >= 0, got {logit_correction!r}")
+    check_logit_correction(logit_correction, "logit_correction")
     if not isinstance(cache, Int2KVCache):
         raise InputError(f"cache must be an Int2KVCache, got {type(cache).__name__}")
     cache.validate()
@@ -539,7 +537,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     qk_scale = scale * LOG2E
     # the logit-noise correction per key group and score column is corr_scale * |q_rot[g]|^2 * s_g^2
     # in the kernel's base-2 score units: a/2 * sm_scale^2 / 12 * log2(e)
-    corr_scale = logit_correction * 0.5 * scale * scale / 12.0 * LOG2E
+    corr_scale = logit_noise_coefficient(logit_correction, scale) * LOG2E
 
     if cache.paged:
         tab, s_tb, page = cache.block_table, cache.block_table.stride(0), cache.page_size

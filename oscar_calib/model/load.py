@@ -476,7 +476,13 @@ def gguf_cache_dir(source: ModelSource) -> Path | None:
 
 
 def _save_gguf_cache(model, tok, target: Path) -> None:
-    """Best effort: a failure to cache never fails a load; the first of two racing writers wins."""
+    """Best effort: a failure to cache never fails a load; the first of two racing writers wins. Only
+    a float32 model is cached (the copy is what ``dtype="auto"`` loads later: a first load in
+    bfloat16 must not make every later one bfloat16)."""
+    import torch
+
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return
     try:
         with staged_dir(target, check=False, if_absent=True, tag="gguf") as tmp:
             # the weights are already de-quantised floats; drop the GGUF marker so they serialise

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract.settings import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
 from ..errors import UnsupportedModelError
 
 
@@ -67,11 +68,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2_5_vl_text": ArchSpec(bias=True),
     "qwen3_vl_text": ArchSpec(**_QK),
 }
-
-# families whose attention adds a learned sink logit per query head to its softmax (gpt-oss's ``sinks``,
-# passed to the attention function as ``s_aux``): the runtime reads it from the call; an engine's INT2
-# decode must add it too, so exports ask this
-SINK_MODEL_TYPES = ("gpt_oss",)
 
 _MLA = "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V"
 _HYBRID = ("a hybrid model: its {kinds} layers keep a recurrent state, not a KV cache, and the artifact describes "

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -155,29 +154,16 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
 
 def checked_artifact(artifact, model):
-    """Load ``artifact`` and refuse it, before any cache is built, when it is invalid (non-finite
-    or non-orthogonal rotations, bad clips, wrong shapes: ``oscar validate``'s checks) or was
-    calibrated for another model (geometry and, given a model, its fingerprint)."""
-    from ..contract.artifact import (
-        Artifact,
-        load_artifact,
-        require_compatible,
-        tensor_name,
-    )
-    from ..contract.values import value_problems
+    """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
+    cache is built, when it is invalid or was calibrated for another model
+    (:func:`~oscar_calib.contract.artifact.valid_artifact`, then
+    :func:`~oscar_calib.contract.artifact.require_compatible` with ``model``'s geometry and, given a
+    model rather than a config, its fingerprint)."""
+    from ..contract.artifact import require_compatible, valid_artifact
     from ..model.geometry import geometry_of, model_fingerprint
 
-    if isinstance(artifact, Artifact):
-        art = artifact
-        tensors = {tensor_name(i, k): getattr(lr, k) for i, lr in enumerate(art.layers)
-                   for k in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")}
-        problems = value_problems(tensors, art.metadata)
-        if problems:
-            raise ArtifactError(f"{art.path or 'the artifact'}: {problems[0]}")
-    else:
-        art = load_artifact(Path(artifact))         # refuses bad structure or values with the first problem
-    fingerprint = model_fingerprint(model) if hasattr(model, "config") else None
-    require_compatible(art, geometry_of(model), fingerprint)
+    art = valid_artifact(artifact)                 # before anything of the model is read
+    require_compatible(art, geometry_of(model), model_fingerprint(model) if hasattr(model, "config") else None)
     return art
 
 

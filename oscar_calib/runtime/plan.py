@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.defaults import group_pair
 from ..kernels import QuantizedKV, quantize_kv
 from ..kernels.append import rotate_kv
 
@@ -37,8 +38,7 @@ class LayerPlan:
     chunk: int | None = None             # chunked attention: a query reads its own chunk (sliding_window = chunk)
 
     def __post_init__(self) -> None:
-        if self.v_group_size is None:
-            self.v_group_size = self.group_size
+        self.group_size, self.v_group_size = group_pair(self.group_size, self.v_group_size)
 
     @property
     def groups(self) -> tuple[int, int]:

@@ -51,8 +51,6 @@ from pathlib import Path
 import torch
 
 from ..contract.artifact import (
-    LAYER_GROUPS_METADATA,
-    LAYER_V_GROUPS_METADATA,
     load_artifact,
     require_compatible,
 )
@@ -288,7 +286,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     dev = input_device(lm.model)
     spread = len(set(getattr(lm.model, "hf_device_map", {"": 0}).values())) > 1
     backend = _backend(backend, dev)
-    sink, recent, group_size = int(art.metadata["sink_tokens"]), int(art.metadata["recent_tokens"]), art.group_size
+    st = art.settings
+    sink, recent, group_size = st.sink_tokens, st.recent_tokens, st.group_size
     max_depth = depths[-1]
     plan = plan_tokens(lm.tokenizer, data=data, tokens=max_depth, seq_len=max_depth, heldout_tokens=max_depth,
                        heldout_seqs=sequences, seed=seed + 1, corpus_split="heldout", documents=documents)
@@ -327,7 +326,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     rows = []
     tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
     for i, layer in enumerate(art.layers):
-        gk, gv = art.layer_groups[i]
+        gk, gv = st.layer_groups[i]
         kw = dict(group_size=gk, v_group_size=gv, sink=sink, recent=recent, backend=backend,
                   scaling=info[i]["scaling"])
         chunk = geo.layer(i).window if geo.layer_types[i] == "chunked_attention" else None
@@ -337,7 +336,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         kw["sinks"] = sinks
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
                              layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw,
-                             logit_correction=art.logit_correction)
+                             logit_correction=st.logit_correction)
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
@@ -357,12 +356,12 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                 "sequences": sequences, "positions_per_depth": positions, "position_stride": POSITION_STRIDE, "data": plan.source, "sink_tokens": sink, "recent_tokens": recent,
                 "group_size": group_size, "max_layer_error": max_layer_error, "baseline_clips": list(BASELINE_CLIPS),
                 "token_sha256": plan.sha256()}
-    if LAYER_GROUPS_METADATA in art.metadata:
-        settings["layer_group_sizes"] = art.layer_group_sizes
-    if LAYER_V_GROUPS_METADATA in art.metadata:
-        settings["layer_v_group_sizes"] = art.layer_v_group_sizes
+    if st.per_layer_groups:
+        settings["layer_group_sizes"] = st.k_groups
+    if st.split_groups:
+        settings["layer_v_group_sizes"] = st.v_groups
     if fork is not None:
-        settings["fork"] = {"k_clip": art.shared_clips()[0], "v_clip": art.shared_clips()[1], "group_size": fork.group_size,
+        settings["fork"] = {"k_clip": st.shared_clips[0], "v_clip": st.shared_clips[1], "group_size": fork.group_size,
                             "sink_tokens": fork.sink, "recent_tokens": fork.recent,
                             "simulation": "pure torch: shared rotation in bf16, float32 scale/zero"}
     result = VerifyResult(rows, settings, not reasons, reasons,
