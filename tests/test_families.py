@@ -155,6 +155,25 @@ def test_gpt_oss_sinks_reach_verify_and_eval(tmp_path):
     assert abs(rows["oscar"]["ppl"] / rows["bf16"]["ppl"] - 1) < 1e-3
 
 
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "llama4"])
+def test_a_saved_multimodal_checkpoint_calibrates_from_the_command_line(name, tmp_path):
+    """A multimodal checkpoint saved by transformers loads through its own auto class (Qwen2.5-VL:
+    image-text-to-text; Llama 4: transformers loads its language model alone as a causal LM) and
+    the artifact names the text config it came from."""
+    from transformers import AutoModelForImageTextToText
+
+    from oscar_calib.contract.artifact import load_artifact
+
+    torch.manual_seed(0)
+    whole = AutoModelForImageTextToText.from_config(FAMILIES[name].config())     # vision tower included
+    directory = save_checkpoint(tmp_path / name, whole, ascii_tokenizer())
+    code, _, err = oscar("calibrate", directory, *FAST_ARGS, "--out", tmp_path / "run")
+    assert code == 0, err
+    md = load_artifact(tmp_path / "run").metadata
+    assert md["text_config"] == f"{name}.text_config"
+    assert md["model_type"] == FAMILIES[name].config().get_text_config(decoder=True).model_type
+
+
 def _readme_command(prefix: str) -> list[str]:
     line = next(ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith(prefix))
     return shlex.split(line.split("#")[0])
