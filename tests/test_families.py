@@ -21,8 +21,10 @@ from factories import (
     CharTokenizer,
     ascii_tokenizer,
     calibrate_tiny,
+    family_model,
     oscar,
     save_checkpoint,
+    share_sinks,
 )
 
 from oscar_calib.errors import OscarError, UnsupportedModelError
@@ -119,13 +121,7 @@ def test_capture_gives_the_models_own_logits(name):
     implementation that adds them, not SDPA)."""
     from oscar_calib.model.capture import Capture
 
-    fam = FAMILIES[name]
-    if not fam.available():
-        pytest.skip(f"{name} needs transformers >= {fam.since}")
-    model = fam.model()
-    if name == "gpt_oss":
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.linspace(1.0, 3.0, layer.self_attn.sinks.numel()))
+    model = family_model(name)
     ids = torch.randint(1, 120, (2, 24), generator=torch.Generator().manual_seed(8))
     seen = []
     with torch.no_grad():
@@ -143,8 +139,7 @@ def test_gpt_oss_sinks_reach_verify_and_eval(tmp_path):
     attention, sinks included, and eval's simulation gives the model's own perplexity; without the
     sinks both would be off by the sinks' share of each softmax."""
     lm = _loaded("gpt_oss")
-    for layer in lm.model.model.layers:          # sinks that take a real share of every softmax
-        layer.self_attn.sinks.copy_(torch.linspace(1.0, 3.0, layer.self_attn.sinks.numel()))
+    share_sinks(lm.model)
     out = tmp_path / "artifact"
     calibrate_tiny(out, loaded=lm, **dict(CHAIN, sink_tokens=64, recent_tokens=64))
     v = verify_artifact(out, loaded=lm, backend="torch", depths=(32, 48), sequences=1, positions=2, write=False,

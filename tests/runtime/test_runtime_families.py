@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from factories import build_artifact
+from factories import build_artifact, family_model, share_sinks
 
 from oscar_calib.errors import CacheError
 from oscar_calib.model.families import FAMILIES
@@ -23,10 +23,7 @@ WINDOWS = dict(sink=4, recent=8)
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_cache_generates_like_the_simulation(name):
-    fam = FAMILIES[name]
-    if not fam.available():
-        pytest.skip(f"{name} needs transformers >= {fam.since}")
-    model = fam.model()
+    model = family_model(name)
     art = build_artifact(model, seed=3)
     ids = torch.randint(1, 120, (1, 20), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
@@ -49,13 +46,7 @@ def test_family_perplexity_simulation_is_the_model_when_nothing_is_lossy(name):
     are the model's."""
     from oscar_calib.runtime import KVScheme, SimulatedKV
 
-    fam = FAMILIES[name]
-    if not fam.available():
-        pytest.skip(f"{name} needs transformers >= {fam.since}")
-    model = fam.model()
-    if name == "gpt_oss":
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.linspace(1.0, 3.0, layer.self_attn.sinks.numel()))
+    model = family_model(name)
     n = model.config.get_text_config(decoder=True).num_hidden_layers
     ids = torch.randint(1, 120, (1, 40), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -97,8 +88,7 @@ def test_gpt_oss_sinks_through_the_decode_kernel_equal_the_torch_path():
     fam = FAMILIES["gpt_oss"]
     tiny = dict(fam.tiny, head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
     model = Family("gpt_oss", fam.example, tiny).model().to(dev)
-    for layer in model.model.layers:
-        layer.self_attn.sinks.copy_(torch.linspace(1.0, 3.0, 4))
+    share_sinks(model)
     art = build_artifact(model, seed=3)
     # 12 tokens of prefill (an INT2 history behind the 2 + 3 window), then 2 decode steps
     ids = torch.randint(1, 120, (1, 14), generator=torch.Generator().manual_seed(3)).to(dev)
