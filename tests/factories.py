@@ -69,6 +69,31 @@ def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed
     return model
 
 
+def family_model(name: str):
+    """The tiny random-init stand-in of family ``name`` (``oscar_calib.model.families``), the test
+    skipped where the installed transformers lacks the family; a gpt-oss stand-in gets sink logits
+    (1 to 3) that take a real share of every softmax (its initial ones are near 0)."""
+    import pytest
+
+    from oscar_calib.model.families import FAMILIES
+
+    fam = FAMILIES[name]
+    if not fam.available():
+        pytest.skip(f"{name} needs transformers >= {fam.since}")
+    model = fam.model()
+    share_sinks(model)
+    return model
+
+
+def share_sinks(model) -> None:
+    """Give every attention module that has learned sinks (gpt-oss) sink logits from 1 to 3."""
+    for module in model.modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.nn.Parameter):
+            with torch.no_grad():
+                sinks.copy_(torch.linspace(1.0, 3.0, sinks.numel()))
+
+
 class CharTokenizer:
     """A minimal in-memory tokenizer for tiny models: bytes mod vocab, EOS = 0 (not saveable)."""
 

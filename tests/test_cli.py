@@ -33,10 +33,10 @@ def test_bad_input_is_one_line(tmp_path, tiny_llama_dir, case):
         (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
         model, pattern = str(d), "multi-head latent attention"
     elif case == "unknown_arch":
-        d = tmp_path / "gpt2"
+        d = tmp_path / "rwkv"           # a recurrent model: no KV cache to calibrate, refused before any weight
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-        model, pattern = str(d), "unsupported architecture 'gpt2'"
+        (d / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
+        model, pattern = str(d), "unsupported architecture 'rwkv': recurrent model without a KV cache"
     elif case == "tokens0":
         extra, pattern = ["--tokens", "0"], "--tokens must be positive"
     elif case == "bad_clip":

@@ -118,6 +118,7 @@ DEFECTS = {
                    "layers.0.k_mean has 1 non-finite value(s)"),
     "k_mean_shape": (dict(centered=True, mutate=lambda t: t.__setitem__("layers.1.k_mean", t["layers.1.k_mean"][0])),
                      "layers.1.k_mean has shape [8], expected [2, 8]"),
+    "text_config": (dict(metadata={"text_config": "gemma3"}), "expected '<wrapper model_type>.<attribute>'"),
 }
 
 

@@ -32,11 +32,12 @@ from ..contract.layout import (
     FORMAT_NAME,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
+    TEXT_CONFIG_METADATA,
     WEIGHTS_NAME,
 )
-from ..contract.settings import ArtifactSettings, GroupPair
+from ..contract.settings import ArtifactSettings, GroupPair, centering_problem
 from ..errors import InputError, OscarWarning, UnsupportedModelError
-from ..model.capture import Capture, capture_forward
+from ..model.capture import Capture, call_window, capture_forward
 from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model, load_tokenizer
 from ..model.placement import Placement, input_device
@@ -83,19 +84,24 @@ class StatsRun:
     reservoir: list[Reservoir]
     batches_done: int = 0
     checkpointed: int = 0        # batches in the newest checkpoint (0: none)
-    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
+    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap", "sinks", "chunk"}
     fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see fit_device)
     fitting: list[int] | None = None    # the layers whose held-out rows this process keeps (None: all)
 
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):
             if layer not in self.layer_info:
-                sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+                sw = call_window(module, kwargs)
                 cfg = getattr(module, "config", None)
+                sinks = kwargs.get("s_aux")           # gpt-oss: a learned sink logit per query head
+                types = getattr(cfg, "layer_types", None) or ()
+                chunked = layer < len(types) and types[layer] == "chunked_attention"
                 self.layer_info[layer] = {
                     "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
-                    "sliding_window": int(sw) if sw else None,
+                    "sliding_window": sw,
                     "softcap": getattr(cfg, "attn_logit_softcapping", None),
+                    "sinks": None if sinks is None else [float(x) for x in sinks.detach().float().cpu()],
+                    "chunk": int(cfg.attention_chunk_size) if chunked else None,
                 }
             if collect == "stats":
                 s = self.stats[layer]
@@ -194,8 +200,11 @@ def heldout_layer(run: StatsRun, layer: int, centered: bool = False) -> HeldoutL
     r, info = run.reservoir[layer], run.layer_info[layer]
     dev = run.fit_device
     mean = run.stats[layer].key_mean().to(dev) if centered else None
+    sinks = info.get("sinks")
     return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
-                        info["sliding_window"], info["softcap"], k_mean=mean)
+                        info["sliding_window"], info["softcap"],
+                        sinks=None if sinks is None else torch.tensor(sinks, device=dev), chunk=info.get("chunk"),
+                        k_mean=mean)
 
 
 def mean_share(s: LayerStats) -> list[float]:
@@ -385,6 +394,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan,
         "model_fingerprint": lm.fingerprint, "calibration": json.dumps(calibration, sort_keys=True),
         "toolkit_version": __version__,
         **({MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True)} if lm.source.record() else {}),
+        **({TEXT_CONFIG_METADATA: lm.geometry.text_config} if lm.geometry.text_config else {}),
         **settings.metadata(),
     }
 
@@ -489,6 +499,9 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
                                      progress=progress, tokenizer=tokenizer)
         group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
         check_group_size(lm.geometry.head_dim, group_size)
+        why = centering_problem(lm.geometry.model_type) if cfg.center_keys else None
+        if why:
+            raise InputError(f"--center-keys: {why}")
         _warn_beyond_context(lm, cfg.seq_len)
         if cfg.refine_steps and cfg.heldout_seqs < 2:
             warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "

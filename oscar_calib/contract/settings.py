@@ -221,6 +221,22 @@ class ArtifactSettings:
         return _problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
 
+# transformers model types whose attention adds a learned sink logit per query head to its softmax
+# (gpt-oss's ``sinks``, passed to the attention function as ``s_aux``): an engine's INT2 decode must add it
+SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+def centering_problem(model_type: str | None) -> str | None:
+    """Why a model of ``model_type`` cannot store centered keys (None when it can): a learned
+    attention-sink logit is compared with every key's logit, so centered keys would need each
+    query's ``q·μ`` added back beside it, which the INT2 decode kernel (one sink logit per query
+    head) does not do. The one rule ``oscar calibrate --center-keys`` and every artifact reader ask."""
+    if model_type in SINK_MODEL_TYPES:
+        return (f"key centering is not served for {model_type}: its attention-sink logits are compared with every "
+                "key's logit, and the INT2 decode kernel cannot add each query's q·k_mean back beside them")
+    return None
+
+
 # ----------------------------------------------------------------------------- parsing
 
 _INT_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "sink_tokens",
@@ -353,6 +369,9 @@ def _problems(v: dict) -> list[str]:
         problems += [f"metadata {k!r} is {c:g}, expected a clip ratio in (0, 1]"
                      for k, c in zip(SHARED_CLIP_METADATA, clips) if not 0 < c <= 1]
     mt = v.get("model_type")
+    why = centering_problem(mt) if v.get("key_centering") else None
+    if why:
+        problems.append(why)
     if mt is not None and not MODEL_TYPE.fullmatch(str(mt)):
         problems.append(f"metadata 'model_type' is {str(mt)[:40]!r}, not a transformers model type (a letter, then "
                         "letters, digits, '_' or '-')")
@@ -385,6 +404,7 @@ def _groups_text(s: ArtifactSettings) -> str:
     return f"the per-layer sizes {min(ks)}–{max(ks)}"
 
 
+
 FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("logit_correction", "logit-noise correction",
             lambda s: s.logit_correction > 0,
@@ -413,6 +433,12 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             lambda s: s.sink_tokens + s.recent_tokens > 0,
             lambda s, e: (f"{e} keeps no BF16 sink or recent window: the {s.sink_tokens} sink and "
                           f"{s.recent_tokens} recent tokens are stored in INT2 like the rest")),
+    Feature("attention_sinks", "attention-sink logits",
+            lambda s: s.model_type in SINK_MODEL_TYPES,
+            lambda s, e: (f"the model ({s.model_type}) adds a learned attention-sink logit per query head to its "
+                          f"softmax, and {e}'s OSCAR decode path was not read for attention sinks, so oscar does not "
+                          "write for it"),
+            refused=True),
 )}
 
 

@@ -23,6 +23,7 @@ from .layout import (
     MODEL_SOURCE_FIELDS,
     MODEL_SOURCE_KINDS,
     MODEL_SOURCE_METADATA,
+    TEXT_CONFIG_METADATA,
     tensor_name,
 )
 from .settings import MODEL_TYPE, ArtifactSettings
@@ -43,8 +44,9 @@ def check_metadata_values(md: dict[str, str]) -> tuple[list[str], list[str]]:
 
 def provenance_problems(md: dict[str, str]) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` of what says where an artifact came from: a sha256 fingerprint,
-    ``calibration`` a JSON object, ``model_source`` well formed, and a warning when transformers,
-    already imported by this process, does not know ``model_type``."""
+    ``calibration`` a JSON object, ``model_source`` well formed, ``text_config`` a wrapper's model type
+    and attribute, and a warning when transformers, already imported by this process, does not
+    know ``model_type``."""
     problems, warnings = [], []
     fp = md.get("model_fingerprint")
     if fp is not None and not re.fullmatch(r"[0-9a-f]{64}", fp):
@@ -62,6 +64,11 @@ def provenance_problems(md: dict[str, str]) -> tuple[list[str], list[str]]:
         if known is not None and mt not in known:
             warnings.append(f"metadata 'model_type' {mt!r} is not a model type this transformers knows (a model "
                             "with remote code, or a newer transformers?)")
+    if TEXT_CONFIG_METADATA in md:
+        wrapper, _, attr = str(md[TEXT_CONFIG_METADATA]).partition(".")
+        if not (MODEL_TYPE.fullmatch(wrapper) and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", attr)):
+            problems.append(f"metadata {TEXT_CONFIG_METADATA!r} is {str(md[TEXT_CONFIG_METADATA])[:60]!r}, expected "
+                            "'<wrapper model_type>.<attribute>' (e.g. 'gemma3.text_config')")
     problems += model_source_problems(md)
     return problems, warnings
 

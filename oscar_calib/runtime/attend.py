@@ -18,15 +18,19 @@ history        stored token ``t`` with ``S <= t < n' - R`` (INT2, rotated)
 new tokens     the model's own mask over the call's tokens, at full precision (rotated here)
 =============  ==============================================================================
 
-and, in sliding-window layers, only ``i - t < W``. This is the simulation's rule
+and, in sliding-window layers, only ``i - t < W``; in chunked-attention layers (Llama 4), only the
+tokens of ``i``'s chunk, ``t >= C * floor(i / C)``. This is the simulation's rule
 (:class:`~oscar_calib.runtime.simulated.SimulatedCache`): a token pushed out of the window by
 this call is read as INT2, the call's own tokens as the model computed them. Attention is
 computed in the rotated basis (``q @ R_k``, values ``v @ R_v``) and the output rotated back with
 ``R_vᵀ`` unless V is folded. With the plan's ``logit_correction``, every INT2 key's logit loses its
 logit-noise correction (:func:`~oscar_calib.numerics.quant.logit_noise`, from its stored scales).
-With key centering the call's own keys are centered like the stored ones (``k @ R_k − μ @ R_k``),
-and a soft-capped layer gets ``q·μ`` back on every logit before the cap (softmax alone does not
-see the shift; ``tanh`` does).
+Attention sinks (gpt-oss passes a learned logit per query head as ``s_aux``) start the online
+softmax: its running maximum at the sink logit and its denominator at one, the sink counted as a
+key of value zero, as the model's own attention counts it. With key centering the call's own keys
+are centered like the stored ones (``k @ R_k − μ @ R_k``), and a soft-capped layer or one with
+sinks gets ``q·μ`` back on every key's logit before the cap and beside the sink (softmax over the
+keys alone does not see the shift; ``tanh`` and a sink's fixed logit do).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 CHUNK_ELEMENTS = 1 << 24          # scores per block: bounds the temporaries (64 MiB of float32)
 MIN_CHUNK = 64                    # history tokens per block at least
+_FLOOR = -1e30                    # the online softmax's starting maximum: below every real logit
 
 
 def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -44,20 +49,27 @@ def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ · scale - noise) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query
     heads per KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool,
-    noise)``, ``noise`` None or ``[B, H, G, T, L]`` subtracted from the (soft-capped) logits;
-    ``bias [B, H, G, T]`` (None: none) added to every logit before the soft-cap.
+    noise)``, ``noise`` None or ``[B, H, G, T, L]`` subtracted from the (soft-capped) logits.
+    ``sinks [H*G]``: one more key per query head, of that logit and value zero (None: none).
+    ``bias [B, H, G, T]`` (None: none) added to every key's logit before the soft-cap (not the sinks').
     Rows that may read no key at all return 0."""
     b, h, g, t, d = q.shape
-    m = torch.full((b, h, g, t), float("-inf"), device=q.device)
-    denom = torch.zeros(b, h, g, t, device=q.device)
-    acc = torch.zeros(b, h, g, t, d, device=q.device)
+    rows = q.reshape(b, h, g * t, d)                 # matmuls over [G·T, d] rows per KV head (no einsum copies)
+    if sinks is None:
+        # the running maximum starts finite, so a row that may read nothing gives exp(-inf) = 0, not NaN
+        m = torch.full((b, h, g, t), _FLOOR, device=q.device)
+        denom = acc = None
+    else:                     # the sink is the first key read: exp(sink - m) = 1 with m = sink
+        m = sinks.float().reshape(1, h, g, 1).expand(b, h, g, t).contiguous()
+        denom = torch.ones(b, h, g, t, device=q.device)
+        acc = torch.zeros(b, h, g, t, d, device=q.device)
     for k, v, allowed, noise in blocks:
         if k.shape[2] == 0:
             continue
-        s = torch.einsum("bhgtd,bhld->bhgtl", q, k.float()) * scale
+        s = (rows @ k.float().transpose(-1, -2)).view(b, h, g, t, -1) * scale
         if bias is not None:
             s = s + bias.unsqueeze(-1)
         if softcap:
@@ -66,12 +78,17 @@ def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None,
             s = s - noise
         s = s.masked_fill(~allowed[:, None, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - base.unsqueeze(-1))
-        corr = torch.exp(m - base)
-        denom = denom * corr + p.sum(-1)
-        acc = acc * corr.unsqueeze(-1) + torch.einsum("bhgtl,bhld->bhgtd", p, v.float())
+        p = torch.exp(s - m_new.unsqueeze(-1))
+        pv = (p.view(b, h, g * t, -1) @ v.float()).view(b, h, g, t, d)
+        if acc is None:
+            denom, acc = p.sum(-1), pv
+        else:
+            corr = torch.exp(m - m_new)
+            denom = denom * corr + p.sum(-1)
+            acc = acc * corr.unsqueeze(-1) + pv
         m = m_new
+    if acc is None:
+        return torch.zeros_like(q)
     return acc / torch.where(denom > 0, denom, torch.ones_like(denom)).unsqueeze(-1)
 
 
@@ -83,11 +100,13 @@ def _per_head(x: torch.Tensor, r: torch.Tensor | None, transpose: bool = False) 
     return torch.einsum(eq, x.float(), r)
 
 
-def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, noise=None):
+def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, noise=None, new_tokens: int = 0):
     """The window block and the history chunks with their masks (see the module docstring);
-    ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off)."""
+    ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off);
+    ``new_tokens``: the call's tokens not yet written (0 for a decode step, which writes first)."""
     p = store.plan
     w = p.sliding_window
+    start = None if p.chunk is None else (qidx // p.chunk * p.chunk).unsqueeze(2)   # [B, T, 1]: each query's chunk
 
     keep = (n_new - p.recent).unsqueeze(1)          # tokens from here on stay 16-bit after this call
 
@@ -97,13 +116,19 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
         else:
             ok = (tok >= p.sink) & (tok < keep)
         ok = ok.unsqueeze(1)                                                      # [B, 1, L]
-        if w is not None:
+        if start is not None:
+            ok = ok & (tok.unsqueeze(1) >= start)                                 # [B, T, L]
+        elif w is not None:
             ok = ok & (qidx.unsqueeze(2) - tok.unsqueeze(1) < w)                  # [B, T, L]
         return ok
 
     win = store.window.kv[:, :, :, :p.sink + p.recent]
     yield win[:, 0], win[:, 1], rule(store.window.slot_tokens(store.n), True), None
     span = store.history_span()
+    if not store.hist.ring and not store.full_span:
+        # history slot j holds token S + j, read as INT2 only below n' - R: no sequence reads past
+        # its count after the call minus R (host counts are upper bounds, so this only trims)
+        span = min(span, max(0, max(store.counts) + new_tokens - p.recent - p.sink))
     for a in range(0, span, chunk):
         length = min(chunk, span - a)
         x = store.hist.dequantize(a, length)                                      # [B, 2, H, L, d]
@@ -112,14 +137,16 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
 
 
 def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_allowed: torch.Tensor,
-                  qidx: torch.Tensor, n_new: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+                  qidx: torch.Tensor, n_new: torch.Tensor, scale: float, softcap: float | None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[B, T, Hq, d]`` (float32) of queries ``q [B, Hq, T, d]`` over the cache as
     it is (``store``) and the call's tokens ``k``/``v`` ``[B, H, T, d]`` at full precision.
 
     ``new_allowed [B, T, T]``: which new token each query may read (the model's mask);
     ``qidx [B, T]``: token index of each query; ``n_new [B]``: valid tokens after the call.
     ``k = v = None`` when the call's tokens are already written (a decode step reads its own
-    token from the 16-bit window, exactly as the decode kernel does)."""
+    token from the 16-bit window, exactly as the decode kernel does). ``sinks [Hq]``: attention-sink
+    logits (None: none)."""
     p = store.plan
     bsz, hq, t, d = q.shape
     h = store.heads
@@ -134,14 +161,14 @@ def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_
             return logit_noise(qr, key_scales.unsqueeze(2), p.group_size, p.logit_correction, scale)
 
     def all_blocks():
-        yield from _cached_blocks(store, n_new, qidx, chunk, noise)
+        yield from _cached_blocks(store, n_new, qidx, chunk, noise, 0 if k is None else k.shape[2])
         if k is not None:
             yield p.rotate_keys(k), _per_head(v, p.v_rotation), new_allowed, None
 
     bias = None
-    if softcap and p.k_shift is not None:            # tanh sees the shift: every logit gets q·μ back
+    if (softcap or sinks is not None) and p.k_shift is not None:    # tanh and sinks see the shift: q·μ back
         bias = torch.einsum("bhgtd,hd->bhgt", qr, p.k_shift) * scale
-    o = online_softmax(qr, all_blocks(), scale, softcap, bias)                    # [B, H, G, T, d]
+    o = online_softmax(qr, all_blocks(), scale, softcap, sinks, bias)             # [B, H, G, T, d]
     if p.v_rotation is not None:
         o = _per_head(o, p.v_rotation, transpose=True)
     return o.reshape(bsz, hq, t, d).transpose(1, 2)

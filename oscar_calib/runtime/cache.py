@@ -17,7 +17,9 @@ that function for the duration of a ``with`` block; using the cache without it r
 :class:`~oscar_calib.errors.CacheError` (it would otherwise attend to the new tokens only).
 
 Works with batches (left padding: each sequence stores only its real tokens), GQA, beam search
-(``reorder_cache``), sliding-window layers (Gemma 2/3, Mistral: a ring of the window size), and
+(``reorder_cache``), sliding-window layers (Gemma 2/3, Mistral: a ring of the window size),
+chunked-attention layers (Llama 4: a ring of the chunk size, each query reading its own chunk;
+unpadded batches only, as left padding moves transformers' chunk boundaries), and
 ``crop`` while every stored token is still BF16 (later a crop would need BF16 copies of tokens
 that were quantised: it raises :class:`CacheError` instead of returning inexact results).
 :class:`~oscar_calib.runtime.simulated.SimulatedCache` is the accuracy simulation it is tested
@@ -33,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
+from ..progress import ProgressFn, report
 from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
 from .plan import LayerPlan
 from .scheme import KVScheme, LayerScheme
@@ -79,14 +82,16 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer: LayerScheme, *, sliding_window: int | None, backend: str = "auto"):
-        """``layer``: one quantised layer of the cache's scheme (:meth:`KVScheme.layer`)."""
+    def __init__(self, layer: LayerScheme, *, sliding_window: int | None, backend: str = "auto",
+                 chunk: int | None = None):
+        """``layer``: one quantised layer of the cache's scheme (:meth:`KVScheme.layer`);
+        ``sliding_window``/``chunk``: the model layer's window."""
         super().__init__()
         if not layer.quantized:
             raise InputError("OscarLayer stores an INT2 history: its layer scheme needs group sizes")
         self.layer, self.backend = layer, backend
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
+        self.sliding_window, self.chunk = sliding_window, chunk
+        self.is_sliding = sliding_window is not None          # a window (sliding or chunked): a ring, no kernel
         self.attached = 0            # > 0 while an OscarAttention route serves this cache
         self.reserved = 0
         self.reset()
@@ -95,7 +100,7 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         plan = LayerPlan.build(self.layer, heads=h, d=d, sliding_window=self.sliding_window, device=self.device,
-                               backend=self.backend, window_dtype=key_states.dtype)
+                               backend=self.backend, window_dtype=key_states.dtype, chunk=self.chunk)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -181,7 +186,8 @@ class OscarCache(Cache):
                                 f"{len(windows)} layers")
         self.scheme = scheme
         super().__init__(layers=[
-            OscarLayer(scheme.layer(i), sliding_window=w, backend=backend) for i, w in enumerate(windows)])
+            OscarLayer(scheme.layer(i), sliding_window=w, backend=backend, chunk=c)
+            for i, (w, c) in enumerate(windows)])
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
@@ -203,7 +209,7 @@ class OscarCache(Cache):
         return OscarAttention(model, self)
 
     def generate(self, model, input_ids: torch.Tensor, *, fast: bool | str = "auto", compile: bool = False,
-                 **generate_kwargs):
+                 progress: ProgressFn | None = None, **generate_kwargs):
         """``model.generate(input_ids, past_key_values=self, **generate_kwargs)`` with the cache
         attached, on the fastest path that applies: on one GPU every new token replays a CUDA graph
         (:func:`~oscar_calib.runtime.graph.graph_decoding`; ~6x the tokens/s of eager steps on
@@ -215,6 +221,11 @@ class OscarCache(Cache):
         runs eager steps. ``compile=True`` records the graph through ``torch.compile`` (about 30%
         more tokens/s at 1 x 16K-128K on an H100, for 25-40 s of compiling at the first call of
         each batch size): worth it for long generations; it needs the graph.
+
+        ``progress`` (:mod:`oscar_calib.progress`; :func:`oscar_calib.display.show_progress` draws
+        it) hears a ``prefill`` stage, then ``decode`` with one report per new token (counted
+        against ``max_new_tokens`` when given), from a logits processor: nothing is read back from
+        the device for it.
 
         >>> cache = OscarCache.from_artifact("zoo/smollm2-135m", model)
         >>> out = cache.generate(model, ids, max_new_tokens=256)          # graph on a GPU, eager on a CPU
@@ -232,8 +243,18 @@ class OscarCache(Cache):
         if not why:
             generate_kwargs["custom_generate"] = (functools.partial(graph_decoding, compile=True) if compile
                                                   else graph_decoding)
+        if progress is not None:
+            from transformers import LogitsProcessorList
+
+            counter = _TokenProgress(progress, input_ids.shape[-1], generate_kwargs.get("max_new_tokens"))
+            theirs = generate_kwargs.get("logits_processor") or ()
+            generate_kwargs["logits_processor"] = LogitsProcessorList([*theirs, counter])
+            report(progress, f"prefill: {input_ids.shape[-1]} tokens", 0, None)
         with attached(self, model):
-            return model.generate(input_ids, past_key_values=self, **generate_kwargs)
+            out = model.generate(input_ids, past_key_values=self, **generate_kwargs)
+        if progress is not None:
+            counter.finish()
+        return out
 
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""
@@ -270,6 +291,24 @@ class OscarCache(Cache):
         return {"bytes": used, "allocated_bytes": alloc, "tokens": n, "bytes_per_token": used / n if n else 0.0,
                 "bf16_bytes": bf16, "compression": bf16 / used if used else 0.0,
                 "history_bits_per_element": self.scheme.bits_per_element}
+
+
+class _TokenProgress:
+    """A logits processor that reports decoding progress and leaves the scores as they are: it is
+    called once per new token, before that token is chosen, with the sequences so far."""
+
+    def __init__(self, progress: ProgressFn, prompt: int, total: int | None):
+        self.progress, self.prompt, self.total, self.done = progress, prompt, total, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.done = input_ids.shape[-1] - self.prompt
+        report(self.progress, "decode", self.done, self.total, "tokens")
+        return scores
+
+    def finish(self) -> None:
+        """The stage ends with the last token (sooner than ``total`` when generation stopped)."""
+        n = self.done + 1
+        report(self.progress, "decode", n, n, "tokens")
 
 
 def attached(cache, model):

@@ -38,6 +38,7 @@ class LayerPlan:
     backend: str = "auto"                # kernel backend of the write and decode kernels
     v_group_size: int | None = None      # the values' group size (None: group_size)
     logit_correction: float = 0.0        # gain of the logit-noise correction of the INT2 keys (0: off)
+    chunk: int | None = None             # chunked attention: a query reads its own chunk (sliding_window = chunk)
     k_shift: torch.Tensor | None = None  # [H, d] float32: the keys' centering shift μ @ R_k (None: none)
     center2: torch.Tensor | None = None  # [2H, d]: k_shift, then zeros for the values
 
@@ -55,10 +56,11 @@ class LayerPlan:
 
     @classmethod
     def build(cls, layer: LayerScheme, *, heads: int, d: int, sliding_window: int | None, device,
-              backend: str = "auto", window_dtype: torch.dtype | None = None) -> "LayerPlan":
+              backend: str = "auto", window_dtype: torch.dtype | None = None,
+              chunk: int | None = None) -> "LayerPlan":
         """From one quantised layer of a scheme (:meth:`~oscar_calib.runtime.scheme.KVScheme.layer`);
         ``window_dtype``: the window's dtype when the layer leaves it to the model (its
-        ``window_dtype`` None)."""
+        ``window_dtype`` None); ``sliding_window``/``chunk``: the model layer's window."""
         ls = layer.to(device)
         rk, ck, rv, cv = (None if t is None else t.contiguous() for t in (ls.k_rotation, ls.k_clip, ls.v_rotation,
                                                                            ls.v_clip))
@@ -73,7 +75,7 @@ class LayerPlan:
             clip2 = torch.cat([one if ck is None else ck.reshape(heads), one if cv is None else cv.reshape(heads)])
         gk, gv = ls.groups
         return cls(rk, rv, rot2, clip2, gk, ls.sink, ls.recent, sliding_window, ls.window_dtype or window_dtype,
-                   backend, gv, ls.logit_correction, shift, center2)
+                   backend, gv, ls.logit_correction, chunk, shift, center2)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R − center2`` per head (the rows as the window

@@ -10,9 +10,11 @@ plain attention (tested). It de-quantises every key for every layer: memory and 
 the context like a full-precision cache, so it measures accuracy only.
 
 A scheme with a ``logit_correction`` subtracts it from the logit of every INT2 key
-(:func:`logit_noise_rows`), as the real cache and the decode kernel do. A scheme with key centering
-(``k_mean``) quantises the INT2 keys centered and reads them back in the model's basis
-(:func:`oscar_rows`), which is the real cache's softmax, soft-capped or not.
+(:func:`logit_noise_rows`), as the real cache and the decode kernel do. Attention sinks (gpt-oss's
+``s_aux``, a learned logit per query head) join every softmax as one more key of value zero, as
+the model's own attention adds them. A scheme with key centering (``k_mean``) quantises the INT2
+keys centered and reads them back in the model's basis (:func:`oscar_rows`), which is the real
+cache's softmax, soft-capped, with sinks or not.
 
 A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
 (:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).
@@ -35,7 +37,7 @@ import math
 import torch
 
 from ..errors import EvalError
-from ..model.capture import AttentionRoute
+from ..model.capture import AttentionRoute, call_window
 from .attend import allowed_mask
 from .scheme import QUANTIZERS, KVScheme
 
@@ -45,15 +47,15 @@ SIM_NAME = "oscar_kv_sim"
 _ACTIVE: list["SimulatedKV"] = []
 
 
-def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                   softcap=None, **kwargs):
+def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, s_aux=None,
+                   **kwargs):
     sim = _ACTIVE[-1]
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise EvalError(f"{type(module).__name__} has no layer_idx")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = sim.attend(layer, query, key, value, attention_mask, scale,
-                     sliding_window or getattr(module, "sliding_window", None), softcap)
+    out = sim.attend(layer, query, key, value, attention_mask, scale, call_window(module, kwargs), softcap,
+                     **({} if s_aux is None else {"sinks": s_aux}))
     return out.to(query.dtype), None
 
 
@@ -91,10 +93,11 @@ class SimulatedKV(AttentionRoute):
         return allowed_mask(mask[..., -s:])
 
     def attend(self, layer: int, q, k, v, mask, scaling: float, window: int | None, softcap,
-               positions=None) -> torch.Tensor:
+               positions=None, sinks=None) -> torch.Tensor:
         """q [B, Hq, T, d], k/v [B, Hkv, S, d] -> attention output [B, T, Hq, d] (float32).
         ``positions``: the query rows' positions among the keys (a sequence of ``T`` ints; default
         the last ``T``), with ``mask`` None: row ``i`` reads the keys up to its position.
+        ``sinks [Hq]``: attention-sink logits, one more key per query head of value zero (gpt-oss).
 
         Exact per-(i, j) selection with one attention call: the keys are the INT2 version
         followed by the BF16 version (oscar's quantiser: the INT2 keys rotated back, ``K̂Rᵀ``, so
@@ -131,7 +134,7 @@ class SimulatedKV(AttentionRoute):
         if sch.logit_correction and k_lo is not None:              # over the INT2 half only
             noise = logit_noise_rows(sch, layer, q, k, scaling)
             noise = torch.cat([noise, torch.zeros_like(noise)], dim=-1)                     # [B, Hq, T, 2S]
-        if not softcap and q_lo is None:
+        if not softcap and q_lo is None and sinks is None:
             mask = allowed if noise is None else (-noise).masked_fill(~allowed, -math.inf)
             o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
         else:
@@ -144,7 +147,12 @@ class SimulatedKV(AttentionRoute):
                 sc = torch.tanh(sc / softcap) * softcap
             if noise is not None:
                 sc = sc - noise
-            p = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1)
+            sc = sc.masked_fill(~allowed, -math.inf)
+            if sinks is not None:       # the sink column joins the softmax, then leaves (its value is zero)
+                sc = torch.cat([sc, sinks.float().view(1, hq, 1, 1).expand(*sc.shape[:-1], 1)], dim=-1)
+            p = torch.softmax(sc, dim=-1)
+            if sinks is not None:
+                p = p[..., :-1]
             if hp_weights is not None and k_lo is not None:   # weights of the window half rounded as the engine does
                 p = torch.cat([p[..., :s], _round(p[..., s:], hp_weights)], -1)
             o = p @ values

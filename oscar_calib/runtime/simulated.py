@@ -22,7 +22,9 @@ every key in the model's basis, so the shift the real cache gives every key is t
 here; a token this call pushed out of the window already INT2), then the call's
 new tokens exactly as the model computed them. A decode step therefore reads what a kernel reads
 with the query rotated online; a multi-token call (the prefill) attends in full precision.
-Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``.
+Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``, and
+so do chunked-attention layers with the chunk as the window (as transformers' ``DynamicCache`` keeps
+them; the model's chunked mask picks the query's chunk).
 With identity rotations, ``quantize`` off and ``window_dtype=None`` it equals ``DynamicCache``.
 """
 
@@ -256,7 +258,8 @@ class SimulatedCache(Cache):
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
                                 f"{len(windows)} layers")
         self.scheme = scheme
-        super().__init__(layers=[SimulatedLayer(scheme.layer(i), sliding_window=w) for i, w in enumerate(windows)])
+        super().__init__(layers=[SimulatedLayer(scheme.layer(i), sliding_window=w)
+                                 for i, (w, _) in enumerate(windows)])
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,

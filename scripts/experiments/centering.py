@@ -16,7 +16,12 @@ variant            calibration (everything else the recipe's)
                    the ``ktk`` objective and the clips fitted on the centered keys
 ``center-raw-ktk`` ``center_keys: true`` with the ``ktk`` objective of the raw keys
                    (``calibrate.shared.CENTER_KEY_OBJECTIVE`` off): the clips still fitted centered
+``plain+mean``     ``plain``'s rotations and clips with ``center``'s key means added: centering
+                   alone, nothing fitted for it (needs both artifacts)
 =================  ===========================================================================
+
+A run with ``--variants`` keeps the rows of the other variants already in ``--out`` (and its BF16
+figures), so variants can be added one run at a time.
 
 Each variant is scored on ``--sequences`` × ``--seq-len`` held-out tokens of every text of
 ``--texts`` (BF16 sink and recent window, INT2 history: the perplexity simulation, which is the
@@ -36,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {"plain": (False, True), "center": (True, True), "center-raw-ktk": (True, False)}
+VARIANTS = {"plain": (False, True), "center": (True, True), "center-raw-ktk": (True, False), "plain+mean": None}
 
 
 def main(argv=None) -> None:
@@ -69,20 +74,26 @@ def main(argv=None) -> None:
     lm = load_model(base.model, device="cpu", dtype=base.dtype)
     timings = {"load_s": time.perf_counter() - t0}
     name = Path(base.model).name
-    rows, bf16 = [], {}
+    old = json.loads(args.out.read_text()) if args.out.exists() else {"rows": [], "bf16": {}}
+    rows, bf16 = [r for r in old["rows"] if r["variant"] not in variants], dict(old["bf16"])
+    runs = ROOT / "runs" / "centering" / name
     for v in variants:
-        center, centered_objective = VARIANTS[v]
-        cfg = base.__class__(**{**base.to_dict(), "center_keys": center})
-        out = ROOT / "runs" / "centering" / name / v
-        shared.CENTER_KEY_OBJECTIVE = centered_objective
+        out = runs / v
         t1 = time.perf_counter()
-        pipeline.calibrate(cfg, out, overwrite=True, loaded=lm)
-        shared.CENTER_KEY_OBJECTIVE = True
+        if VARIANTS[v] is None:
+            center = centered_objective = None
+            with_means(runs / "plain", runs / "center", out)
+        else:
+            center, centered_objective = VARIANTS[v]
+            cfg = base.__class__(**{**base.to_dict(), "center_keys": center})
+            shared.CENTER_KEY_OBJECTIVE = centered_objective
+            pipeline.calibrate(cfg, out, overwrite=True, loaded=lm)
+            shared.CENTER_KEY_OBJECTIVE = True
         t2 = time.perf_counter()
         verdict = verify_artifact(out, loaded=lm, write=False, plot=False).summary()
         t3 = time.perf_counter()
         art = load_artifact(out)
-        row = {"variant": v, "center_keys": center, "centered_objective": centered_objective and center,
+        row = {"variant": v, "center_keys": center is not False, "centered_objective": bool(centered_objective and center),
                "verify_attn": verdict["mean_attn_error"], "verify_attn_hadamard": verdict["mean_attn_error_hadamard"],
                "verify_logit": verdict["mean_logit_error"], "ppl": {},
                "times_s": {"calibrate": t2 - t1, "verify": t3 - t2}}
@@ -116,6 +127,21 @@ def main(argv=None) -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(render(result))
     print(render(result))
+
+
+def with_means(plain: Path, centered: Path, out: Path) -> None:
+    """``plain``'s artifact with ``centered``'s key means (and ``k_centered``), written to ``out``."""
+    import dataclasses
+
+    from oscar_calib.contract.artifact import load_artifact, write_artifact_files
+
+    a, c = load_artifact(plain), load_artifact(centered)
+    for la, lc in zip(a.layers, c.layers):
+        la.k_mean = lc.k_mean
+    art = dataclasses.replace(a, settings=a.settings.replace(key_centering=True),
+                              metadata={**a.metadata, **a.settings.replace(key_centering=True).metadata()})
+    out.mkdir(parents=True, exist_ok=True)
+    write_artifact_files(out, art, "plain rotations and clips with the centered run's key means\n", a.report)
 
 
 def render(result: dict) -> str:

@@ -93,7 +93,8 @@ def serving_table(artifact: Path, out_root: str = "serve") -> list[dict]:
             cmd = ["oscar", "export", "<this directory>", "--target", t.name, "--out", where]
             if t.name == "llamacpp":            # needs the user's GGUF: the artifact's own reasons only
                 cmd[-2:-2] = ["--gguf", "<model>.gguf"]
-                why = [architecture_problem(art.metadata.get("model_type", "")), *t.artifact_refusals(art)]
+                why = [*t.setting_lines(art, ExportSettings())[1], architecture_problem(art.metadata.get("model_type", "")),
+                       *t.artifact_refusals(art)]
                 why = [w for w in why if w]
                 row.update(export=shlex.join(cmd).replace("'", ""), **({"refused": why[0]} if why else {}))
                 rows.append(row)

@@ -257,12 +257,17 @@ def _umask() -> int:
 
 # ----------------------------------------------------------------------------- helpers for targets
 
+WINDOWED_KINDS = {"sliding_attention": "sliding-window", "chunked_attention": "chunked"}   # a layer reads a window
+
+
 def sliding_window_note(art: Artifact) -> str | None:
-    """Why the artifact's model has sliding-window layers (None when it has none)."""
+    """Why the artifact's model has layers that attend to a window only, sliding or chunked (None
+    when it has none)."""
     types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
-    if "sliding_attention" in types:
-        n = sum(t == "sliding_attention" for t in types)
-        return f"{art.metadata.get('model_id')} has {n} sliding-window attention layers"
+    kinds = [WINDOWED_KINDS[t] for t in WINDOWED_KINDS if t in types]
+    if kinds:
+        n = sum(t in WINDOWED_KINDS for t in types)
+        return f"{art.metadata.get('model_id')} has {n} {' and '.join(kinds)} attention layers"
     if art.metadata.get("model_type") in SLIDING_MODEL_TYPES:
         return f"{art.metadata.get('model_id')} ({art.metadata.get('model_type')}) has sliding-window attention layers"
     return None

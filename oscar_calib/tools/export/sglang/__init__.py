@@ -60,6 +60,11 @@ UPSTREAM = Checked(
          "checked as the fork's main loader, which the PR says it ports")
 
 
+# the fork's main refuses attention sinks on its INT2 path (read at 473ff3f9d)
+FORK_MAIN_SINKS = ("the fork's Triton decode raises NotImplementedError for sinks with its INT2 windows "
+                   "(sglang-research/python/sglang/srt/layers/attention/triton_backend.py: forward_decode)")
+
+
 class SGLangTarget(ExportTarget):
     engine = "SGLang"
     reads = "K.pt V.pt (the fork's files: V1 [d, d] or V2 [h, d, d] per layer)"
@@ -88,6 +93,9 @@ class SGLangTarget(ExportTarget):
             return uniform_group_note(art, self.engine)
         if name == "per_head_rotations":
             return per_head_note(art, self.engine, "fork")
+        if name == "attention_sinks" and self.name == "sglang-fork":
+            return (f"the model ({art.settings.model_type}) adds a learned attention-sink logit per query head to its "
+                    f"softmax, and {FORK_MAIN_SINKS}")
         return None
 
     def load_problems(self, out: Path, geo: Geometry) -> list[str]:

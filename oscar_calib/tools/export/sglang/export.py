@@ -48,7 +48,7 @@ from ....errors import ArtifactError, InputError
 from ....fsutil import atomic_write_bytes, atomic_write_text, staged_dir
 from ....kernels.pack import bits_per_element
 from ....numerics.clip import choose_global_clips
-from ..base import SLIDING_MODEL_TYPES
+from ..base import SLIDING_MODEL_TYPES, WINDOWED_KINDS
 from .fileformat import (
     PER_HEAD_TARGETS,
     TARGETS,
@@ -301,7 +301,7 @@ def sliding_warnings(art: Artifact, target: str) -> list[str]:
     """What the target does with a model's sliding-window layers, when it has some."""
     out = []
     types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
-    sliding = "sliding_attention" in types or art.settings.model_type in SLIDING_MODEL_TYPES
+    sliding = any(t in WINDOWED_KINDS for t in types) or art.settings.model_type in SLIDING_MODEL_TYPES
     if sliding and target == "sglang-fork":
         out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: the fork's main turns its "
                    "OSCAR decode path off for sliding-window models (and refuses hybrid ones), so this export will "
