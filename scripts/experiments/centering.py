@@ -17,17 +17,24 @@ variant                   artifact (everything else the recipe's)
                           the ``ktk`` objective and the clips fitted on the centered keys
 ``center-raw-ktk``        ``center_keys: true`` with the ``ktk`` objective of the raw keys
                           (``calibrate.shared.CENTER_KEY_OBJECTIVE`` off): the clips still fitted centered
+``center noclip``         ``center`` with every key clip ratio 1 (``--clip k=1``: the values' clips fitted)
+``center plain-groups``   ``center`` with ``plain``'s per-layer group sizes instead of a bit budget
+                          spent on centered keys (recipes with ``bit_budget``; needs ``plain``)
 ``plain+mean``            ``plain``'s rotations and clips with ``center``'s key means added: centering
                           alone, nothing fitted for it (needs both artifacts)
 ``plain lc0``             ``plain`` scored without the logit-noise correction (``--logit-correction 0``)
 ``plain+mean lc0``        ``plain+mean`` likewise
+``plain recent16``        ``plain`` scored with a BF16 recent window of 16 tokens (``--recent 16``)
+``plain+mean recent16``   ``plain+mean`` likewise
+``plain+mean+clips``      ``plain+mean`` with the key clips of ``center plain-groups`` (fitted on
+                          centered keys at ``plain``'s group sizes): the clip refit alone
 ``plain noclip``          ``plain`` with every key clip ratio 1 (no key clip)
 ``plain+mean noclip``     ``plain+mean`` likewise
 ========================  ====================================================================
 
 A run with ``--variants`` keeps the rows of the other variants already in ``--out`` (and its BF16
 figures), so variants can be added one run at a time; a derived variant needs the artifacts it is
-derived from in ``runs/centering/MODEL/``. The scored-only variants (``lc0``) and the derived
+derived from in ``runs/centering/MODEL/``. The scored-only variants (``lc0``, ``recent16``) and the derived
 no-clip ones are not verified (their verify columns read "–").
 
 Each variant is scored on ``--sequences`` × ``--seq-len`` held-out tokens of every text of
@@ -45,6 +52,7 @@ Runs on the CPU (nice it on a shared machine); the time of every stage is record
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -53,12 +61,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-# calibrated: (center_keys, centered ktk objective); derived: ("derive", base, mean from, key clip off);
-# scored only: ("score", artifact variant, eval logit-correction gain)
+# calibrated: (center_keys, centered ktk objective[, the variant whose group sizes it keeps[, config settings]]);
+# derived: ("derive", base, mean from, key clip off[, key clips from]);
+# scored only: ("score", artifact variant, EvalOptions settings)
 VARIANTS = {
     "plain": (False, True), "center": (True, True), "center-raw-ktk": (True, False),
+    "center noclip": (True, True, None, {"k_clip": 1.0}),
+    "center plain-groups": (True, True, "plain"),
     "plain+mean": ("derive", "plain", "center", False),
-    "plain lc0": ("score", "plain", 0.0), "plain+mean lc0": ("score", "plain+mean", 0.0),
+    "plain+mean+clips": ("derive", "plain", "center plain-groups", False, "center plain-groups"),
+    "plain lc0": ("score", "plain", {"logit_correction": 0.0}),
+    "plain+mean lc0": ("score", "plain+mean", {"logit_correction": 0.0}),
+    "plain recent16": ("score", "plain", {"recent": 16}), "plain+mean recent16": ("score", "plain+mean", {"recent": 16}),
     "plain noclip": ("derive", "plain", None, True), "plain+mean noclip": ("derive", "plain", "center", True),
 }
 
@@ -74,6 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="the result JSON (a .md table is written beside it)")
     ap.add_argument("--reuse", action="store_true", help="a variant already in --out with its artifact in runs/: "
                     "only the texts (and --long) it was not scored on yet")
+    ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip oscar verify (its columns read –)")
     args = ap.parse_args(argv)
     import torch
 
@@ -95,6 +110,9 @@ def main(argv=None) -> None:
     timings = {"load_s": time.perf_counter() - t0}
     name = Path(base.model).name
     old = json.loads(args.out.read_text()) if args.out.exists() else {"rows": [], "bf16": {}}
+    for r in old["rows"]:           # rows written before the "eval" settings were recorded
+        gain = r.pop("eval_logit_correction", None)
+        r.setdefault("eval", {} if gain is None else {"logit_correction": gain})
     rows, bf16 = [r for r in old["rows"] if r["variant"] not in variants], dict(old["bf16"])
     runs = ROOT / "runs" / "centering" / name
     done = {r["variant"]: r for r in old["rows"]}
@@ -102,10 +120,10 @@ def main(argv=None) -> None:
         spec = VARIANTS[v]
         scored_only = spec[0] == "score"
         out = runs / (spec[1] if scored_only else v)
-        gain = spec[2] if scored_only else None
+        over = spec[2] if scored_only else {}
         if args.reuse and v in done and (out / "oscar.safetensors").exists():
             row, art = done[v], load_artifact(out)
-            score(row, art, lm, texts, args, bf16, gain)
+            score(row, art, lm, texts, args, bf16, over)
             rows.append(row)
             continue
         t1 = time.perf_counter()
@@ -115,25 +133,27 @@ def main(argv=None) -> None:
                 raise SystemExit(f"error: {v} scores {out}, which is not there: run the variant {spec[1]!r} first")
         elif spec[0] == "derive":
             center, centered_objective = spec[2] is not None, False
-            derive(runs / spec[1], None if spec[2] is None else runs / spec[2], out, no_key_clip=spec[3])
+            derive(runs / spec[1], None if spec[2] is None else runs / spec[2], out, no_key_clip=spec[3],
+                   clips=runs / spec[4] if len(spec) > 4 else None)
         else:
-            center, centered_objective = spec
-            cfg = base.__class__(**{**base.to_dict(), "center_keys": center})
+            center, centered_objective, keep, settings = (*spec, *(None, {})[len(spec) - 2:])
+            cfg = base.__class__(**{**base.to_dict(), "center_keys": center, **settings})
             shared.CENTER_KEY_OBJECTIVE = centered_objective
-            pipeline.calibrate(cfg, out, overwrite=True, loaded=lm)
+            with groups_of(runs / keep if keep else None):
+                pipeline.calibrate(cfg, out, overwrite=True, loaded=lm)
             shared.CENTER_KEY_OBJECTIVE = True
         t2 = time.perf_counter()
         art = load_artifact(out)
         row = {"variant": v, "center_keys": art.settings.key_centering,
-               "centered_objective": bool(centered_objective and center), "eval_logit_correction": gain,
+               "centered_objective": bool(centered_objective and center), "eval": over,
                "verify_attn": None, "verify_attn_hadamard": None, "verify_logit": None, "ppl": {},
                "times_s": {"build": t2 - t1}}
-        if not scored_only and not (spec[0] == "derive" and spec[3]):
+        if args.verify and not scored_only and not (spec[0] == "derive" and spec[3]):
             verdict = verify_artifact(out, loaded=lm, write=False, plot=False).summary()
             row.update(verify_attn=verdict["mean_attn_error"], verify_attn_hadamard=verdict["mean_attn_error_hadamard"],
                        verify_logit=verdict["mean_logit_error"])
             row["times_s"]["verify"] = time.perf_counter() - t2
-        score(row, art, lm, texts, args, bf16, gain)
+        score(row, art, lm, texts, args, bf16, over)
         rows.append(row)
         print(json.dumps(row), flush=True)
     rows.sort(key=lambda r: list(VARIANTS).index(r["variant"]))
@@ -152,9 +172,10 @@ def main(argv=None) -> None:
     print(render(result))
 
 
-def score(row: dict, art, lm, texts: list[str], args, bf16: dict, gain: float | None = None) -> None:
+def score(row: dict, art, lm, texts: list[str], args, bf16: dict, over: dict | None = None) -> None:
     """Perplexity of ``art`` on every text (and at ``--long``) ``row`` has no figure for yet; BF16 once
-    per text; ``gain``: the logit-noise correction's gain instead of the artifact's."""
+    per text; ``over``: :class:`EvalOptions` settings instead of the defaults (the artifact's logit-noise
+    correction, the recipe's windows)."""
     from oscar_calib.eval import EvalOptions, evaluate_ppl
 
     jobs = [(t, t, args.sequences, args.seq_len) for t in texts]
@@ -165,8 +186,8 @@ def score(row: dict, art, lm, texts: list[str], args, bf16: dict, gain: float | 
             continue
         t0 = time.perf_counter()
         methods = "oscar" if key in bf16 else "bf16,oscar"
-        res = evaluate_ppl(lm, EvalOptions(methods=methods, sequences=n, seq_len=length, data=text,
-                                           logit_correction=gain), artifact=art)
+        res = evaluate_ppl(lm, EvalOptions(methods=methods, sequences=n, seq_len=length, data=text, **(over or {})),
+                           artifact=art)
         got = {r["method"]: r["ppl"] for r in res.rows}
         bf16.setdefault(key, got.get("bf16"))
         row["ppl"][key] = got["oscar"]
@@ -174,9 +195,39 @@ def score(row: dict, art, lm, texts: list[str], args, bf16: dict, gain: float | 
         print(json.dumps({"variant": row["variant"], key: got}), flush=True)
 
 
-def derive(plain: Path, centered: Path | None, out: Path, *, no_key_clip: bool = False) -> None:
+@contextlib.contextmanager
+def groups_of(artifact: Path | None):
+    """Within: the bit budget's allocation replaced by ``artifact``'s per-layer group sizes (None:
+    unchanged), its bits and held-out figures counted from the same tables."""
+    from oscar_calib.calibrate import budget
+    from oscar_calib.contract.artifact import load_artifact
+
+    if artifact is None:
+        yield
+        return
+    st = load_artifact(artifact).settings
+    want = [(g.k, g.v) for g in st.layer_groups]
+    spend = budget.allocate
+
+    def allocate(tables, sizes, bits, *, tied=True, long_layers=None):
+        spend(tables, sizes, bits, tied=tied, long_layers=long_layers)          # the budget's own checks
+        ik, iv = [sizes.index(k) for k, _ in want], [sizes.index(v) for _, v in want]
+        longs = list(range(len(tables))) if not long_layers else list(long_layers)
+        return budget.Allocation(groups=list(want), mean_bits=budget._bits(sizes, ik + iv),
+                                 long_bits=budget._bits(sizes, [ik[i] for i in longs] + [iv[i] for i in longs]),
+                                 heldout_mse=sum(float(t[a, b] ** 2) for t, a, b in zip(tables, ik, iv)))
+
+    budget.allocate = allocate
+    try:
+        yield
+    finally:
+        budget.allocate = spend
+
+
+def derive(plain: Path, centered: Path | None, out: Path, *, no_key_clip: bool = False, clips: Path | None = None) -> None:
     """``plain``'s artifact with ``centered``'s key means (and ``k_centered``) when given, every key
-    clip ratio 1 with ``no_key_clip``; written to ``out``."""
+    clip ratio 1 with ``no_key_clip``, the key clips of ``clips`` (same group sizes) when given;
+    written to ``out``."""
     import dataclasses
 
     import torch
@@ -191,6 +242,13 @@ def derive(plain: Path, centered: Path | None, out: Path, *, no_key_clip: bool =
         st = a.settings.replace(key_centering=True)
         a = dataclasses.replace(a, settings=st, metadata={**a.metadata, **st.metadata()})
         what.append("the centered run's key means")
+    if clips is not None:
+        c = load_artifact(clips)
+        if c.settings.layer_groups != a.settings.layer_groups or c.settings.group_size != a.settings.group_size:
+            raise SystemExit(f"error: {clips} has other group sizes than {plain}: its clips do not fit them")
+        for la, lc in zip(a.layers, c.layers):
+            la.k_clip = lc.k_clip
+        what.append(f"{clips.name}'s key clips")
     if no_key_clip:
         for la in a.layers:
             la.k_clip = torch.ones_like(la.k_clip)
@@ -201,33 +259,49 @@ def derive(plain: Path, centered: Path | None, out: Path, *, no_key_clip: bool =
 
 def stored_rows(lm, plain, centered, text: str) -> dict:
     """What centering does to the rows INT2 stores (see the module docstring), over the first held-out
-    sequence of ``text``: means over every layer and KV head."""
+    sequence of ``text``: means over every layer and KV head. ``int2_logit_bias``: per query, the
+    mean error of its logits over the keys INT2 holds (``scaling · q·(k̂ − k)``, the queries from
+    token 1024 on and their keys from 64 to 768, ``plain``'s rotations, clips and key group sizes),
+    averaged over queries, heads and layers, raw and centered: a shift of every INT2 logit against
+    the BF16 window, which softmax does not cancel."""
     import torch
 
     from oscar_calib.eval.ppl import heldout_sequences
+    from oscar_calib.kernels import quantize_kv
     from oscar_calib.model.capture import Capture, capture_forward
 
     ids = heldout_sequences(lm.tokenizer, sequences=1, seq_len=2048, data=text, seed=0)[0]
-    keys = {}
+    rows = {}
 
     def keep(layer, module, q, k, v, o, kw):
-        keys[layer] = k[0].float()                               # [H, T, d]
+        rows[layer] = (q[0].float(), k[0].float(), float(module.scaling))     # [Hq, T, d], [H, T, d]
 
     with torch.no_grad(), Capture(lm.model, [keep]):
         capture_forward(lm.model, ids.unsqueeze(0).to(lm.model.device))
-    share, spread, raw, cen = [], [], [], []
-    for i, k in sorted(keys.items()):
-        r, mu = plain.layers[i].k_rotation.float(), centered.layers[i].k_mean.float()
+    st = plain.settings
+    out = {n: [] for n in ("share", "spread", "raw", "centered", "bias_raw", "bias_centered")}
+    for i, (q, k, scaling) in sorted(rows.items()):
+        lp = plain.layers[i]
+        r, mu = lp.k_rotation.float(), centered.layers[i].k_mean.float()
         y = torch.einsum("htd,hde->hte", k, r)
         m = torch.einsum("hd,hde->he", mu, r)
-        share += (mu.pow(2).sum(-1) / k.pow(2).sum(-1).mean(-1)).tolist()
-        spread += (m.abs().amax(-1) / (mu.norm(dim=-1) / k.shape[-1] ** 0.5)).tolist()
-        raw += (y.amax(-1) - y.amin(-1)).median(-1).values.tolist()
+        out["share"] += (mu.pow(2).sum(-1) / k.pow(2).sum(-1).mean(-1)).tolist()
+        out["spread"] += (m.abs().amax(-1) / (mu.norm(dim=-1) / k.shape[-1] ** 0.5)).tolist()
+        out["raw"] += (y.amax(-1) - y.amin(-1)).median(-1).values.tolist()
         yc = y - m[:, None]
-        cen += (yc.amax(-1) - yc.amin(-1)).median(-1).values.tolist()
+        out["centered"] += (yc.amax(-1) - yc.amin(-1)).median(-1).values.tolist()
+        g = st.layer_groups[i].k if st.layer_groups else st.group_size
+        qs, grp = q[:, 1024::8], q.shape[0] // k.shape[0]
+        for name, shift in (("bias_raw", None), ("bias_centered", m)):
+            x = k.transpose(0, 1).to(torch.bfloat16)                                  # [T, H, d] as stored
+            kq = quantize_kv(x, r, lp.k_clip.float(), g, center=shift, backend="torch").dequantize()
+            kh = torch.einsum("the,hde->htd", kq, r) + (0 if shift is None else mu[:, None])
+            err = (kh - x.transpose(0, 1).float()).repeat_interleave(grp, 0)[:, 64:768]
+            out[name] += (scaling * torch.einsum("hnd,htd->hnt", qs, err)).mean(-1).mean(-1).tolist()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {"tokens": int(ids.numel()), "mean_energy_share": mean(share), "mean_spread": mean(spread),
-            "median_row_range_raw": mean(raw), "median_row_range_centered": mean(cen)}
+    return {"tokens": int(ids.numel()), "mean_energy_share": mean(out["share"]), "mean_spread": mean(out["spread"]),
+            "median_row_range_raw": mean(out["raw"]), "median_row_range_centered": mean(out["centered"]),
+            "int2_logit_bias_raw": mean(out["bias_raw"]), "int2_logit_bias_centered": mean(out["bias_centered"])}
 
 
 def render(result: dict) -> str:
@@ -246,7 +320,8 @@ def render(result: dict) -> str:
         text += (f"\nStored rows ({s['tokens']} tokens, mean over layers and KV heads): the mean key holds "
                  f"{100 * s['mean_energy_share']:.0f}% of the keys' energy; plain's rotation spreads it to "
                  f"{s['mean_spread']:.2f}× the even share per channel; median row range raw "
-                 f"{s['median_row_range_raw']:.3f}, centered {s['median_row_range_centered']:.3f}.\n")
+                 f"{s['median_row_range_raw']:.3f}, centered {s['median_row_range_centered']:.3f}; mean INT2 logit bias "
+                 f"raw {s['int2_logit_bias_raw']:+.3f}, centered {s['int2_logit_bias_centered']:+.3f}.\n")
     return text
 
 
