@@ -94,8 +94,8 @@ class StatsRun:
                 sw = call_window(module, kwargs)
                 cfg = getattr(module, "config", None)
                 sinks = kwargs.get("s_aux")           # gpt-oss: a learned sink logit per query head
-                types = getattr(cfg, "layer_types", None) or ()
-                chunked = layer < len(types) and types[layer] == "chunked_attention"
+                types, lid = getattr(cfg, "layer_types", None) or (), getattr(module, "layer_idx", layer)
+                chunked = lid < len(types) and types[lid] == "chunked_attention"
                 self.layer_info[layer] = {
                     "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                     "sliding_window": sw,
@@ -132,8 +132,8 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     approx = cfg.v_objective == "sst-approx"     # s_approx costs a float64 pass: only when asked for
     pilot = ranks.plan_pilot(all_batches, cfg.pilot_tokens, approx)
     run = StatsRun(
-        stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, pilot, device=dev, approx=approx)
-               for _ in range(geo.num_layers)],
+        stats=[LayerStats(lg.num_kv_heads, lg.group, lg.head_dim, pilot, device=dev, approx=approx)
+               for lg in map(geo.layer, range(geo.num_layers))],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
         fit_device=fit_device(dev),
         fitting=ranks.fit_share(geo.num_layers),
@@ -246,25 +246,25 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         if fitted is not None:
             k_clip, k_table, v_clip, v_table = fitted[j].clips(gk, gv)
         else:
-            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.kv_heads[i], gk, gv)
         refined = None
         if cfg.refine_steps:      # refine with the start's clips on the same held-out rows, then fit them again
             if gk != gv:
                 raise InputError("--refine-steps needs one group size for K and V in every layer")
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
             k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
-            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.kv_heads[i], gk, gv)
         if fitted is not None and refined is None:
             ours = fitted[j].errors[(gk, gv)]
         else:
             ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
-        h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
+        h = compose(torch.eye(geo.head_dims[i], dtype=torch.float64).expand(geo.kv_heads[i], -1, -1), "h", warn=False)
         base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
                               torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
         layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
                                      v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float()))
         rows.append({
-            "layer": i,
+            "layer": i, **({"model_layer": geo.ids[i]} if geo.layer_ids is not None else {}),
             "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
             "k_spread": spread(k_eig), "v_spread": spread(v_eig),
             **({"k_group_size": gk, "v_group_size": gv} if groups else {}),
@@ -356,8 +356,7 @@ def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips
         ks = budget["layer_group_sizes"]
         groups = tuple(GroupPair.of(k, v) for k, v in zip(ks, budget.get("layer_v_group_sizes") or ks))
     return ArtifactSettings(
-        num_layers=geo.num_layers, num_attention_heads=geo.num_attention_heads, num_kv_heads=geo.num_kv_heads,
-        head_dim=geo.head_dim, group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
+        **geo.settings_fields(), group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
         layer_groups=groups, logit_correction=cfg.logit_correction, granularity=cfg.granularity,
         composition=cfg.composition, k_objective=cfg.k_objective, v_objective=cfg.v_objective,
         shared_clips=shared_clips, model_type=geo.model_type)
@@ -480,8 +479,7 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
                                heldout_seqs=cfg.heldout_seqs, seed=cfg.seed, documents=documents)
         lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement),
                                      progress=progress, tokenizer=tokenizer)
-        group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
-        check_group_size(lm.geometry.head_dim, group_size)
+        group_size = calibration_group_size(cfg, lm.geometry)
         _warn_beyond_context(lm, cfg.seq_len)
         if cfg.refine_steps and cfg.heldout_seqs < 2:
             warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
@@ -493,6 +491,21 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         error = e
     ranks.agree(info, error)
     return created, lm, plan, group_size
+
+
+def calibration_group_size(cfg: CalibrationConfig, geo: Geometry) -> int:
+    """``--group-size`` or the default for the model's head sizes (the smallest layer's: a power of
+    two that divides every layer's head_dim when they are powers of two), refused in one line where it
+    does not divide some layer's head_dim; a bit budget on a model whose layers differ in head_dim is
+    refused (its candidate sizes are per head_dim)."""
+    dims = sorted(set(geo.head_dims))
+    group_size = cfg.group_size or default_group_size(dims[0])
+    for d in dims:
+        check_group_size(d, group_size, "--group-size" if cfg.group_size else "group size")
+    if cfg.bit_budget and len(dims) > 1:
+        raise InputError(f"--bit-budget chooses group sizes among one head_dim's divisors; {geo.model_type}'s layers "
+                         f"have head_dims {', '.join(map(str, dims))}: pass --group-size instead")
+    return group_size
 
 
 def _warn_beyond_context(lm: LoadedModel, seq_len: int) -> None:

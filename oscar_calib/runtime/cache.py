@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
-from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
+from .compat import SUPPORTED_TRANSFORMERS, cache_slots, check_transformers, state_layer, with_state
 from .plan import LayerPlan
 from .scheme import KVScheme
 from .storage import LayerStore, write_step, write_tokens
@@ -181,16 +181,36 @@ class OscarCache(Cache):
         if any(r is not None for r in scheme.v_output):
             raise InputError(f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is "
                              "simulated by SimulatedKV only")
-        windows = layer_windows(config)
-        if len(windows) != scheme.num_layers:
+        slots = cache_slots(config)
+        attention = [slot for slot in slots if slot.attention]
+        if len(attention) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(windows)} layers")
+                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        super().__init__(layers=[
-            OscarLayer(scheme.layer(i), groups=scheme.groups(i), sink=scheme.sink, recent=scheme.recent,
-                       window_dtype=scheme.window_dtype, sliding_window=w, backend=backend,
-                       logit_correction=scheme.logit_correction, chunk=c)
-            for i, (w, c) in enumerate(windows)])
+        layers, j = [], 0
+        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
+            if not slot.attention:
+                layers.append(state_layer(slot.state))
+                continue
+            cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
+            layers.append(cls(scheme.layer(j), groups=scheme.groups(j), sink=scheme.sink, recent=scheme.recent,
+                              window_dtype=scheme.window_dtype, sliding_window=slot.window, backend=backend,
+                              logit_correction=scheme.logit_correction, chunk=slot.chunk, **extra))
+            j += 1
+        super().__init__(layers=layers)
+
+    @property
+    def oscar_layers(self) -> list[OscarLayer]:
+        """The INT2 layers (a hybrid model's attention layers; its other layers keep transformers' own state)."""
+        return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+    @property
+    def recurrent(self) -> str | None:
+        """Why a decode step is not recorded as a CUDA graph for this cache (None: it can be): some
+        layers keep a recurrent state beside or instead of the KV cache (a hybrid model), which
+        transformers updates outside the cache's attention function."""
+        n = sum(not isinstance(layer, OscarLayer) or type(layer) is not OscarLayer for layer in self.layers)
+        return f"{n} of the model's {len(self.layers)} layers keep a recurrent state (a hybrid model)" if n else None
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
@@ -232,7 +252,7 @@ class OscarCache(Cache):
 
         if fast not in ("auto", True, False):
             raise InputError(f"OscarCache.generate: fast must be 'auto', True or False, not {fast!r}")
-        why = graph_refusal(model, **generate_kwargs) if fast is not False else "fast=False"
+        why = (graph_refusal(model, **generate_kwargs) or self.recurrent) if fast is not False else "fast=False"
         if why and fast is True:
             raise InputError(f"OscarCache.generate(fast=True): no graph decoding here: {why} "
                              "(fast='auto' falls back to eager steps)")
@@ -246,7 +266,7 @@ class OscarCache(Cache):
 
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""
-        for layer in self.layers:
+        for layer in self.oscar_layers:
             layer.reserved = max(layer.reserved, int(tokens))
             if layer.store is not None:
                 layer.store.reserve(int(tokens))
@@ -255,7 +275,8 @@ class OscarCache(Cache):
         """Fill the cache with the K/V of another cache's layers (e.g. a ``DynamicCache`` after a
         full-precision prefill); returns self."""
         for layer, src in zip(self.layers, cache.layers):
-            layer.write_prefix(src.keys, src.values)
+            if isinstance(layer, OscarLayer):
+                layer.write_prefix(src.keys, src.values)
         return self
 
     def memory(self) -> dict:
@@ -263,7 +284,7 @@ class OscarCache(Cache):
         (the slots that hold tokens: window, sink, INT2 history with its scales), and the BF16
         bytes a full-precision cache would hold for the same tokens."""
         used = alloc = bf16 = 0
-        for layer in self.layers:
+        for layer in self.oscar_layers:
             st = layer.store
             if st is None:
                 continue
@@ -274,7 +295,7 @@ class OscarCache(Cache):
                 kept = min(c, st.hist.cap + st.plan.sink) if st.hist.ring else c
                 used += min(c, st.plan.sink + st.plan.recent) * per_slot[0] + max(0, kept - st.plan.sink) * hist_per_slot
                 bf16 += 2 * 2 * st.heads * st.d * kept
-        first = self.layers[0].store
+        first = self.oscar_layers[0].store
         n = sum(first.exact_counts()) if first is not None else 0
         return {"bytes": used, "allocated_bytes": alloc, "tokens": n, "bytes_per_token": used / n if n else 0.0,
                 "bf16_bytes": bf16, "compression": bf16 / used if used else 0.0,

@@ -177,15 +177,17 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
                              v_identity=folded, prefill_backend=prefill_backend)
     k_name = file_name("k", _objective(art, "k"))
     v_name = file_name("v", "identity" if folded else _objective(art, "v"))
-    v_obj = identity_payload(art.num_layers, d) if folded else payload(*_rotations(art, "v", target, artifact_path),
-                                                                      objective=_objective(art, "v"))
+    ids = st.layer_ids           # the model's layer ids: a hybrid's attention layers keep their global id
+    v_obj = identity_payload(art.num_layers, d, ids) if folded else \
+        payload(*_rotations(art, "v", target, artifact_path), objective=_objective(art, "v"), layer_ids=ids)
     out = Path(out)
     with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
-        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"))))
+        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"),
+                                                            layer_ids=ids)))
         atomic_write_bytes(tmp / v_name, save_bytes(v_obj))
         for name in (k_name, v_name):     # the files must load in the fork: check them as it would
             problems = fork_load_problems(tmp / name, num_layers=art.num_layers, head_dim=d, target=target,
-                                          num_kv_heads=art.num_kv_heads)
+                                          num_kv_heads=art.num_kv_heads, layer_ids=ids)
             if problems:
                 raise ArtifactError(f"{name} would not load in {target}: {problems[0]}")
         final = out.resolve()

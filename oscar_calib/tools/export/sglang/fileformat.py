@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from ....contract.defaults import ORTHOGONALITY_TOL
+from ....contract.settings import layer_span
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
 
@@ -82,17 +83,21 @@ def file_name(which: str, objective: str) -> str:
     return f"{which}_rotation_{objective}.pt"
 
 
-def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str) -> dict:
+def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str,
+            layer_ids=None) -> dict:
     """The fork's dict for one cache: ``rotations[i]`` ``[d, d]`` (format_version 1) or ``[h, d, d]``
     (format_version 2), ``eigenvalues[i]`` descending (oscar's order; written ascending, the
-    fork's, and only in format_version 1, as its writers do) or None. Tensors are cloned, fp32 and
-    contiguous (a saved view would carry its whole storage)."""
+    fork's, and only in format_version 1, as its writers do) or None, keyed by the model's layer
+    ids (``layer_ids``, default ``0..n-1``: a hybrid model's attention layers by their global id,
+    as the fork's Qwen3.5 recipe keys them). Tensors are cloned, fp32 and contiguous (a saved view
+    would carry its whole storage)."""
     dims = {r.dim() for r in rotations}
     if len(dims) != 1 or dims.pop() not in (2, 3):
         raise ArtifactError("every layer needs a [d, d] rotation (format_version 1) or an [h, d, d] one (2)")
     version = 1 if rotations[0].dim() == 2 else 2
     layers = {}
-    for i, (r, e) in enumerate(zip(rotations, eigenvalues)):
+    ids = list(layer_ids) if layer_ids is not None else range(len(rotations))
+    for i, r, e in zip(ids, rotations, eigenvalues):
         entry = {"layer_id": i, "rotation": r.detach().to("cpu", torch.float32).contiguous().clone()}
         if e is not None and version == 1:
             entry["eigenvalues"] = e.detach().to("cpu", torch.float32).flip(-1).contiguous().clone()
@@ -101,13 +106,14 @@ def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None
             "source_grouping": "layer" if version == 1 else "per_kv_head", "layers": layers}
 
 
-def identity_payload(num_layers: int, head_dim: int) -> dict:
+def identity_payload(num_layers: int, head_dim: int, layer_ids=None) -> dict:
     """Identity rotations for every layer (the V file of a checkpoint whose V rotation is already
     folded into its weights: the fork then quantises V as the weights produce it and maps the output
-    back with ``o @ I``)."""
+    back with ``o @ I``), keyed like :func:`payload`."""
     eye = torch.eye(head_dim, dtype=torch.float32)
+    ids = list(layer_ids) if layer_ids is not None else range(num_layers)
     return {"format_version": 1, "objective": "identity", "source_grouping": "layer",
-            "layers": {i: {"layer_id": i, "rotation": eye.clone()} for i in range(num_layers)}}
+            "layers": {i: {"layer_id": i, "rotation": eye.clone()} for i in ids}}
 
 
 def save_bytes(obj: dict) -> bytes:
@@ -164,14 +170,8 @@ def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, obje
             found[lid] = layers[key]
     missing = [i for i in wanted if i not in found]
     if missing:
-        raise ArtifactError(f"has no rotation for layer(s) {_span(missing)} (the model's layers: {_span(wanted)})")
+        raise ArtifactError(f"has no rotation for layer(s) {layer_span(missing)} (the model's layers: {layer_span(wanted)})")
     return found, sorted(set(extra))
-
-
-def _span(ids: list[int]) -> str:
-    if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2:
-        return f"{ids[0]}..{ids[-1]}"
-    return ", ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
 
 
 def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: str = "sglang-fork",
@@ -263,7 +263,7 @@ def read_rotation_file(path: Path, *, num_layers: int, num_kv_heads: int, head_d
             dtypes.add(str(entries[i]["rotation"].dtype).replace("torch.", ""))
     except ArtifactError as e:
         raise ArtifactError(f"{path}: {e}") from None
-    notes = [f"layer(s) {_span(extra)} ignored (not among the model's layers)"] if extra else []
+    notes = [f"layer(s) {layer_span(extra)} ignored (not among the model's layers)"] if extra else []
     if fixed:
         notes.append(f"16-bit rotations re-orthogonalised (‖RRᵀ − I‖∞ was {fixed:.1e})")
     return ReadRotations(path.name, str(version), rots, hashlib.sha256(raw).hexdigest(), eigs, notes,
