@@ -30,6 +30,7 @@ from factories import (
 from oscar_calib.errors import OscarError, UnsupportedModelError
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.model.families import FAMILIES
+from oscar_calib.model.geometry import geometry_of
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.runtime import OscarCache, SimulatedCache
 from oscar_calib.tools.export import TARGETS, ExportSettings
@@ -43,7 +44,7 @@ from oscar_calib.tools.verify import verify_artifact
 NEW_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "llama4_text", "granitemoe", "olmo3", "seed_oss",
                 "smollm3", "granite", "exaone4", "ernie4_5", "gemma3", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl",
                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "falcon_h1", "lfm2",
-                "gemma4_text", "gemma4")
+                "gemma4_text", "gemma4", "gemma4_unified")
 # a calibration in well under a second: 2 batches of 64 tokens; 8 + 8 BF16 window tokens so the
 # 24-token prompt and the 48-token depths reach the INT2 history
 CHAIN = dict(tokens=128, seq_len=64, heldout_tokens=32, pilot_tokens=32, sink_tokens=8, recent_tokens=8)
@@ -134,7 +135,8 @@ def test_capture_gives_the_models_own_logits(name):
         with Capture(model, [lambda layer, *_: seen.append(layer)]):
             got = model(input_ids=ids).logits
     assert torch.equal(got, ref)
-    assert sorted(set(seen)) == list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
+    # every attention layer, numbered as the artifact's layers (a hybrid's attention layers only)
+    assert sorted(set(seen)) == list(range(geometry_of(model).num_layers))
 
 
 def test_gpt_oss_sinks_reach_verify_and_eval(tmp_path):

@@ -151,4 +151,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma4", "google/gemma-4-26B-A4B-it",
            dict(text_config=dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
                 vision_config=dict(VISION, head_dim=16))),
+    Family("gemma4_unified", "google/gemma-4-12B-it",
+           dict(text_config=dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
+                vision_config=dict(VISION, head_dim=16))),
 )}

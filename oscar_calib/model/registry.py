@@ -81,6 +81,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Gemma 4: sliding layers of one head size, global layers of another; a scale-free RMSNorm over each value head
     # (rotation-invariant); with attention_k_eq_v the global layers have no v_proj (their values are k_proj's)
     "gemma4_text": ArchSpec(**_QK, sliding_window=True, values_from_keys="attention_k_eq_v"),
+    "gemma4_unified_text": ArchSpec(**_QK, sliding_window=True, values_from_keys="attention_k_eq_v"),
     # the language models of multimodal wrappers (gemma3 and mistral3 wrap gemma3_text and mistral)
     "qwen2_5_vl_text": ArchSpec(bias=True),
     "qwen3_vl_text": ArchSpec(**_QK),

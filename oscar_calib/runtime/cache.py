@@ -83,8 +83,9 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
     def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
                  sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0,
-                 chunk: int | None = None):
+                 chunk: int | None = None, layer_id: int | None = None):
         super().__init__()
+        self.layer_id = layer_id     # the decoder layer (for messages)
         self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
         self.logit_correction = logit_correction
         self.window_dtype, self.backend = window_dtype, backend
@@ -96,6 +97,13 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
+        if self.backend == "triton":      # (auto: a head_dim the kernels do not take runs the torch path)
+            from ..kernels._common import head_dim_problem
+
+            why = head_dim_problem(d, "write") or head_dim_problem(d, "decode")
+            if why:
+                raise InputError(f"OscarCache(backend='triton'): layer {self.layer_id} has {why}; use backend='auto', "
+                                 "which runs that layer on the torch path")
         self.dtype, self.device = key_states.dtype, key_states.device
         plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
                                v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
@@ -195,7 +203,8 @@ class OscarCache(Cache):
             cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
             layers.append(cls(scheme.layer(j), groups=scheme.groups(j), sink=scheme.sink, recent=scheme.recent,
                               window_dtype=scheme.window_dtype, sliding_window=slot.window, backend=backend,
-                              logit_correction=scheme.logit_correction, chunk=slot.chunk, **extra))
+                              logit_correction=scheme.logit_correction, chunk=slot.chunk,
+                              layer_id=len(layers), **extra))
             j += 1
         super().__init__(layers=layers)
 

@@ -174,6 +174,7 @@ def render() -> str:
         # the stand-ins' layer counts are not the published models': a note says what, not how many
         note = re.sub(r"has \d+ (sliding-window|chunked)", r"has \1", cell.note)
         note = re.sub(r"head geometry \(.*? of \d+\)\)", "head geometry", note)
+        note = re.sub(r"^[a-z][a-z0-9_]*: ", "", note)          # the stand-in's model type, which its row names
         note = re.sub(r"the artifact's \d+ layers are the model's attention layers [\d, …]+ \(a hybrid model\)",
                       "the artifact's layers are a hybrid model's attention layers", note)
         if note not in notes:

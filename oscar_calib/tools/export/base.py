@@ -42,7 +42,8 @@ ENV_FILE = "serve.env"
 LAUNCH_FILE = "launch.sh"
 
 # transformers model types with sliding-window attention layers (their KV cache is windowed per layer)
-SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
+SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gemma4_unified_text", "gpt_oss",
+                       "llama4")
 
 STATUSES = {
     "checked": "loader code read at the cited revision; its rules are restated in oscar's checks and tests",

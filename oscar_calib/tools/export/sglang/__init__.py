@@ -45,7 +45,8 @@ FORK_MAIN = Checked(
      "rotation/compute_kv_rotation.py: the V1 writer"))
 FORK_V2 = Checked(
     "FutureMLS-Lab/OSCAR (newer code; PR #20)", "8dbf789065",
-    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations, load_oscar_rotation_field",),
+    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations (by global layer id, a hybrid's attention "
+     "layers only; head_dim one per layer for gemma4_unified's 256/512 layers), load_oscar_rotation_field",),
     status="partial",
     note="PR #20's head was not readable; the rules are the fork's newer code, which carries the per-head loader")
 UPSTREAM = Checked(
@@ -126,7 +127,8 @@ class SGLangTarget(ExportTarget):
                 continue
             problems += [f"{files[0]}: {p}" for p in fork_load_problems(
                 Path(out) / files[0], num_layers=geo.num_layers, head_dim=geo.head_dim, target=self.name,
-                num_kv_heads=geo.num_kv_heads, layer_ids=geo.layer_ids)]
+                num_kv_heads=geo.num_kv_heads, layer_ids=geo.layer_ids,
+                layer_heads=[geo.heads(i) for i in range(geo.num_layers)])]
         return problems
 
     def read(self, paths: list[Path], geo: Geometry):
@@ -139,7 +141,8 @@ class SGLangTarget(ExportTarget):
 # what each loader honours besides the rotations (every one: one group size for all layers and both caches,
 # ONE K and ONE V clip ratio, BF16 sink and recent windows, no logit-noise correction)
 TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, frozenset({"windows"})),
-               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations", "layer_ids"})),
+               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations", "layer_ids",
+                                                                  "layer_head_dims"})),
                SGLangTarget("sglang", UPSTREAM, frozenset({"windows"}))]
 
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",

@@ -106,14 +106,14 @@ def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None
             "source_grouping": "layer" if version == 1 else "per_kv_head", "layers": layers}
 
 
-def identity_payload(num_layers: int, head_dim: int, layer_ids=None) -> dict:
+def identity_payload(num_layers: int, head_dim, layer_ids=None) -> dict:
     """Identity rotations for every layer (the V file of a checkpoint whose V rotation is already
     folded into its weights: the fork then quantises V as the weights produce it and maps the output
-    back with ``o @ I``), keyed like :func:`payload`."""
-    eye = torch.eye(head_dim, dtype=torch.float32)
+    back with ``o @ I``), keyed like :func:`payload`; ``head_dim`` one for all layers or one per layer."""
+    dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
     ids = list(layer_ids) if layer_ids is not None else range(num_layers)
     return {"format_version": 1, "objective": "identity", "source_grouping": "layer",
-            "layers": {i: {"layer_id": i, "rotation": eye.clone()} for i in ids}}
+            "layers": {i: {"layer_id": i, "rotation": torch.eye(d, dtype=torch.float32)} for i, d in zip(ids, dims)}}
 
 
 def save_bytes(obj: dict) -> bytes:
@@ -175,10 +175,12 @@ def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, obje
 
 
 def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: str = "sglang-fork",
-                       num_kv_heads: int | None = None, layer_ids=None) -> list[str]:
+                       num_kv_heads: int | None = None, layer_ids=None, layer_heads=None) -> list[str]:
     """Would SGLang (``target``) load this file? Its loader's acceptance rules (module docstring),
     encoded as oscar's own checks, plus what the loader does not check but serving needs (finite,
-    orthogonal in float64 to 1e-5, a per-head tensor with the model's KV head count)."""
+    orthogonal in float64 to 1e-5, a per-head tensor with the model's KV head count). ``layer_heads``:
+    ``(num_kv_heads, head_dim)`` of every layer where they differ (the newer loader's per-layer
+    ``head_dim``), in the order of ``layer_ids``."""
     check_target(target)
     try:
         obj, _ = load_plain(path)
@@ -186,9 +188,12 @@ def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: st
     except (ArtifactError, InputError) as e:
         return [str(e)]
     per_head = target in PER_HEAD_TARGETS
-    shapes = [(head_dim, head_dim)] + ([(num_kv_heads, head_dim, head_dim)] if per_head else [])
+    ids = list(layer_ids) if layer_ids is not None else list(range(num_layers))
+    heads = dict(zip(ids, layer_heads or [(num_kv_heads, head_dim)] * num_layers))
     problems = []
     for i, entry in sorted(entries.items()):
+        h, d = heads[i]
+        shapes = [(d, d)] + ([(h, d, d)] if per_head else [])
         r = entry.get("rotation") if isinstance(entry, dict) else None
         if not isinstance(r, torch.Tensor):
             problems.append(f"layer {i} has no 'rotation' tensor")
@@ -205,7 +210,7 @@ def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: st
         err = orthogonality_error(r)
         if err >= ORTHOGONALITY_TOL:
             problems.append(f"layer {i} rotation is not orthogonal (‖RRᵀ − I‖∞ = {err:.2e})")
-    if per_head:
+    if per_head and len(set(heads.values())) == 1:
         problems += optional_field_problems(entries, head_dim, num_kv_heads)
     return problems
 
