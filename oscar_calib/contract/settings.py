@@ -413,7 +413,8 @@ def _layer_problems(v: dict) -> list[str]:
     for key in (LAYER_IDS_METADATA, LAYER_HEAD_DIMS_METADATA, LAYER_KV_HEADS_METADATA):
         values = tuple(v.get(key) or ())
         if values and n is not None and len(values) != n:
-            problems.append(f"metadata {key!r} has {len(values)} values for {n} layers")
+            problems.append(f"metadata {key!r} has {len(values)} {'ids' if key == LAYER_IDS_METADATA else 'sizes'} "
+                            f"for {n} layers")
             continue
         if not values:
             continue
