@@ -217,3 +217,22 @@ def test_scaling_guide_ranks_each_spread_over_devices(tiny_qwen3_moe, tmp_path):
     code, _, err = oscar(*argv[1:], *FAST_ARGS)
     assert code == 0, err
     assert (tmp_path / "run" / "oscar.safetensors").is_file()
+
+
+@pytest.mark.parametrize("recipe, layer_ids, head_dims", [
+    ("qwen3.5-35b-a3b", "3", None),
+    pytest.param("gemma-4-31b", None, "256,512", marks=pytest.mark.slow)])     # 32 query heads of 256 and 512
+def test_the_hybrid_and_gemma4_recipes_calibrate_a_saved_stand_in(recipe, layer_ids, head_dims, tmp_path):
+    """configs/qwen3.5-35b-a3b.yaml and configs/gemma-4-31b.yaml at tiny width (their real heads and
+    head_dims; Qwen3.5's 3:1 pattern over 4 layers, Gemma 4's sliding and global layer), saved by
+    transformers and calibrated from the command line with the recipe's settings: the artifact maps
+    Qwen3.5's one attention layer to decoder layer 3, and holds Gemma 4's 256- and 512-wide layers."""
+    from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.model.configs import configs_dir, load_model_config
+
+    path = configs_dir() / f"{recipe}.yaml"
+    directory = save_checkpoint(tmp_path / recipe, load_model_config(path).geometry.tiny_model(), ascii_tokenizer())
+    code, _, err = oscar("calibrate", directory, "--config", path, *FAST_ARGS, "--out", tmp_path / "run")
+    assert code == 0, err
+    md = load_artifact(tmp_path / "run").metadata
+    assert md.get("layer_ids") == layer_ids and md.get("layer_head_dims") == head_dims
