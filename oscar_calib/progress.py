@@ -15,8 +15,9 @@ argument   meaning
 A stage ends when ``done`` reaches ``total`` or another stage starts. A stage of unknown length
 reports ``(stage, 0, None)`` when it starts and ``(stage, 1, 1)`` when it ends: :func:`step` does
 both around a block. ``None`` means nobody is listening. The library never draws anything
-itself; :mod:`oscar_calib.cli._progress` renders these reports (a live bar on a terminal, plain
-periodic lines otherwise).
+itself: the caller renders these reports, the ``oscar`` command and scripts alike with
+:func:`oscar_calib.display.show_progress` (a live bar on a terminal, plain periodic lines
+otherwise).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ with warnings as errors."""
 from __future__ import annotations
 
 import importlib.util
+import posixpath
 import re
 from pathlib import Path
 
@@ -111,6 +112,10 @@ def test_cli_reference_lists_every_command():
         assert all(f"### `oscar {name} {sub}`" in text for sub in subs)
     for param in cli.commands["calibrate"].params:
         assert any(f"{opt}" in text for opt in getattr(param, "opts", [])), param.name
+    # each command in a group's list is summed up by its first sentence, whole (click cuts at 45 characters)
+    listed = dict(re.findall(r"^\* `([\w-]+)`: (.*)$", text, re.M))
+    assert listed["validate"].startswith("Check artifacts against the format-v1 contract: metadata, every shape")
+    assert not [f"{k}: {v}" for k, v in listed.items() if v.endswith("...")]
 
 
 def test_cli_reference_needs_its_marker():
@@ -148,3 +153,22 @@ name       meaning
     assert "| ``x`` | first line continued |" in md
     assert "| `y` | second |" in md
     assert "=====" not in md
+
+
+def test_the_docs_show_every_picture_of_the_zoo():
+    """Pages link zoo pictures by their path in the repository (GitHub shows them so); the
+    zoo_images hook serves each under zoo/ in the site and points the links there."""
+    hook = _load("zoo_images")
+    pictures = hook.zoo_pictures(DOCS)
+    assert "zoo/smollm2-135m/verify.png" in pictures and all(p.is_file() for p in pictures.values())
+    assert hook.site_link("guides/verify.md", "../../zoo/smollm2-135m/verify.png") == "../zoo/smollm2-135m/verify.png"
+    assert hook.site_link("index.md", "../zoo/a/verify.png") == "zoo/a/verify.png"
+    assert hook.site_link("guides/verify.md", "plot.png") is None
+    shown = set()
+    for page in DOCS.rglob("*.md"):
+        rel = page.relative_to(DOCS).as_posix()
+        for m in hook.IMAGE.finditer(page.read_text()):
+            link = hook.site_link(rel, m.group(2))
+            if link is not None:
+                shown.add(posixpath.normpath(posixpath.join(posixpath.dirname(rel), link)))
+    assert set(pictures) <= shown, f"zoo pictures no page shows: {sorted(set(pictures) - shown)}"

@@ -554,7 +554,8 @@ def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_pat
     art = load_artifact(path)
     assert EvalOptions().methods == DEFAULT_METHODS and "fork" in DEFAULT_METHODS and "fork-lloyd" not in DEFAULT_METHODS
     assert resolve_methods(DEFAULT_METHODS, art) == (DEFAULT_METHODS, [])
-    assert resolve_methods(DEFAULT_METHODS, None) == (("bf16", "naive", "hadamard", "quanto"), [])
+    assert resolve_methods(DEFAULT_METHODS, None) == (("bf16", "hadamard"), [])
+    assert "quanto" not in DEFAULT_METHODS and "naive" not in DEFAULT_METHODS        # slow or instructive: by name
     with pytest.raises(InputError, match="need an ARTIFACT"):
         resolve_methods(("oscar", "fork"), None)
     art = dataclasses.replace(art, metadata={k: v for k, v in art.metadata.items()

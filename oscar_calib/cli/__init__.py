@@ -80,11 +80,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
 
 def main() -> None:
     warnings.showwarning = _show_warning
-    # Idle OpenMP threads sleep instead of spinning (set before torch loads; an explicit setting
-    # wins). On a busy or shared machine spinning threads burn the cores the work needs: measured
-    # on 2 cores at load 4-6, `calibrate --quick` took 110-266 s and 73-150 s of CPU spinning,
-    # 45-50 s and 21 s of CPU sleeping (docs/guides/calibrate.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # (idle OpenMP threads sleep instead of spinning: the package sets it on import, before torch)
     try:
         app()
     except OscarError as e:

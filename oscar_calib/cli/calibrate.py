@@ -19,12 +19,14 @@ from ._common import (
     TrustOpt,
     emit_json,
     fmt,
+    more_data_hint,
     next_step,
     quote,
     stdout,
     table,
+    takes,
 )
-from ._progress import StageClock, progress_display
+from ._progress import StageClock, progress_display, starting
 
 EXAMPLES = """
     Examples:
@@ -112,7 +114,6 @@ def calibrate_command(
     """
     clock = StageClock()                 # from here: the time line accounts for the whole command
     from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
-    from ..calibrate.pipeline import calibrate
     from ..contract.config import config_from_options
     from ..model.placement import placement_from_options
 
@@ -129,6 +130,8 @@ def calibrate_command(
     if wants_launch(nproc):
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
     with progress_display(enabled=os.environ.get("RANK", "0") == "0") as display, _rank_named_errors():
+        with starting(display):              # (not a stage of the time line: imports count as "other")
+            from ..calibrate.pipeline import calibrate
         progress = clock.wrap(display)
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
         verdict = _verify(result, progress, quick) if verify and result.rank == 0 else None
@@ -152,12 +155,12 @@ def _next(model: str, out: Path, verdict: dict | None) -> str:
     calibrate on more data (failed)."""
     m, art = quote(model), quote(out)
     if verdict is None:
-        return f"oscar verify {art} checks the artifact with the INT2 kernels, then oscar eval {m} {art}"
+        return (f"oscar verify {art} checks the artifact with the INT2 kernels{takes('verify', model)}, then oscar "
+                f"eval {m} {art}")
     if not verdict["passed"]:
-        return (f"see the reasons above; more calibration text often helps: oscar calibrate {m} --tokens 32768 "
-                f"--out {art} --overwrite")
-    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard; oscar export {art} --out "
-            f"{quote(Path('serve') / out.name)} prepares serving in the OSCAR SGLang fork")
+        return more_data_hint(model, out)
+    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard{takes('eval', model)}; oscar "
+            f"export {art} --out {quote(Path('serve') / out.name)} prepares serving in the OSCAR SGLang fork")
 
 
 @contextlib.contextmanager

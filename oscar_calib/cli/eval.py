@@ -20,8 +20,9 @@ from ._common import (
     quote,
     stdout,
     table,
+    takes,
 )
-from ._progress import progress_display
+from ._progress import progress_display, starting
 
 
 def eval_command(
@@ -29,10 +30,14 @@ def eval_command(
     artifact: Annotated[Optional[Path], typer.Argument(help="Artifact directory for the 'oscar' method "
                                                        "(without it, 'oscar' is left out).")] = None,
     task: Annotated[str, typer.Option(help="ppl (held-out perplexity) or niah (needle in a haystack).")] = "ppl",
-    methods: Annotated[str, typer.Option(help="Comma-separated: bf16, naive, hadamard, oscar, fork (the OSCAR SGLang "
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated: bf16, naive, hadamard, oscar, fork (the OSCAR SGLang "
                                          "fork's scheme for ARTIFACT), fork-lloyd, vllm, llamacpp (those engines' "
-                                         "schemes; ppl only), quanto.")]
-    = "bf16,naive,hadamard,oscar,fork,quanto",
+                                         "schemes; ppl only), quanto. Default: bf16,hadamard,oscar,fork, about a "
+                                         "minute for SmolLM2 on 2 CPU cores. naive, fork-lloyd, vllm, llamacpp and "
+                                         "quanto run only when named; quanto is slow: it decodes token by token "
+                                         "(about 2.5 min per 2048-token sequence for SmolLM2 on 2 CPU cores).",
+                                         show_default=False)]
+    = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT2 group size (default: the artifact's, else "
                                                      "min(128, head_dim)).")] = None,
     logit_correction: Annotated[Optional[float], typer.Option(help="Gain (0-4) of the logit-noise correction "
@@ -40,7 +45,8 @@ def eval_command(
                                                               "0 = off).")] = None,
     sink: Annotated[int, typer.Option(help="BF16 attention-sink tokens.")] = DEFAULT_SINK,
     recent: Annotated[int, typer.Option(help="BF16 recent-window tokens.")] = DEFAULT_RECENT,
-    sequences: Annotated[int, typer.Option(help="ppl: held-out sequences.")] = 2,
+    sequences: Annotated[Optional[int], typer.Option(help="ppl: held-out sequences (default 1; each one is a "
+                                                     "forward pass per method).", show_default=False)] = None,
     seq_len: Annotated[int, typer.Option(help="ppl: tokens per sequence.")] = 2048,
     data: Annotated[str, typer.Option(help="ppl: 'embedded' (pydoc topics) or 'embedded-code' (stdlib source), "
                                       "their held-out half; or a text file/dir.")] = "embedded",
@@ -93,22 +99,24 @@ def eval_command(
     * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,oscar --logit-correction 0.5` (try a gain)
     """
     from ..errors import InputError
-    from ..eval import EvalOptions, run_eval
-    from ..eval.report import record_eval
     from ..model.placement import placement_from_options
+    from ..tools.zoo import refresh_index
 
     if record and (artifact is None or not artifact.is_dir()):
         raise InputError("--record needs an ARTIFACT directory")
     if record and logit_correction is not None:
         raise InputError("--record stores what the artifact serves: leave out --logit-correction (calibrate with "
                          "it instead)")
-    options = EvalOptions(task=task, methods=methods, group_size=group_size, logit_correction=logit_correction,
-                          sink=sink, recent=recent, seed=seed,
-                          sequences=sequences, seq_len=seq_len, data=data, lengths=lengths, depths=depths,
-                          samples=samples, prompts=prompts, haystack=haystack)
     plot = plot or Path(f"eval-{Path(model).name.removesuffix('.gguf')}-{task}.png")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     with progress_display() as progress:
+        with starting(progress):
+            from ..eval import EvalOptions, run_eval
+            from ..eval.report import record_eval
+        given = {k: v for k, v in (("methods", methods), ("sequences", sequences)) if v is not None}   # or defaults
+        options = EvalOptions(task=task, group_size=group_size, logit_correction=logit_correction,
+                              sink=sink, recent=recent, seed=seed, seq_len=seq_len, data=data, lengths=lengths,
+                              depths=depths, samples=samples, prompts=prompts, haystack=haystack, **given)
         result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=progress,
                           placement=placement)
     if record:
@@ -119,18 +127,26 @@ def eval_command(
             serving = serving_table(artifact)
         record_eval(artifact, result, serving=serving)
         result.settings["recorded"] = str(artifact)
+        index = refresh_index(artifact)             # a zoo entry: its zoo's index describes it again
+        if index is not None:
+            result.settings["index_refreshed"] = str(index)
     render(result, json_out)
     next_step(_next(model, artifact, record), json_out=json_out)
 
 
 def _next(model: str, artifact: Path | None, record: bool) -> str:
+    from ..tools.zoo import zoo_of
+
     m = quote(model)
     if artifact is None:
-        return f"oscar calibrate {m} --out {quote(Path('runs') / Path(model).name)} makes an artifact to compare"
+        return (f"oscar calibrate {m} --out {quote(Path('runs') / Path(model).name)} makes an artifact to compare"
+                f"{takes('calibrate', model)}")
     if record:
         return f"oscar push {quote(artifact)} --to hf:ORG/NAME --dry-run shows what a push would upload, card included"
-    return (f"add --record to store these results in {quote(artifact)}'s card; oscar export {quote(artifact)} --out "
-            f"{quote(Path('serve') / artifact.resolve().name)} prepares serving")
+    store = ("add --record to store these results in the zoo entry's card (it rewrites committed files and the zoo's "
+             "index)" if zoo_of(artifact) is not None else f"add --record to store these results in {quote(artifact)}'s card")
+    return (f"{store}; oscar export {quote(artifact)} --out {quote(Path('serve') / artifact.resolve().name)} prepares "
+            "serving")
 
 
 def render(result, json_out: bool) -> None:
@@ -172,7 +188,8 @@ def render(result, json_out: bool) -> None:
     if s.get("plot"):
         stdout.print(f"plot written to {s['plot']}")
     if s.get("recorded"):
-        stdout.print(f"results recorded in {s['recorded']}/calibration.json and its README.md")
+        stdout.print(f"results recorded in {s['recorded']}/calibration.json and its README.md"
+                     + (f"; {s['index_refreshed']} refreshed" if s.get("index_refreshed") else ""), highlight=False)
 
 
 def _fork_line(settings: dict) -> None:

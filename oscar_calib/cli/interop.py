@@ -9,7 +9,6 @@ import typer
 
 from ._common import (
     JsonOpt,
-    ModelOpt,
     TrustOpt,
     console,
     emit_json,
@@ -17,6 +16,7 @@ from ._common import (
     quote,
     stdout,
     table,
+    takes,
 )
 
 EXPORT_EXAMPLES = """
@@ -133,8 +133,11 @@ def import_command(
     files: Annotated[list[Path], typer.Argument(help="The engine's files: K.pt V.pt (SGLang, vLLM), one .gguf "
                                                 "(llama.cpp), oscar_rotations.safetensors (ONNX Runtime) or "
                                                 "k/v_rotation.safetensors (mlx-lm).")],
-    model: ModelOpt,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory to write.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="The model the rotations are for (required): "
+                                                 "alias, checkpoint directory, .gguf file or hub id.",
+                                                 show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Artifact directory to write (required).",
+                                                show_default=False)] = None,
     source: Annotated[Optional[str], typer.Option("--from", help="Whose files: sglang-fork, sglang-fork-v2, sglang, "
                                                   "vllm, llamacpp, onnxruntime, mlx-lm (default: .pt pair -> "
                                                   "sglang-fork, .gguf -> llamacpp, one .safetensors -> onnxruntime, "
@@ -151,8 +154,16 @@ def import_command(
     ONNX Runtime's initializers, mlx-lm's safetensors) into a format-v1 artifact for MODEL. Pickles are opened with torch.load(weights_only=True) only.
     """
     from ..contract.config import parse_clip
+    from ..errors import InputError
     from ..tools.export import guess_source, import_files
 
+    missing = [f for f in files if not f.is_file()]
+    if missing:                       # the files first: nothing else matters without them
+        raise InputError(f"{missing[0]}: no such file")
+    if model is None or out is None:
+        raise InputError(f"oscar import needs {'--model (the model the rotations are for)' if model is None else ''}"
+                         f"{' and ' if model is None and out is None else ''}"
+                         f"{'--out (the artifact directory to write)' if out is None else ''}")
     source = source or guess_source(files)
     result = import_files(source, files, model, out, clip=parse_clip(clip), group_size=group_size, sink_tokens=sink,
                           recent_tokens=recent, overwrite=overwrite, trust_remote_code=trust_remote_code)
@@ -168,7 +179,8 @@ def import_command(
     for w in ("k", "v"):
         for note in imp[w]["notes"]:
             console.print(f"[yellow]note:[/yellow] {w.upper()}: {note}")
-    next_step(f"oscar verify {quote(result.out)} measures the imported rotations with the INT2 kernels")
+    next_step(f"oscar verify {quote(result.out)} measures the imported rotations with the INT2 kernels"
+              f"{takes('verify', model)}")
 
 
 export_command.__doc__ += EXPORT_EXAMPLES

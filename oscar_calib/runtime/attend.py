@@ -36,6 +36,7 @@ import torch
 
 CHUNK_ELEMENTS = 1 << 24          # scores per block: bounds the temporaries (64 MiB of float32)
 MIN_CHUNK = 64                    # history tokens per block at least
+_FLOOR = -1e30                    # the online softmax's starting maximum: below every real logit
 
 
 def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -52,29 +53,36 @@ def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None,
     ``sinks [H*G]``: one more key per query head, of that logit and value zero (None: none).
     Rows that may read no key at all return 0."""
     b, h, g, t, d = q.shape
+    rows = q.reshape(b, h, g * t, d)                 # matmuls over [G·T, d] rows per KV head (no einsum copies)
     if sinks is None:
-        m = torch.full((b, h, g, t), float("-inf"), device=q.device)
-        denom = torch.zeros(b, h, g, t, device=q.device)
+        # the running maximum starts finite, so a row that may read nothing gives exp(-inf) = 0, not NaN
+        m = torch.full((b, h, g, t), _FLOOR, device=q.device)
+        denom = acc = None
     else:                     # the sink is the first key read: exp(sink - m) = 1 with m = sink
         m = sinks.float().reshape(1, h, g, 1).expand(b, h, g, t).contiguous()
         denom = torch.ones(b, h, g, t, device=q.device)
-    acc = torch.zeros(b, h, g, t, d, device=q.device)
+        acc = torch.zeros(b, h, g, t, d, device=q.device)
     for k, v, allowed, noise in blocks:
         if k.shape[2] == 0:
             continue
-        s = torch.einsum("bhgtd,bhld->bhgtl", q, k.float()) * scale
+        s = (rows @ k.float().transpose(-1, -2)).view(b, h, g, t, -1) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         if noise is not None:
             s = s - noise
         s = s.masked_fill(~allowed[:, None, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - base.unsqueeze(-1))
-        corr = torch.exp(m - base)
-        denom = denom * corr + p.sum(-1)
-        acc = acc * corr.unsqueeze(-1) + torch.einsum("bhgtl,bhld->bhgtd", p, v.float())
+        p = torch.exp(s - m_new.unsqueeze(-1))
+        pv = (p.view(b, h, g * t, -1) @ v.float()).view(b, h, g, t, d)
+        if acc is None:
+            denom, acc = p.sum(-1), pv
+        else:
+            corr = torch.exp(m - m_new)
+            denom = denom * corr + p.sum(-1)
+            acc = acc * corr.unsqueeze(-1) + pv
         m = m_new
+    if acc is None:
+        return torch.zeros_like(q)
     return acc / torch.where(denom > 0, denom, torch.ones_like(denom)).unsqueeze(-1)
 
 
@@ -86,9 +94,10 @@ def _per_head(x: torch.Tensor, r: torch.Tensor | None, transpose: bool = False) 
     return torch.einsum(eq, x.float(), r)
 
 
-def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, noise=None):
+def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, noise=None, new_tokens: int = 0):
     """The window block and the history chunks with their masks (see the module docstring);
-    ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off)."""
+    ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off);
+    ``new_tokens``: the call's tokens not yet written (0 for a decode step, which writes first)."""
     p = store.plan
     w = p.sliding_window
     start = None if p.chunk is None else (qidx // p.chunk * p.chunk).unsqueeze(2)   # [B, T, 1]: each query's chunk
@@ -110,6 +119,10 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
     win = store.window.kv[:, :, :, :p.sink + p.recent]
     yield win[:, 0], win[:, 1], rule(store.window.slot_tokens(store.n), True), None
     span = store.history_span()
+    if not store.hist.ring and not store.full_span:
+        # history slot j holds token S + j, read as INT2 only below n' - R: no sequence reads past
+        # its count after the call minus R (host counts are upper bounds, so this only trims)
+        span = min(span, max(0, max(store.counts) + new_tokens - p.recent - p.sink))
     for a in range(0, span, chunk):
         length = min(chunk, span - a)
         x = store.hist.dequantize(a, length)                                      # [B, 2, H, L, d]
@@ -142,7 +155,7 @@ def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_
             return logit_noise(qr, key_scales.unsqueeze(2), p.group_size, p.logit_correction, scale)
 
     def all_blocks():
-        yield from _cached_blocks(store, n_new, qidx, chunk, noise)
+        yield from _cached_blocks(store, n_new, qidx, chunk, noise, 0 if k is None else k.shape[2])
         if k is not None:
             yield _per_head(k, p.k_rotation), _per_head(v, p.v_rotation), new_allowed, None
 

@@ -35,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
+from ..progress import ProgressFn, report
 from .compat import SUPPORTED_TRANSFORMERS, cache_slots, check_transformers, state_layer, with_state
 from .plan import LayerPlan
 from .scheme import KVScheme
@@ -241,7 +242,7 @@ class OscarCache(Cache):
         return OscarAttention(model, self)
 
     def generate(self, model, input_ids: torch.Tensor, *, fast: bool | str = "auto", compile: bool = False,
-                 **generate_kwargs):
+                 progress: ProgressFn | None = None, **generate_kwargs):
         """``model.generate(input_ids, past_key_values=self, **generate_kwargs)`` with the cache
         attached, on the fastest path that applies: on one GPU every new token replays a CUDA graph
         (:func:`~oscar_calib.runtime.graph.graph_decoding`; ~6x the tokens/s of eager steps on
@@ -253,6 +254,11 @@ class OscarCache(Cache):
         runs eager steps. ``compile=True`` records the graph through ``torch.compile`` (about 30%
         more tokens/s at 1 x 16K-128K on an H100, for 25-40 s of compiling at the first call of
         each batch size): worth it for long generations; it needs the graph.
+
+        ``progress`` (:mod:`oscar_calib.progress`; :func:`oscar_calib.display.show_progress` draws
+        it) hears a ``prefill`` stage, then ``decode`` with one report per new token (counted
+        against ``max_new_tokens`` when given), from a logits processor: nothing is read back from
+        the device for it.
 
         >>> cache = OscarCache.from_artifact("zoo/smollm2-135m", model)
         >>> out = cache.generate(model, ids, max_new_tokens=256)          # graph on a GPU, eager on a CPU
@@ -270,8 +276,18 @@ class OscarCache(Cache):
         if not why:
             generate_kwargs["custom_generate"] = (functools.partial(graph_decoding, compile=True) if compile
                                                   else graph_decoding)
+        if progress is not None:
+            from transformers import LogitsProcessorList
+
+            counter = _TokenProgress(progress, input_ids.shape[-1], generate_kwargs.get("max_new_tokens"))
+            theirs = generate_kwargs.get("logits_processor") or ()
+            generate_kwargs["logits_processor"] = LogitsProcessorList([*theirs, counter])
+            report(progress, f"prefill: {input_ids.shape[-1]} tokens", 0, None)
         with attached(self, model):
-            return model.generate(input_ids, past_key_values=self, **generate_kwargs)
+            out = model.generate(input_ids, past_key_values=self, **generate_kwargs)
+        if progress is not None:
+            counter.finish()
+        return out
 
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""
@@ -309,6 +325,24 @@ class OscarCache(Cache):
         return {"bytes": used, "allocated_bytes": alloc, "tokens": n, "bytes_per_token": used / n if n else 0.0,
                 "bf16_bytes": bf16, "compression": bf16 / used if used else 0.0,
                 "history_bits_per_element": self.scheme.bits_per_element}
+
+
+class _TokenProgress:
+    """A logits processor that reports decoding progress and leaves the scores as they are: it is
+    called once per new token, before that token is chosen, with the sequences so far."""
+
+    def __init__(self, progress: ProgressFn, prompt: int, total: int | None):
+        self.progress, self.prompt, self.total, self.done = progress, prompt, total, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.done = input_ids.shape[-1] - self.prompt
+        report(self.progress, "decode", self.done, self.total, "tokens")
+        return scores
+
+    def finish(self) -> None:
+        """The stage ends with the last token (sooner than ``total`` when generation stopped)."""
+        n = self.done + 1
+        report(self.progress, "decode", n, n, "tokens")
 
 
 def attached(cache, model):

@@ -63,6 +63,7 @@ from ..contract.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
 from ..contract.verification import verification_of
 from ..errors import ArtifactError
 from ..fsutil import atomic_write_bytes, atomic_write_files
+from .zoo import is_zoo_index
 
 
 @dataclass
@@ -131,15 +132,6 @@ def find_artifacts(paths: list[Path], *, allow_empty: bool = False) -> list[tupl
         else:
             out.append((p, "no such file or directory"))
     return out
-
-
-def is_zoo_index(path: Path) -> bool:
-    if path.name != "index.json":
-        return False
-    try:
-        return json.loads(path.read_text()).get("format") == "oscar-zoo-index"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 # ----------------------------------------------------------------------------- checks

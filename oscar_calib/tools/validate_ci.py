@@ -7,8 +7,15 @@ source                     what is validated
 ``hf:ORG/NAME[@REV]``      the repository's ``oscar.safetensors`` files (at its root or in
 ``modelscope:ORG/NAME``    sub-folders), downloaded into a temporary folder that is removed
 (``ms:`` too)              afterwards: nothing is kept, the pull cache is not touched
-a local path               as :func:`~oscar_calib.tools.validate.find_artifacts` expands it
+a local path               as :func:`~oscar_calib.tools.validate.find_artifacts` expands it;
+                           a directory holding a zoo ``index.json`` (``oscar validate zoo``)
+                           is also checked as a zoo, as below: what ``make test`` and the
+                           pre-commit hook call stale, ``oscar validate zoo`` calls stale
 =========================  ================================================================
+
+A run whose every PATH is missing (none exists, no hub repository among them) has nothing to
+validate: one :class:`~oscar_calib.errors.InputError`, as a mistyped path is anywhere else. A
+missing PATH beside others is a problem in its own report, so one run reports everything.
 
 With ``changed_files`` the local paths are the files a change touches (pre-commit passes the
 staged files its ``files`` pattern matches): a ``.safetensors`` file is validated; a zoo's
@@ -29,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from ..contract.artifact import WEIGHTS_NAME
-from ..errors import PublishError
+from ..errors import InputError, PublishError
 from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
 from .zoo import INDEX_NAME, index_is_current, scan
 
@@ -121,6 +128,9 @@ def validate_sources(sources: list[str], *, model: ModelReference | None = None,
             from .publish import parse_source
 
             parse_source(s)
+    missing = [s for s in sources if not is_hub_source(s) and not Path(s).exists()]
+    if sources and len(missing) == len(sources):          # nothing to validate: a mistyped path
+        raise InputError(f"{missing[0]}: no such file or directory")
     reports: list[ValidationReport] = []
     local: list[Path] = []
 
@@ -132,7 +142,13 @@ def validate_sources(sources: list[str], *, model: ModelReference | None = None,
             reports.extend(found)
             reports.extend(check_index(i, invalid) for i in indexes)
         elif local:
-            reports.extend(validate_paths(local, model=model, allow_empty=allow_empty))
+            found = validate_paths(local, model=model, allow_empty=allow_empty)
+            reports.extend(found)
+            # a zoo given as a directory: its index is checked as the pre-commit hook checks it
+            # (`oscar validate zoo` and `make test` agree on what is stale)
+            invalid = {r.path if r.path.is_dir() else r.path.parent for r in found if not r.ok}
+            reports.extend(check_index(p / INDEX_NAME, invalid) for p in local
+                           if p.is_dir() and is_zoo_index(p / INDEX_NAME))
         local.clear()
 
     for s in sources:

@@ -219,6 +219,45 @@ def write_index(zoo_dir: Path) -> tuple[Path, dict]:
     return path, index
 
 
+def is_zoo_index(path: Path) -> bool:
+    """Whether ``path`` is a zoo's ``index.json`` (its ``format`` says so)."""
+    path = Path(path)
+    if path.name != INDEX_NAME:
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == INDEX_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def zoo_of(directory: Path) -> Path | None:
+    """The zoo an artifact directory belongs to: the nearest directory above it that holds a zoo
+    ``index.json`` (``zoo/`` for ``zoo/smollm2-135m``), or None. A command that measures a zoo
+    entry writes into it only when told to (``--record``), and then refreshes the index
+    (:func:`refresh_index`), so the index never goes stale behind the user's back."""
+    for parent in Path(directory).absolute().parents:
+        if is_zoo_index(parent / INDEX_NAME):
+            return parent
+    return None
+
+
+def zoo_display(root: Path) -> str:
+    """A zoo directory as a person reads it: relative to the working directory when below it."""
+    try:
+        return str(Path(root).relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(root)
+
+
+def refresh_index(directory: Path) -> Path | None:
+    """After a write into an artifact: when it belongs to a zoo (:func:`zoo_of`) whose index no
+    longer describes it, regenerate that index and return its path; otherwise return None."""
+    root = zoo_of(directory)
+    if root is None or index_is_current(root):
+        return None
+    return Path(zoo_display(write_index(root)[0]))
+
+
 def index_is_current(zoo_dir: Path) -> bool:
     path = Path(zoo_dir) / INDEX_NAME
     try:

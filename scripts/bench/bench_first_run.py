@@ -18,8 +18,16 @@ Parts:
 * ``accuracy``: a default and a ``--quick`` artifact (from ``demo``/``quick``, or made here),
   both checked with verify's default settings (serving layout, depths 512–2048, two sequences of
   the held-out half) and ``oscar eval`` perplexity (bf16, hadamard, oscar; 2 × 2048 held-out tokens).
+* ``eval``: ``oscar eval smollm2-135m zoo/smollm2-135m`` with its defaults (the first ``next:``
+  after a calibration), wall and CPU time.
+* ``snippet``: the README's Python snippet as a script (wall and CPU time), and in one process
+  ``cache.generate`` against plain ``model.generate`` on its prompt (32 new tokens, alternating,
+  ``--repeats`` each, medians and their ratio).
 
-The machine is shared: every row records the load average before it. Writes
+Every command's output is read as it comes: ``first_output_s`` (when its first line came) and
+``longest_silence_s`` (the longest stretch without a line, the end included) say whether a person
+watching it is kept informed. The machine is shared: every row records the load average before
+it. Writes
 ``first_run-cpu.json`` (``harness.py``'s format; rows, each with its ``part``) to ``--out``
 (default ``$OUT`` or ./bench_out), with ``--save`` also as the current result (the parts not run
 are kept from it), and prints a table. The commands run with ``HF_HUB_OFFLINE=1`` and
@@ -35,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,26 +53,108 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than
 from harness import ROOT as HERE  # noqa: E402
 from harness import add_output_args, describe_device, new_result, out_dir, write_result  # noqa: E402
 
-PARTS = ("startup", "demo", "quick", "accuracy")
+PARTS = ("startup", "demo", "quick", "accuracy", "eval", "snippet")
 
 
-def run(tree: Path, args: list[str], *, cwd: Path | None = None, extra_env: dict | None = None) -> dict:
-    """``python -m oscar_calib ARGS`` from checkout ``tree``: wall time, CPU time, peak RSS, exit code."""
+def run(tree: Path, args: list[str], *, cwd: Path | None = None, extra_env: dict | None = None,
+        argv: list[str] | None = None) -> dict:
+    """``python -m oscar_calib ARGS`` (or ``argv``) from checkout ``tree``: wall time, CPU time,
+    peak RSS, exit code, and when its output came (``first_output_s``, ``longest_silence_s``)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OSCAR_PROGRESS": "plain", **(extra_env or {})}
     load = os.getloadavg()[0]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "oscar_calib", *args], env=env, cwd=cwd or tree, stdout=out,
-                                stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)          # this child's own peak RSS
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    return {"args": args, "tree": str(tree), "wall_s": wall, "rc": proc.returncode, "load_1min": load,
-            "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024, "stdout": stdout[-20000:], "stderr": stderr[-4000:]}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv or [sys.executable, "-m", "oscar_calib", *args], env=env, cwd=cwd or tree,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen: list[float] = []
+    texts = {"stdout": [], "stderr": []}
+
+    def read(stream, name):
+        for line in stream:
+            seen.append(time.perf_counter() - t0)
+            texts[name].append(line.decode(errors="replace"))
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, "stdout")),
+               threading.Thread(target=read, args=(proc.stderr, "stderr"))]
+    for r in readers:
+        r.start()
+    _, status, usage = os.wait4(proc.pid, 0)          # this child's own peak RSS
+    wall = time.perf_counter() - t0
+    for r in readers:
+        r.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    times = sorted(seen)
+    stdout, stderr = "".join(texts["stdout"]), "".join(texts["stderr"])
+    return {"args": args or argv, "tree": str(tree), "wall_s": wall, "rc": proc.returncode, "load_1min": load,
+            "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "first_output_s": times[0] if times else None,
+            "longest_silence_s": max(b - a for a, b in zip([0.0, *times], [*times, wall])),
+            "stdout": stdout[-20000:], "stderr": stderr[-4000:]}
+
+
+def readme_snippet(readme: Path) -> str:
+    """The README's Python snippet (the first ```python block)."""
+    text = readme.read_text()
+    start = text.index("```python\n") + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+# cache.generate against model.generate on the snippet's prompt, in one process, alternating
+GENERATE_RATIO = """
+import json, sys, time
+from oscar_calib.model.load import load_model    # first, as the snippet: the package sets OMP_WAIT_POLICY before torch loads
+from oscar_calib.runtime import OscarCache
+import torch
+from pydoc_data.topics import topics
+lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16")
+model, tok = lm.model, lm.tokenizer
+ids = tok(topics["class"][:3000], return_tensors="pt").input_ids
+rows = []
+for r in range(int(sys.argv[1])):
+    for name in ("oscar", "plain"):
+        cache = OscarCache.from_artifact("zoo/smollm2-135m", model) if name == "oscar" else None
+        c0, w0 = time.process_time(), time.perf_counter()
+        if cache is None:
+            model.generate(ids, max_new_tokens=32, do_sample=False)
+        else:
+            cache.generate(model, ids, max_new_tokens=32, do_sample=False)
+        rows.append({"name": name, "repeat": r, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0})
+print(json.dumps({"prompt_tokens": ids.shape[1], "threads": torch.get_num_threads(), "rows": rows}))
+"""
+
+
+def eval_default(repeats: int, tmp: Path) -> list[dict]:
+    rows = []
+    for r in range(repeats):
+        res = run(HERE, ["eval", "smollm2-135m", str(HERE / "zoo" / "smollm2-135m"), "--device", "cpu", "--plot",
+                         str(tmp / "eval.png")], cwd=tmp)
+        rows.append({"part": "eval", "repeat": r, **_timing(res), "summary": res["stdout"].strip().splitlines()[-12:]})
+    return rows
+
+
+def snippet(repeats: int) -> list[dict]:
+    rows = []
+    for r in range(repeats):
+        res = run(HERE, [], argv=[sys.executable, "-c", readme_snippet(HERE / "README.md")])
+        rows.append({"part": "snippet", "what": "README snippet", "repeat": r, **_timing(res)})
+    res = run(HERE, [], argv=[sys.executable, "-c", GENERATE_RATIO, str(repeats)])
+    if res["rc"] != 0:
+        raise SystemExit(f"the generate comparison failed: {res['stderr'][-800:]}")
+    doc = json.loads(res["stdout"].strip().splitlines()[-1])
+    med = {(n, k): statistics.median(x[k] for x in doc["rows"] if x["name"] == n)
+           for n in ("oscar", "plain") for k in ("wall_s", "cpu_s")}
+    rows.append({"part": "snippet", "what": "cache.generate vs model.generate", "load_1min": res["load_1min"],
+                 "prompt_tokens": doc["prompt_tokens"], "threads": doc["threads"], "runs": doc["rows"],
+                 "median_wall_s": {n: med[n, "wall_s"] for n in ("oscar", "plain")},
+                 "median_cpu_s": {n: med[n, "cpu_s"] for n in ("oscar", "plain")},
+                 "ratio_wall": med["oscar", "wall_s"] / med["plain", "wall_s"],
+                 "ratio_cpu": med["oscar", "cpu_s"] / med["plain", "cpu_s"]})
+    return rows
+
+
+def _timing(res: dict) -> dict:
+    return {k: res[k] for k in ("wall_s", "cpu_s", "rc", "load_1min", "first_output_s", "longest_silence_s",
+                                "peak_rss_mb")}
 
 
 def startup(trees: list[Path], repeats: int, tmp: Path) -> list[dict]:
@@ -96,9 +187,8 @@ def demo(variants: list[tuple[str, Path, dict]], repeats: int, tmp: Path, quick:
             res = run(tree, args + (["--quick"] if quick else []), extra_env=extra_env)
             stages = [ln for ln in res["stderr"].splitlines() if ": done in " in ln]
             rows.append({"part": "quick" if quick else "demo", "variant": label, "tree": str(tree), "repeat": r,
-                         "env": extra_env, "wall_s": res["wall_s"], "cpu_s": res["cpu_s"],
-                         "peak_rss_mb": res["peak_rss_mb"], "rc": res["rc"], "load_1min": res["load_1min"],
-                         "out": str(out), "stages": stages, "summary": res["stdout"].strip().splitlines()[-4:]})
+                         "env": extra_env, **_timing(res), "out": str(out), "stages": stages,
+                         "summary": res["stdout"].strip().splitlines()[-4:]})
     return rows
 
 
@@ -154,6 +244,10 @@ def main(argv=None) -> None:
             last = lambda part: next((Path(r["out"]) for r in reversed(rows)          # noqa: E731
                                       if r["part"] == part and r["tree"] == str(HERE) and r["rc"] == 0), None)
             rows += accuracy(tmp, last("demo"), last("quick"))
+        if "eval" in parts:
+            rows += eval_default(args.repeats, tmp)
+        if "snippet" in parts:
+            rows += snippet(args.repeats)
     settings = {"parts": parts, "repeats": args.repeats, "baseline": str(args.baseline) if args.baseline else None,
                 "baseline_env": args.baseline_env, "cpus": os.cpu_count()}
     doc = new_result("first_run", describe_device(cuda=False), script=__file__, argv=argv, settings=settings)
@@ -168,10 +262,19 @@ def main(argv=None) -> None:
         elif r["part"] in ("demo", "quick"):
             rss = f"{r['peak_rss_mb']:.0f} MB"
             print(f"{r['part']:<8} {r['variant']:<14} #{r['repeat']} wall {r['wall_s']:6.1f} s  CPU {r['cpu_s']:6.1f} s  "
-                  f"peak RSS {rss}  rc {r['rc']}  load {r['load_1min']:.1f}")
-        else:
+                  f"peak RSS {rss}  rc {r['rc']}  first output {r['first_output_s'] or 0:.1f} s  longest silence "
+                  f"{r['longest_silence_s']:.1f} s  load {r['load_1min']:.1f}")
+        elif r["part"] == "accuracy":
             print(f"accuracy {r['artifact']:<8} verify attn {r['verify_mean_attn_error']:.4f} (Hadamard "
                   f"{r['verify_mean_attn_error_hadamard']:.4f})  ppl {json.dumps(r['ppl'])}")
+        elif "ratio_wall" in r:
+            print(f"snippet  generate: 2-bit / plain median wall {r['ratio_wall']:.2f}x, CPU {r['ratio_cpu']:.2f}x "
+                  f"({json.dumps({k: round(v, 1) for k, v in r['median_wall_s'].items()})} s)  "
+                  f"load {r['load_1min']:.1f}")
+        else:
+            print(f"{r['part']:<8} #{r['repeat']} wall {r['wall_s']:6.1f} s  CPU {r['cpu_s']:6.1f} s  rc {r['rc']}  "
+                  f"first output {r['first_output_s'] or 0:.1f} s  longest silence {r['longest_silence_s']:.1f} s  "
+                  f"load {r['load_1min']:.1f}")
     print(f"JSON: {path}")
 
 

@@ -107,7 +107,8 @@ random-init Qwen3-8B-shaped model on 1, 2, 4 ranks of one GPU each; **baseline: 
 Artifacts (byte for byte) and the float64 accumulators (bit for bit) are compared with the first
 layout's or rank count's. Weights are random (speed and memory do not depend on their values).""",
     "first_run": """A new user's first hour on the project's shared 2-core CPU machine: start-up of the light
-commands, `make demo`'s command, `calibrate --quick` and the accuracy of their artifacts.
+commands, `make demo`'s command, `calibrate --quick` and the accuracy of their artifacts, the
+default `oscar eval`, and the README's Python snippet (the 2-bit cache on the CPU's path).
 **Baseline: another checkout** (main before the change measured), run alternately with this one
 in the same session; every row records the load average before it, so compare rows of one run.""",
 }
@@ -522,6 +523,21 @@ def first_run(doc: dict) -> list[str]:
                         f"{r['ppl']['bf16']:.3f}", f"{r['ppl']['hadamard']:.3f}", f"{r['ppl']['oscar']:.3f}"]
                        for r in doc["accuracy"]])
         out.append("")
+    timed = [r for p in ("eval", "snippet") for r in doc.get(p, []) if "wall_s" in r]
+    if timed:
+        out += ["`oscar eval smollm2-135m zoo/smollm2-135m` with its defaults and the README's Python snippet, "
+                "with when a person watching saw their first line and the longest stretch without one:", ""]
+        out += _table(["run", "wall s", "CPU s", "first output s", "longest silence s", "load (1 min)"],
+                      [[f"{'`oscar eval`' if r['part'] == 'eval' else 'README snippet'} #{r['repeat'] + 1}",
+                        _f(r["wall_s"]), _f(r["cpu_s"]), _f(r.get("first_output_s")), _f(r.get("longest_silence_s")),
+                        _f(r["load_1min"])] for r in timed])
+        out.append("")
+    for r in (r for r in doc.get("snippet", []) if "ratio_wall" in r):
+        out += [f"The snippet's 2-bit `cache.generate` against plain `model.generate` ({r['prompt_tokens']}-token "
+                f"prompt, 32 new tokens, {len(r['runs']) // 2} runs each, alternating, {r['threads']} threads): "
+                f"median {r['median_wall_s']['oscar']:.1f} s against {r['median_wall_s']['plain']:.1f} s, "
+                f"**{r['ratio_wall']:.2f}×** the time ({r['ratio_cpu']:.2f}× the CPU time), load "
+                f"{r['load_1min']:.1f}.", ""]
     return out
 
 

@@ -34,7 +34,7 @@ def progress_on(monkeypatch):
 def test_validate_ends_with_verify_and_nothing_with_json_or_progress_off(monkeypatch, capsys, artifact):
     code, _, err = oscar("validate", str(artifact))
     assert code == 0 and next_lines(err) == [f"next: oscar verify {artifact} measures it on its model with the INT2 "
-                                             "kernels"]
+                                             "kernels (about 1 min on 2 CPU cores)"]
     assert err.strip().splitlines()[-1].startswith("next: ")            # the last line
     code, out, err = oscar("validate", str(artifact), "--json")
     assert code == 0 and json.loads(out)["ok"] and next_lines(err) == []
@@ -71,7 +71,7 @@ def test_push_dry_run_and_pull(monkeypatch, capsys, artifact, tmp_path):
     code, _, err = oscar("pull", "hf:my-org/x")
     dest = tmp_path / "cache" / "zoo" / "hf" / "my-org" / "x"
     assert code == 0 and next_lines(err) == [f"next: oscar verify {dest} measures it on its model with the INT2 "
-                                             "kernels (--model if not its own)"]
+                                             "kernels (about 1 min on 2 CPU cores) (--model if not its own)"]
 
 
 @pytest.mark.slow
@@ -80,7 +80,8 @@ def test_calibrate_verify_eval_fold_each_say_what_comes_next(monkeypatch, capsys
     fast = ["--tokens", "256", "--seq-len", "64", "--heldout-tokens", "32", "--device", "cpu"]
     code, out, err = oscar("calibrate", str(tiny_dir), "--out", str(art), *fast, "--no-verify")
     assert code == 0, err
-    assert next_lines(err) == [f"next: oscar verify {art} checks the artifact with the INT2 kernels, then oscar eval "
+    assert next_lines(err) == [f"next: oscar verify {art} checks the artifact with the INT2 kernels (minutes on a CPU "
+                               f"for a model of 100M parameters), then oscar eval "
                                f"{tiny_dir} {art}"]
     # the time line: every stage and "other", adding up to the total printed
     line = [x for x in out.splitlines() if x.startswith("time: ")][0]
@@ -105,3 +106,34 @@ def test_calibrate_verify_eval_fold_each_say_what_comes_next(monkeypatch, capsys
                             "--device", "cpu")
     assert code == 0, err
     assert next_lines(err)[0].startswith(f"next: oscar export {folded / 'oscar'} --out serve/folded")
+
+
+def test_validate_zoo_names_a_model_that_is_installed_and_the_pip_line_of_one_that_is_not(monkeypatch, tmp_path):
+    """A zoo: verify the entry of the default model (make setup installs it); a pip-shipped model
+    that is not installed is named with its install line, first when nothing else can run."""
+    import oscar_calib.model.load as load
+
+    zoo = Path(shutil.copytree(ZOO.parent, tmp_path / "zoo"))
+    gemma, smol = load.ALIASES["gemma3-270m"]["pip"], load.ALIASES["smollm2-135m"]["pip"]
+    only = (" (about 1 min on 2 CPU cores); a zoo entry is only measured, --record rewrites its verify.json and the "
+            "zoo's index")
+    monkeypatch.setattr(load, "wheel_missing", lambda spec: None)
+    assert next_lines(oscar("validate", str(zoo))[2]) == [f"next: oscar verify {zoo / 'smollm2-135m'} measures it on "
+                                                          f"its model with the INT2 kernels{only}"]
+    monkeypatch.setattr(load, "wheel_missing", lambda spec: gemma if spec == "gemma3-270m" else None)
+    assert next_lines(oscar("validate", str(zoo))[2]) == [f"next: oscar verify {zoo / 'smollm2-135m'} measures it on "
+                                                          f"its model with the INT2 kernels{only}; "
+                                                          f"{zoo / 'gemma3-270m'} needs its model first: {gemma}"]
+    monkeypatch.setattr(load, "wheel_missing", lambda spec: {"gemma3-270m": gemma, "smollm2-135m": smol}[spec])
+    (line,) = next_lines(oscar("validate", str(zoo / "gemma3-270m"))[2])
+    assert line.startswith(f"next: {gemma} installs its model, then oscar verify {zoo / 'gemma3-270m'} measures it")
+
+
+def test_a_failed_verification_of_a_zoo_entry_calibrates_into_runs(tmp_path):
+    """The advice after a failed verify never overwrites a committed zoo entry."""
+    from oscar_calib.cli._common import more_data_hint
+
+    zoo = Path(shutil.copytree(ZOO.parent, tmp_path / "zoo"))
+    assert "--out runs/smollm2-135m --overwrite" in more_data_hint("smollm2-135m", zoo / "smollm2-135m")
+    assert f"--out {tmp_path / 'mine'} --overwrite" in more_data_hint("smollm2-135m", tmp_path / "mine")
+    assert "--tokens 32768 " in more_data_hint("smollm2-135m", tmp_path / "mine")

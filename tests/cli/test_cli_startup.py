@@ -115,7 +115,7 @@ def test_light_commands_import_nothing_heavy(setting):
     for args, r in zip(commands, probe_all(commands, env)):
         if r["heavy"]:
             failures.append((args, r["heavy"]))
-        expected = 1 if args[:2] == ["validate", str(root / "missing")] else 0
+        expected = 2 if args[:2] == ["validate", str(root / "missing")] else 0      # nothing to validate: exit 2
         assert r["code"] == expected, (args, r)
     assert not failures, failures
 
@@ -128,7 +128,7 @@ def test_validate_runs_where_torch_and_triton_cannot_import(setting):
                 ["validate", str(root / "missing")]]
     reports = probe_all(commands, env, blocked=("torch", "triton"))
     for args, r in zip(commands, reports):
-        assert r == {"code": 1 if "missing" in args[-1] else 0, "heavy": []}, (args, r)
+        assert r == {"code": 2 if "missing" in args[-1] else 0, "heavy": []}, (args, r)
 
 
 def test_export_needs_torch_but_not_transformers(setting, tmp_path):

@@ -394,3 +394,29 @@ def test_cache_generate_on_the_gpu_decodes_from_the_graph(compile, monkeypatch):
                                           do_sample=False, compile=compile)
     assert calls == [{"compile": compile}]
     assert torch.equal(got, want)
+
+
+def test_cache_generate_reports_prefill_and_every_token():
+    """``progress``: a prefill stage, then one ``decode`` report per new token counted against
+    max_new_tokens, and a last one that ends the stage; the tokens are those without it, and a
+    logits processor of the caller's still runs."""
+    from transformers import LogitsProcessorList
+
+    model = _model("cpu")
+    ids, mask = _padded_prompt("cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False)
+    reports, theirs = [], []
+
+    def mine(input_ids, scores):
+        theirs.append(input_ids.shape[-1])
+        return scores
+
+    with torch.no_grad():
+        want = _cache(model, 600).generate(model, ids, **kw)
+        got = _cache(model, 600).generate(model, ids, progress=lambda *r: reports.append(r),
+                                          logits_processor=LogitsProcessorList([mine]), **kw)
+    assert torch.equal(got, want)
+    n = got.shape[1] - ids.shape[1]
+    assert reports[0] == (f"prefill: {PROMPT} tokens", 0, None, "")
+    assert reports[1:-1] == [("decode", k, 6, "tokens") for k in range(n)]
+    assert reports[-1] == ("decode", n, n, "tokens") and theirs == [PROMPT + k for k in range(n)]

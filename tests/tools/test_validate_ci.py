@@ -253,7 +253,8 @@ def test_action_passes_the_committed_zoo(zoos, tmp_path):
     assert "::" not in proc.stdout
     assert proc.stdout.splitlines() == ["ok zoo/gemma3-270m (google/gemma-3-270m, 18 layers)",
                                         "ok zoo/smollm2-135m (HuggingFaceTB/SmolLM2-135M-Instruct, 30 layers)",
-                                        "oscar validate: 2 checked, 0 with problems"]
+                                        "ok zoo/index.json",          # a zoo directory: its index too
+                                        "oscar validate: 3 checked, 0 with problems"]
 
 
 def test_action_annotates_a_broken_zoo(zoos, tmp_path):
@@ -381,3 +382,23 @@ def test_an_existing_local_path_is_never_a_hub_source(tmp_path, monkeypatch):
     make_artifact(tmp_path / "hf:org" / "name")
     assert not is_hub_source("hf:org/name") and is_hub_source("hf:org/other")
     assert [(str(r.path), r.ok) for r in validate_sources(["hf:org/name"])] == [("hf:org/name", True)]
+
+
+def test_validate_zoo_calls_stale_what_make_test_calls_stale(tmp_path, monkeypatch):
+    """A zoo entry re-verified in place (its verify.json's last digits moved) leaves the zoo's index
+    stale: `oscar validate zoo` says so and exits 1, as the pre-commit hook `make test` runs does;
+    `oscar zoo index` makes both agree it is current again."""
+    shutil.copytree(REPO / "zoo", tmp_path / "zoo")
+    monkeypatch.chdir(tmp_path)
+    hook = ["validate", "--changed-files", "zoo/index.json"]
+    assert oscar("validate", "zoo").exit_code == 0 and oscar(*hook).exit_code == 0
+    verify = tmp_path / "zoo" / "smollm2-135m" / "verify.json"
+    doc = json.loads(verify.read_text())
+    doc["summary"]["mean_attn_error"] *= 1 + 1e-12
+    verify.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    for args in (["validate", "zoo"], hook):
+        result = oscar(*args)
+        assert result.exit_code == 1 and "zoo/index.json: stale: it does not describe the artifacts beside it" \
+            in result.stderr, (args, result.stderr)
+    assert oscar("zoo", "index", "--zoo", "zoo").exit_code == 0
+    assert oscar("validate", "zoo").exit_code == 0 and oscar(*hook).exit_code == 0
