@@ -181,7 +181,12 @@ def quanto_cache(config):
         raise InputError("method 'quanto' needs optimum-quanto: pip install 'oscar-calib[quanto]'") from None
     from transformers.cache_utils import Cache, QuantizedCache, QuantoQuantizedLayer
 
+    from ..runtime.compat import cache_slots
+
     cfg = config.get_text_config(decoder=True)
+    if any(slot.state is not None for slot in cache_slots(cfg)):
+        raise InputError(f"method 'quanto': transformers' QuantizedCache holds no recurrent state, which "
+                         f"{cfg.model_type}'s linear-attention or state-space layers keep (leave it out of --methods)")
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     if all(t == "full_attention" for t in types):
         return QuantizedCache(backend="quanto", config=cfg, nbits=QUANTO_DEFAULTS["nbits"])

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
 from ..progress import ProgressFn, report
-from .compat import SUPPORTED_TRANSFORMERS, cache_slots, check_transformers, state_layer, with_state
+from .compat import SUPPORTED_TRANSFORMERS, cache_slots, check_transformers, copy_state, state_layer, with_state
 from .plan import LayerPlan
 from .scheme import KVScheme
 from .storage import LayerStore, write_step, write_tokens
@@ -298,8 +298,13 @@ class OscarCache(Cache):
 
     def prefill_from(self, cache) -> "OscarCache":
         """Fill the cache with the K/V of another cache's layers (e.g. a ``DynamicCache`` after a
-        full-precision prefill); returns self."""
+        full-precision prefill; a hybrid's: :func:`~oscar_calib.runtime.compat.full_cache`, whose
+        recurrent states are copied as they are); returns self."""
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
         for layer, src in zip(self.layers, cache.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):       # a hybrid's recurrent state, as it is
+                copy_state(layer, src)
             if isinstance(layer, OscarLayer):
                 layer.write_prefix(src.keys, src.values)
         return self

@@ -126,3 +126,32 @@ def with_state(cls):
         "reorder_cache": both("reorder_cache"), "offload": both("offload"), "prefetch": both("prefetch"),
         "crop": both("crop"), "is_compileable": False, "is_croppable": False, "get_max_length": cls.get_max_length,
         "__repr__": cls.__repr__})
+
+
+def full_cache(config):
+    """A transformers cache whose attention layers keep every token (``DynamicLayer``, whatever their
+    window) and whose recurrent-state layers are transformers' own (:func:`cache_slots`): a
+    full-precision prefill from which any method's cache can be built (``OscarCache.prefill_from``)."""
+    from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionAndFullAttentionLayer
+
+    layers = []
+    for slot in cache_slots(config):
+        if slot.attention and slot.state is not None:
+            layers.append(LinearAttentionAndFullAttentionLayer(**slot.state))
+        else:
+            layers.append(DynamicLayer() if slot.attention else state_layer(slot.state))
+    return Cache(layers=layers)
+
+
+# what a linear-attention cache layer holds (transformers' LinearAttentionCacheLayerMixin, 5.17 and 5.23)
+STATE_ATTRIBUTES = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+                    "has_previous_state", "conv_kernel_size", "device", "dtype", "record_past", "number_of_states")
+
+
+def copy_state(dst, src) -> None:
+    """Copy the recurrent state of transformers' linear-attention cache layer ``src`` into ``dst``."""
+    import copy
+
+    for name in STATE_ATTRIBUTES:
+        if hasattr(src, name):
+            setattr(dst, name, copy.deepcopy(getattr(src, name)))
