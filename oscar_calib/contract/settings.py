@@ -138,8 +138,9 @@ class ArtifactSettings:
         groups = tuple(GroupPair.of(*g) for g in self.layer_groups) or \
             (GroupPair.of(self.group_size),) * self.num_layers
         object.__setattr__(self, "layer_groups", groups)
-        for name, default in (("layer_ids", range(self.num_layers)), ("layer_head_dims", [self.head_dim] * self.num_layers),
-                              ("layer_kv_heads", [self.num_kv_heads] * self.num_layers)):
+        n = self.num_layers
+        for name, default in (("layer_ids", range(n)), ("layer_head_dims", [self.head_dim] * n),
+                              ("layer_kv_heads", [self.num_kv_heads] * n)):
             object.__setattr__(self, name, tuple(int(x) for x in (getattr(self, name) or default)))
         if isinstance(self.logit_correction, int) and not isinstance(self.logit_correction, bool):
             object.__setattr__(self, "logit_correction", float(self.logit_correction))
@@ -519,7 +520,8 @@ def layer_span(ids) -> str:
 
 
 def heads_text(s: ArtifactSettings) -> str:
-    """Each distinct head geometry of ``s`` and how many layers have it: ``8 x (16 KV heads of 256), 2 x (4 of 512)``."""
+    """Each distinct head geometry of ``s`` and how many layers have it:
+    ``50 x (16 KV heads of 256), 10 x (4 KV heads of 512)``."""
     from collections import Counter
 
     counts = Counter(zip(s.layer_kv_heads, s.layer_head_dims))

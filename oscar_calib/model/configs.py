@@ -93,7 +93,8 @@ class GeometrySpec:
             raise InputError(f"{where}: partial_rotary_factor must be in (0, 1]")
         for lt in self.layer_pattern or ():
             if lt not in LAYER_TYPES:
-                raise InputError(f"{where}: unknown layer type {lt!r} in layer_pattern (one of {', '.join(LAYER_TYPES)})")
+                raise InputError(f"{where}: unknown layer type {lt!r} in layer_pattern (one of "
+                                 f"{', '.join(LAYER_TYPES)})")
         if self.layer_pattern and not set(self.layer_pattern) - {"linear_attention"}:
             raise InputError(f"{where}: layer_pattern has no attention layer")
         for name in ("full_head_dim", "full_kv_heads"):

@@ -36,7 +36,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
 from ..progress import ProgressFn, report
-from .compat import SUPPORTED_TRANSFORMERS, cache_slots, check_transformers, copy_state, state_layer, with_state
+from .compat import (
+    SUPPORTED_TRANSFORMERS,
+    cache_slots,
+    check_transformers,
+    copy_state,
+    state_layer,
+    with_state,
+)
 from .plan import LayerPlan
 from .scheme import KVScheme
 from .storage import LayerStore, write_step, write_tokens

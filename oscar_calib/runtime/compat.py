@@ -132,7 +132,11 @@ def full_cache(config):
     """A transformers cache whose attention layers keep every token (``DynamicLayer``, whatever their
     window) and whose recurrent-state layers are transformers' own (:func:`cache_slots`): a
     full-precision prefill from which any method's cache can be built (``OscarCache.prefill_from``)."""
-    from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionAndFullAttentionLayer
+    from transformers.cache_utils import (
+        Cache,
+        DynamicLayer,
+        LinearAttentionAndFullAttentionLayer,
+    )
 
     layers = []
     for slot in cache_slots(config):

@@ -11,8 +11,16 @@ import pytest
 import torch
 from factories import build_artifact, family_model, make_artifact
 
-from oscar_calib.contract.artifact import compatibility_problems, load_artifact, require_compatible
-from oscar_calib.contract.layout import LAYER_HEAD_DIMS_METADATA, LAYER_IDS_METADATA, LAYER_KV_HEADS_METADATA
+from oscar_calib.contract.artifact import (
+    compatibility_problems,
+    load_artifact,
+    require_compatible,
+)
+from oscar_calib.contract.layout import (
+    LAYER_HEAD_DIMS_METADATA,
+    LAYER_IDS_METADATA,
+    LAYER_KV_HEADS_METADATA,
+)
 from oscar_calib.contract.settings import FEATURES, ArtifactSettings, feature_lines
 from oscar_calib.errors import ArtifactError
 from oscar_calib.model.geometry import geometry_of, model_fingerprint

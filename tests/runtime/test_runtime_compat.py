@@ -9,8 +9,8 @@ from factories import tiny_model
 from oscar_calib.errors import UnsupportedModelError
 from oscar_calib.runtime.compat import (
     SUPPORTED_TRANSFORMERS,
-    check_transformers,
     cache_slots,
+    check_transformers,
     layer_windows,
 )
 from oscar_calib.versions import version_tuple

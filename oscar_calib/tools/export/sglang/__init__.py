@@ -66,12 +66,13 @@ HYBRID = {
     # 473ff3f9d, model_runner_kv_cache_mixin.py _init_pools: a "mambaish" model gets HybridLinearKVPool with a plain
     # MHATokenToKVPool inside, never UnifiedInt2HPKVPool (the branch zhongzhu/hybrid-model, 797e39c7c, adds that and
     # keys its rotation files by the attention layers' global ids, as its Qwen3.5 recipes do)
-    "sglang-fork": ("the fork's main backs a hybrid model's attention layers with its plain BF16 pool (HybridLinearKVPool "
-                    "in sglang-research/python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py: _init_pools), "
-                    "so it would not load these rotations; its newer code keys them by global layer id: "
-                    "--target sglang-fork-v2"),
-    "sglang": ("upstream SGLang's pull request loads rotations for a contiguous layer range (UnifiedInt2HPKVPool.__init__ "
-               "at 166afca4bc); how it serves a hybrid model's attention layers was not read"),
+    "sglang-fork": ("the fork's main backs a hybrid model's attention layers with its plain BF16 pool "
+                    "(HybridLinearKVPool in sglang-research/python/sglang/srt/model_executor/"
+                    "model_runner_kv_cache_mixin.py: _init_pools), so it would not load these rotations; its newer "
+                    "code keys them by global layer id: --target sglang-fork-v2"),
+    "sglang": ("upstream SGLang's pull request loads rotations for a contiguous layer range "
+               "(UnifiedInt2HPKVPool.__init__ at 166afca4bc); how it serves a hybrid model's attention layers was "
+               "not read"),
 }
 
 

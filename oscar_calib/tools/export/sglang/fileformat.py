@@ -170,7 +170,8 @@ def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, obje
             found[lid] = layers[key]
     missing = [i for i in wanted if i not in found]
     if missing:
-        raise ArtifactError(f"has no rotation for layer(s) {layer_span(missing)} (the model's layers: {layer_span(wanted)})")
+        raise ArtifactError(f"has no rotation for layer(s) {layer_span(missing)} (the model's layers: "
+                            f"{layer_span(wanted)})")
     return found, sorted(set(extra))
 
 
