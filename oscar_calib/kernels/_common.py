@@ -60,7 +60,9 @@ def triton_available() -> bool:
     return True
 
 
-# head_dim each Triton kernel takes: powers of two in these ranges (the torch references take any multiple of 4)
+# head_dim each Triton kernel takes: powers of two in these ranges (the torch references take any multiple of 4); the
+# decode-step write (append) takes the write kernel's. A layer outside them (Gemma 4's 512-wide global layers) runs
+# the torch reference under backend "auto"; "triton" refuses it
 KERNEL_HEAD_DIMS = {"write": (16, 256), "decode": (64, 256)}
 
 
