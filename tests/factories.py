@@ -63,6 +63,16 @@ def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed
     return model
 
 
+def sharpen(m):
+    """``m`` with queries and keys 6x larger: sharp attention and wide INT2 steps, so what the cache
+    stores moves the logits measurably (a random-init model attends almost uniformly)."""
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return m
+
+
 class CharTokenizer:
     """A minimal in-memory tokenizer for tiny models: bytes mod vocab, EOS = 0 (not saveable)."""
 
