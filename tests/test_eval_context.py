@@ -207,3 +207,12 @@ def test_cli_eval_context(monkeypatch, tmp_path):
     r = oscar("eval", "smollm2-135m", "--task", "niah", "--context", "4096")
     assert_one_line_error(r.exit_code, r.stderr, "--context, --scored and --real-cache are for --task ppl")
     assert math.isfinite(rows[1]["ppl"])
+
+
+def test_plot_against_length(tmp_path):
+    from oscar_calib.eval.report import EvalResult, write_plot
+
+    rows = [{"method": m, "context": n, "ppl": p} for m, n, p in (("bf16", 4096, 8.0), ("oscar", 4096, 8.4),
+                                                                  ("bf16", 8192, 7.5), ("oscar", 8192, 8.1))]
+    write_plot(tmp_path / "p.png", EvalResult("ppl", "m", {"sink": 64, "recent": 256, "contexts": [4096, 8192]}, rows))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -50,9 +50,9 @@ import torch
 
 from ..errors import DataError
 from ..progress import ProgressFn, counter
-from .methods import QUANTO_DEFAULTS, bits_of, build_schemes, engine_settings, fork_settings
+from .methods import QUANTO_DEFAULTS, build_schemes
 from .options import EvalOptions, options_for
-from .ppl import quanto_sequence_nll, real_cache_nll, sequence_nll
+from .ppl import gap_closed, method_fields, quanto_sequence_nll, real_cache_nll, scheme_settings, sequence_nll
 from .report import EvalResult
 
 PATHS = {"simulation": "simulation (SimulatedKV)", "real": "real cache (OscarCache)",
@@ -135,16 +135,9 @@ def evaluate_context(lm, options: EvalOptions | None = None, *, artifact=None,
                 tick(count if steps else i + 1)
             row = {"method": m, **({"context": n} if o.contexts else {}), "scored": scored, "path": paths[m],
                    "ppl": math.exp(nll / count), "nll": nll / count, "tokens": count,
-                   "bits_per_element": bits_of(m, sch),
-                   "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)}
+                   **method_fields(m, sch, o.sink, o.recent)}
             if sch is not None and m != "quanto":
                 row["bits_at_context"] = context_bits(sch, layer_w, n)
-            if sch is not None and sch.quantized and not sch.uniform_groups:
-                row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]
-            if sch is not None and sch.logit_correction:
-                row["logit_correction"] = sch.logit_correction
-            if sch is not None and (sch.sink, sch.recent) != (o.sink, o.recent):
-                row.update(sink=sch.sink, recent=sch.recent)
             rows.append(row)
             timings[f"{m}@{n}" if o.contexts else m] = time.perf_counter() - t1
     _relative(rows)
@@ -170,23 +163,18 @@ def evaluate_context(lm, options: EvalOptions | None = None, *, artifact=None,
                  for m in methods if paths[m] == "simulation"]
         if notes:
             settings["notes"] = notes
-    fork = fork_settings(schemes, artifact)
-    if fork:
-        settings["fork"] = fork
-    engines = engine_settings(schemes)
-    if engines:
-        settings["engines"] = engines
+    settings.update(scheme_settings(schemes, artifact))
     timings["total_s"] = time.perf_counter() - t0
     return EvalResult("ppl", lm.source.model_id, settings, rows, timings)
 
 
 def _relative(rows: list[dict]) -> None:
     """Per length: each row's perplexity over BF16's (``vs_bf16``) and the share of the Hadamard →
-    BF16 gap it closes (``gap_closed_vs_hadamard``), where those methods ran."""
+    BF16 gap it closes (:func:`~.ppl.gap_closed`), where those methods ran."""
     for n in {r.get("context") for r in rows}:
-        by = {r["method"]: r["ppl"] for r in rows if r.get("context") == n}
-        for r in (r for r in rows if r.get("context") == n):
-            if "bf16" in by:
-                r["vs_bf16"] = r["ppl"] / by["bf16"] - 1
-            if "bf16" in by and "hadamard" in by and by["hadamard"] != by["bf16"]:
-                r["gap_closed_vs_hadamard"] = (by["hadamard"] - r["ppl"]) / (by["hadamard"] - by["bf16"])
+        same = [r for r in rows if r.get("context") == n]
+        bf16 = next((r["ppl"] for r in same if r["method"] == "bf16"), None)
+        for r in same:
+            if bf16 is not None:
+                r["vs_bf16"] = r["ppl"] / bf16 - 1
+        gap_closed(same)

@@ -175,31 +175,51 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None,
                 a, b = sequence_nll(lm.model, s.unsqueeze(0), schemes[m])
             nll, n = nll + a, n + b
             tick(n if m == "quanto" else i + 1)
-        sch = schemes.get(m)
-        row = {"method": m, "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "bits_per_element": bits_of(m, sch),
-               "group_size": QUANTO_DEFAULTS["q_group_size"] if m == "quanto" else (sch.group_size if sch else None)}
-        if sch is not None and sch.quantized and not sch.uniform_groups:
-            row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]   # a bit budget
-        if sch is not None and sch.logit_correction:
-            row["logit_correction"] = sch.logit_correction
-        if sch is not None and (sch.sink, sch.recent) != (sink, recent):
-            row.update(sink=sch.sink, recent=sch.recent)     # the fork methods: the artifact's windows
-        rows.append(row)
+        rows.append({"method": m, "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n,
+                     **method_fields(m, schemes.get(m), sink, recent)})
         timings[m] = time.perf_counter() - t1
-    by = {r["method"]: r["ppl"] for r in rows}
-    for r in rows:   # share of the Hadamard → BF16 gap this method closes
-        if "bf16" in by and "hadamard" in by and by["hadamard"] != by["bf16"]:
-            r["gap_closed_vs_hadamard"] = (by["hadamard"] - r["ppl"]) / (by["hadamard"] - by["bf16"])
+    gap_closed(rows)
     settings = {"methods": methods, "sink": sink, "recent": recent, "sequences": len(seqs), "seq_len": seq_len,
                 "data": f"{EMBEDDED_SOURCES[data][1]}[heldout]" if data in EMBEDDED_SOURCES else data, "seed": seed, "group_size": next((s.group_size for s in schemes.values() if s.quantized),
                                                                group_size),
                 "artifact": str(artifact.path) if artifact is not None and artifact.path else None,
                 "quanto": dict(QUANTO_DEFAULTS) if "quanto" in methods else None}
-    fork = fork_settings(schemes, artifact)
-    if fork:
-        settings["fork"] = fork
-    engines = engine_settings(schemes)
-    if engines:
-        settings["engines"] = engines
+    settings.update(scheme_settings(schemes, artifact))
     timings["total_s"] = time.perf_counter() - t0
     return EvalResult("ppl", lm.source.model_id, settings, rows, timings)
+
+
+def method_fields(method: str, sch: KVScheme | None, sink: int, recent: int) -> dict:
+    """A perplexity row's description of what ``method`` stored: bits per history element, group
+    size, per-layer sizes of a bit budget, the correction's gain, and windows other than ``sink`` /
+    ``recent`` (the fork methods take the artifact's)."""
+    row = {"bits_per_element": bits_of(method, sch),
+           "group_size": QUANTO_DEFAULTS["q_group_size"] if method == "quanto" else (sch.group_size if sch else None)}
+    if sch is not None and sch.quantized and not sch.uniform_groups:
+        row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]   # a bit budget
+    if sch is not None and sch.logit_correction:
+        row["logit_correction"] = sch.logit_correction
+    if sch is not None and (sch.sink, sch.recent) != (sink, recent):
+        row.update(sink=sch.sink, recent=sch.recent)
+    return row
+
+
+def gap_closed(rows: list[dict]) -> None:
+    """Set each row's share of the Hadamard → BF16 perplexity gap it closes
+    (``gap_closed_vs_hadamard``), where both ran (rows of one length)."""
+    by = {r["method"]: r["ppl"] for r in rows}
+    for r in rows:
+        if "bf16" in by and "hadamard" in by and by["hadamard"] != by["bf16"]:
+            r["gap_closed_vs_hadamard"] = (by["hadamard"] - r["ppl"]) / (by["hadamard"] - by["bf16"])
+
+
+def scheme_settings(schemes: dict, artifact) -> dict:
+    """What a perplexity result's settings say about the fork's and other engines' schemes."""
+    out = {}
+    fork = fork_settings(schemes, artifact)
+    if fork:
+        out["fork"] = fork
+    engines = engine_settings(schemes)
+    if engines:
+        out["engines"] = engines
+    return out
