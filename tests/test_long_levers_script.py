@@ -31,7 +31,8 @@ def test_every_lever_at_two_lengths(tiny, tmp_path, capsys):
     out = tmp_path / "levers.json"
     mod.main(["--model", f"tiny={ckpt}", "--tokenizer", f"tiny={ckpt}", "--artifact", f"tiny={art}",
               "--config", f"tiny={recipe}", "--lengths", "tiny=64,128", "--window", "8+24", "--gains", "0,1",
-              "--cal-seq-len", "64", "--cal-heldout", "32", "--device", "cpu", "--out", str(out)])
+              "--cal-seq-len", "64", "--cal-heldout", "32", "--device", "cpu", "--out", str(out),
+              "--real-cache", "zoo,channel"])
     doc = json.loads(out.read_text())
     rows = {(r["variant"], r["length"]): r for r in doc["rows"]}
     variants = ["bf16", "hadamard", "zoo", "gain=0", "gain=1", "window=8+24", "long-cal64", "channel", "channel-kivi"]
@@ -45,7 +46,10 @@ def test_every_lever_at_two_lengths(tiny, tmp_path, capsys):
     assert rows[("channel", 64)]["bits_per_element"] == rows[("gain=0", 64)]["bits_per_element"]
     assert rows[("channel", 64)]["ppl"] != rows[("gain=0", 64)]["ppl"] != rows[("channel-kivi", 64)]["ppl"]
     assert doc["models"]["tiny"]["variants"]["long-cal64"]["seq_len"] == 64 and doc["device"] == "cpu"
+    assert zoo64["ppl_real"] == pytest.approx(zoo64["ppl"], rel=1e-4)          # OscarCache scores what the simulation does
+    assert "exists only in the perplexity simulation" in rows[("channel", 64)]["real_cache"]
     printed = capsys.readouterr().out
+    assert out.with_suffix(".md").read_text() in printed
     assert "| zoo | 4.000 |" in printed and "best logit-correction gain: 64 (" in printed
     assert script_error(mod.main, ["--model", "tiny", "--variants", "zoo,int3"]) == (
         "error: unknown variant(s) int3; choose from bf16, hadamard, zoo, gain, window, long-cal, channel, channel-kivi")

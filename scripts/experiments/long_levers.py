@@ -47,9 +47,14 @@ variant                what the cache holds
 ``channel-kivi``       the same without rotation (KIVI's keys)
 =====================  ===================================================================================
 
+``--real-cache zoo,hadamard`` also scores those rows through ``OscarCache`` itself (its prefill, then
+one decode step per scored prediction: the Triton kernels on a GPU), a ``ppl_real`` column that
+checks the simulation at that length (about a minute per row and window at 1,024 scored
+predictions on Gemma, H200).
+
 ``VARIANTS`` maps each name to the function that builds its scheme; a new lever is one entry.
 The JSON (``--out``) is rewritten after every row, so a run cut short keeps what it measured; the
-table is printed last.
+table is printed last and written beside it (``.md``).
 """
 
 from __future__ import annotations
@@ -190,12 +195,13 @@ def int2_keys(scheme, length: int, scored: int) -> float:
     return sum(max(0, i + 1 - scheme.sink - scheme.recent) for i in range(first, length - 1)) / scored
 
 
-def score(m: Model, scheme, windows, scored) -> tuple[float, int]:
-    from oscar_calib.eval import sequence_nll
+def score(m: Model, scheme, windows, scored, real: bool = False) -> tuple[float, int]:
+    """Summed NLL and predictions over ``windows``: the simulation, or (``real``) OscarCache."""
+    from oscar_calib.eval import real_cache_nll, sequence_nll
 
     nll = n = 0
     for w in windows:
-        a, b = sequence_nll(m.lm.model, w.unsqueeze(0), scheme, scored=scored)
+        a, b = (real_cache_nll if real else sequence_nll)(m.lm.model, w.unsqueeze(0), scheme, scored=scored)
         nll, n = nll + a, n + b
     return nll, n
 
@@ -223,6 +229,10 @@ def main(argv=None) -> None:
     ap.add_argument("--sequences", type=int, default=1, help="windows per length")
     ap.add_argument("--scored", default="", help="predictions scored per window (default: eval's rule, 1,024; "
                     "'all': every one)")
+    ap.add_argument("--real-cache", default="", metavar="ROWS",
+                    help="comma-separated rows (e.g. zoo,hadamard) also scored through OscarCache itself "
+                         "(oscar_calib.eval.real_cache_nll: one decode step per scored prediction), a ppl_real "
+                         "column; rows it cannot store are named")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", help="weights' dtype (the simulation computes in float32)")
     ap.add_argument("--out", type=Path, default=None)
@@ -235,6 +245,7 @@ def main(argv=None) -> None:
     from oscar_calib.eval import context_windows
     from oscar_calib.eval.options import scored_predictions
     from oscar_calib.fsutil import atomic_write_text
+    from oscar_calib.runtime.cache import not_storable
     from oscar_calib.runtime.compat import layer_windows
     from oscar_calib.runtime.storage import context_bits
 
@@ -249,6 +260,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"error: unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
     texts = [t.strip() for t in args.texts.split(",") if t.strip()]
+    real_rows = {v.strip() for v in args.real_cache.split(",") if v.strip()}
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = device
     out = args.out or ROOT / "runs" / "long_levers.json"
@@ -300,13 +312,23 @@ def main(argv=None) -> None:
                            "seconds": time.perf_counter() - t1}
                     if base is not None:
                         row["vs_bf16"] = ppl / base - 1
+                    if row_name in real_rows:
+                        why = not_storable(sch)
+                        if why:
+                            row["real_cache"] = why
+                        else:
+                            t2 = time.perf_counter()
+                            nll, n = score(m, sch, wins, scored, real=True)
+                            row.update(ppl_real=math.exp(nll / n), real_seconds=time.perf_counter() - t2)
                     result["rows"].append(row)
                     result["total_s"] = time.perf_counter() - t_all
                     save()
-                    print(f"{alias} {text} {length}: {row_name} {ppl:.3f} ({row['seconds']:.1f} s)", flush=True)
+                    real = f"; real cache {row['ppl_real']:.3f}" if "ppl_real" in row else ""
+                    print(f"{alias} {text} {length}: {row_name} {ppl:.3f}{real} ({row['seconds']:.1f} s)", flush=True)
         del m, lm
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    atomic_write_text(out.with_suffix(".md"), table(result) + "\n")
     print(table(result))
 
 
@@ -327,7 +349,8 @@ def table(result: dict) -> str:
             for n in lens:
                 r = next((x for x in sel if x["variant"] == v and x["length"] == n), None)
                 rel = f" ({r['vs_bf16']:+.2%})" if r and "vs_bf16" in r and v != "bf16" else ""
-                cells.append(f"{r['ppl']:.3f}{rel} · {r['bits_at_context']:.2f}" if r else "–")
+                real = f"; real cache {r['ppl_real']:.3f}" if r and "ppl_real" in r else ""
+                cells.append(f"{r['ppl']:.3f}{rel}{real} · {r['bits_at_context']:.2f}" if r else "–")
             first = next(x for x in sel if x["variant"] == v)
             lines.append(f"| {v} | {first['bits_per_element']:.3f} | " + " | ".join(cells) + " |")
         best = []
