@@ -32,10 +32,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: {args.out} exists; give a new folder")
     import transformers
 
+    from oscar_calib.errors import OscarError
     from oscar_calib.fsutil import staged_dir
     from oscar_calib.model.load import load_tokenizer
-
-    from oscar_calib.errors import OscarError
 
     try:
         tok = load_tokenizer(args.model)
