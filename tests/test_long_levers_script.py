@@ -52,7 +52,8 @@ def test_every_lever_at_two_lengths(tiny, tmp_path, capsys):
     assert out.with_suffix(".md").read_text() in printed
     assert "| zoo | 4.000 |" in printed and "best logit-correction gain: 64 (" in printed
     assert script_error(mod.main, ["--model", "tiny", "--variants", "zoo,int3"]) == (
-        "error: unknown variant(s) int3; choose from bf16, hadamard, zoo, gain, window, long-cal, channel, channel-kivi")
+        "error: unknown variant(s) int3; choose from bf16, hadamard, zoo, gain, window, long-cal, channel, channel-kivi, "
+        "channel-clip")
 
 
 def test_save_tokenizer_writes_a_folder_once(tiny, tmp_path):

@@ -45,6 +45,7 @@ variant                what the cache holds
                        (``oscar_calib.experimental.channel``, the zoo's rotations, no correction): compare
                        with ``gain=0`` (the same bits)
 ``channel-kivi``       the same without rotation (KIVI's keys)
+``channel-clip``       ``channel`` after the zoo's per-row key clip (not in the default set)
 =====================  ===================================================================================
 
 ``--real-cache zoo,hadamard`` also scores those rows through ``OscarCache`` itself (its prefill, then
@@ -179,13 +180,13 @@ def v_long_cal(m: Model, args, name: str):
 def v_channel(m: Model, args, name: str):
     from oscar_calib.experimental.channel import ChannelScheme
 
-    kivi = name == "channel-kivi"
-    return [(name, ChannelScheme.of(m.zoo, block=m.zoo.group_size, rotate=not kivi, name=name))]
+    return [(name, ChannelScheme.of(m.zoo, block=m.zoo.group_size, rotate=name != "channel-kivi",
+                                    clip=name == "channel-clip", name=name))]
 
 
 # name (before any "=") -> builder(model, args, name) -> [(row name, scheme)]
 VARIANTS = {"bf16": v_bf16, "hadamard": v_hadamard, "zoo": v_zoo, "gain": v_gain, "window": v_window,
-            "long-cal": v_long_cal, "channel": v_channel, "channel-kivi": v_channel}
+            "long-cal": v_long_cal, "channel": v_channel, "channel-kivi": v_channel, "channel-clip": v_channel}
 
 
 def int2_keys(scheme, length: int, scored: int) -> float:
