@@ -31,6 +31,7 @@ from factories import (  # noqa: E402
     ON_GPU,
     byte_tokenizer,
     calibrate_tiny,
+    left_as_found,
     loaded_tiny,
     save_checkpoint,
     tiny_model,
@@ -41,59 +42,6 @@ if not ON_GPU:
     # created: the kernel modules are imported lazily, on first use, so this is early enough.
     os.environ["TRITON_INTERPRET"] = "1"
 
-
-def _faster_triton_interpreter() -> None:
-    """Two shortcuts in Triton's CPU interpreter that leave every result bit as it was; most of
-    an interpreted kernel test's time went to them, not to the kernel's arithmetic.
-
-    * Each call of a ``@triton.jit`` function inside a kernel re-patches ``triton.language``
-      for the interpreter (``_patch_builtin``), listing every member of each package with
-      ``inspect.getmembers``, thousands of times per launch. The names of the builtins in those
-      packages are fixed: listed once here, before any kernel runs, each call patches the same
-      attributes as before without listing the packages again.
-    * The interpreter reduces in numpy only with the combine functions it knows (max, min, sum,
-      argmax, argmin) and calls any other once per element in Python. ``tl.sort`` (the append
-      kernel's exact clip quantile) is a bitonic network that reduces with XOR at every
-      compare-and-swap: ~9,000 Python calls to sort 256 values. XOR is exact and associative, so
-      ``np.bitwise_xor.reduce`` gives the same bits.
-
-    Where this Triton's interpreter is laid out otherwise, it is left as it is."""
-    try:
-        import inspect
-
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-
-        patch_builtin, patch_attr, reduce_ops = interpreter._patch_builtin, interpreter._patch_attr, interpreter.ReduceOps
-        generic_reduce, xor = reduce_ops.apply_impl, tl.standard._xor_combine
-        packages = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base)
-    except (ImportError, AttributeError):
-        return
-    builtins = {id(pkg): [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
-                for pkg in packages}
-
-    def _patch_builtin(pkg, builder, scope):
-        names = builtins.get(id(pkg))
-        if names is None:
-            return patch_builtin(pkg, builder, scope)
-        for name in names:
-            member = getattr(pkg, name)
-            if tl.core.is_builtin(member):
-                patch_attr(pkg, name, member, builder, scope)
-
-    def apply_impl(self, input):
-        if self.combine_fn is not xor:
-            return generic_reduce(self, input)
-        x = input[0]
-        return self.to_tensor(np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims), x.dtype)
-
-    interpreter._patch_builtin = _patch_builtin
-    reduce_ops.apply_impl = apply_impl
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _faster_triton_interpreter()
 
 # Fixtures that load a real model: a test requesting one (directly or through another fixture)
 # is in the slow tier.
@@ -112,7 +60,18 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
-def _no_backend_override(monkeypatch):
+def _process_left_as_found(request):
+    """No test changes the process for the tests after it (:func:`factories.left_as_found`: the
+    ``TRITON_*`` / ``OSCAR_*`` variables and Triton's interpreter flag after every test, the whole
+    environment after a test that runs a script in this process). Set up before ``monkeypatch``
+    (``_no_backend_override`` asks for it first), so it checks after monkeypatch has restored what
+    a test set through it."""
+    with left_as_found(whole=request.node.get_closest_marker("script") is not None):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(_process_left_as_found, monkeypatch):
     """The kernel backend is each test's choice, never the caller's OSCAR_KERNELS."""
     monkeypatch.delenv("OSCAR_KERNELS", raising=False)
 

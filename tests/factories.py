@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -71,6 +73,31 @@ def sharpen(m):
             layer.self_attn.q_proj.weight.mul_(6)
             layer.self_attn.k_proj.weight.mul_(6)
     return m
+
+
+def family_model(name: str):
+    """The tiny random-init stand-in of family ``name`` (``oscar_calib.model.families``), the test
+    skipped where the installed transformers lacks the family; a gpt-oss stand-in gets sink logits
+    (1 to 3) that take a real share of every softmax (its initial ones are near 0)."""
+    import pytest
+
+    from oscar_calib.model.families import FAMILIES
+
+    fam = FAMILIES[name]
+    if not fam.available():
+        pytest.skip(f"{name} needs transformers >= {fam.since}")
+    model = fam.model()
+    share_sinks(model)
+    return model
+
+
+def share_sinks(model) -> None:
+    """Give every attention module that has learned sinks (gpt-oss) sink logits from 1 to 3."""
+    for module in model.modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.nn.Parameter):
+            with torch.no_grad():
+                sinks.copy_(torch.linspace(1.0, 3.0, sinks.numel()))
 
 
 class CharTokenizer:
@@ -191,10 +218,13 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     return Artifact(layers=rows, metadata=md)
 
 
-def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | None = None, **build) -> Path:
+def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | None = None,
+                  metadata: dict | None = None, **build) -> Path:
     """``build_artifact(model, **build)`` written to the directory ``out`` (card, report and
-    tensors, as calibrate writes them); ``mutate(tensors)`` may damage the tensors first (see
-    ``bad_clips``, ``skewed_rotation``). Returns ``out``."""
+    tensors, as calibrate writes them); ``mutate(tensors)`` may damage the tensors and ``metadata``
+    override metadata keys afterwards, in the file's bytes (an artifact in memory refuses invalid
+    settings, so a damaged file is written past it: see ``bad_clips``, ``skewed_rotation``).
+    Returns ``out``."""
     from oscar_calib.contract.artifact import (
         WEIGHTS_NAME,
         serialize_artifact,
@@ -207,10 +237,11 @@ def make_artifact(out: Path, model=None, *, mutate: Callable[[dict], None] | Non
     report = {"summary": {"mean_attn_error_oscar": 0.5, "mean_attn_error_hadamard": 0.7,
                           "layers_better_than_hadamard": layers, "num_layers": layers}}
     write_artifact_files(out, art, "# test artifact\n", report)
-    if mutate is not None:
+    if mutate is not None or metadata:
         tensors = art.tensors()
-        mutate(tensors)
-        (out / WEIGHTS_NAME).write_bytes(serialize_artifact(tensors, art.metadata))
+        if mutate is not None:
+            mutate(tensors)
+        (out / WEIGHTS_NAME).write_bytes(serialize_artifact(tensors, {**art.metadata, **(metadata or {})}))
     return out
 
 
@@ -277,6 +308,52 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
     assert "Traceback" not in err
 
 # ----------------------------------------------------------------------------- scripts in-process
+
+
+# Set by the tools on first use, not by a test: pytest names the running test and phase in
+# PYTEST_CURRENT_TEST; torch's CUDA initialisation sets CUDA_MODULE_LOADING=LAZY where the caller
+# left it unset (torch/cuda/__init__.py, _lazy_init); torch.compile, the first time it compiles,
+# sets TORCHINDUCTOR_CACHE_DIR to its cache folder (torch/_inductor/runtime/cache_dir_utils.py,
+# cache_dir) and TRITON_PTXAS_PATH to the ptxas torch ships (compile_tasks.py,
+# _set_triton_ptxas_path; torch 2.11 and 2.13, seen on an H200); oscar_calib.model.load turns the
+# hub's progress bars off (HF_HUB_DISABLE_PROGRESS_BARS) at the first model it loads.
+SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
+                              "TRITON_PTXAS_PATH", "HF_HUB_DISABLE_PROGRESS_BARS"})
+
+
+def triton_interpret_flag():
+    """Triton's interpreter switch as Triton reads it now, or None where triton is not imported."""
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    return getattr(getattr(knobs, "runtime", None), "interpret", None)
+
+
+@contextmanager
+def left_as_found(*, whole: bool):
+    """Fail (AssertionError) if the block leaves the process changed for the code after it.
+    Triton decides at import whether its kernels run under the CPU interpreter, from
+    ``TRITON_INTERPRET``: a test that leaves it (or Triton's flag) changed turns every later
+    kernel test into an interpreter run. Checked: the ``TRITON_*`` and ``OSCAR_*`` variables and
+    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`)."""
+    before, flag = dict(os.environ), triton_interpret_flag()
+    yield
+    after = dict(os.environ)
+    keys = (set(before) | set(after)) - SET_BY_LIBRARIES
+    keys = keys if whole else {k for k in keys if k.startswith(("TRITON_", "OSCAR_"))}
+    changed = sorted(k for k in keys if before.get(k) != after.get(k))
+    assert not changed, f"environment variables left changed for the code after this: {changed}"
+    assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
+
+
+def quick_without_interpreter(main, out: Path, argv: list[str]) -> str:
+    """A benchmark's ``main(["--quick", "--out", out, *argv])`` called in this process with no
+    ``TRITON_INTERPRET`` (the caller removes it): the one-line error it exits with, checked to leave
+    the environment as it was and to write nothing. main() never sets the variable itself (Triton
+    would then load every later kernel under its interpreter); run as a program, the script does."""
+    with left_as_found(whole=True):
+        msg = script_error(main, ["--quick", "--out", str(out), *argv])
+    assert "TRITON_INTERPRET" not in os.environ and not out.exists()
+    assert msg.startswith("error: ") and "\n" not in msg
+    return msg
 
 
 def load_script(relpath: str):

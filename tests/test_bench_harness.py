@@ -3,9 +3,10 @@ result) and scripts/bench/report.py: the committed docs/benchmarks.md is the ren
 committed results, and every current result carries its device, commit, date and command."""
 
 import json
+import os
 
 import pytest
-from factories import REPO, load_script
+from factories import REPO, left_as_found, load_script
 
 pytestmark = pytest.mark.script
 
@@ -21,6 +22,34 @@ def harness():
                                                ("cpu (x86_64)", 1, "cpu")])
 def test_device_slug(harness, name, count, slug):
     assert harness.device_slug(name, count) == slug
+
+
+@pytest.mark.parametrize("argv, chosen", [(["--quick"], "1"), ([], None)])
+def test_a_program_chooses_the_interpreter_before_main_runs(harness, monkeypatch, argv, chosen):
+    # run_program (the scripts' __main__) sets TRITON_INTERPRET for a --quick run, in the program's
+    # own process; here os.environ is a copy, so the test's process keeps its own
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    monkeypatch.setattr("sys.argv", ["bench_kernels.py", *argv])
+    seen = []
+    with pytest.raises(SystemExit) as e:
+        harness.run_program(lambda: seen.append(os.environ.get("TRITON_INTERPRET")) or 3)
+    assert e.value.code == 3 and seen == [chosen]
+
+
+def test_left_as_found_names_what_a_block_leaves_changed(monkeypatch):
+    # the check every test runs under (conftest): a variable left set fails, one set and restored passes
+    monkeypatch.delenv("OSCAR_TEST_LEAK", raising=False)
+    with pytest.raises(AssertionError, match="OSCAR_TEST_LEAK"):
+        with left_as_found(whole=False):
+            os.environ["OSCAR_TEST_LEAK"] = "1"
+    del os.environ["OSCAR_TEST_LEAK"]
+    with pytest.raises(AssertionError, match="SOME_SCRIPT_VAR"):
+        with left_as_found(whole=True):
+            os.environ["SOME_SCRIPT_VAR"] = "1"
+    del os.environ["SOME_SCRIPT_VAR"]
+    with left_as_found(whole=True):
+        os.environ["SOME_SCRIPT_VAR"] = "1"
+        del os.environ["SOME_SCRIPT_VAR"]
 
 
 def test_cpu_timing_calls_each_copy_in_turn(harness):
@@ -102,6 +131,53 @@ def test_benchmarks_page_is_the_rendering_of_the_results(tmp_path):
     assert report.main(["--check", "--page", str(stale)]) == 1
     text = page.read_text()
     assert "transformers' stock path" in text and "round" not in text.lower().replace("rounds", "")
+
+
+def test_the_page_shows_figures_drawn_from_the_results(tmp_path):
+    # each figure is on the page and in docs/img/bench as rendered from the results; a changed or an
+    # orphaned figure fails --check; a rendering into an empty folder writes each one
+    report = load_script("bench/report.py")
+    figs = report.figures()
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    assert {"kernels-h200-time.svg", "kernels-h200-bandwidth.svg", "generate-h100-step.svg"} <= set(figs)
+    for name, svg in figs.items():
+        assert f"(img/bench/{name})" in text and (report.FIGURES / name).read_text() == svg
+    folder = tmp_path / "img"
+    assert report.main(["--page", str(tmp_path / "b.md"), "--figures", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == sorted(figs)
+    assert report.main(["--check", "--page", str(tmp_path / "b.md"), "--figures", str(folder)]) == 0
+    (folder / "kernels-h200-time.svg").write_text(figs["kernels-h200-time.svg"].replace("#1f5fa8", "#000000"))
+    assert report.main(["--check", "--page", str(tmp_path / "b.md"), "--figures", str(folder)]) == 1
+    (folder / "kernels-h200-time.svg").write_text(figs["kernels-h200-time.svg"])
+    (folder / "old-h100-time.svg").write_text("<svg/>")
+    assert report.main(["--check", "--page", str(tmp_path / "b.md"), "--figures", str(folder)]) == 1
+    assert report.main(["--page", str(tmp_path / "b.md"), "--figures", str(folder)]) == 0
+    assert not (folder / "old-h100-time.svg").exists()
+
+
+def test_decode_figure_draws_each_series_at_its_values():
+    # a point's height follows its value (SVG y grows downwards), one polyline per series and panel,
+    # contexts on a log scale (each doubling the same width)
+    import re
+
+    plots = load_script("bench/plots.py")
+    rows = [{"context": c, "batch": b, "int2_ms": i, "sdpa_ms": s, "int2_stream_ms": i * 0.9, "sdpa_stream_ms": s,
+             "int2_bytes": 1e6 * c, "bf16_bytes": 7e6 * c}
+            for b, k in ((1, 1.0), (32, 20.0)) for c, i, s in ((8192, 0.01 * k, 0.02 * k), (32768, 0.02 * k, 0.05 * k),
+                                                                 (65536, 0.03 * k, 0.09 * k))]
+    doc = {"device_name": "GPU", "copy": {"bytes_per_s": 4e12}, "rows": rows}
+    svg = plots.decode_time(doc)
+    lines = re.findall(r'<polyline[^>]*points="([^"]+)"', svg)
+    assert len(lines) == 8                                       # 4 series x 2 panels
+    int2, sdpa = ([tuple(map(float, p.split(","))) for p in lines[i].split()] for i in (0, 1))
+    assert [x for x, _ in int2] == [x for x, _ in sdpa]
+    (x0, _), (x1, _), (x2, _) = int2
+    assert abs((x2 - x1) - (x1 - x0) / 2) < 0.2                  # 32K->64K is half of 8K->32K
+    assert all(ys < yi for (_, yi), (_, ys) in zip(int2, sdpa))          # SDPA slower: drawn higher
+    assert int2[0][1] > int2[1][1] > int2[2][1]
+    assert plots.nice_ticks(138.3)[-1] >= 138.3 and plots.nice_ticks(0.5) == [0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    bw = plots.decode_bandwidth(doc)
+    assert bw.count("<polyline") == 6 and "4.00 TB/s" in bw
 
 
 def test_run_lists_and_refuses_unknown_names(capsys):

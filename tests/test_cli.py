@@ -33,10 +33,10 @@ def test_bad_input_is_one_line(tmp_path, tiny_llama_dir, case):
         (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
         model, pattern = str(d), "multi-head latent attention"
     elif case == "unknown_arch":
-        d = tmp_path / "gpt2"
+        d = tmp_path / "rwkv"           # a recurrent model: no KV cache to calibrate, refused before any weight
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-        model, pattern = str(d), "unsupported architecture 'gpt2'"
+        (d / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
+        model, pattern = str(d), "unsupported architecture 'rwkv': recurrent model without a KV cache"
     elif case == "tokens0":
         extra, pattern = ["--tokens", "0"], "--tokens must be positive"
     elif case == "bad_clip":
@@ -144,3 +144,13 @@ def test_hub_ids_are_not_mistaken_for_paths():
 
     assert not any(map(looks_like_path, ["wikitext", "Salesforce/wikitext", "bigcode/the-stack-v1.2"]))
     assert all(map(looks_like_path, ["corpus.tx", "./c", "~/c", "/data/c", "a/b/c", "a\\b"]))
+
+
+@pytest.mark.parametrize("group", ["2", "3", "48"])
+def test_a_bad_group_size_is_refused_before_the_model_loads(tmp_path, group):
+    """The group-size rule (a power of two of at least 4) is checked with the options, before any model
+    is resolved: the model named here does not exist, and the error is about the group size."""
+    code, _, err = oscar("calibrate", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"),
+                         "--group-size", group)
+    assert_one_line_error(code, err, f"--group-size {group} is ")
+    assert not (tmp_path / "out").exists()

@@ -31,6 +31,10 @@ PUBLISHED = {
     "minimax-m2.7": ("minimax_m2", 62, 48, 8, 128, 3072),
     "smollm2-135m": ("llama", 30, 9, 3, 64, 576),
     "gemma3-270m": ("gemma3_text", 18, 4, 1, 256, 640),
+    "qwen3-30b-a3b": ("qwen3_moe", 48, 32, 4, 128, 2048),
+    "qwen3-235b-a22b": ("qwen3_moe", 94, 64, 4, 128, 4096),
+    "gpt-oss-20b": ("gpt_oss", 24, 64, 8, 64, 2880),
+    "gpt-oss-120b": ("gpt_oss", 36, 64, 8, 64, 2880),
 }
 
 def test_every_covered_model_has_a_config():
@@ -85,13 +89,23 @@ def test_smollm2_config_matches_the_real_model(smollm2):
     assert source.model_id == mc.geometry.model_id
 
 
-def test_families_missing_from_the_registry_are_refused_clearly(monkeypatch):
-    from oscar_calib.errors import UnsupportedModelError
+def test_families_missing_from_the_registry_calibrate_and_refuse_only_folding():
+    """A causal LM the registry does not know (Cohere's, here) has a geometry and a fingerprint like
+    any other; fold-weights alone refuses it, in one line naming what is missing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    mc = load_model_config(CONFIGS / "minimax-m2.7.yaml")
-    monkeypatch.delitem(ARCHITECTURES, "minimax_m2", raising=False)
-    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'minimax_m2'"):
-        geometry_of(mc.geometry.to_hf_config())
+    from oscar_calib.errors import UnsupportedModelError
+    from oscar_calib.tools.fold import fold_targets
+
+    assert "cohere" not in ARCHITECTURES
+    cfg = AutoConfig.for_model("cohere", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    geo = geometry_of(model)
+    assert (geo.model_type, geo.num_layers, geo.num_kv_heads, geo.head_dim) == ("cohere", 2, 2, 16)
+    assert len(model_fingerprint(model)) == 64
+    with pytest.raises(UnsupportedModelError, match="'cohere' has no entry in oscar's registry"):
+        fold_targets(model)
 
 
 BASE = dict(model_type="llama", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
@@ -159,7 +173,7 @@ def test_rotationzoo_sections():
     assert zoo["qwen3-32b"].tag == "seq16000_prompt69_group128"
     for bad, message in [({"tags": "x"}, "unknown key"), ({"k_clip": 1.5}, "outside"),
                          ({"sink": 60}, "multiple of 8"), ({"recent": 0}, "at least 8"),
-                         ({"group_size": 256}, "not divisible"), ({"names": "Qwen3-8B"}, "must be a list"),
+                         ({"group_size": 256}, "not a power of two dividing head_dim"), ({"names": "Qwen3-8B"}, "must be a list"),
                          ({"repo": "no-slash"}, "ORG/NAME")]:
         with pytest.raises(InputError, match=message):
             rotationzoo_from_mapping(bad, head_dim=128)

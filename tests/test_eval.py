@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -560,8 +561,8 @@ def test_default_methods_leave_the_fork_out_for_old_artifacts(tiny_fork, tmp_pat
     assert resolve_methods(DEFAULT_METHODS, None) == (("bf16", "naive", "hadamard", "quanto"), [])
     with pytest.raises(InputError, match="need an ARTIFACT"):
         resolve_methods(("oscar", "fork"), None)
-    for key in ("fork_k_clip", "fork_v_clip"):
-        del art.metadata[key]
+    art = dataclasses.replace(art, metadata={k: v for k, v in art.metadata.items()
+                                             if k not in ("fork_k_clip", "fork_v_clip")}, settings=None)
     methods, notes = resolve_methods(DEFAULT_METHODS, art)
     assert methods == tuple(m for m in DEFAULT_METHODS if m != "fork")
     assert notes == [f"method 'fork' left out: {path}: no global K/V clip pair for the fork (made before oscar "

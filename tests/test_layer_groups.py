@@ -19,7 +19,7 @@ def test_round_trip_and_the_scheme_reads_per_layer_sizes(tmp_path):
     path = make_artifact(tmp_path / "a", layers=3, d=16, metadata={"layer_group_sizes": "16,4,8", "group_size": "8"})
     assert validate_artifact(path).ok
     art = load_artifact(path)
-    assert art.layer_group_sizes == [16, 4, 8] and art.group_size == 8
+    assert art.settings.k_groups == [16, 4, 8] and art.group_size == 8
     sch = KVScheme.from_artifact(art)
     assert sch.k_groups == [16, 4, 8] and sch.v_groups == [16, 4, 8] and sch.group_size == 8
     assert sch.bits_per_element == pytest.approx((2 + 32 / 16 + 2 + 32 / 4 + 2 + 32 / 8) / 3)
@@ -34,12 +34,12 @@ def test_key_and_value_sizes_round_trip_and_validate(tmp_path):
                                                                    "layer_v_group_sizes": "16,8,8", "group_size": "8"})
     assert validate_artifact(path).ok
     art = load_artifact(path)
-    assert art.layer_groups == [(4, 16), (4, 8), (8, 8)]
+    assert list(art.layer_groups) == [(4, 16), (4, 8), (8, 8)]
     sch = KVScheme.from_artifact(art)
     assert sch.k_groups == [4, 4, 8] and sch.v_groups == [16, 8, 8] and not sch.uniform_groups
     assert sch.bits_per_element == pytest.approx(sum(2 + 32 / g for g in (4, 4, 8, 16, 8, 8)) / 6)
     only_v = load_artifact(make_artifact(tmp_path / "v", layers=2, d=16, metadata={"layer_v_group_sizes": "16,4"}))
-    assert only_v.layer_groups == [(16, 16), (16, 4)]
+    assert list(only_v.layer_groups) == [(16, 16), (16, 4)]
     bad = make_artifact(tmp_path / "bad", layers=2, d=16, metadata={"layer_v_group_sizes": "16,6"})
     res = validate_artifact(bad)
     assert not res.ok and any("layer_v_group_sizes" in p and "6 is not a power of two" in p
@@ -54,7 +54,7 @@ def test_key_and_value_sizes_round_trip_and_validate(tmp_path):
 def test_old_artifacts_read_as_one_size(tmp_path):
     art = load_artifact(make_artifact(tmp_path / "old", layers=2, d=16))
     assert "layer_group_sizes" not in art.metadata
-    assert art.layer_group_sizes == [16, 16]
+    assert art.settings.k_groups == [16, 16]
     assert KVScheme.from_artifact(art).uniform_groups
 
 
@@ -119,7 +119,7 @@ def test_eval_reads_a_bit_budget_artifact_end_to_end(tiny_bit_budget):
 
     lm = loaded_tiny("llama", head_dim=64, layers=3)        # the model tiny_bit_budget calibrated
     art = tiny_bit_budget.artifact
-    sizes = art.layer_group_sizes
+    sizes = art.settings.k_groups
     assert sorted(sizes) == [32, 64, 64]
     opts = EvalOptions(methods=("bf16", "hadamard", "oscar"), sink=4, recent=8, sequences=1, seq_len=48)
     res = evaluate_ppl(lm, opts, artifact=art)

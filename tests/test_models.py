@@ -4,6 +4,7 @@ the registry and fingerprints."""
 from pathlib import Path
 
 import pytest
+import torch
 from factories import byte_tokenizer, loaded_tiny, tiny_model
 
 from oscar_calib.calibrate.corpus import load_texts, plan_tokens
@@ -82,8 +83,55 @@ def test_registry_is_data_and_refuses_mla():
     assert ARCHITECTURES["qwen3"].k_norm == "k_norm" and ARCHITECTURES["qwen2"].bias
     with pytest.raises(UnsupportedModelError, match="latent attention"):
         arch_for("deepseek_v3")
-    with pytest.raises(UnsupportedModelError, match="supported:"):
+    with pytest.raises(UnsupportedModelError, match="no entry in oscar's registry .* value and output projections"):
         arch_for("bert")
+
+
+# the families registered before the fingerprint stopped reading the registry: the zoo's artifacts
+# (SmolLM2/llama, Gemma-3) and every user's record fingerprints made by the registry-based rule
+REGISTERED_BEFORE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "glm4_moe", "minimax_m2",
+                     "phi3")
+
+
+def _registry_fingerprint(model) -> str:
+    """The fingerprint as the registry-based rule computed it: the text config (volatile keys
+    dropped) and the attention weights of ``model.layers.{i}.self_attn`` (every family it knew
+    kept its layers at ``model.layers`` and its attention at ``self_attn``)."""
+    import hashlib
+    import json
+
+    from oscar_calib.model.geometry import _VOLATILE, text_config
+
+    cfg = {k: v for k, v in text_config(model.config).to_dict().items() if k not in _VOLATILE and not k.startswith("_")}
+    shapes = [(f"model.layers.{i}.self_attn.{name}", list(p.shape))
+              for i, layer in enumerate(model.model.layers) for name, p in sorted(layer.self_attn.named_parameters())]
+    blob = json.dumps({"config": cfg, "attention_weights": shapes}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", REGISTERED_BEFORE)
+def test_generic_fingerprint_equals_the_registry_based_one(name):
+    """The fingerprint finds the attention modules by structure, with no registry entry; for every
+    family the registry knew before, it is byte for byte the registry-based one, so the artifacts
+    made then still match their models."""
+    from oscar_calib.model.families import FAMILIES
+
+    model = FAMILIES[name].model()
+    assert model_fingerprint(model) == _registry_fingerprint(model)
+
+
+def test_geometry_and_fingerprint_need_no_registry_entry():
+    """A family the registry does not know is calibrated all the same (geometry and fingerprint
+    from the model's structure); only fold-weights names the missing entry."""
+    from oscar_calib.model.families import FAMILIES
+    from oscar_calib.model.geometry import decoder_attention
+
+    model = FAMILIES["qwen3_vl"].model()
+    assert "qwen3_vl" not in ARCHITECTURES
+    geo = geometry_of(model)
+    assert (geo.model_type, geo.text_config, geo.num_kv_heads) == ("qwen3_vl_text", "qwen3_vl.text_config", 2)
+    assert [p for p, _ in decoder_attention(model)] == [f"model.language_model.layers.{i}.self_attn" for i in range(2)]
+    assert len(model_fingerprint(model)) == 64
 
 
 def test_geometry_of_gemma3_layer_types():
@@ -160,9 +208,12 @@ def test_gguf_cache_is_installed_whole_and_only_once(tmp_path):
     from oscar_calib.model.load import _save_gguf_cache
 
     class Saver:
-        def __init__(self, name: str, fail: bool = False):
-            self.name, self.fail = name, fail
+        def __init__(self, name: str, fail: bool = False, dtype=torch.float32):
+            self.name, self.fail, self.dtype = name, fail, dtype
             self.config, self.hf_quantizer = types.SimpleNamespace(quantization_config={}), object()
+
+        def parameters(self):
+            return iter([torch.zeros(1, dtype=self.dtype)])
 
         def save_pretrained(self, d):
             if self.fail:
@@ -170,6 +221,9 @@ def test_gguf_cache_is_installed_whole_and_only_once(tmp_path):
             (Path(d) / self.name).write_text(self.name)
 
     target = tmp_path / "gguf" / "m-0123"
+    # a model loaded in bfloat16 is not cached: the copy is what dtype="auto" loads later (float32)
+    _save_gguf_cache(Saver("model.safetensors", dtype=torch.bfloat16), Saver("tokenizer.json"), target)
+    assert not target.exists()
     _save_gguf_cache(Saver("model.safetensors", fail=True), Saver("tokenizer.json"), target)
     assert not target.exists() and not list(target.parent.iterdir())
     _save_gguf_cache(Saver("model.safetensors"), Saver("tokenizer.json"), target)

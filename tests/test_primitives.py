@@ -133,8 +133,10 @@ def test_group_size_checks():
     assert default_group_size(64) == 64 and default_group_size(256) == 128 and default_group_size(96) == 32
     with pytest.raises(InputError, match="power of two"):
         check_group_size(64, 48)
-    with pytest.raises(InputError, match="not divisible"):
+    with pytest.raises(InputError, match="32 is not a power of two dividing head_dim 80"):
         check_group_size(80, 32)
+    with pytest.raises(InputError, match="below the smallest group size 4"):      # before any model is known
+        check_group_size(None, 2)
     assert math.isclose(2 + 32 / 128, 2.25)
 
 
@@ -151,10 +153,10 @@ def test_fork_quantiser_against_a_hand_computation():
     assert s.tolist() == [[1.0]] and z.tolist() == [[1.0]]
     assert q.tolist() == [[0, 1, 1, 3]]
     assert fake_quant_fork(x, 4).tolist() == [[-1.0, 0.0, 0.0, 2.0]]
-    # two groups of 2: each with its own scale and zero
-    y = torch.tensor([[0.0, 3.0, -6.0, 0.0]])
-    q2, s2, z2 = quantize_int2_fork(y, 2)
-    assert s2.tolist() == [[1.0, 2.0]] and z2.tolist() == [[0.0, 3.0]] and q2.tolist() == [[0, 3, 0, 3]]
+    # two groups of 4: each with its own scale and zero
+    y = torch.tensor([[0.0, 0.0, 0.0, 3.0, -6.0, 0.0, 0.0, 0.0]])
+    q2, s2, z2 = quantize_int2_fork(y, 4)
+    assert s2.tolist() == [[1.0, 2.0]] and z2.tolist() == [[0.0, 3.0]] and q2.tolist() == [[0, 0, 0, 3, 0, 3, 3, 3]]
     # the floor sits on the range: a constant group gets s = 1e-8/3 (ours floors s itself at 1e-8)
     c = torch.full((1, 4), 0.5)
     _, sc, zc = quantize_int2_fork(c, 4)

@@ -34,7 +34,7 @@ def test_demo_artifact_passes_every_check(demo_artifact):
     report = validate_artifact(demo_artifact)
     assert report.ok, report.problems
     assert set(report.checks) == {"file", "metadata", "shapes", "finite", "orthogonal", "clips", "eigenvalues",
-                                  "granularity", "group_sizes", "digest"}
+                                  "granularity", "digest"}
     assert all(report.checks.values())
     result = oscar("validate", str(demo_artifact), "--json")
     assert result.exit_code == 0, result.output
@@ -100,7 +100,8 @@ DEFECTS = {
     "wrong_shape": (dict(mutate=_reshape), "layers.0.k_eigenvalues has shape [2, 4], expected [2, 8]"),
     "format_version": (dict(metadata={"format_version": "2"}), "unsupported format_version '2'"),
     "bits": (dict(metadata={"bits": "4"}), "'bits' is 4"),
-    "group_size": (dict(metadata={"group_size": "3"}), "group_size 3 must be a power of two"),
+    "group_size": (dict(metadata={"group_size": "3"}), "group_size 3 is not a power of two dividing head_dim 8"),
+    "group_size_small": (dict(metadata={"group_size": "2"}), "group_size 2 is below the smallest group size 4"),
     "gqa": (dict(metadata={"num_attention_heads": "5"}), "5 query heads do not split evenly over 2 KV heads"),
     "fingerprint": (dict(metadata={"model_fingerprint": "abc"}), "not a sha256"),
     "layer_granularity": (dict(metadata={"granularity": "layer"}), "differs between KV heads"),
@@ -108,6 +109,7 @@ DEFECTS = {
     "layer_groups_power": (dict(metadata={"layer_group_sizes": "8,3"}), "3 is not a power of two dividing head_dim 8"),
     "layer_groups_divide": (dict(metadata={"layer_group_sizes": "16,8"}), "16 is not a power of two dividing"),
     "layer_groups_syntax": (dict(metadata={"layer_group_sizes": "8;4"}), "not comma-separated integers"),
+    "text_config": (dict(metadata={"text_config": "gemma3"}), "expected '<wrapper model_type>.<attribute>'"),
 }
 
 

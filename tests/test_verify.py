@@ -195,7 +195,7 @@ def test_verify_runs_each_layer_of_a_bit_budget_artifact_at_its_size(tmp_path):
     calibrate(CalibrationConfig(**{**FAST, "tokens": 512, "seq_len": 64, "heldout_tokens": 48, "sink_tokens": 4,
                                    "recent_tokens": 8, "bit_budget": 2.7}), out, loaded=lm)
     art = load_artifact(out)
-    sizes = art.layer_group_sizes
+    sizes = art.settings.k_groups
     assert sorted(sizes) == [32, 64, 64]
     kw = dict(loaded=lm, backend="torch", depths=(40, 56), sequences=1, positions=2, write=False)
     res = verify_artifact(out, **kw)

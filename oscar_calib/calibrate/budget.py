@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract.artifact import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
 from ..contract.defaults import check_group_size
 from ..errors import InputError
 from ..kernels.pack import bits_per_element
@@ -199,16 +198,8 @@ def spend_budget(tables: list[torch.Tensor], layer_info: dict, cfg, geo) -> tupl
     return alloc, record
 
 
-def budget_metadata(metadata: dict, record: dict) -> dict[str, str]:
-    """The artifact metadata a bit budget adds: the per-layer sizes of the keys (left out when they
-    all equal the uniform ``group_size``), of the values (left out when they equal the keys') and the
-    budget in ``calibration``."""
+def budget_calibration(calibration: str, record: dict) -> str:
+    """The artifact's ``calibration`` JSON with the bit budget added (the per-layer sizes themselves
+    are settings: :func:`~oscar_calib.calibrate.pipeline.artifact_settings`)."""
     extra = {"bit_budget": record["bits"], **({"split_kv": True} if "layer_v_group_sizes" in record else {})}
-    out = {"calibration": json.dumps({**json.loads(metadata["calibration"]), **extra}, sort_keys=True)}
-    sizes = record["layer_group_sizes"]
-    if any(g != record["uniform_group_size"] for g in sizes):
-        out[LAYER_GROUPS_METADATA] = ",".join(str(g) for g in sizes)
-    v_sizes = record.get("layer_v_group_sizes")
-    if v_sizes and v_sizes != sizes:
-        out[LAYER_V_GROUPS_METADATA] = ",".join(str(g) for g in v_sizes)
-    return out
+    return json.dumps({**json.loads(calibration), **extra}, sort_keys=True)

@@ -30,14 +30,14 @@ from ..contract.config import CalibrationConfig, stable_hash
 from ..contract.defaults import BASELINE_CLIPS, check_group_size, default_group_size
 from ..contract.layout import (
     FORMAT_NAME,
-    LOGIT_CORRECTION_METADATA,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
-    SHARED_CLIP_METADATA,
+    TEXT_CONFIG_METADATA,
     WEIGHTS_NAME,
 )
+from ..contract.settings import ArtifactSettings, GroupPair
 from ..errors import InputError, OscarWarning, UnsupportedModelError
-from ..model.capture import Capture, capture_forward
+from ..model.capture import Capture, call_window, capture_forward
 from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model, load_tokenizer
 from ..model.placement import Placement, input_device
@@ -84,19 +84,24 @@ class StatsRun:
     reservoir: list[Reservoir]
     batches_done: int = 0
     checkpointed: int = 0        # batches in the newest checkpoint (0: none)
-    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap"}
+    layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap", "sinks", "chunk"}
     fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see fit_device)
     fitting: list[int] | None = None    # the layers whose held-out rows this process keeps (None: all)
 
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):
             if layer not in self.layer_info:
-                sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+                sw = call_window(module, kwargs)
                 cfg = getattr(module, "config", None)
+                sinks = kwargs.get("s_aux")           # gpt-oss: a learned sink logit per query head
+                types = getattr(cfg, "layer_types", None) or ()
+                chunked = layer < len(types) and types[layer] == "chunked_attention"
                 self.layer_info[layer] = {
                     "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
-                    "sliding_window": int(sw) if sw else None,
+                    "sliding_window": sw,
                     "softcap": getattr(cfg, "attn_logit_softcapping", None),
+                    "sinks": None if sinks is None else [float(x) for x in sinks.detach().float().cpu()],
+                    "chunk": int(cfg.attention_chunk_size) if chunked else None,
                 }
             if collect == "stats":
                 s = self.stats[layer]
@@ -193,8 +198,10 @@ def heldout_layer(run: StatsRun, layer: int) -> HeldoutLayer:
     """Layer ``layer``'s held-out rows (kept on the CPU), float32 on the run's fitting device."""
     r, info = run.reservoir[layer], run.layer_info[layer]
     dev = run.fit_device
+    sinks = info.get("sinks")
     return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
-                        info["sliding_window"], info["softcap"])
+                        info["sliding_window"], info["softcap"],
+                        sinks=None if sinks is None else torch.tensor(sinks, device=dev), chunk=info.get("chunk"))
 
 
 def spread(eig: torch.Tensor) -> float:
@@ -340,8 +347,25 @@ def refine_metadata(cfg: CalibrationConfig, heldout_seqs: int) -> dict:
             "fit_sequences": len(train), "validation_sequences": len(valid or [])}
 
 
-def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, group_size: int) -> dict[str, str]:
-    geo = lm.geometry
+def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips: tuple[float, float] | None,
+                      budget: dict | None = None) -> ArtifactSettings:
+    """The typed settings of the artifact a calibration writes (a bit budget's per-layer sizes from
+    its record, :mod:`oscar_calib.calibrate.budget`)."""
+    groups = ()
+    if budget is not None:
+        ks = budget["layer_group_sizes"]
+        groups = tuple(GroupPair.of(k, v) for k, v in zip(ks, budget.get("layer_v_group_sizes") or ks))
+    return ArtifactSettings(
+        num_layers=geo.num_layers, num_attention_heads=geo.num_attention_heads, num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_dim, group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
+        layer_groups=groups, logit_correction=cfg.logit_correction, granularity=cfg.granularity,
+        composition=cfg.composition, k_objective=cfg.k_objective, v_objective=cfg.v_objective,
+        shared_clips=shared_clips, model_type=geo.model_type)
+
+
+def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan,
+                      settings: ArtifactSettings) -> dict[str, str]:
+    """The metadata of the artifact: its provenance and ``settings`` (:meth:`ArtifactSettings.metadata`)."""
     calibration = {
         "data": plan.source, "tokens": plan.tokens, "sequences": len(plan.calibration), "seq_len": cfg.seq_len,
         "seed": cfg.seed, "token_sha256": plan.sha256(), "heldout_tokens": sum(len(s) for s in plan.heldout),
@@ -350,15 +374,11 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan, 
     }
     return {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": lm.source.model_id,
-        "model_fingerprint": lm.fingerprint, "num_layers": str(geo.num_layers),
-        "num_attention_heads": str(geo.num_attention_heads), "num_kv_heads": str(geo.num_kv_heads),
-        "head_dim": str(geo.head_dim), "group_size": str(group_size), "bits": "2",
-        "sink_tokens": str(cfg.sink_tokens), "recent_tokens": str(cfg.recent_tokens),
-        "k_objective": cfg.k_objective, "v_objective": cfg.v_objective, "composition": cfg.composition,
-        "granularity": cfg.granularity, "calibration": json.dumps(calibration, sort_keys=True),
-        "toolkit_version": __version__, "model_type": geo.model_type,
+        "model_fingerprint": lm.fingerprint, "calibration": json.dumps(calibration, sort_keys=True),
+        "toolkit_version": __version__,
         **({MODEL_SOURCE_METADATA: json.dumps(lm.source.record(), sort_keys=True)} if lm.source.record() else {}),
-        **({LOGIT_CORRECTION_METADATA: f"{cfg.logit_correction:g}"} if cfg.logit_correction else {}),
+        **({TEXT_CONFIG_METADATA: lm.geometry.text_config} if lm.geometry.text_config else {}),
+        **settings.metadata(),
     }
 
 
@@ -414,13 +434,13 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
         ckpt.unlink(missing_ok=True)
         return CalibrationResult(out, None, None, lm, stats=run, rank=ranks.rank)
     group_size, budget = fitted.group_size, fitted.budget
-    metadata = artifact_metadata(cfg, lm, plan, group_size)
-    metadata.update(dict(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in fitted.shared_clips))))
+    settings = artifact_settings(cfg, lm.geometry, group_size, fitted.shared_clips, budget)
+    metadata = artifact_metadata(cfg, lm, plan, settings)
     if budget is not None:
-        from .budget import budget_metadata
+        from .budget import budget_calibration
 
-        metadata.update(budget_metadata(metadata, budget))
-    artifact = Artifact(layers=fitted.layers, metadata=metadata)
+        metadata["calibration"] = budget_calibration(metadata["calibration"], budget)
+    artifact = Artifact(layers=fitted.layers, metadata=metadata, settings=settings)
     timing.update(load_s=t_load, total_s=time.perf_counter() - t0)
     report = build_report(cfg, lm, metadata, group_size, fitted.rows, timing, fitted.shared_clips)
     if budget is not None:

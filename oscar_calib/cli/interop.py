@@ -90,6 +90,12 @@ def export_command(
         for r in rows:
             if r["note"]:
                 stdout.print(f"{r['target']}: {r['note']}")
+        from ..contract.settings import FEATURES
+
+        stdout.print("artifact settings each engine serves (the export names every other one it meets):")
+        for r in rows:
+            served = ", ".join(FEATURES[f].title for f in r["serves"]) or "none of them"
+            stdout.print(f"  {r['target']}: {served}")
         return
     choose("--target", target, (*TARGETS, "list"))
     if artifact is None or out is None:

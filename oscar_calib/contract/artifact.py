@@ -30,19 +30,16 @@ from .layout import (
     CARD_NAME,
     DIGEST_KEY,
     GEOMETRY_KEYS,
-    LAYER_GROUPS_METADATA,
-    LAYER_V_GROUPS_METADATA,
-    LOGIT_CORRECTION_METADATA,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
-    SHARED_CLIP_METADATA,
     SHARED_KINDS,
     TENSOR_KINDS,
     WEIGHTS_NAME,
     dtype_name,
     tensor_name,
 )
-from .values import layer_group_problems, model_source_problems
+from .settings import ArtifactSettings, GroupPair
+from .values import model_source_problems, value_problems
 
 if TYPE_CHECKING:
     import torch
@@ -66,13 +63,20 @@ class LayerRotations:
 
 @dataclass
 class Artifact:
-    """An artifact in memory: per-layer tensors plus string metadata."""
+    """An artifact in memory: per-layer tensors, string metadata and its typed
+    :class:`~.settings.ArtifactSettings` (parsed from the metadata when not given: an artifact that
+    cannot be read cannot be built)."""
 
     layers: list[LayerRotations]
     metadata: dict[str, str]
     path: Path | None = None
     report: dict = field(default_factory=dict)
     content_sha256: str | None = None       # the digest of the content as loaded or last written
+    settings: ArtifactSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            self.settings = ArtifactSettings.from_metadata(self.metadata)
 
     @property
     def num_layers(self) -> int:
@@ -80,41 +84,29 @@ class Artifact:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.metadata["num_kv_heads"])
+        return self.settings.num_kv_heads
 
     @property
     def head_dim(self) -> int:
-        return int(self.metadata["head_dim"])
+        return self.settings.head_dim
 
     @property
     def group_size(self) -> int:
-        return int(self.metadata["group_size"])
+        return self.settings.group_size
 
     @property
-    def layer_group_sizes(self) -> list[int]:
-        """Every layer's INT2 group size of the keys (and of the values unless ``layer_v_group_sizes``
-        says otherwise): ``layer_group_sizes`` when stored, else ``group_size``."""
-        return layer_group_sizes(self.metadata) or [self.group_size] * self.num_layers
+    def layer_groups(self) -> tuple[GroupPair, ...]:
+        """Every layer's :class:`~.settings.GroupPair` (keys, values)."""
+        return self.settings.layer_groups
 
     @property
     def logit_correction(self) -> float:
-        """The gain of the logit-noise correction (``logit_correction``; 0 when absent: off)."""
-        return float(self.metadata.get(LOGIT_CORRECTION_METADATA, 0.0))
-
-    @property
-    def layer_v_group_sizes(self) -> list[int]:
-        """Every layer's INT2 group size of the values: ``layer_v_group_sizes`` when stored, else the
-        keys' (:attr:`layer_group_sizes`)."""
-        return layer_group_sizes(self.metadata, LAYER_V_GROUPS_METADATA) or self.layer_group_sizes
-
-    @property
-    def layer_groups(self) -> list[tuple[int, int]]:
-        """``(G_K, G_V)`` of every layer."""
-        return list(zip(self.layer_group_sizes, self.layer_v_group_sizes))
+        """The gain of the logit-noise correction (0: off)."""
+        return self.settings.logit_correction
 
     @property
     def granularity(self) -> str:
-        return self.metadata.get("granularity", "head")
+        return self.settings.granularity
 
     def shared_rotation(self, layer: int, which: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's one rotation for all KV heads ``[d, d]`` and its eigenvalues ``[d]``
@@ -131,10 +123,7 @@ class Artifact:
 
     def shared_clips(self) -> tuple[float, float] | None:
         """The fitted (K, V) clip ratios for the shared rotations, or None when not recorded."""
-        md = self.metadata
-        if not all(k in md for k in SHARED_CLIP_METADATA):
-            return None
-        return float(md["fork_k_clip"]), float(md["fork_v_clip"])
+        return self.settings.shared_clips
 
     def tensors(self) -> dict[str, torch.Tensor]:
         import torch
@@ -147,16 +136,9 @@ class Artifact:
                     out[tensor_name(i, kind)] = t.detach().to("cpu", torch.float32).contiguous()
         return out
 
-
-def layer_group_sizes(md: dict[str, str], key: str = LAYER_GROUPS_METADATA) -> list[int] | None:
-    """The stored per-layer group sizes under ``key`` (``layer_group_sizes``: the keys', and the
-    values' unless ``layer_v_group_sizes`` is stored; None when absent); :class:`ArtifactError` when
-    unreadable or not one power of two dividing head_dim per layer (:func:`layer_group_problems`)."""
-    problems = layer_group_problems(md)
-    if problems:
-        raise ArtifactError(problems[0])
-    raw = md.get(key)
-    return None if raw is None else [int(x) for x in raw.split(",")]
+    def value_problems(self) -> list[str]:
+        """What :func:`.values.check_values` finds in the tensors (finite, orthogonal, clips, ...)."""
+        return value_problems(self.tensors(), self.metadata)
 
 
 def model_source(md: dict[str, str]) -> dict[str, str] | None:
@@ -271,7 +253,7 @@ def load_artifact(path: Path) -> Artifact:
     for w in report.warnings:
         warnings.warn(f"{path}: {w}", OscarWarning, stacklevel=2)
     tensors = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}
-    n = int(report.metadata["num_layers"])
+    n = report.settings.num_layers
     layers = [LayerRotations(**{k: tensors.get(tensor_name(i, k)) for k in TENSOR_KINDS + SHARED_KINDS})
               for i in range(n)]
     rep = {}
@@ -282,7 +264,20 @@ def load_artifact(path: Path) -> Artifact:
         except ValueError:
             rep = {}
     return Artifact(layers=layers, metadata=report.metadata, path=wpath.parent, report=rep,
-                    content_sha256=report.content_sha256)
+                    content_sha256=report.content_sha256, settings=report.settings)
+
+
+def valid_artifact(artifact: "Artifact | Path | str") -> Artifact:
+    """An artifact every reader may use: a path is loaded (:func:`load_artifact`, every check on
+    the bytes read); an artifact in memory has its settings checked when it was built and its
+    tensors checked here. :class:`ArtifactError` with the first problem otherwise."""
+    if not isinstance(artifact, Artifact):
+        return load_artifact(Path(artifact))
+    problems = artifact.value_problems()
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ArtifactError(f"{artifact.path or 'the artifact'}: {problems[0]}{more}")
+    return artifact
 
 
 # ----------------------------------------------------------------------------- artifact vs model

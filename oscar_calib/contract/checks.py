@@ -11,7 +11,7 @@ check                  what must hold
 file                   a complete safetensors file laid out as every safetensors reader
                        wants it (:mod:`.stfile`: a truncated download is caught here)
 metadata               ``format``/``format_version`` and every required key, integer fields
-                       in bounds (:func:`.values.check_metadata_values`); metadata that
+                       in bounds (:class:`.settings.ArtifactSettings`); metadata that
                        contradicts what every tensor says is named once, as the root cause
 shapes                 every tensor of every layer present, float32, with its contract shape
 finite … group_sizes   the tensor values (:func:`.values.check_values`)
@@ -44,7 +44,8 @@ from .layout import (
     tensor_name,
     tensor_shape,
 )
-from .values import check_metadata_values, check_values, metadata_int
+from .settings import ArtifactSettings, metadata_int
+from .values import check_values, provenance_problems
 from .verification import Verification
 
 _ROTATION = re.compile(r"layers\.(\d{1,6})\.([kv])_rotation")
@@ -65,6 +66,7 @@ class ValidationReport:
     warnings: list[str] = field(default_factory=list)
     content_sha256: str | None = None
     verification: Verification | None = None
+    settings: ArtifactSettings | None = None     # the typed settings, when the metadata is sound
 
     @property
     def ok(self) -> bool:
@@ -178,7 +180,9 @@ def check_content(tensors: dict, md: dict[str, str], report: ValidationReport) -
     if base:            # without them the expected shapes are unknown
         report.add("metadata", base)
         return
-    values, warnings = check_metadata_values(md)
+    report.settings, values = ArtifactSettings.read(md)        # the one parse of the settings
+    more, warnings = provenance_problems(md)
+    values += more
     root = contradictions(tensors, md)
     report.warnings.extend(warnings)
     report.add("metadata", root + values)

@@ -18,10 +18,10 @@ from .defaults import (
     K_OBJECTIVES,
     V_OBJECTIVES,
     check_clip,
+    check_group_size,
     check_logit_correction,
     check_window,
     choose,
-    is_power_of_two,
 )
 
 
@@ -87,8 +87,8 @@ class CalibrationConfig:
             raise InputError(f"--refine-lr must be a positive number, got {self.refine_lr}")
         if self.refine_steps and self.granularity == "layer":
             raise InputError("--refine-steps refines each KV head's rotations: it needs --granularity head")
-        if self.group_size is not None and not is_power_of_two(self.group_size):
-            raise InputError(f"--group-size {self.group_size} is not a power of two")
+        if self.group_size is not None:
+            check_group_size(None, self.group_size, "--group-size")     # head_dim is checked once the model is known
         if self.bit_budget is not None:
             b = float(self.bit_budget)
             if not (math.isfinite(b) and b > 2):

@@ -68,14 +68,33 @@ def default_group_size(head_dim: int) -> int:
     return g
 
 
-def check_group_size(head_dim: int | None, group_size: int) -> None:
-    """A group size is a positive power of two that divides head_dim (None: not checked yet)."""
+def group_size_problem(group_size, head_dim: int | None = None) -> str | None:
+    """Why ``group_size`` cannot be an INT2 group size (None when it can): the one rule every
+    config, artifact, scheme and kernel asks. A group size is an int, a power of two, at least
+    :data:`MIN_GROUP_SIZE` and, given ``head_dim`` (None: not known yet), a divisor of it."""
     if not isinstance(group_size, int) or isinstance(group_size, bool):
-        raise InputError(f"group size must be an int, got {group_size!r}")
-    if not is_power_of_two(group_size):
-        raise InputError(f"group size {group_size} is not a power of two")
-    if head_dim is not None and head_dim % group_size:
-        raise InputError(f"head_dim {head_dim} is not divisible by group size {group_size}")
+        return f"{group_size!r} is not an integer"
+    if not is_power_of_two(group_size) or (head_dim is not None and head_dim % group_size):
+        return f"{group_size} is not a power of two" + (f" dividing head_dim {head_dim}" if head_dim else "")
+    if group_size < MIN_GROUP_SIZE:
+        return (f"{group_size} is below the smallest group size {MIN_GROUP_SIZE} (it would store more bits per "
+                "element than BF16)")
+    return None
+
+
+def check_group_size(head_dim: int | None, group_size: int, name: str = "group size") -> int:
+    """``group_size`` if :func:`group_size_problem` finds nothing, else :class:`InputError` naming
+    ``name`` (e.g. ``--group-size``)."""
+    why = group_size_problem(group_size, head_dim)
+    if why:
+        raise InputError(f"{name} {why}")
+    return group_size
+
+
+def group_pair(group_size: int, v_group_size: int | None = None) -> tuple[int, int]:
+    """``(G_K, G_V)``: the values take the keys' size unless given their own (the one place that
+    decides it; :class:`~oscar_calib.contract.settings.GroupPair` is its typed form)."""
+    return int(group_size), int(group_size if v_group_size is None else v_group_size)
 
 
 def check_window(sink: int, recent: int) -> None:
@@ -93,14 +112,20 @@ def check_clip(name: str, c: float) -> float:
     return c
 
 
-def check_logit_correction(gain, name: str = "--logit-correction") -> float:
-    """``gain`` of the logit-noise correction as a float in [0, 4] (0: off; 1: the whole expected
-    inflation, :func:`oscar_calib.numerics.quant.logit_noise`), else one line naming ``name``."""
-    try:
-        a = float(gain)
-    except (TypeError, ValueError):
-        a = float("nan")
+def logit_correction_problem(gain, name: str = "--logit-correction") -> str | None:
+    """Why ``gain`` cannot be the gain of the logit-noise correction (None when it can): a number
+    in [0, 4] (0: off; 1: the whole expected inflation, :func:`oscar_calib.numerics.quant.logit_noise`);
+    an int or a float, not a string. The one range every config, artifact, scheme and kernel asks."""
+    a = float(gain) if isinstance(gain, (int, float)) and not isinstance(gain, bool) else float("nan")
     if not (a == a and 0.0 <= a <= MAX_LOGIT_CORRECTION):
-        raise InputError(f"{name} must be a number in [0, {MAX_LOGIT_CORRECTION:g}] (0 = off, 1 = the expected "
-                         f"inflation), got {gain!r}")
-    return a
+        return (f"{name} must be a number in [0, {MAX_LOGIT_CORRECTION:g}] (0 = off, 1 = the expected inflation), "
+                f"got {gain!r}")
+    return None
+
+
+def check_logit_correction(gain, name: str = "--logit-correction") -> float:
+    """``gain`` as a float if :func:`logit_correction_problem` finds nothing, else :class:`InputError`."""
+    why = logit_correction_problem(gain, name)
+    if why:
+        raise InputError(why)
+    return float(gain)

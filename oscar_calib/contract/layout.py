@@ -42,6 +42,13 @@ LAYER_V_GROUPS_METADATA = "layer_v_group_sizes"
 # Optional metadata (toolkit 0.4): the gain of the logit-noise correction (`oscar calibrate --logit-correction`),
 # a number in [0, 4]; absent means 0 (off). A reader that predates it serves the cache without the correction.
 LOGIT_CORRECTION_METADATA = "logit_correction"
+# Optional metadata (toolkit 0.5): where the text config came from when the model's config wraps it (a
+# multimodal model whose language model was calibrated), ``<wrapper model_type>.<attribute>``, e.g.
+# ``gemma3.text_config``; ``model_type`` is then the text model's. Absent: the model's config is the text config.
+TEXT_CONFIG_METADATA = "text_config"
+# Optional metadata: "true" when the value rotation is folded into a checkpoint's v_proj/o_proj (`oscar
+# fold-weights` marks the artifact copy it writes beside the checkpoint); absent or "false" otherwise.
+V_FOLDED_METADATA = "v_folded"
 # Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
 # sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
 # (:mod:`.digest`). A reader refuses a file whose content no longer matches it.

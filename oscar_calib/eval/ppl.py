@@ -39,10 +39,10 @@ def heldout_sequences(tokenizer, *, sequences: int = 2, seq_len: int = 2048, dat
 
 
 def _decoder_and_head(model):
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
-    head = model.get_output_embeddings()
-    from ..model.geometry import text_config
+    from ..model.geometry import decoder_module, text_config
 
+    dec = decoder_module(model)
+    head = model.get_output_embeddings()
     cap = getattr(text_config(model.config), "final_logit_softcapping", None)
     return dec, head, cap
 

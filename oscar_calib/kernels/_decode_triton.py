@@ -941,13 +941,15 @@ def rotate_query_kernel(q_ptr, s_qb, s_qh, r_ptr, out_ptr, B, H, QG,
 
 
 @triton.jit
-def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
+def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL, sink_ptr,
                         D: tl.constexpr, DC: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-                        ONE_PASS: tl.constexpr = False):
+                        ONE_PASS: tl.constexpr = False, SINK: tl.constexpr = False):
     """Grid ``(B*Hq, D/DC)``: log-sum-exp merge of the split partials for one query head and
     ``DC`` output channels. ``PDL``: launched early, waits for the decode grid. ``ONE_PASS``
     (all partials fit one block, ``S_ALL <= BLOCK_S``): the log-sum-exps and the partial outputs
-    are loaded together, one round trip to memory instead of two."""
+    are loaded together, one round trip to memory instead of two. ``SINK``: ``sink_ptr[hq]`` is the
+    query head's attention-sink logit (natural units), merged as one more partial of output zero:
+    it joins the maximum and adds ``exp2(sink * log2(e) - top)`` to the denominator."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
@@ -964,9 +966,14 @@ def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
         lv = tl.load(lse_ptr + row, mask=sm, other=float("-inf"))
         o = tl.load(op_ptr + row.to(tl.int64)[:, None] * D + cols[None, :], mask=sm[:, None], other=0.0)
         top = tl.max(lv, axis=0)
+        if SINK:
+            sink = tl.load(sink_ptr + hq).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(top, sink)
         top = tl.where(top == float("-inf"), 0.0, top)
         wgt = tl.math.exp2(lv - top)
         total = tl.sum(wgt, axis=0)
+        if SINK:
+            total += tl.math.exp2(sink - top)
         res = tl.sum(wgt[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + hq * s_oh + cols, res.to(out_ptr.dtype.element_ty))
         return
@@ -976,6 +983,9 @@ def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
         lv = tl.load(lse_ptr + (bh * S_ALL + s0 + offs_s) * QG + m, mask=sm, other=float("-inf"))
         mx = tl.maximum(mx, lv)
     top = tl.max(mx, axis=0)
+    if SINK:
+        sink = tl.load(sink_ptr + hq).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     acc = tl.zeros([DC], dtype=tl.float32)
     den = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -988,5 +998,7 @@ def decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, HQ, QG, S_ALL,
         acc += tl.sum(wgt[:, None] * o, axis=0)
         den += wgt
     total = tl.sum(den, axis=0)
+    if SINK:
+        total += tl.math.exp2(sink - top)
     res = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * s_ob + hq * s_oh + cols, res.to(out_ptr.dtype.element_ty))

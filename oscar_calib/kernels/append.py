@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import torch
 
+from ..contract.defaults import group_pair
 from ..errors import InputError
 from ._common import (
     check_tensor,
+    interpreting,
     load_triton_module,
     next_pow2,
     pdl_capable,
@@ -81,8 +83,8 @@ def kv_groups(group_size: int | tuple[int, int]) -> tuple[int, int]:
     if isinstance(group_size, (tuple, list)):
         if len(group_size) != 2:
             raise InputError(f"group_size must be one size or a (K, V) pair, got {group_size!r}")
-        return int(group_size[0]), int(group_size[1])
-    return int(group_size), int(group_size)
+        return group_pair(*group_size)
+    return group_pair(group_size)
 
 
 def kv_params(t, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +234,7 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         D=d, G=gk, W=min(gk, d // 4), KB=min(d, int(cfg.get("KB", max(8, 16384 // d)))),
         ROT=rotation is not None, CLIP=clip is not None, REAL=real is not None, RING=bool(ring),
         LENS=lens is not None, GATE=gate is not None, QG=qg, QG2=next_pow2(max(qg, 1)),
-        PDL=bool(qg) and pdl_capable(k.device), SPLIT=split, GV=gv, WV=min(gv, d // 4),
+        PDL=bool(qg) and pdl_capable(k.device), SPLIT=split, GV=gv, WV=min(gv, d // 4), INTERP=interpreting(),
         num_warps=int(cfg.get("num_warps", 4)),
     )
     if query is None:

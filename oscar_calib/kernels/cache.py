@@ -45,6 +45,7 @@ from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
     default_group_size,
+    group_pair,
     is_power_of_two,
 )
 from ..errors import InputError
@@ -74,8 +75,7 @@ class Int2KVCache:
     v_group_size: int | None = None      # the values' group size (None: ``group_size``)
 
     def __post_init__(self) -> None:
-        if self.v_group_size is None:
-            self.v_group_size = self.group_size
+        self.group_size, self.v_group_size = group_pair(self.group_size, self.v_group_size)
 
     @property
     def split(self) -> bool:
@@ -234,7 +234,7 @@ def build_cache(
     B, T, H, d = k.shape
     if group_size is None:
         group_size = default_group_size(d)
-    v_group_size = group_size if v_group_size is None else v_group_size
+    group_size, v_group_size = group_pair(group_size, v_group_size)
     check_group(d, group_size)
     check_group(d, v_group_size)
     if lengths is None:

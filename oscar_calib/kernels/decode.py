@@ -23,6 +23,12 @@ against the 16-bit window; with ``a > 0`` each INT2 history token's logit is low
 factor ``exp(Var / 2)``).
 The 16-bit window tokens are not corrected.
 
+Attention sinks (``sinks``, default None: none): a learned logit per query head (gpt-oss's
+``sinks``, which its attention concatenates to every row's scores before the softmax and drops
+after) acts as one more key with that logit and a zero value: it enlarges the softmax's
+denominator and adds nothing to the output. Both paths add ``exp(sink[h] - m)`` to the
+denominator; the Triton path in the merge step, where the partials' log-sum-exps meet.
+
 Triton path (flash-decoding; three launches, all graph-capturable):
 
 1. ``rotate_query_kernel``, grid ``(ceil(B/SB) * H, d/32)``: ``q @ R_k[h]`` in float32 (3xTF32
@@ -62,7 +68,8 @@ Triton path (flash-decoding; three launches, all graph-capturable):
      the kernel's shared memory (24 KB with 32-token window steps, 16 KB with 16) and with it how many
      one-warp programs fit an SM; one stage needs 9-10 KB.
 3. ``decode_merge_kernel``, grid ``(B*Hq, d/32)``: log-sum-exp merge of all partials (float32
-   output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``).
+   output and base-2 log-sum-exp per chunk; empty chunks carry ``lse = -inf``); with ``sinks``
+   (a constexpr) the query head's sink logit joins the merge as one more partial of zero output.
 
 The optional output un-rotation is one batched matmul in torch. Nothing reads lengths on the
 host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``, defaults in
@@ -83,7 +90,7 @@ Measured (H100, Qwen3-8B shapes: 32 query / 8 KV heads, d=128, G=128, 64 + 256 B
 tokens; ``scripts/bench/bench_kernels.py``, CUDA-graph replays; docs/design/kernels.md): at 128K
 context, batch 1, 50 us against 193 us for BF16 ``scaled_dot_product_attention`` (3.8x, 51% of
 the 3.0 TB/s copy bandwidth end to end); batch 32, 0.94 ms against 5.51 ms (5.9x, 87%). The H200
-gives 45 us and 0.84 ms (69% of its 4.2 TB/s). Nsight Compute finds the batch-32 decode kernel
+gives 45 us and 0.84 ms (68% of its 4.24 TB/s). Nsight Compute finds the batch-32 decode kernel
 memory-bound on the H100 (81% of DRAM peak) and the batch-1 kernel (and the H200's) latency-bound
 (issue active ~50-56%). At batch 1 the query rotation adds 2.1-3.2 us and the merge 1.3-2.7 us
 to a call at 512-128K tokens (the call with each left out); a graph of one trivial kernel, which
@@ -96,9 +103,9 @@ import math
 
 import torch
 
-from ..contract.defaults import is_power_of_two
+from ..contract.defaults import check_logit_correction, is_power_of_two
 from ..errors import InputError
-from ..numerics.quant import logit_noise
+from ..numerics.quant import logit_noise, logit_noise_coefficient
 from ._common import (
     check_tensor,
     derived,
@@ -117,10 +124,8 @@ Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
 
 
-def _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction=0.0) -> tuple[int, int, int]:
-    if isinstance(logit_correction, bool) or not isinstance(logit_correction, (int, float)) \
-            or not math.isfinite(logit_correction) or logit_correction < 0:
-        raise InputError(f"logit_correction must be a finite number >= 0, got {logit_correction!r}")
+def _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction=0.0, sinks=None) -> tuple[int, int, int]:
+    check_logit_correction(logit_correction, "logit_correction")
     if not isinstance(cache, Int2KVCache):
         raise InputError(f"cache must be an Int2KVCache, got {type(cache).__name__}")
     cache.validate()
@@ -141,6 +146,9 @@ def _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction=0.0) 
             same_device(("q", q), (name, r))
     if unrotate and v_rotation is None:
         raise InputError("unrotate=True needs v_rotation")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32, torch.bfloat16, torch.float16), shape={0: hq})
+        same_device(("q", q), ("sinks", sinks))
     same_device(("q", q), ("cache.k_codes", cache.k_codes))
     return b, hq, h
 
@@ -203,11 +211,13 @@ def decode_attention_reference(
     sm_scale: float | None = None,
     out_dtype: torch.dtype | None = None,
     logit_correction: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_attention`: dequantise the history, concatenate it
     with the 16-bit window, plain softmax attention in float32 (with ``logit_correction > 0``
-    the history's scores less :func:`~oscar_calib.numerics.quant.logit_noise`)."""
-    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction)
+    the history's scores less :func:`~oscar_calib.numerics.quant.logit_noise`; with ``sinks`` one
+    more score column per query head, of value zero)."""
+    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction, sinks)
     d = q.shape[-1]
     qg = hq // h
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -221,6 +231,9 @@ def decode_attention_reference(
         if logit_correction:  # the history comes after the window
             k_scale = _history_params(cache, b, "k")[1]
             s[..., nw:] -= logit_noise(qr[b], k_scale, cache.group_size, logit_correction, scale)
+        if sinks is not None:     # a key of logit sinks[j] and value 0 for query head j
+            s = torch.cat([s, sinks.float().view(h, qg, 1)], dim=-1)
+            vals = torch.cat([vals, vals.new_zeros(h, 1, d)], dim=1)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.matmul(p, vals).reshape(hq, d))
     o = torch.stack(outs)
@@ -265,6 +278,7 @@ def decode_attention(
     pdl_input: bool = False,
     config: dict | None = None,
     logit_correction: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over an :class:`Int2KVCache`.
 
@@ -295,11 +309,14 @@ def decode_attention(
             history token's score (natural units) is lowered by ``a/2 * sm_scale^2 *
             sum_g |q_rot[g]|^2 * s_g^2 / 12`` (:func:`~oscar_calib.numerics.quant.logit_noise`; ``q_rot`` the rotated
             query, ``g`` over the key groups). Window tokens are not corrected.
+        sinks: ``[Hq]`` attention-sink logits (natural units, compared with the scaled scores), one
+            per query head, or None: the softmax of query head ``j`` gets one more key of logit
+            ``sinks[j]`` and value zero (gpt-oss).
 
     Returns:
         ``[B, Hq, d]``: ``o_rot`` (V-rotated basis) or, with ``unrotate``, ``o``.
     """
-    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction)
+    bsz, hq, h = _validate(q, cache, k_rotation, v_rotation, unrotate, logit_correction, sinks)
     if out is not None:
         check_tensor("out", out, ndim=3, shape={0: bsz, 1: hq, 2: q.shape[-1]})
         if out.stride(-1) != 1:
@@ -311,14 +328,14 @@ def decode_attention(
         res = decode_attention_reference(
             q, cache, k_rotation=k_rotation, v_rotation=v_rotation, unrotate=unrotate,
             sm_scale=sm_scale, out_dtype=out.dtype if out is not None else out_dtype,
-            logit_correction=logit_correction,
+            logit_correction=logit_correction, sinks=sinks,
         )
         if out is None:
             return res
         out.copy_(res)
         return out
     return _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config or {},
-                          pdl_input, float(logit_correction))
+                          pdl_input, float(logit_correction), sinks)
 
 
 # Tuning defaults per regime: "small" below SMALL_BATCH_HEADS (sequence, KV head) pairs, "large" from
@@ -452,7 +469,7 @@ def _rotate_query_triton(mod, q, r, h: int, cfg: dict, pdl: bool) -> torch.Tenso
 
 
 def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, out_dtype, config, pdl_input=False,
-                   logit_correction=0.0):
+                   logit_correction=0.0, sinks=None):
     mod = load_triton_module("_decode_triton")
     bsz, hq, d = q.shape
     h = cache.num_kv_heads
@@ -520,7 +537,7 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     qk_scale = scale * LOG2E
     # the logit-noise correction per key group and score column is corr_scale * |q_rot[g]|^2 * s_g^2
     # in the kernel's base-2 score units: a/2 * sm_scale^2 / 12 * log2(e)
-    corr_scale = logit_correction * 0.5 * scale * scale / 12.0 * LOG2E
+    corr_scale = logit_noise_coefficient(logit_correction, scale) * LOG2E
 
     if cache.paged:
         tab, s_tb, page = cache.block_table, cache.block_table.stride(0), cache.page_size
@@ -567,10 +584,12 @@ def _decode_triton(q, cache, k_rotation, v_rotation, unrotate, sm_scale, out, ou
     # when they fit (up to 256 splits)
     block_s = max(16, min(256, next_pow2(s_all)))
     dc = d if interp else min(d, int(cfg.get("merge_cols", 32)))
+    # attention sinks: one more partial per query head, of log-sum-exp sink (base 2: sink * log2(e)) and output 0
     LAST_LAUNCH["merge"] = mod.decode_merge_kernel[(bsz * hq, d // dc)](
         opart, lse, o_rot, o_rot.stride(0), o_rot.stride(1),
-        hq, qg, s_all,
+        hq, qg, s_all, lse if sinks is None else sinks,
         D=d, DC=dc, BLOCK_S=block_s, PDL=pdl, ONE_PASS=s_all <= block_s and not cfg.get("merge_two_pass", False),
+        SINK=sinks is not None,
         num_warps=int(cfg.get("merge_warps", 4)), **({"launch_pdl": True} if pdl else {}),
     )
     if not unrotate:

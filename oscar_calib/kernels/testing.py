@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contract.defaults import group_pair
 from .cache import Int2KVCache
 from .pack import PARAM_DTYPE, QuantizedKV
 
@@ -72,7 +73,7 @@ def random_int2_cache(batch: int, heads: int, d: int, group_size: int, hist_len:
     """A contiguous cache filled with random codes, plausible scales/offsets and a random window
     (for speed measurements: no quantisation needed). All sequences are full. ``v_group_size``:
     the values' group size (default ``group_size``)."""
-    gv = v_group_size or group_size
+    _, gv = group_pair(group_size, v_group_size)
 
     def codes():
         return torch.randint(0, 256, (batch, heads, max(1, hist_len), d // 4), dtype=torch.uint8,

@@ -81,6 +81,17 @@ def _configs(model):
     return out
 
 
+def model_attention(model) -> str:
+    """The attention implementation a route runs for ``model``'s own attention: its configured
+    ``sdpa`` or ``eager``; in place of any other (flash and flex kernels do not return what the
+    routes need on every device) ``sdpa`` where the model supports it, else ``eager`` (gpt-oss, whose
+    attention sinks SDPA cannot express, declares no SDPA support)."""
+    base = _configs(model)[0]._attn_implementation or "sdpa"
+    if base in ("sdpa", "eager"):
+        return base
+    return "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+
+
 class AttentionRoute:
     """Base of the context managers that route every attention layer of a model through one
     registered transformers attention function (``name``, registered by the subclass): on enter
@@ -128,14 +139,18 @@ class Capture(AttentionRoute):
 
     def __enter__(self) -> "Capture":
         _register()
-        base = _configs(self.model)[0]._attn_implementation or "sdpa"
-        if base == CAPTURE_NAME:
+        if _configs(self.model)[0]._attn_implementation == CAPTURE_NAME:
             raise RuntimeError("capture is already active on this model")
-        if base not in ("sdpa", "eager"):
-            # flash/flex kernels do not return what we need on every device; sdpa is exact
-            base = "sdpa"
-        self.base = base
-        return self._route(base)
+        self.base = model_attention(self.model)
+        return self._route(self.base)
+
+
+def call_window(module, kwargs: dict) -> int | None:
+    """The sliding window of one attention call: the ``sliding_window`` the model passes (None on
+    its full-attention layers: EXAONE 4 keeps the config's window on every module and passes None
+    for its global ones), else the module's own attribute; None for full attention."""
+    w = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    return int(w) if w else None
 
 
 def capture_forward(model, ids: torch.Tensor) -> None:

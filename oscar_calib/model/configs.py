@@ -146,10 +146,12 @@ class GeometrySpec:
     def tiny_model(self, *, seed: int = 0):
         """A random-init causal LM with this geometry at tiny width (float32, eval mode)."""
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from .load import model_class
 
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(self.to_hf_config(tiny=True)).eval()
+        config = self.to_hf_config(tiny=True)
+        model = model_class(config).from_config(config).eval()
         model.requires_grad_(False)
         return model
 

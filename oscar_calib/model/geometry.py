@@ -1,8 +1,14 @@
 """Attention geometry of a decoder and the model fingerprint an artifact records.
 
-``geometry_of`` reads a model or its config (refusing families the registry marks unsupported);
-``model_fingerprint`` is the sha256 of the config (volatile keys dropped) and the names and shapes
-of the attention weights, so an artifact can tell whether it belongs to a model.
+Both are read from the model itself, for any causal LM whose attention goes through transformers'
+attention interface; the architecture registry (:mod:`.registry`) is not consulted. ``geometry_of``
+reads a model or its config: the text config (a multimodal wrapper's language model), one
+:class:`LayerGeometry` per decoder layer, and a one-line refusal for what the artifact cannot
+describe (latent attention, layers without a per-head KV cache, layers of different head sizes).
+``decoder_attention`` finds the decoder's attention modules by structure (the layer list whose
+members hold an attention module numbered by its ``layer_idx``); ``model_fingerprint`` is the
+sha256 of the text config (volatile keys dropped) and the names and shapes of those modules'
+weights, so an artifact can tell whether it belongs to a model.
 """
 
 from __future__ import annotations
@@ -12,45 +18,133 @@ import json
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from .registry import ArchSpec, arch_for, get_attr_path
+from .registry import refusal_for
+
+# layer types (transformers' ``config.layer_types``) whose layers keep a per-head K/V cache
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One decoder layer as its KV cache sees it."""
+
+    kind: str                  # one of ATTENTION_KINDS
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None  # the sliding window, or the chunk of chunked attention; None for full attention
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Attention geometry of a decoder: what an artifact's shapes depend on."""
+    """Attention geometry of a decoder: what an artifact's shapes depend on. Every layer has the
+    same heads and head_dim (``geometry_of`` refuses other models); :meth:`layer` describes one."""
 
-    model_type: str
+    model_type: str                  # the text model's ``model_type``
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_types: tuple[str, ...]   # "full_attention" / "sliding_attention" per layer
+    layer_types: tuple[str, ...]     # one of ATTENTION_KINDS per layer
     sliding_window: int | None
+    attention_chunk_size: int | None = None   # chunked-attention layers (Llama 4) attend within chunks of it
+    text_config: str | None = None   # where a wrapper keeps the text config: "<wrapper model_type>.<attribute>"
 
     @property
     def group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
+    def layer(self, i: int) -> LayerGeometry:
+        kind = self.layer_types[i]
+        window = {"sliding_attention": self.sliding_window, "chunked_attention": self.attention_chunk_size}.get(kind)
+        return LayerGeometry(kind, self.num_kv_heads, self.head_dim, window)
+
 
 def text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    """The decoder's text config of a model config (a multimodal wrapper nests it)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def text_config_source(config) -> str | None:
+    """``"<model_type>.<attribute>"`` when ``config`` wraps its text config in a sub-config (a
+    multimodal model: ``"gemma3.text_config"``), None when it is the text config itself."""
+    text = text_config(config)
+    if text is config:
+        return None
+    for name in getattr(config, "sub_configs", None) or {}:
+        if getattr(config, name, None) is text:
+            return f"{config.model_type}.{name}"
+    return f"{config.model_type}.text_config"
+
+
+def layer_kinds(config) -> list[tuple[str, dict]]:
+    """``(layer type, cache kwargs)`` per decoder layer of a text config, as transformers' own caches
+    read them (``transformers.cache_utils.get_layer_types_and_kwargs``: ``config.layer_types``, or
+    sliding / chunked / full inferred from the config's windows; a window under ``sliding_window``).
+    transformers 5.17 returns the kwargs as one dict for all layers, 5.23 as one per layer."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config)
+    per_layer = kwargs if isinstance(kwargs, (list, tuple)) else [kwargs] * len(types)
+    return [(kind, dict(kw or {})) for kind, kw in zip(types, per_layer)]
+
+
+def _layer_configs(config, n: int) -> list:
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * n
 
 
 def geometry_of(model_or_config) -> Geometry:
-    config = text_config(getattr(model_or_config, "config", model_or_config))
+    """The attention geometry of a model or config (its text config), or one
+    :class:`UnsupportedModelError` line saying what does not fit: latent attention (MLA), layers
+    without a per-head KV cache (linear attention, state-space or convolution layers: a hybrid
+    model), layers that differ in head_dim or KV heads, KV cache shared between layers."""
+    top = getattr(model_or_config, "config", model_or_config)
+    config = text_config(top)
     model_type = config.model_type
-    arch_for(model_type)  # raises for unsupported families
+    why = refusal_for(model_type) or refusal_for(getattr(top, "model_type", ""))
+    if why:
+        raise UnsupportedModelError(f"unsupported architecture {model_type!r}: {why}")
     if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
         raise UnsupportedModelError(f"{model_type}: multi-head latent attention (MLA) is not supported")
-    n_heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    n_heads = getattr(config, "num_attention_heads", None)
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n_heads, int) or not isinstance(n_layers, int):
+        raise UnsupportedModelError(f"{model_type}: its config names no num_attention_heads / num_hidden_layers "
+                                    "(not a decoder with multi-head attention)")
+    types = tuple(kind for kind, _ in layer_kinds(config))
+    if len(types) != n_layers:
+        raise UnsupportedModelError(f"{model_type}: transformers' caches see {len(types)} attention layers of "
+                                    f"{n_layers} (layers sharing another's KV cache?); oscar calibrates models whose "
+                                    "every layer keeps its own")
+    other = [(i, t) for i, t in enumerate(types) if t not in ATTENTION_KINDS]
+    if other:
+        i, kind = other[0]
+        raise UnsupportedModelError(f"{model_type}: layer {i} is a {kind!r} layer, which keeps no per-head KV cache "
+                                    f"({len(other)} of {n_layers} layers; a hybrid model); oscar calibrates models whose "
+                                    "every layer is softmax attention")
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if shared:
+        raise UnsupportedModelError(f"{model_type}: {shared} layers reuse another layer's KV cache; oscar calibrates "
+                                    "models whose every layer keeps its own")
+    per_layer = []
+    for i, lc in enumerate(_layer_configs(config, n_layers)):
+        h = getattr(lc, "num_attention_heads", n_heads)
+        kv = getattr(lc, "num_key_value_heads", None) or h
+        d = getattr(lc, "head_dim", None) or config.hidden_size // h
+        per_layer.append((h, kv, d))
+    n_heads, n_kv, head_dim = per_layer[0]
+    mixed = next((i for i, g in enumerate(per_layer) if g != per_layer[0]), None)
+    if mixed is not None:
+        h, kv, d = per_layer[mixed]
+        raise UnsupportedModelError(f"{model_type}: layers differ in their attention heads (layer 0: {n_heads} query / "
+                                    f"{n_kv} KV heads of {head_dim}, layer {mixed}: {h} / {kv} of {d}); an artifact "
+                                    "holds one head geometry for every layer")
     if n_heads % n_kv:
         raise UnsupportedModelError(f"{model_type}: {n_heads} query heads do not split over {n_kv} KV heads")
-    n_layers = config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
-    return Geometry(model_type, n_layers, n_heads, n_kv, head_dim, tuple(types),
-                    getattr(config, "sliding_window", None))
+    chunk = getattr(config, "attention_chunk_size", None) if "chunked_attention" in types else None
+    return Geometry(model_type, n_layers, n_heads, n_kv, head_dim, types, getattr(config, "sliding_window", None),
+                    chunk, text_config_source(top))
 
 
 def context_length(model_or_config) -> int | None:
@@ -67,10 +161,58 @@ def context_length(model_or_config) -> int | None:
     return n
 
 
+def _attention_child(layer, i: int):
+    """``(name, module)``: the attention module of decoder layer ``i``, a child numbered ``layer_idx
+    == i`` whose class is an ``...Attention`` (``self_attn`` first where there are several), or None."""
+    found = [(n, m) for n, m in layer.named_children()
+             if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) == i]
+    if len(found) > 1:
+        found = [(n, m) for n, m in found if n == "self_attn"] or found[:0]
+    return found[0] if len(found) == 1 else None
+
+
+def _decoder_stack(model) -> tuple[str, list[tuple[str, object]]]:
+    """``(path of the layer list, [(attention path, attention module), ...])``; see :func:`decoder_attention`."""
+    import torch
+
+    config = text_config(model.config)
+    n = config.num_hidden_layers
+    lists = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and n > 0:
+            children = [_attention_child(layer, i) for i, layer in enumerate(mod)]
+            if all(children):
+                lists.append((name, [(f"{name}.{i}.{c[0]}", c[1]) for i, c in enumerate(children)]))
+    if len(lists) > 1:
+        lists = [found for found in lists if getattr(found[1][0][1], "config", None) is config] or lists[:0]
+    if len(lists) != 1:
+        why = "none" if not lists else "more than one"
+        raise UnsupportedModelError(f"{type(model).__name__}: {why} of its module lists holds {n} decoder layers "
+                                    "with one attention module each (numbered by layer_idx); cannot find its "
+                                    "attention layers")
+    return lists[0]
+
+
+def decoder_attention(model) -> list[tuple[str, object]]:
+    """``(path, module)`` of every decoder layer's attention module, in layer order; ``path`` is its
+    name in ``model.named_modules()`` (``model.layers.0.self_attn``; a multimodal wrapper's
+    ``model.language_model.layers.0.self_attn``). Found by structure: the module list of
+    ``num_hidden_layers`` layers (of the text config) whose every layer holds one attention module
+    numbered by its ``layer_idx``; several such lists (a vision tower's) are told apart by the
+    attention modules' config, which is the text config."""
+    return _decoder_stack(model)[1]
+
+
+def decoder_module(model):
+    """The decoder (text) model that holds the layer list (``model.model``; a multimodal wrapper's
+    ``model.model.language_model``): called with ``input_ids`` it returns the last hidden states."""
+    path = _decoder_stack(model)[0]
+    return model.get_submodule(path.rpartition(".")[0])
+
+
 def attention_modules(model) -> list:
-    spec: ArchSpec = arch_for(text_config(model.config).model_type)
-    layers = get_attr_path(model, spec.layers)
-    return [getattr(layer, spec.attention) for layer in layers]
+    """Every decoder layer's attention module, in layer order (:func:`decoder_attention`)."""
+    return [m for _, m in decoder_attention(model)]
 
 
 _VOLATILE = {"transformers_version", "torch_dtype", "dtype", "quantization_config", "use_cache",
@@ -78,15 +220,14 @@ _VOLATILE = {"transformers_version", "torch_dtype", "dtype", "quantization_confi
 
 
 def model_fingerprint(model) -> str:
-    """sha256 of the model's config (volatile keys dropped: dtype, versions, paths, quantisation,
-    attention backend) and the names and shapes of its attention weights."""
+    """sha256 of the model's text config (volatile keys dropped: dtype, versions, paths,
+    quantisation, attention backend) and the names and shapes of its attention weights."""
     cfg = text_config(model.config).to_dict()
     cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE and not k.startswith("_")}
-    spec = arch_for(text_config(model.config).model_type)
     shapes = []
-    for i, attn in enumerate(attention_modules(model)):
+    for path, attn in decoder_attention(model):
         for name, p in sorted(attn.named_parameters()):
-            shapes.append((f"{spec.layers}.{i}.{spec.attention}.{name}", list(p.shape)))
+            shapes.append((f"{path}.{name}", list(p.shape)))
     blob = json.dumps({"config": cfg, "attention_weights": shapes}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -96,8 +237,9 @@ def config_fingerprint(config) -> str:
     are created or read): what an artifact records when only a ``config.json`` (or ``configs/``
     geometry) is at hand."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from .load import model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     return model_fingerprint(model)

@@ -14,6 +14,7 @@ a ``.gguf`` file   that file (transformers de-quantises it to float)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -28,7 +29,7 @@ from pathlib import Path
 from ..errors import InputError, ModelLoadError, UnsupportedModelError, first_line
 from ..fsutil import staged_dir
 from ..progress import ProgressFn, step
-from .geometry import Geometry, geometry_of, model_fingerprint
+from .geometry import Geometry, geometry_of, model_fingerprint, text_config_source
 from .placement import Placement
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -248,9 +249,15 @@ class LoadedModel:
     fingerprint: str
 
     @classmethod
-    def wrap(cls, model, tokenizer, source: ModelSource) -> "LoadedModel":
-        """Wrap a model loaded elsewhere (e.g. a random-init model in a test or benchmark)."""
-        return cls(model, tokenizer, source, geometry_of(model), model_fingerprint(model))
+    def wrap(cls, model, tokenizer, source: ModelSource, config=None) -> "LoadedModel":
+        """Wrap a model loaded elsewhere (e.g. a random-init model in a test or benchmark).
+        ``config``: the checkpoint's own config, when transformers built the model from its text
+        config alone (a Llama 4 checkpoint loads as ``Llama4ForCausalLM``): the geometry then names
+        the config the text config came from."""
+        geo = geometry_of(model)
+        if geo.text_config is None and config is not None and text_config_source(config):
+            geo = dataclasses.replace(geo, text_config=text_config_source(config))
+        return cls(model, tokenizer, source, geo, model_fingerprint(model))
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
@@ -328,10 +335,26 @@ def _pad_token(tok):
     return tok
 
 
+def model_class(config):
+    """The transformers auto class that builds the model of ``config`` (None: a GGUF file's) with its
+    language-model head:
+    ``AutoModelForCausalLM``, or for a multimodal wrapper that transformers maps only as image-text
+    to text (Mistral 3, Qwen2.5-VL, Qwen3-VL) ``AutoModelForImageTextToText``. oscar runs the
+    wrapper on text alone; its language model is what gets calibrated."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_remote_code: bool,
                 placement: Placement, tokenizer=None) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
-
     device_map, max_memory, offload_folder = placement.device_map, placement.max_memory, placement.offload_dir
     torch_dtype = _torch_dtype(dtype)
     load_path, kwargs = _from_pretrained_args(source, trust_remote_code)
@@ -348,7 +371,8 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
         check_tokenizer(spec, tok, cached=load_path if load_path != source.path else None)
     try:
         with quiet_loading():
-            model = AutoModelForCausalLM.from_pretrained(
+            config = None if "gguf_file" in kwargs else _config_for(load_path, kwargs)
+            model = model_class(config).from_pretrained(
                 load_path, dtype=torch_dtype, device_map=device_map, max_memory=max_memory,
                 **({"offload_folder": str(offload_folder)} if offload_folder is not None else {}), **kwargs
             )
@@ -360,7 +384,13 @@ def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_r
         model.to(resolve_device(device))
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel.wrap(model, _pad_token(tok), source)
+    return LoadedModel.wrap(model, _pad_token(tok), source, config)
+
+
+def _config_for(load_path: str, kwargs: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(load_path, **kwargs)
 
 
 PROBE_SENTENCE = "The quick brown fox jumps over the lazy dog while the band plays on."
@@ -446,7 +476,13 @@ def gguf_cache_dir(source: ModelSource) -> Path | None:
 
 
 def _save_gguf_cache(model, tok, target: Path) -> None:
-    """Best effort: a failure to cache never fails a load; the first of two racing writers wins."""
+    """Best effort: a failure to cache never fails a load; the first of two racing writers wins. Only
+    a float32 model is cached (the copy is what ``dtype="auto"`` loads later: a first load in
+    bfloat16 must not make every later one bfloat16)."""
+    import torch
+
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return
     try:
         with staged_dir(target, check=False, if_absent=True, tag="gguf") as tmp:
             # the weights are already de-quantised floats; drop the GGUF marker so they serialise

@@ -1,72 +1,116 @@
-"""Architecture knowledge as data: where each supported model family keeps its attention.
+"""Architecture knowledge as data: where each family keeps the projections that weight folding
+rewrites, and the families that do not fit with the reason.
 
-Every entry names the decoder-layer list, the attention module inside a layer, its projections
-(or the fused projection and how it splits), its q/k norms, and whether layers can use a
-sliding window. Capture itself never needs these names (it reads post-RoPE Q/K/V through
-transformers' attention interface); weight folding and fingerprints do.
+Calibration, verify, eval and the runtime cache need no entry here: they read post-RoPE Q/K/V
+through transformers' attention interface and find the attention modules by structure
+(:func:`oscar_calib.model.geometry.decoder_attention`), for any causal LM. Only ``oscar
+fold-weights`` touches weights, and it needs to know which projection yields V (its rows are
+rotated) and which one reads the attention output (its columns are). An entry is keyed by the
+text model's ``config.model_type`` (a multimodal wrapper's language model: ``gemma3_text``,
+``qwen2_5_vl_text``, ...); it names the projections inside the attention module, its q/k norms, and
+whether its layers can use a sliding window or carry projection biases (what the support table
+shows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract.settings import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
 from ..errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    layers: str = "model.layers"          # attribute path from the CausalLM to the layer list
-    attention: str = "self_attn"           # attribute of a decoder layer
     q_proj: str | None = "q_proj"
     k_proj: str | None = "k_proj"
     v_proj: str | None = "v_proj"
     o_proj: str = "o_proj"
     fused_qkv: str | None = None           # one Linear producing [q | k | v] along its output rows
-    q_norm: str | None = None              # applied before RoPE (per head, or per layer for MiniMax-M2)
+    q_norm: str | None = None              # applied before RoPE (per head, or per layer for MiniMax-M2 and OLMo)
     k_norm: str | None = None
     sliding_window: bool = False           # some layers attend to a window only
     bias: bool = False                     # q/k/v projections may carry a bias
 
 
+_QK = dict(q_norm="q_norm", k_norm="k_norm")
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
     "mistral": ArchSpec(sliding_window=True),
     "qwen2": ArchSpec(sliding_window=True, bias=True),
-    "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm", sliding_window=True),
+    "qwen3": ArchSpec(**_QK, sliding_window=True),
     "gemma2": ArchSpec(sliding_window=True),
-    "gemma3_text": ArchSpec(q_norm="q_norm", k_norm="k_norm", sliding_window=True),
-    "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "gemma3_text": ArchSpec(**_QK, sliding_window=True),
+    "olmo2": ArchSpec(**_QK),
     # GLM-4.5/4.6/4.7 (GLM-4.7-FP8): q/k norms when use_qk_norm, q/k/v bias, partial RoPE
-    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm", bias=True),
+    "glm4_moe": ArchSpec(**_QK, bias=True),
     # MiniMax-M2.x: q/k norms over the whole projection (qk_norm_type per_layer), partial RoPE
-    "minimax_m2": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "minimax_m2": ArchSpec(**_QK),
     "phi3": ArchSpec(q_proj=None, k_proj=None, v_proj=None, fused_qkv="qkv_proj", sliding_window=True),
+    # mixtures of experts: the attention is a dense Llama/Qwen block, only the MLP is routed
+    "qwen3_moe": ArchSpec(**_QK, sliding_window=True),
+    "qwen2_moe": ArchSpec(sliding_window=True, bias=True),
+    "mixtral": ArchSpec(sliding_window=True),
+    # gpt-oss: q/k/v/o biases, a learned attention-sink logit per query head (``sinks``, which folding
+    # leaves alone: the sink's value is zero), sliding and full layers alternating
+    "gpt_oss": ArchSpec(sliding_window=True, bias=True),
+    "granitemoe": ArchSpec(),
+    # Llama 4: weightless L2 q/k norms on RoPE layers, which attend within chunks
+    "llama4_text": ArchSpec(),
+    "olmo3": ArchSpec(**_QK, sliding_window=True),
+    "seed_oss": ArchSpec(bias=True),
+    "smollm3": ArchSpec(sliding_window=True),
+    "granite": ArchSpec(),
+    "exaone4": ArchSpec(**_QK, sliding_window=True),
+    "ernie4_5": ArchSpec(bias=True),
+    # the language models of multimodal wrappers (gemma3 and mistral3 wrap gemma3_text and mistral)
+    "qwen2_5_vl_text": ArchSpec(bias=True),
+    "qwen3_vl_text": ArchSpec(**_QK),
 }
+
+_MLA = "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V"
+_HYBRID = ("a hybrid model: its {kinds} layers keep a recurrent state, not a KV cache, and the artifact describes "
+           "every layer as softmax attention")
 
 # Families known not to fit: the reason is shown to the user.
 UNSUPPORTED: dict[str, str] = {
-    "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V",
-    "deepseek_v3": "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V",
-    "kimi_k2": "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V",
-    "minicpm3": "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V",
+    "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
+    "deepseek_v32": _MLA,
+    "kimi_k2": _MLA,
+    "glm_moe_dsa": _MLA,
+    "minicpm3": _MLA,
+    "qwen3_next": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
+    "qwen3_5": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
+    "qwen3_5_text": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
+    "qwen3_5_moe": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
+    "qwen3_5_moe_text": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
+    "falcon_h1": _HYBRID.format(kinds="Mamba-2 (beside attention in every layer)"),
+    "lfm2": _HYBRID.format(kinds="short-convolution"),
+    "gemma4": "sliding and global layers differ in head_dim (and KV heads), and the artifact holds one head "
+              "geometry for every layer",
+    "gemma4_text": "sliding and global layers differ in head_dim (and KV heads), and the artifact holds one head "
+                   "geometry for every layer",
     "mamba": "state-space model without a KV cache",
     "mamba2": "state-space model without a KV cache",
     "rwkv": "recurrent model without a KV cache",
 }
 
 
+def refusal_for(model_type: str) -> str | None:
+    """Why the family ``model_type`` cannot be calibrated at all (None: nothing known against it)."""
+    return UNSUPPORTED.get(model_type)
+
+
 def arch_for(model_type: str) -> ArchSpec:
-    """The registry entry for ``config.model_type``, or a clear error."""
+    """The registry entry for ``config.model_type`` (the text model's), or one line saying what
+    is missing: what weight folding needs it for."""
     if model_type in UNSUPPORTED:
         raise UnsupportedModelError(f"unsupported architecture {model_type!r}: {UNSUPPORTED[model_type]}")
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
+            f"architecture {model_type!r} has no entry in oscar's registry (oscar_calib/model/registry.py), which "
+            "names the value and output projections that fold-weights rewrites; registered: "
+            f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[model_type]
-
-
-def get_attr_path(obj, path: str):
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj

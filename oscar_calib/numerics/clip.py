@@ -9,8 +9,9 @@ Objectives minimised over the clip grid, independently per layer and KV head:
 * **K**: query-weighted logit error ``E_K(c) = mean_t (k̂_t − k_t R) Rᵀ C_Q R (k̂_t − k_t R)ᵀ``,
   i.e. the expected squared error of the logits ``q·kᵀ`` under the calibrated query covariance.
 * **V**: attention-output error ``E_V(c) = Σ_j ‖P_j (V̂ − V R)‖² / Σ_j ‖P_j V R‖²`` over the
-  query heads ``j`` sharing the KV head, with ``P_j`` the model's own causal (and sliding-window)
-  attention probabilities on the held-out sequence. Rotations are orthogonal, so this equals the
+  query heads ``j`` sharing the KV head, with ``P_j`` the model's own causal (and sliding-window or
+  chunked) attention probabilities on the held-out sequence, attention sinks included (gpt-oss: a
+  learned logit per query head joins each row's softmax as a key of value zero). Rotations are orthogonal, so this equals the
   error of the un-rotated output.
 
 The report's held-out figures are relative RMS errors: logits (``k``), attention output with V
@@ -32,14 +33,28 @@ from .quant import clip_rows, fake_quant_int2
 CLIP_GRID = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.90, 0.88, 0.85, 0.80, 0.75)
 
 
-def causal_mask(t: int, sliding_window: int | None = None, device=None) -> torch.Tensor:
-    """[t, t] boolean: query i sees key j when j ≤ i (and i − j < ``sliding_window`` when given)."""
+def causal_mask(t: int, sliding_window: int | None = None, device=None, chunk: int | None = None) -> torch.Tensor:
+    """[t, t] boolean: query i sees key j when j ≤ i (and i − j < ``sliding_window`` when given, and
+    j in i's chunk of ``chunk`` tokens when given: chunked attention)."""
     i = torch.arange(t, device=device).unsqueeze(1)
     j = torch.arange(t, device=device).unsqueeze(0)
     m = j <= i
     if sliding_window:
         m &= j > i - sliding_window
+    if chunk:
+        m &= j // chunk == i // chunk
     return m
+
+
+def attention_probs(s: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax`` over the last axis of scores ``s [J, T, S]`` where ``mask [T, S]`` allows; with
+    ``sinks [J]`` (attention-sink logits) one more key per query head joins the softmax and its
+    column is dropped after, so each row sums to less than one (its value is zero)."""
+    s = s.masked_fill(~mask, -math.inf)
+    if sinks is None:
+        return torch.softmax(s, -1)
+    col = sinks.to(s.dtype).view(-1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
 
 
 @dataclass
@@ -55,6 +70,8 @@ class HeldoutLayer:
     sliding_window: int | None = None
     softcap: float | None = None
     serving: tuple[int, int] | None = None       # (sink, recent) read in full precision by heldout_errors
+    sinks: torch.Tensor | None = None            # [Hq] attention-sink logits (gpt-oss), None: none
+    chunk: int | None = None                     # chunked attention (Llama 4): keys of the query's chunk only
 
     def exact(self, t: int) -> torch.Tensor | None:
         """[t, t] boolean: the (query, key) pairs a serving cache reads in full precision (None: none)."""
@@ -79,14 +96,15 @@ class HeldoutLayer:
             return self
         move = lambda xs: [x.to(device) for x in xs]  # noqa: E731
         return HeldoutLayer(move(self.q), move(self.k), move(self.v), move(self.o), self.scaling,
-                            self.sliding_window, self.softcap, self.serving)
+                            self.sliding_window, self.softcap, self.serving,
+                            None if self.sinks is None else self.sinks.to(device), self.chunk)
 
     @property
     def group(self) -> int:
         return self.q[0].shape[1] // self.k[0].shape[1]
 
     def mask(self, t: int) -> torch.Tensor:
-        return causal_mask(t, self.sliding_window, self.device)
+        return causal_mask(t, self.sliding_window, self.device, self.chunk)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """[Hq, T, T] scaled (and soft-capped) logits, GQA-expanded, unmasked."""
@@ -100,8 +118,7 @@ class HeldoutLayer:
         if self._probs is None:
             self._probs = []
             for q, k in zip(self.q, self.k):
-                s = self.logits(q, k).masked_fill(~self.mask(q.shape[0]), -math.inf)
-                self._probs.append(torch.softmax(s, -1))
+                self._probs.append(attention_probs(self.logits(q, k), self.mask(q.shape[0]), self.sinks))
         return self._probs
 
     def references(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -203,7 +220,7 @@ def heldout_errors(held: HeldoutLayer, k_rot, k_clip, v_rot, v_clip, group_size:
         attend = held.attend if exact is None else (
             lambda pr, vx: held.attend(pr * exact, v) + held.attend(pr * ~exact, vx))
         num["v"] += float((attend(p, vq) - o_ref).pow(2).sum())
-        p_q = torch.softmax(s_q.masked_fill(~m, -math.inf), -1)
+        p_q = attention_probs(s_q, m, held.sinks)
         num["attn"] += float((attend(p_q, vq) - o_ref).pow(2).sum())
         den["v"] += float(o_ref.pow(2).sum())
         den["attn"] += float(o_ref.pow(2).sum())

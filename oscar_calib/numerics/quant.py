@@ -197,4 +197,10 @@ def logit_noise(q_rot: torch.Tensor, k_scale: torch.Tensor, group_size: int, gai
     stored group scales (``G = group_size``); leading dims broadcast. Returns ``[..., Q, K]``
     float32."""
     qn = q_rot.float().unflatten(-1, (-1, group_size)).pow(2).sum(-1)                  # [..., Q, d/G]
-    return (gain * scaling * scaling / 24.0) * (qn @ k_scale.float().pow(2).transpose(-1, -2))
+    return logit_noise_coefficient(gain, scaling) * (qn @ k_scale.float().pow(2).transpose(-1, -2))
+
+
+def logit_noise_coefficient(gain: float, scaling: float) -> float:
+    """The constant of :func:`logit_noise`: ``gain · ½ · scaling² / 12`` (the correction is this
+    times ``Σ_g |q_g|² s_g²``); the decode kernel takes it as one scalar."""
+    return gain * 0.5 * scaling * scaling / 12.0

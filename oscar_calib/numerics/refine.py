@@ -37,7 +37,7 @@ import torch
 
 from ..contract.defaults import DEFAULT_REFINE_LR, DEFAULT_SINK
 from ..errors import InputError
-from .clip import causal_mask
+from .clip import attention_probs, causal_mask
 from .quant import LEVELS, SCALE_FLOOR, clip_rows, fake_quant_int2
 
 
@@ -99,13 +99,16 @@ class HeadRows:
     scaling: float
     sliding_window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None        # [J] attention-sink logits of the J query heads (None: none)
+    chunk: int | None = None                 # chunked attention: keys of the query's chunk only
 
     def mask(self, t: int) -> torch.Tensor:
-        return causal_mask(t, self.sliding_window)
+        return causal_mask(t, self.sliding_window, chunk=self.chunk)
 
     def to(self, dtype: torch.dtype) -> "HeadRows":
         return HeadRows([x.to(dtype) for x in self.q], [x.to(dtype) for x in self.k],
-                        [x.to(dtype) for x in self.v], self.scaling, self.sliding_window, self.softcap)
+                        [x.to(dtype) for x in self.v], self.scaling, self.sliding_window, self.softcap,
+                        None if self.sinks is None else self.sinks.to(dtype), self.chunk)
 
     @classmethod
     def of_layer(cls, held, head: int, seqs: list[int] | None = None) -> "HeadRows":
@@ -115,7 +118,8 @@ class HeadRows:
         sl = slice(head * grp, (head + 1) * grp)
         idx = range(len(held.q)) if seqs is None else seqs
         return cls([held.q[i][:, sl] for i in idx], [held.k[i][:, head] for i in idx],
-                   [held.v[i][:, head] for i in idx], held.scaling, held.sliding_window, held.softcap)
+                   [held.v[i][:, head] for i in idx], held.scaling, held.sliding_window, held.softcap,
+                   None if held.sinks is None else held.sinks[sl], held.chunk)
 
 
 def split_sequences(n: int) -> tuple[list[int], list[int] | None]:
@@ -127,12 +131,11 @@ def split_sequences(n: int) -> tuple[list[int], list[int] | None]:
     return list(range(n - n_valid)), list(range(n - n_valid, n))
 
 
-def _attend(q, k, v, mask, scaling, softcap):
+def _attend(q, k, v, mask, scaling, softcap, sinks=None):
     s = torch.einsum("tjd,sd->jts", q, k) * scaling
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    p = torch.softmax(s.masked_fill(~mask, -math.inf), -1)
-    return torch.einsum("jts,sd->tjd", p, v)
+    return torch.einsum("jts,sd->tjd", attention_probs(s, mask, sinks), v)
 
 
 def attention_error(rows: HeadRows, rk: torch.Tensor, ck: float, rv: torch.Tensor, cv: float, group_size: int,
@@ -143,12 +146,12 @@ def attention_error(rows: HeadRows, rk: torch.Tensor, ck: float, rv: torch.Tenso
     num = den = 0.0
     for n, (q, k, v) in enumerate(zip(rows.q, rows.k, rows.v)):
         mask = rows.mask(q.shape[0])
-        ref = refs[n] if refs is not None else _attend(q, k, v, mask, rows.scaling, rows.softcap)
+        ref = refs[n] if refs is not None else _attend(q, k, v, mask, rows.scaling, rows.softcap, rows.sinks)
         kq = quantise(k @ rk, ck, group_size) @ rk.T
         vq = quantise(v @ rv, cv, group_size) @ rv.T
         keep = (torch.arange(k.shape[0]) < sink).unsqueeze(-1)
         kq, vq = torch.where(keep, k, kq), torch.where(keep, v, vq)
-        out = _attend(q, kq, vq, mask, rows.scaling, rows.softcap)
+        out = _attend(q, kq, vq, mask, rows.scaling, rows.softcap, rows.sinks)
         num = num + (out - ref).pow(2).sum()
         den = den + float(ref.pow(2).sum())
     return num / max(den, 1e-300)
@@ -164,7 +167,7 @@ def exact_error(rows: HeadRows, rk: torch.Tensor, ck: float, rv: torch.Tensor, c
 
 def _references(rows: HeadRows) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [_attend(q, k, v, rows.mask(q.shape[0]), rows.scaling, rows.softcap)
+        return [_attend(q, k, v, rows.mask(q.shape[0]), rows.scaling, rows.softcap, rows.sinks)
                 for q, k, v in zip(rows.q, rows.k, rows.v)]
 
 

@@ -18,12 +18,16 @@ history        stored token ``t`` with ``S <= t < n' - R`` (INT2, rotated)
 new tokens     the model's own mask over the call's tokens, at full precision (rotated here)
 =============  ==============================================================================
 
-and, in sliding-window layers, only ``i - t < W``. This is the simulation's rule
+and, in sliding-window layers, only ``i - t < W``; in chunked-attention layers (Llama 4), only the
+tokens of ``i``'s chunk, ``t >= C * floor(i / C)``. This is the simulation's rule
 (:class:`~oscar_calib.runtime.simulated.SimulatedCache`): a token pushed out of the window by
 this call is read as INT2, the call's own tokens as the model computed them. Attention is
 computed in the rotated basis (``q @ R_k``, values ``v @ R_v``) and the output rotated back with
 ``R_vᵀ`` unless V is folded. With the plan's ``logit_correction``, every INT2 key's logit loses its
 logit-noise correction (:func:`~oscar_calib.numerics.quant.logit_noise`, from its stored scales).
+Attention sinks (gpt-oss passes a learned logit per query head as ``s_aux``) start the online
+softmax: its running maximum at the sink logit and its denominator at one, the sink counted as a
+key of value zero, as the model's own attention counts it.
 """
 
 from __future__ import annotations
@@ -40,14 +44,20 @@ def allowed_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
-def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None) -> torch.Tensor:
+def online_softmax(q: torch.Tensor, blocks, scale: float, softcap: float | None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ · scale - noise) v`` over key blocks. ``q [B, H, G, T, d]`` float32 (G query
     heads per KV head); each block is ``(k [B, H, L, d], v [B, H, L, d], allowed [B, T|1, L] bool,
     noise)``, ``noise`` None or ``[B, H, G, T, L]`` subtracted from the (soft-capped) logits.
+    ``sinks [H*G]``: one more key per query head, of that logit and value zero (None: none).
     Rows that may read no key at all return 0."""
     b, h, g, t, d = q.shape
-    m = torch.full((b, h, g, t), float("-inf"), device=q.device)
-    denom = torch.zeros(b, h, g, t, device=q.device)
+    if sinks is None:
+        m = torch.full((b, h, g, t), float("-inf"), device=q.device)
+        denom = torch.zeros(b, h, g, t, device=q.device)
+    else:                     # the sink is the first key read: exp(sink - m) = 1 with m = sink
+        m = sinks.float().reshape(1, h, g, 1).expand(b, h, g, t).contiguous()
+        denom = torch.ones(b, h, g, t, device=q.device)
     acc = torch.zeros(b, h, g, t, d, device=q.device)
     for k, v, allowed, noise in blocks:
         if k.shape[2] == 0:
@@ -81,6 +91,7 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
     ``noise(key_scales [B, H, L, d/G])``: the logit-noise correction of a history chunk (None: off)."""
     p = store.plan
     w = p.sliding_window
+    start = None if p.chunk is None else (qidx // p.chunk * p.chunk).unsqueeze(2)   # [B, T, 1]: each query's chunk
 
     keep = (n_new - p.recent).unsqueeze(1)          # tokens from here on stay 16-bit after this call
 
@@ -90,7 +101,9 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
         else:
             ok = (tok >= p.sink) & (tok < keep)
         ok = ok.unsqueeze(1)                                                      # [B, 1, L]
-        if w is not None:
+        if start is not None:
+            ok = ok & (tok.unsqueeze(1) >= start)                                 # [B, T, L]
+        elif w is not None:
             ok = ok & (qidx.unsqueeze(2) - tok.unsqueeze(1) < w)                  # [B, T, L]
         return ok
 
@@ -105,14 +118,16 @@ def _cached_blocks(store, n_new: torch.Tensor, qidx: torch.Tensor, chunk: int, n
 
 
 def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_allowed: torch.Tensor,
-                  qidx: torch.Tensor, n_new: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+                  qidx: torch.Tensor, n_new: torch.Tensor, scale: float, softcap: float | None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[B, T, Hq, d]`` (float32) of queries ``q [B, Hq, T, d]`` over the cache as
     it is (``store``) and the call's tokens ``k``/``v`` ``[B, H, T, d]`` at full precision.
 
     ``new_allowed [B, T, T]``: which new token each query may read (the model's mask);
     ``qidx [B, T]``: token index of each query; ``n_new [B]``: valid tokens after the call.
     ``k = v = None`` when the call's tokens are already written (a decode step reads its own
-    token from the 16-bit window, exactly as the decode kernel does)."""
+    token from the 16-bit window, exactly as the decode kernel does). ``sinks [Hq]``: attention-sink
+    logits (None: none)."""
     p = store.plan
     bsz, hq, t, d = q.shape
     h = store.heads
@@ -131,7 +146,7 @@ def attend_cached(store, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_
         if k is not None:
             yield _per_head(k, p.k_rotation), _per_head(v, p.v_rotation), new_allowed, None
 
-    o = online_softmax(qr, all_blocks(), scale, softcap)                          # [B, H, G, T, d]
+    o = online_softmax(qr, all_blocks(), scale, softcap, sinks)                   # [B, H, G, T, d]
     if p.v_rotation is not None:
         o = _per_head(o, p.v_rotation, transpose=True)
     return o.reshape(bsz, hq, t, d).transpose(1, 2)

@@ -17,7 +17,9 @@ that function for the duration of a ``with`` block; using the cache without it r
 :class:`~oscar_calib.errors.CacheError` (it would otherwise attend to the new tokens only).
 
 Works with batches (left padding: each sequence stores only its real tokens), GQA, beam search
-(``reorder_cache``), sliding-window layers (Gemma 2/3, Mistral: a ring of the window size), and
+(``reorder_cache``), sliding-window layers (Gemma 2/3, Mistral: a ring of the window size),
+chunked-attention layers (Llama 4: a ring of the chunk size, each query reading its own chunk;
+unpadded batches only, as left padding moves transformers' chunk boundaries), and
 ``crop`` while every stored token is still BF16 (later a crop would need BF16 copies of tokens
 that were quantised: it raises :class:`CacheError` instead of returning inexact results).
 :class:`~oscar_calib.runtime.simulated.SimulatedCache` is the accuracy simulation it is tested
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -81,13 +82,14 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
-                 sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0):
+                 sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0,
+                 chunk: int | None = None):
         super().__init__()
         self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
         self.logit_correction = logit_correction
         self.window_dtype, self.backend = window_dtype, backend
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
+        self.sliding_window, self.chunk = sliding_window, chunk
+        self.is_sliding = sliding_window is not None          # a window (sliding or chunked): a ring, no kernel
         self.attached = 0            # > 0 while an OscarAttention route serves this cache
         self.reserved = 0
         self.reset()
@@ -98,7 +100,8 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
         plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
                                v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
                                sliding_window=self.sliding_window, window_dtype=self.window_dtype or key_states.dtype,
-                               device=self.device, backend=self.backend, logit_correction=self.logit_correction)
+                               device=self.device, backend=self.backend, logit_correction=self.logit_correction,
+                               chunk=self.chunk)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -166,29 +169,16 @@ def not_storable(scheme: KVScheme) -> str | None:
 
 
 def checked_artifact(artifact, model):
-    """Load ``artifact`` and refuse it, before any cache is built, when it is invalid (non-finite
-    or non-orthogonal rotations, bad clips, wrong shapes: ``oscar validate``'s checks) or was
-    calibrated for another model (geometry and, given a model, its fingerprint)."""
-    from ..contract.artifact import (
-        Artifact,
-        load_artifact,
-        require_compatible,
-        tensor_name,
-    )
-    from ..contract.values import value_problems
+    """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
+    cache is built, when it is invalid or was calibrated for another model
+    (:func:`~oscar_calib.contract.artifact.valid_artifact`, then
+    :func:`~oscar_calib.contract.artifact.require_compatible` with ``model``'s geometry and, given a
+    model rather than a config, its fingerprint)."""
+    from ..contract.artifact import require_compatible, valid_artifact
     from ..model.geometry import geometry_of, model_fingerprint
 
-    if isinstance(artifact, Artifact):
-        art = artifact
-        tensors = {tensor_name(i, k): getattr(lr, k) for i, lr in enumerate(art.layers)
-                   for k in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues")}
-        problems = value_problems(tensors, art.metadata)
-        if problems:
-            raise ArtifactError(f"{art.path or 'the artifact'}: {problems[0]}")
-    else:
-        art = load_artifact(Path(artifact))         # refuses bad structure or values with the first problem
-    fingerprint = model_fingerprint(model) if hasattr(model, "config") else None
-    require_compatible(art, geometry_of(model), fingerprint)
+    art = valid_artifact(artifact)                 # before anything of the model is read
+    require_compatible(art, geometry_of(model), model_fingerprint(model) if hasattr(model, "config") else None)
     return art
 
 
@@ -211,8 +201,8 @@ class OscarCache(Cache):
         super().__init__(layers=[
             OscarLayer(scheme.layer(i), groups=scheme.groups(i), sink=scheme.sink, recent=scheme.recent,
                        window_dtype=scheme.window_dtype, sliding_window=w, backend=backend,
-                       logit_correction=scheme.logit_correction)
-            for i, w in enumerate(windows)])
+                       logit_correction=scheme.logit_correction, chunk=c)
+            for i, (w, c) in enumerate(windows)])
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,

@@ -5,8 +5,8 @@
 ``make test``. :func:`check_transformers` refuses anything else with one line that says so.
 
 :func:`layer_windows` reads the per-layer attention type through transformers' own
-``get_layer_types_and_kwargs``, whose return value changed shape inside the range (5.17 returns
-the layer kwargs as one dict for all layers, 5.23 as a list with one dict per layer).
+``get_layer_types_and_kwargs`` (:func:`oscar_calib.model.geometry.layer_kinds`, which also
+evens out the shape of its return value inside the range).
 """
 
 from __future__ import annotations
@@ -31,30 +31,25 @@ def check_transformers(version: str | None = None) -> None:
             f"(5.17 and 5.23 in CI); found {version}: install a version in that range")
 
 
-def text_config(config):
-    """The decoder's text config of a model config (multimodal configs nest it)."""
-    if hasattr(config, "get_text_config"):
-        return config.get_text_config(decoder=True)
-    return config
+def layer_windows(config) -> list[tuple[int | None, int | None]]:
+    """Per decoder layer ``(window, chunk)`` (the layer kinds of
+    :func:`~oscar_calib.model.geometry.layer_kinds`, transformers' own reading): ``(None, None)``
+    for full attention, ``(W, None)`` for a sliding window of ``W`` tokens, ``(C, C)`` for chunked
+    attention in chunks of ``C`` (Llama 4: a query reads the tokens of its own chunk, never more
+    than ``C``, so the layer keeps a window of ``C`` as transformers' own caches do). Other layer
+    kinds (linear, recurrent, KV-shared) are refused."""
+    from ..model.geometry import layer_kinds, text_config
 
-
-def layer_windows(config) -> list[int | None]:
-    """Per decoder layer: ``None`` for full attention, the window size for sliding attention.
-    Other layer kinds (chunked, linear, KV-shared) are refused."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    cfg = text_config(config)
-    types, kwargs = get_layer_types_and_kwargs(cfg)
-    per_layer = kwargs if isinstance(kwargs, (list, tuple)) else [kwargs] * len(types)
-    out: list[int | None] = []
-    for i, (kind, kw) in enumerate(zip(types, per_layer)):
+    out: list[tuple[int | None, int | None]] = []
+    for i, (kind, kw) in enumerate(layer_kinds(text_config(config))):
+        w = kw.get("sliding_window")
         if kind == "full_attention":
-            out.append(None)
-        elif kind == "sliding_attention" and (kw or {}).get("sliding_window"):
-            out.append(int(kw["sliding_window"]))
+            out.append((None, None))
+        elif kind in ("sliding_attention", "chunked_attention") and w:
+            out.append((int(w), int(w) if kind == "chunked_attention" else None))
         else:
-            raise UnsupportedModelError(f"layer {i} is a {kind!r} layer; the OSCAR caches support full and "
-                                        "sliding-window attention only")
+            raise UnsupportedModelError(f"layer {i} is a {kind!r} layer; the OSCAR caches support full, "
+                                        "sliding-window and chunked attention only")
     if not out:
         raise UnsupportedModelError("the model config names no attention layers")
     return out

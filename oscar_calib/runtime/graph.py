@@ -35,7 +35,7 @@ import contextlib
 
 import torch
 
-from ..errors import CacheError, InputError
+from ..errors import CacheError, InputError, UnsupportedModelError
 
 
 def graph_device(model) -> torch.device | None:
@@ -87,7 +87,7 @@ class DecodeGraph:
             found = self._layers = decoder_layers(model)
             if found is None:
                 raise InputError("DecodeGraph(compile=True) needs the model's decoder layers "
-                                 "(model.get_decoder().layers)")
+                                 "(the layer list of its text model)")
             # each batch size (and each cache a process decodes with) compiles the layers' code
             # again: room for them, where the default of 8 recompiles per function would leave
             # the rest eager. Raised for the process (never lowered); set inside the compiling
@@ -179,9 +179,14 @@ class DecodeGraph:
 
 
 def decoder_layers(model):
-    """``model``'s decoder layers (``model.get_decoder().layers``), or None where it has none."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(dec, "layers", None)
+    """``model``'s decoder layers (:func:`~oscar_calib.model.geometry.decoder_module`'s ``layers``), or
+    None where it has none."""
+    from ..model.geometry import decoder_module
+
+    try:
+        layers = getattr(decoder_module(model), "layers", None)
+    except UnsupportedModelError:
+        return None
     return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
 
 

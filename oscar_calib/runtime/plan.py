@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.defaults import group_pair
 from ..kernels import QuantizedKV, quantize_kv
 from ..kernels.append import rotate_kv
 
@@ -34,10 +35,10 @@ class LayerPlan:
     backend: str = "auto"                # kernel backend of the write and decode kernels
     v_group_size: int | None = None      # the values' group size (None: group_size)
     logit_correction: float = 0.0        # gain of the logit-noise correction of the INT2 keys (0: off)
+    chunk: int | None = None             # chunked attention: a query reads its own chunk (sliding_window = chunk)
 
     def __post_init__(self) -> None:
-        if self.v_group_size is None:
-            self.v_group_size = self.group_size
+        self.group_size, self.v_group_size = group_pair(self.group_size, self.v_group_size)
 
     @property
     def groups(self) -> tuple[int, int]:
@@ -51,7 +52,8 @@ class LayerPlan:
     @classmethod
     def build(cls, layer: tuple, *, heads: int, d: int, group_size: int, sink: int, recent: int,
               sliding_window: int | None, window_dtype: torch.dtype, device, backend: str = "auto",
-              v_group_size: int | None = None, logit_correction: float = 0.0) -> "LayerPlan":
+              v_group_size: int | None = None, logit_correction: float = 0.0,
+              chunk: int | None = None) -> "LayerPlan":
         """From a :meth:`KVScheme.layer` tuple ``(k_rotation, k_clip, v_rotation, v_clip)``; keys in
         groups of ``group_size``, values of ``v_group_size`` (default the same)."""
         rk, ck, rv, cv = (None if t is None else t.to(device, torch.float32).contiguous() for t in layer)
@@ -63,7 +65,7 @@ class LayerPlan:
             one = torch.ones(heads, device=device)
             clip2 = torch.cat([one if ck is None else ck.reshape(heads), one if cv is None else cv.reshape(heads)])
         return cls(rk, rv, rot2, clip2, group_size, sink, recent, sliding_window, window_dtype, backend,
-                   v_group_size, logit_correction)
+                   v_group_size, logit_correction, chunk)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R`` per head."""

@@ -216,19 +216,17 @@ class KVScheme:
         from ..contract.artifact import Artifact, load_artifact
 
         art = artifact if isinstance(artifact, Artifact) else load_artifact(Path(artifact))
-        md = art.metadata
-        folded = md.get("v_folded", "false") == "true"
-        k_sizes = [int(group_size)] * art.num_layers if group_size else art.layer_group_sizes
-        v_sizes = [int(group_size)] * art.num_layers if group_size else art.layer_v_group_sizes
+        st = art.settings
+        k_sizes = [int(group_size)] * art.num_layers if group_size else st.k_groups
+        v_sizes = [int(group_size)] * art.num_layers if group_size else st.v_groups
         return cls(
-            name, art.num_layers, int(group_size or art.group_size),
+            name, art.num_layers, int(group_size or st.group_size),
             [lr.k_rotation.float() for lr in art.layers],
-            [None if folded else lr.v_rotation.float() for lr in art.layers],
+            [None if st.v_folded else lr.v_rotation.float() for lr in art.layers],
             [lr.k_clip.float() for lr in art.layers], [lr.v_clip.float() for lr in art.layers],
-            sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
-            recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
+            sink=st.sink_tokens if sink is None else sink, recent=st.recent_tokens if recent is None else recent,
             window_dtype=window_dtype, k_groups=k_sizes, v_groups=v_sizes,
-            logit_correction=art.logit_correction if logit_correction is None else logit_correction)
+            logit_correction=st.logit_correction if logit_correction is None else logit_correction)
 
     @classmethod
     def shared_from_artifact(cls, artifact, *, name: str = "fork", clips: tuple[float, float] | None = None,
@@ -259,16 +257,15 @@ class KVScheme:
             if bf16_rotations:
                 rs = [r.to(torch.bfloat16).float() for r in rs]
             rot[which] = [r.expand(h, -1, -1).contiguous() for r in rs]
-        md = art.metadata
+        st = art.settings
         ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in clips)
-        n, g = art.num_layers, int(group_size or art.group_size)
+        n, g = art.num_layers, int(group_size or st.group_size)
         if quantizer == "fork-lloyd" and g != art.head_dim:
             raise InputError(f"{name}: the fork's Lloyd-Max mode needs group size = head_dim ({art.head_dim}), this "
                              f"scheme has {g}; the fork ignores SGLANG_LLOYD_MAX for grouped scales")
         return cls(name, n, g, rot["k"], [None] * n if absorb_v else rot["v"],
                    [ck] * n, [cv] * n,
-                   sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
-                   recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
+                   sink=st.sink_tokens if sink is None else sink, recent=st.recent_tokens if recent is None else recent,
                    window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [], quantizer=quantizer)
 
 
@@ -296,7 +293,7 @@ class KVScheme:
         h, n, d = art.num_kv_heads, art.num_layers, art.head_dim
         rot = {w: [art.shared_rotation(i, w)[0].float().expand(h, -1, -1).contiguous() for i in range(n)]
                for w in ("k", "v")}
-        md = art.metadata
+        st = art.settings
         if engine == "vllm":
             ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in (k_clip, v_clip))
             return cls(engine, n, d, rot["k"], rot["v"], [ck] * n, [cv] * n, sink=0, recent=0,
@@ -306,8 +303,8 @@ class KVScheme:
                 raise InputError(f"{engine}: head_dim {d} is not a whole number of q2_0 blocks of {Q2_0_BLOCK}")
             c = None if k_clip >= 1 else torch.full((h,), float(k_clip))
             return cls(engine, n, Q2_0_BLOCK, rot["k"], rot["v"], [c] * n, [c] * n,
-                       sink=int(md.get("sink_tokens", DEFAULT_SINK)) if sink is None else sink,
-                       recent=int(md.get("recent_tokens", DEFAULT_RECENT)) if recent is None else recent,
+                       sink=st.sink_tokens if sink is None else sink,
+                       recent=st.recent_tokens if recent is None else recent,
                        window_dtype=torch.float16, quantizer="llamacpp")
         raise InputError(f"unknown engine {engine!r}; choose from {', '.join(ENGINE_QUANTIZERS)}")
 

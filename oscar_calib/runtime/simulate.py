@@ -16,7 +16,9 @@ plain attention (tested). It de-quantises every key for every layer: memory and 
 the context like a full-precision cache, so it measures accuracy only.
 
 A scheme with a ``logit_correction`` subtracts it from the logit of every INT2 key
-(:func:`logit_noise_rows`), as the real cache and the decode kernel do.
+(:func:`logit_noise_rows`), as the real cache and the decode kernel do. Attention sinks (gpt-oss's
+``s_aux``, a learned logit per query head) join every softmax as one more key of value zero, as
+the model's own attention adds them.
 
 A scheme whose ``quantizer`` is ``vllm`` or ``llamacpp`` is read as those engines store it
 (:func:`vllm_rows`, :func:`llamacpp_rows`; the same per-query-position simplifications as the fork's).
@@ -39,7 +41,7 @@ import math
 import torch
 
 from ..errors import EvalError
-from ..model.capture import AttentionRoute
+from ..model.capture import AttentionRoute, call_window
 from .attend import allowed_mask
 from .scheme import QUANTIZERS, KVScheme
 
@@ -49,15 +51,15 @@ SIM_NAME = "oscar_kv_sim"
 _ACTIVE: list["SimulatedKV"] = []
 
 
-def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                   softcap=None, **kwargs):
+def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, s_aux=None,
+                   **kwargs):
     sim = _ACTIVE[-1]
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise EvalError(f"{type(module).__name__} has no layer_idx")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = sim.attend(layer, query, key, value, attention_mask, scale,
-                     sliding_window or getattr(module, "sliding_window", None), softcap)
+    out = sim.attend(layer, query, key, value, attention_mask, scale, call_window(module, kwargs), softcap,
+                     **({} if s_aux is None else {"sinks": s_aux}))
     return out.to(query.dtype), None
 
 
@@ -101,10 +103,11 @@ class SimulatedKV(AttentionRoute):
         return allowed_mask(mask[..., -s:])
 
     def attend(self, layer: int, q, k, v, mask, scaling: float, window: int | None, softcap,
-               positions=None) -> torch.Tensor:
+               positions=None, sinks=None) -> torch.Tensor:
         """q [B, Hq, T, d], k/v [B, Hkv, S, d] -> attention output [B, T, Hq, d] (float32).
         ``positions``: the query rows' positions among the keys (a sequence of ``T`` ints; default
         the last ``T``), with ``mask`` None: row ``i`` reads the keys up to its position.
+        ``sinks [Hq]``: attention-sink logits, one more key per query head of value zero (gpt-oss).
 
         Exact per-(i, j) selection with one attention call per block of query rows: the keys are
         the INT2 version followed by the window version (oscar's quantiser: the INT2 keys rotated
@@ -139,7 +142,7 @@ class SimulatedKV(AttentionRoute):
             qf, kf, vf = q.float(), k.float().repeat_interleave(grp, 1), v.float().repeat_interleave(grp, 1)
             for a in range(0, len(pre), step):
                 r = pre[a:a + step]
-                out[:, :, r] = _scores_softmax(qf[:, :, r], kf, vf, allowed[..., r, :], scaling, softcap)
+                out[:, :, r] = _scores_softmax(qf[:, :, r], kf, vf, allowed[..., r, :], scaling, softcap, sinks=sinks)
         if not len(post):
             return out.transpose(1, 2)
         qf, keys, values, k_lo, v_lo, back, *engine = rows(sch, layer, q, k, v)
@@ -164,7 +167,7 @@ class SimulatedKV(AttentionRoute):
                     noise = torch.cat([noise, torch.zeros_like(noise)], dim=-1)                # [B, Hq, Tb, 2S]
             o = _scores_softmax(qf[:, :, r], keys, values, ok, scaling, softcap, noise,
                                 None if q_lo is None or k_lo is None else q_lo[:, :, r],
-                                hp_weights if k_lo is not None else None)
+                                hp_weights if k_lo is not None else None, sinks)
             out[:, :, r] = back(o) if back is not None else o
         return out.transpose(1, 2)
 
@@ -173,13 +176,16 @@ class SimulatedKV(AttentionRoute):
 ROW_BLOCK_ELEMENTS = 1 << 26
 
 
-def _scores_softmax(qf, keys, values, allowed, scaling: float, softcap, noise=None, q_lo=None, hp_weights=None):
+def _scores_softmax(qf, keys, values, allowed, scaling: float, softcap, noise=None, q_lo=None, hp_weights=None,
+                    sinks=None):
     """``softmax(q·kᵀ · scaling − noise) · v`` over the keys ``allowed`` lets each row read:
     ``qf [B, Hq, T, d]``, ``keys``/``values`` ``[B, Hq, K, d]``, ``allowed [B|1, 1, T, K]`` bool,
     ``noise`` None or ``[B, Hq, T, K]``. With ``q_lo`` (an engine's low-precision query) the first
     ``K/2`` keys (the INT2 half) are scored with it; ``hp_weights``: the dtype the weights of the
-    second half are rounded to before they meet its values (see :func:`llamacpp_rows`)."""
-    if not softcap and q_lo is None:
+    second half are rounded to before they meet its values (see :func:`llamacpp_rows`); ``sinks
+    [Hq]``: attention-sink logits, one more column per query head whose value is zero (gpt-oss)."""
+    hq = qf.shape[1]
+    if not softcap and q_lo is None and sinks is None:
         mask = allowed if noise is None else (-noise).masked_fill(~allowed, -math.inf)
         return torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
     half = keys.shape[2] // 2
@@ -192,7 +198,12 @@ def _scores_softmax(qf, keys, values, allowed, scaling: float, softcap, noise=No
         sc = torch.tanh(sc / softcap) * softcap
     if noise is not None:
         sc = sc - noise
-    p = torch.softmax(sc.masked_fill(~allowed, -math.inf), dim=-1)
+    sc = sc.masked_fill(~allowed, -math.inf)
+    if sinks is not None:           # the sink column joins the softmax, then leaves (its value is zero)
+        sc = torch.cat([sc, sinks.float().view(1, hq, 1, 1).expand(*sc.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(sc, dim=-1)
+    if sinks is not None:
+        p = p[..., :-1]
     if hp_weights is not None:
         p = torch.cat([p[..., :half], _round(p[..., half:], hp_weights)], -1)
     return p @ values

@@ -22,7 +22,9 @@ the real cache's rotated window holds them, ``bf16(bf16(x)R)·Rᵀ``), then the 
 exactly as the model computed them; a decode step (one new token) reads its own token from the
 window too, as the real cache does. A decode step therefore reads what a kernel reads with the
 query rotated online; a multi-token call (the prefill) attends in full precision.
-Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``.
+Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``, and
+so do chunked-attention layers with the chunk as the window (as transformers' ``DynamicCache`` keeps
+them; the model's chunked mask picks the query's chunk).
 With identity rotations, ``quantize`` off and ``window_dtype=None`` it equals ``DynamicCache``.
 """
 
@@ -264,7 +266,7 @@ class SimulatedCache(Cache):
                                 f"{len(windows)} layers")
         self.scheme = scheme
         layers = []
-        for i, w in enumerate(windows):
+        for i, (w, _) in enumerate(windows):
             rk, ck, rv, cv = scheme.layer(i)
             layers.append(SimulatedLayer(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
                                          groups=scheme.groups(i) if scheme.quantized else None,

@@ -70,8 +70,9 @@ def held_slots(n: int, sink: int, recent: int, ring: int | None) -> tuple[int, i
 
 def context_bits(scheme, windows: list, tokens: int, window_bits: int | None = None) -> float:
     """Bits per K/V element :class:`~oscar_calib.runtime.cache.OscarCache` holds for a sequence of
-    ``tokens`` tokens stored with ``scheme`` in a model whose layers have the sliding ``windows``
-    (None: full attention; :func:`~oscar_calib.runtime.compat.layer_windows`): its window slots
+    ``tokens`` tokens stored with ``scheme`` in a model whose layers have ``windows`` (per layer
+    :func:`~oscar_calib.runtime.compat.layer_windows`'s ``(window, chunk)``, or the window alone;
+    None: full attention, else a history ring of the window's size): its window slots
     in the window dtype (``window_bits``, default the scheme's window dtype), its history slots at
     ``scheme.layer_bits`` (codes and fp16 parameters), over the elements a 16-bit cache would hold
     for the same tokens (:func:`held_slots`; ``16 / compression`` of :meth:`OscarCache.memory`).
@@ -80,7 +81,8 @@ def context_bits(scheme, windows: list, tokens: int, window_bits: int | None = N
         return scheme.bits_per_element
     wb = window_bits or (torch.finfo(scheme.window_dtype).bits if scheme.window_dtype else 16)
     held = elements = 0.0
-    for i, ring in enumerate(windows):
+    for i, win in enumerate(windows):
+        ring = win[0] if isinstance(win, tuple) else win
         w, h, kept = held_slots(tokens, scheme.sink, scheme.recent, ring)
         held += w * wb + h * scheme.layer_bits(i)
         elements += kept

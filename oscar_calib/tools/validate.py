@@ -12,9 +12,12 @@ file                   a complete safetensors file: 8-byte header length, JSON h
 metadata               ``format``/``format_version`` and every required key, integer fields
                        within bounds (layers, heads, head_dim a multiple of 4, windows),
                        ``bits`` = 2, a known ``granularity``/``composition``/objectives,
-                       ``group_size`` a power of two dividing ``head_dim``, query heads a
-                       multiple of KV heads, ``calibration`` a JSON object,
-                       ``model_fingerprint`` 64 hex digits, ``model_type`` well formed; metadata
+                       ``group_size`` (and the optional per-layer ``layer_group_sizes`` /
+                       ``layer_v_group_sizes``) a power of two of at least 4 dividing
+                       ``head_dim``, query heads a multiple of KV heads, the optional
+                       ``logit_correction`` in [0, 4], ``calibration`` a JSON object,
+                       ``model_fingerprint`` 64 hex digits, ``model_type`` well formed
+                       (:class:`~oscar_calib.contract.settings.ArtifactSettings`); metadata
                        that every tensor contradicts is named once as the root cause
 shapes                 every tensor of every layer present, float32, with its contract shape
 finite                 no NaN/Inf anywhere
@@ -26,10 +29,6 @@ shared                 the optional ``layers.{i}.{k,v}_layer_rotation`` [d, d] a
 clips                  every clip ratio in (0, 1]
 eigenvalues            descending along head_dim, up to 1e-6 of the head's largest |λ|
 granularity            ``layer``: one rotation repeated for every KV head
-group_sizes            the optional ``layer_group_sizes`` and ``layer_v_group_sizes`` (a bit
-                       budget; the values' sizes when K and V differ): one power of two
-                       dividing ``head_dim`` per layer
-logit_correction       the optional gain of the logit-noise correction: a number in [0, 4]
 model_source           the optional record of where the model came from: a JSON object with a
                        known ``kind`` and the ``alias`` / ``path`` / ``hub_id`` it needs
 digest                 the stored ``content_sha256`` matches the content (none stored: a

@@ -11,7 +11,9 @@ Procedure
    batch of sequences with different lengths.
    K and V go through the write kernel (rotation, clip, INT2) with the first ``sink`` and last
    ``recent`` tokens kept in BF16, exactly as at serving time, and the decode kernel computes
-   the attention output (un-rotated back with ``Rᵀ``).
+   the attention output (un-rotated back with ``Rᵀ``). A chunked-attention layer (Llama 4) holds the
+   tokens of the query's chunk only; a model with attention sinks (gpt-oss) has them added to the
+   kernel's softmax, as its own attention does.
 3. Per layer, relative errors against full-precision attention (the model's own output):
    ``attn`` = ‖o_int2 − o‖ / ‖o‖ and ``logit`` = ‖q K̂ᵀ − q Kᵀ‖ / ‖q Kᵀ‖ over the cached tokens,
    pooled over depths, sequences and heads.
@@ -49,8 +51,6 @@ from pathlib import Path
 import torch
 
 from ..contract.artifact import (
-    LAYER_GROUPS_METADATA,
-    LAYER_V_GROUPS_METADATA,
     load_artifact,
     require_compatible,
 )
@@ -114,16 +114,17 @@ def _backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _samples(depths, positions: int, stride: int, window: int | None) -> list[tuple[int, int]]:
+def _samples(depths, positions: int, stride: int, window: int | None, chunk: int | None = None) -> list[tuple[int, int]]:
     """(start, end) token ranges: for every depth T, ``positions`` query positions T-1, T-1-stride, …;
     the cache of a query at position e-1 holds [start, e) (a sliding window keeps only its last
-    ``window`` tokens)."""
+    ``window`` tokens, a chunked layer the tokens of the query's ``chunk``)."""
     out = []
     for depth in depths:
         for j in range(positions):
             end = depth - j * stride
             if end >= 2:
-                out.append((max(0, end - window) if window else 0, end))
+                start = max(0, end - window) if window else (end - 1) // chunk * chunk if chunk else 0
+                out.append((start, end))
     return out
 
 
@@ -131,7 +132,7 @@ PAGE = 16
 
 
 def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_size, v_group_size, sink, recent,
-                  backend, scaling: float, logit_correction: float = 0.0) -> dict:
+                  backend, scaling: float, logit_correction: float = 0.0, sinks=None) -> dict:
     """Relative attention-output and logit errors of one layer, pooled over all samples (the
     attention output with the artifact's logit-noise correction, as the cache serves it).
 
@@ -193,7 +194,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
     q = torch.stack([q_all[b, at[e - 1]] for b, _, e in rows])             # [N, Hq, d]
     ref = torch.stack([o_all[b, at[e - 1]] for b, _, e in rows]).float()
     o = decode_attention(q, cache, k_rotation=rot_k, v_rotation=rot_v, unrotate=True, sm_scale=scaling,
-                         out_dtype=torch.float32, backend=backend, logit_correction=logit_correction)  # the kernel
+                         out_dtype=torch.float32, backend=backend, logit_correction=logit_correction,
+                         sinks=sinks)                                                          # the kernel
     num_o = float((o.float() - ref).pow(2).sum())
     den_o = float(ref.pow(2).sum())
     # logits over each sample's cached tokens: INT2 history dequantised, sink/window exact
@@ -213,7 +215,8 @@ def _layer_errors(caps: dict, samples, rot_k, clip_k, rot_v, clip_v, *, group_si
             "samples": len(rows)}
 
 
-def _fork_layer_errors(caps: dict, samples, scheme, layer: int, scaling: float, window: int | None) -> dict:
+def _fork_layer_errors(caps: dict, samples, scheme, layer: int, scaling: float, window: int | None,
+                       sinks=None) -> dict:
     """Relative attention-output error of the fork's scheme for one layer, pooled like ``attn``: each
     sample's query reads its cache through :class:`~oscar_calib.runtime.simulate.SimulatedKV` (BF16
     sink and window by absolute position, the rest INT2 the fork's way). One call covers every
@@ -226,7 +229,7 @@ def _fork_layer_errors(caps: dict, samples, scheme, layer: int, scaling: float, 
     q = caps["q"][:, rows].transpose(1, 2)                                  # [B, Hq, T, d]
     k, v = caps["k"][:, :ends[-1]].transpose(1, 2), caps["v"][:, :ends[-1]].transpose(1, 2)
     o = SimulatedKV(None, scheme).attend(layer, q, k, v, None, scaling, window, None,
-                                         positions=[e - 1 for e in ends])    # [B, T, Hq, d]
+                                         positions=[e - 1 for e in ends], sinks=sinks)    # [B, T, Hq, d]
     ref = caps["o"][:, rows].float()
     return {"attn": math.sqrt(float((o - ref).pow(2).sum()) / max(float(ref.pow(2).sum()), 1e-300))}
 
@@ -257,7 +260,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     is refused with one :class:`InputError` before anything loads, rather than falling back: a run
     that asks for the kernels must not silently check the references instead."""
     from ..calibrate.corpus import load_texts, plan_tokens
-    from ..model.capture import Capture, capture_forward
+    from ..model.capture import Capture, call_window, capture_forward
     from ..model.load import load_model
 
     t0 = time.perf_counter()
@@ -283,7 +286,8 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     dev = input_device(lm.model)
     spread = len(set(getattr(lm.model, "hf_device_map", {"": 0}).values())) > 1
     backend = _backend(backend, dev)
-    sink, recent, group_size = int(art.metadata["sink_tokens"]), int(art.metadata["recent_tokens"]), art.group_size
+    st = art.settings
+    sink, recent, group_size = st.sink_tokens, st.recent_tokens, st.group_size
     max_depth = depths[-1]
     plan = plan_tokens(lm.tokenizer, data=data, tokens=max_depth, seq_len=max_depth, heldout_tokens=max_depth,
                        heldout_seqs=sequences, seed=seed + 1, corpus_split="heldout", documents=documents)
@@ -306,9 +310,10 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                                           device="cpu" if spread else dev) for n, t in got.items()} | {"at": at}
         for n, t in got.items():
             caps[layer][n][seq[0]] = t[0]
-        sw = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        sinks = kwargs.get("s_aux")
         info[layer] = {"scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
-                       "window": int(sw) if sw else None}
+                       "window": call_window(module, kwargs),
+                       "sinks": None if sinks is None else sinks.detach().float().to("cpu" if spread else dev)}
 
     with step(progress, "verify: held-out pass"), torch.no_grad(), Capture(lm.model, [observe]):
         for seq[0] in range(len(ids)):
@@ -321,19 +326,22 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     rows = []
     tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
     for i, layer in enumerate(art.layers):
-        gk, gv = art.layer_groups[i]
+        gk, gv = st.layer_groups[i]
         kw = dict(group_size=gk, v_group_size=gv, sink=sink, recent=recent, backend=backend,
                   scaling=info[i]["scaling"])
-        samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"])
+        chunk = geo.layer(i).window if geo.layer_types[i] == "chunked_attention" else None
+        samples = _samples(depths, positions, POSITION_STRIDE, info[i]["window"], chunk)
         cap = {k: t.to(dev) if torch.is_tensor(t) else t for k, t in caps.pop(i).items()}  # a layer at a time on dev
+        sinks = None if info[i]["sinks"] is None else info[i]["sinks"].to(dev)
+        kw["sinks"] = sinks
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
                              layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw,
-                             logit_correction=art.logit_correction)
+                             logit_correction=st.logit_correction)
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
         rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
         if fork is not None:
-            rows[-1]["fork"] = _fork_layer_errors(cap, samples, fork, i, info[i]["scaling"], info[i]["window"])
+            rows[-1]["fork"] = _fork_layer_errors(cap, samples, fork, i, info[i]["scaling"], info[i]["window"], sinks)
         tick(i + 1)
     reasons = []
     mean_o = sum(r["artifact"]["attn"] for r in rows) / len(rows)
@@ -348,12 +356,12 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
                 "sequences": sequences, "positions_per_depth": positions, "position_stride": POSITION_STRIDE, "data": plan.source, "sink_tokens": sink, "recent_tokens": recent,
                 "group_size": group_size, "max_layer_error": max_layer_error, "baseline_clips": list(BASELINE_CLIPS),
                 "token_sha256": plan.sha256()}
-    if LAYER_GROUPS_METADATA in art.metadata:
-        settings["layer_group_sizes"] = art.layer_group_sizes
-    if LAYER_V_GROUPS_METADATA in art.metadata:
-        settings["layer_v_group_sizes"] = art.layer_v_group_sizes
+    if st.per_layer_groups:
+        settings["layer_group_sizes"] = st.k_groups
+    if st.split_groups:
+        settings["layer_v_group_sizes"] = st.v_groups
     if fork is not None:
-        settings["fork"] = {"k_clip": art.shared_clips()[0], "v_clip": art.shared_clips()[1], "group_size": fork.group_size,
+        settings["fork"] = {"k_clip": st.shared_clips[0], "v_clip": st.shared_clips[1], "group_size": fork.group_size,
                             "sink_tokens": fork.sink, "recent_tokens": fork.recent,
                             "simulation": "pure torch: shared rotation in bf16, float32 scale/zero"}
     result = VerifyResult(rows, settings, not reasons, reasons,

@@ -30,7 +30,6 @@ date, command, versions); timing is ``harness.graph_ms`` with L2 warm (``flush="
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -46,6 +45,8 @@ from harness import (  # noqa: E402
     graph_ms,
     new_result,
     out_dir,
+    quick_interpreter,
+    run_program,
     write_result,
 )
 
@@ -215,9 +216,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() and not a.quick:
         raise SystemExit(NO_GPU)
     cuda = not a.quick
-    torch.manual_seed(0)
     if a.quick:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        quick_interpreter()
+    torch.manual_seed(0)
     dev = "cuda" if cuda else "cpu"
     heads, d, sink, recent = (8, 128, 64, 256) if not a.quick else (1, 64, 4, 8)
     layers, reps = (a.layers, a.reps) if not a.quick else (1, 1)
@@ -253,4 +254,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

@@ -54,7 +54,6 @@ Usage: ``python scripts/bench/bench_kernels.py [--quick] [--ncu] [--out DIR] [--
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -67,6 +66,8 @@ from harness import (  # noqa: E402
     describe_device,
     new_result,
     out_dir,
+    quick_interpreter,
+    run_program,
     write_result,
 )
 
@@ -105,8 +106,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.quick:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is loaded
     from kernels_common import Ctx, int_list, parse_variants  # (imports torch)
 
     write_cfgs = variants = None
@@ -121,10 +120,7 @@ def main(argv=None) -> int:
     import torch
 
     if args.quick:
-        from oscar_calib.kernels._common import interpreter_problem
-
-        if interpreter_problem():
-            raise SystemExit(f"error: --quick: {interpreter_problem()}")
+        quick_interpreter()
     elif not torch.cuda.is_available():
         raise SystemExit(NO_GPU)
     from kernels_common import QUICK_SHAPE, QWEN
@@ -225,4 +221,4 @@ def full_run(ctx, report: dict, shape: dict, contexts: list[int], batches: list[
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

@@ -69,6 +69,7 @@ from harness import (  # noqa: E402
     ROOT,
     add_output_args,
     describe_device,
+    environment,
     new_result,
     out_dir,
     write_result,
@@ -783,9 +784,13 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    for k, v in NCCL_SAFE.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("OSCAR_DIST_TIMEOUT", "300")
+    """The NCCL safety switches and the ranks' timeout hold for this run and the processes it
+    starts (the environment is restored afterwards: a test calls main() in its own process)."""
+    with environment({**NCCL_SAFE, "OSCAR_DIST_TIMEOUT": "300"}):
+        return _main(argv)
+
+
+def _main(argv=None) -> None:
     args = parse_args(argv)
     if args.job:
         return job_worker(json.loads(Path(args.job).read_text()))

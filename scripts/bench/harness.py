@@ -13,6 +13,8 @@ Timing (milliseconds, medians; inputs are the caller's, random, never zeros):
   ``--quick`` smoke run) it is the wall clock.
 * :func:`graph_ms` warms the callables up, records each in a CUDA graph (so host launch overhead
   stays out, as in a serving engine's decode step) and times the replays with :func:`bench_ms`.
+* :func:`stream_ms` times calls back to back inside one CUDA graph (over rotating copies), the
+  cost of a call among others, as in a decode step, without :func:`graph_ms`'s per-call floor.
 * :func:`rotating_copies` says how many copies of a working set make the timed calls read more than
   three L2 sizes, so no call finds its inputs cached.
 
@@ -36,6 +38,7 @@ no ``.git`` (a copy on a GPU machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -133,6 +136,46 @@ def git_commit(root: Path = ROOT) -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return os.environ.get("OSCAR_BENCH_COMMIT") or "unknown"
+
+
+def run_program(main) -> None:
+    """Run a benchmark's ``main()`` as a program (``python scripts/bench/NAME.py``, ``run.py``).
+
+    ``--quick`` runs the Triton kernels on CPU tensors under Triton's interpreter, which Triton
+    picks when a kernel module is imported (``TRITON_INTERPRET``), so it must be set before any
+    kernel loads. The process is the program's own, so it is set here; ``main(argv)`` never
+    changes the environment, since a test calls it inside pytest's process, whose later tests
+    must find that process as it was (:func:`quick_interpreter` checks it instead)."""
+    if "--quick" in sys.argv[1:]:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    raise SystemExit(main())
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    """``values`` set where unset, for the block and the processes it starts; afterwards the
+    environment is as it was (a benchmark's ``main()`` may run in its caller's process: the tests)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def quick_interpreter() -> None:
+    """Refuse, in one line, a ``--quick`` run in a process that does not run Triton under its CPU
+    interpreter (``main()`` called from a process the caller made: set ``TRITON_INTERPRET=1``
+    before it imports any kernel), or whose interpreter cannot run the kernels."""
+    from oscar_calib.kernels._common import interpreter_problem, interpreting
+
+    if not interpreting():
+        raise SystemExit("error: --quick runs the kernels under Triton's CPU interpreter, chosen when the process "
+                         "starts: run the script as a program, or set TRITON_INTERPRET=1 before calling main()")
+    why = interpreter_problem()
+    if why:
+        raise SystemExit(f"error: --quick: {why}")
 
 
 def now() -> str:
@@ -240,6 +283,24 @@ def graph_ms(fns, *, cuda: bool, flush: str = "write", **kw) -> float:
     sync(cuda)
     graphs = [capture_graph(f) for f in fns]
     return bench_ms([g.replay for g in graphs], cuda=True, flush=flush, **kw)
+
+
+def stream_ms(fns, *, cuda: bool, calls: int = 24, reps: int = 20, cpu_reps: int = 1) -> float:
+    """Milliseconds per call of ``fns`` run back to back, as the layers of a decode step run them:
+    one CUDA graph holds at least ``calls`` calls, cycling through ``fns`` (one per input copy,
+    together over three L2 sizes, so each call reads what the calls before it have evicted);
+    the median replay over the calls it holds. No per-call graph launch or event pair is
+    counted (:func:`graph_ms` times one call alone, and so includes them: about 4.5 us on an
+    H100 or H200, a graph of one trivial kernel). On the CPU: :func:`bench_ms`."""
+    fns = fns if isinstance(fns, (list, tuple)) else [fns]
+    if not cuda:
+        return bench_ms(fns, cuda=False, cpu_reps=cpu_reps)
+    for f in fns:
+        f()
+    sync(cuda)
+    n = len(fns) * max(1, math.ceil(calls / len(fns)))
+    graph = capture_graph(lambda: [fns[i % len(fns)]() for i in range(n)])
+    return bench_ms([graph.replay], cuda=True, flush="none", warmup=3, reps=reps) / n
 
 
 def rotating_copies(ws_bytes: int, l2_bytes: int, *, cuda: bool, cap: int = 16) -> int:

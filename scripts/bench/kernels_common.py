@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import Clock, Device, graph_ms, rotating_copies
+from harness import Clock, Device, graph_ms, rotating_copies, stream_ms
 
 QWEN = {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "group_size": 128}
 QUICK_SHAPE = {"q_heads": 4, "kv_heads": 2, "head_dim": 64, "group_size": 64}
@@ -54,6 +54,10 @@ class Ctx:
         """Median ms of one call of ``fns`` (rotating), replayed from CUDA graphs with L2 flushed
         (on the CPU, one call: a smoke test)."""
         return graph_ms(fns, cuda=self.cuda, flush=self.args.flush, cpu_reps=1)
+
+    def stream(self, fns) -> float:
+        """Per-call ms of ``fns`` back to back in one CUDA graph (:func:`harness.stream_ms`)."""
+        return stream_ms(fns, cuda=self.cuda)
 
     def copies(self, ws_bytes: int) -> int:
         return rotating_copies(ws_bytes, self.l2, cuda=self.cuda)

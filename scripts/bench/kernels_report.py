@@ -41,6 +41,14 @@ def run_ncu(ctx: Ctx, path: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
+def _stream_cols(r: dict, bw: float) -> str:
+    """A row's in-stream figures (calls back to back in one graph; older results have none)."""
+    if "int2_stream_ms" not in r:
+        return ""
+    sdpa = f" {r['sdpa_stream_ms'] * 1e3:>8.1f} {r['stream_speedup']:>7.2f}" if "sdpa_stream_ms" in r else ""
+    return f" |            {r['int2_stream_ms'] * 1e3:>8.1f} {r['int2_stream_bytes_per_s'] / bw * 100:>5.0f}%" + sdpa
+
+
 def table(report: dict) -> str:
     """The full run's table: decode against SDPA, paged, the batch-1 breakdown, write, sweep, bounds."""
     bw = report["copy"]["bytes_per_s"]
@@ -51,7 +59,8 @@ def table(report: dict) -> str:
              f"Qwen3-8B shapes {s['shape']}; {s['bits_per_element']} bits/element; "
              f"L2 flushed by a {s.get('flush', 'write')} before each call"]
     lines.append(f"{'ctx':>7} {'B':>3} {'INT2 us':>9} {'SDPA us':>9} {'speedup':>7} {'INT2 GB/s':>9} "
-                 f"{'%copy':>6} {'SDPA %copy':>10}" + ("  vs OSCAR's own kernel (H100)" if h100 else ""))
+                 f"{'%copy':>6} {'SDPA %copy':>10} | in stream: {'INT2 us':>8} {'%copy':>6} {'SDPA us':>8} "
+                 f"{'speedup':>7}" + ("  vs OSCAR's own kernel (H100)" if h100 else ""))
     for r in report["rows"]:
         if "skipped" in r or "int2_ms" not in r:
             lines.append(f"{r['context']:>7} {r['batch']:>3}  skipped: {r.get('skipped')}")
@@ -60,7 +69,8 @@ def table(report: dict) -> str:
         lines.append(
             f"{r['context']:>7} {r['batch']:>3} {r['int2_ms'] * 1e3:>9.1f} {r['sdpa_ms'] * 1e3:>9.1f} "
             f"{r['speedup']:>7.2f} {r['int2_bytes_per_s'] / 1e9:>9.0f} {r['int2_bytes_per_s'] / bw * 100:>5.0f}% "
-            f"{r['sdpa_bytes_per_s'] / bw * 100:>9.0f}%" + (f"  {ref / (r['int2_ms'] * 1e3):.2f}x faster" if ref else ""))
+            f"{r['sdpa_bytes_per_s'] / bw * 100:>9.0f}%" + _stream_cols(r, bw)
+            + (f"  {ref / (r['int2_ms'] * 1e3):.2f}x faster" if ref else ""))
     for p in report["paged"]:
         if p.get("rounds"):
             rs = p["rounds"]

@@ -37,7 +37,8 @@ def sweep_variants(ctx: Ctx, report: dict, shape: dict, contexts: list[int], bat
                 rows.append(row)
                 if "int2_ms" in row:
                     ctx.log(f"variant ctx={c} B={batch} {cfg}: {row['int2_ms'] * 1e3:.1f} us "
-                            f"({row['int2_bytes_per_s'] / bw * 100:.0f}% of copy BW)")
+                            f"({row['int2_bytes_per_s'] / bw * 100:.0f}% of copy BW), in stream "
+                            f"{row['int2_stream_ms'] * 1e3:.1f} us ({row['int2_stream_bytes_per_s'] / bw * 100:.0f}%)")
 
 
 def print_sweep(report: dict, contexts: list[int], batches: list[int]) -> None:
@@ -46,7 +47,8 @@ def print_sweep(report: dict, contexts: list[int], batches: list[int]) -> None:
             rows = sorted((r for r in report["rows"] if r["batch"] == batch and r["context"] == c
                            and "int2_ms" in r), key=lambda r: r["int2_ms"])
             for r in rows:
-                print(f"{c:>7} x {batch:<3} {r['int2_ms'] * 1e3:8.1f} us  {r['config']}")
+                stream = f"{r['int2_stream_ms'] * 1e3:8.1f} us in stream" if "int2_stream_ms" in r else ""
+                print(f"{c:>7} x {batch:<3} {r['int2_ms'] * 1e3:8.1f} us {stream}  {r['config']}")
 
 
 def write_check_rows(h: int, d: int, gen, tokens: int = 1200) -> torch.Tensor:

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Render ``docs/benchmarks.md`` from the current results in ``scripts/bench/results/``.
 
-    python scripts/bench/report.py            # rewrite docs/benchmarks.md
-    python scripts/bench/report.py --check    # exit 1 if the page differs from a fresh rendering
+    python scripts/bench/report.py            # rewrite docs/benchmarks.md and its figures
+    python scripts/bench/report.py --check    # exit 1 if the page or a figure differs from a fresh rendering
 
 One section per benchmark: what it measures and against what, then one table per device, each
 with the device, commit, date, command and the JSON it came from. Every speed ratio names its
-baseline; figures shown for reference only carry no ratio.
+baseline; figures shown for reference only carry no ratio. The plots beside the tables (decode
+time and % of copy bandwidth against context, a decode step's time by category) are SVG files
+in ``docs/img/bench/``, drawn from the same results by ``plots.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
     sys.path.append(str(Path(__file__).resolve().parent))
 
+import plots  # noqa: E402
 from harness import BENCHMARKS, RESULTS, ROOT, load_results  # noqa: E402
 
 PAGE = ROOT / "docs" / "benchmarks.md"
+FIGURES = PAGE.parent / "img" / "bench"  # owned by this script: every .svg there is one of its figures
+FIGURE_ALT = {"time": "Decode time against context", "bandwidth": "Decode bytes per second as % of copy bandwidth",
+              "step": "A decode step's kernel time by category"}
 
 INTRO = """# Benchmarks
 
@@ -56,7 +62,14 @@ timed the same way in the same run. Both are CUDA-graph replays with L2 flushed 
 (`do_bench`'s write flush unless the settings say `read`). "% of copy" is the bytes each must read
 per second over the device's measured copy bandwidth (bytes read + written), so a pure read can
 pass 100%: SDPA at batch 32 does, and the INT2 kernel's speed-up there is close to the ratio of
-bytes. The runtime's decode step gets its query already
+bytes. Each timed call alone includes a floor of about 4.5 µs (the replay of a graph of one trivial
+kernel: the breakdown's `floor`), a large share of a batch-1 call; the **in stream** columns time
+the same calls back to back in one CUDA graph over their rotating input copies (each call reads
+what the calls before it evicted from L2), as the layers of a decode step run them, for INT2 and
+SDPA alike. FlashInfer's BF16 decode is not a baseline here yet: its wheel (62 MB) does not fit
+beside the tree in what a call to the GPU machine may carry (64 MiB), it needs packages that
+machine lacks (`nvidia-cutlass-dsl`, `cuda-tile`, `apache-tvm-ffi`) and it compiles each kernel
+with `nvcc` at first use. The runtime's decode step gets its query already
 rotated from the cache write; its call is the batch-1 breakdown's `call` less what the rotation
 kernel adds.""",
     "append": """One decode step's cache write, `kernels.append_token`, 36 calls per CUDA graph (one per
@@ -135,14 +148,19 @@ def kernels(doc: dict) -> list[str]:
     bw = doc["copy"]["bytes_per_s"]
     out = [f"Copy bandwidth {bw / 1e12:.2f} TB/s (read + write).", ""]
     rows = []
+    stream = any("int2_stream_ms" in r for r in doc["rows"])
     for r in doc["rows"]:
         if "int2_ms" not in r:
             continue
-        rows.append([_ctx(r["context"]), r["batch"], _f(r["int2_ms"] * 1e3), _f(r["sdpa_ms"] * 1e3),
-                     f"**{r['speedup']:.2f}×**", f"{r['int2_bytes_per_s'] / bw:.0%}",
-                     f"{r['sdpa_bytes_per_s'] / bw:.0%}"])
+        row = [_ctx(r["context"]), r["batch"], _f(r["int2_ms"] * 1e3), _f(r["sdpa_ms"] * 1e3),
+               f"**{r['speedup']:.2f}×**", f"{r['int2_bytes_per_s'] / bw:.0%}", f"{r['sdpa_bytes_per_s'] / bw:.0%}"]
+        if stream:
+            row += [_f(r["int2_stream_ms"] * 1e3), _f(r["sdpa_stream_ms"] * 1e3), f"**{r['stream_speedup']:.2f}×**",
+                    f"{r['int2_stream_bytes_per_s'] / bw:.0%}"]
+        rows.append(row)
     out += _table(["context", "batch", "INT2 µs", "SDPA BF16 µs (baseline)", "speed-up vs SDPA", "INT2 % of copy",
-                   "SDPA % of copy"], rows)
+                   "SDPA % of copy"] + (["INT2 µs in stream", "SDPA µs in stream", "speed-up in stream",
+                                         "INT2 % of copy in stream"] if stream else []), rows)
     sdpa = {(r["context"], r["batch"]): r["sdpa_ms"] for r in doc["rows"] if "sdpa_ms" in r}
     extra = []
     for b in doc.get("breakdown", []):
@@ -529,7 +547,15 @@ def render(folder: Path = RESULTS) -> str:
             lines += [f"No current result in the tree: `python scripts/bench/run.py {bench} --save` makes one.", ""]
         for doc in mine:
             lines += [f"### {bench}, {doc['device']}", ""] + _source(doc) + RENDER[bench](doc)
+            for name in plots.figures([doc]):
+                alt = FIGURE_ALT[name.rsplit("-", 1)[1].removesuffix(".svg")]
+                lines += [f"![{alt}, {doc['device']}]({FIGURES.relative_to(PAGE.parent).as_posix()}/{name})", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def figures(folder: Path = RESULTS) -> dict[str, str]:
+    """The page's figures, ``{file name: SVG text}`` (:func:`plots.figures` of the current results)."""
+    return plots.figures(load_results(folder))
 
 
 def main(argv=None) -> int:
@@ -537,20 +563,31 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md differs from a fresh rendering")
     ap.add_argument("--results", default=str(RESULTS), help="folder of current results (default scripts/bench/results)")
     ap.add_argument("--page", default=str(PAGE), help="the page to write or check (default docs/benchmarks.md)")
+    ap.add_argument("--figures", default=str(FIGURES), help="the folder of its figures (default docs/img/bench)")
     args = ap.parse_args(argv)
     text = render(Path(args.results))
-    page = Path(args.page)
+    figs = figures(Path(args.results))
+    page, folder = Path(args.page), Path(args.figures)
+    have = {p.name for p in folder.glob("*.svg")} if folder.is_dir() else set()
     if args.check:
-        if not page.is_file() or page.read_text() != text:
-            print(f"error: {page} is not the rendering of {args.results}; run python scripts/bench/report.py",
+        stale = sorted(n for n, svg in figs.items() if not (folder / n).is_file() or (folder / n).read_text() != svg)
+        stale += sorted(have - set(figs))
+        if not page.is_file() or page.read_text() != text or stale:
+            what = f"{page}" + (f" (figures {', '.join(stale)} in {folder})" if stale else "")
+            print(f"error: {what} is not the rendering of {args.results}; run python scripts/bench/report.py",
                   file=sys.stderr)
             return 1
         return 0
     from oscar_calib.fsutil import atomic_write_text
 
     page.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, svg in figs.items():
+        atomic_write_text(folder / name, svg)
+    for name in sorted(have - set(figs)):  # a figure whose result is gone
+        (folder / name).unlink()
     atomic_write_text(page, text)
-    print(f"wrote {page}")
+    print(f"wrote {page} and {len(figs)} figures in {folder}")
     return 0
 
 

@@ -22,7 +22,14 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # imported rather than run (the tests)
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from harness import BENCHMARKS, RESULTS, check_result, install_result, load_results  # noqa: E402
+from harness import (  # noqa: E402
+    BENCHMARKS,
+    RESULTS,
+    check_result,
+    install_result,
+    load_results,
+    run_program,
+)
 
 USAGE = f"usage: run.py {{list,accept,report,{','.join(BENCHMARKS)}}} [ARGS]"
 
@@ -78,4 +85,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(main)

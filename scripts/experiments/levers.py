@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from oscar_calib.numerics.quant import clip_rows
+from oscar_calib.numerics.quant import clip_rows, logit_noise
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV, window_rows
 
@@ -152,11 +152,8 @@ class LeverKV(SimulatedKV):
             rk = sch.layer(layer)[0]
             qr = qf if rk is None else torch.einsum("bhtd,hde->bhte", qf,
                                                     rk.to(q.device, torch.float32).repeat_interleave(grp, 0))
-            gk = sch.groups(layer)[0]
-            qn = qr.reshape(b, hq, t, d // gk, gk).pow(2).sum(-1)                     # [B, Hq, T, NG]
-            var = torch.einsum("bhtg,bhsg->bhts", qn,
-                               k_scales.pow(2).div(12).permute(0, 2, 1, 3).repeat_interleave(grp, 1))
-            sc[..., :s] -= 0.5 * float(sch.logit_correction) * scaling * scaling * var
+            scales = k_scales.permute(0, 2, 1, 3).repeat_interleave(grp, 1)             # [B, Hq, S, NG]
+            sc[..., :s] -= logit_noise(qr, scales, sch.groups(layer)[0], float(sch.logit_correction), scaling)
         sc = sc.masked_fill(~allowed, -math.inf)
         o = torch.softmax(sc, dim=-1) @ values
         return o.transpose(1, 2)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from factories import load_script, script_error
+from factories import load_script, quick_without_interpreter, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 
@@ -16,6 +16,14 @@ pytestmark = pytest.mark.script
 @pytest.fixture(scope="module")
 def bench():
     return load_script("bench/bench_append.py")
+
+
+@pytest.mark.parametrize("argv", [["--sections", "decode"], []])
+def test_main_leaves_the_environment_as_it_found_it(bench, tmp_path, monkeypatch, argv):
+    # without the interpreter, --quick is refused in one line (bad input first), nothing changed
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    msg = quick_without_interpreter(bench.main, tmp_path / "out", argv)
+    assert ("TRITON_INTERPRET=1" in msg) == (not argv)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from factories import load_script, script_error
+from factories import load_script, quick_without_interpreter, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 
@@ -19,6 +19,14 @@ QUICK = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def bench():
     return load_script("bench/bench_kernels.py")
+
+
+@pytest.mark.parametrize("argv", [["--variants", "[1, 2]"], []])
+def test_main_leaves_the_environment_as_it_found_it(bench, tmp_path, monkeypatch, argv):
+    # without the interpreter, --quick is refused in one line (bad input first), nothing changed
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    msg = quick_without_interpreter(bench.main, tmp_path / "out", argv)
+    assert ("TRITON_INTERPRET=1" in msg) == (not argv)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")
@@ -97,6 +105,8 @@ def test_quick_run_writes_every_section_and_the_table(bench, tmp_path, capsys):
     assert all(r["ok"] for r in rep["correctness"]["decode"])
     assert {(r["context"], r["batch"]) for r in rep["rows"] if "int2_ms" in r} == {(88, 1), (152, 1)}
     assert all(r["sdpa_ms"] > 0 for r in rep["rows"])
+    # each call also timed back to back with its copies (in stream), INT2 and SDPA alike
+    assert all(r["int2_stream_ms"] > 0 and r["sdpa_stream_ms"] > 0 and r["stream_speedup"] > 0 for r in rep["rows"])
     (paged,) = rep["paged"]
     assert len(paged["rounds"]) == 1 and paged["median_ratio"] == paged["rounds"][0]["ratio"] > 0
     assert [w["name"] for w in rep["write"] if "ms" in w] == ["rot+clip"]

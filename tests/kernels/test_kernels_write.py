@@ -213,7 +213,7 @@ def test_write_input_errors(device):
         quantize_kv(x, rot[:1], 1.0, 32, backend="triton")
     with pytest.raises(InputError, match="dtype"):
         quantize_kv(x, rot.half(), 1.0, 32, backend="triton")
-    with pytest.raises(InputError, match="not divisible by group size"):
+    with pytest.raises(InputError, match="not a power of two dividing head_dim"):
         quantize_kv(torch.randn(4, 2, 96, device=device), None, 1.0, 64, backend="triton")
     with pytest.raises(InputError, match="not a power of two"):
         quantize_kv(torch.randn(4, 2, 96, device=device), None, 1.0, 48, backend="triton")

@@ -91,8 +91,9 @@ def tiny_artifact(layers: int, kv: int, d: int) -> Artifact:
         eig = torch.linspace(1, 0, d).expand(kv, d).clone()
         rows.append(LayerRotations(r[0].expand(kv, d, d).clone(), r[1].expand(kv, d, d).clone(), torch.full((kv,), 0.95),
                                    torch.full((kv,), 0.9), eig, eig.clone()))
-    md = {"num_kv_heads": str(kv), "head_dim": str(d), "group_size": str(d), "granularity": "layer",
-          "sink_tokens": "4", "recent_tokens": "4", "fork_k_clip": "0.95", "fork_v_clip": "0.9"}
+    md = {"num_layers": str(layers), "num_attention_heads": str(2 * kv), "num_kv_heads": str(kv), "head_dim": str(d),
+          "group_size": str(d), "granularity": "layer", "sink_tokens": "4", "recent_tokens": "4",
+          "fork_k_clip": "0.95", "fork_v_clip": "0.9"}
     return Artifact(layers=rows, metadata=md)
 
 

@@ -11,6 +11,8 @@ simulation modelled the window's second rounding (it read ``bf16(k)``) they diff
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from factories import tiny_model
@@ -165,8 +167,8 @@ def test_v_folded_artifact_keeps_values_rotated(zoo_smollm2):
 
     art = load_artifact(zoo_smollm2)
     assert KVScheme.from_artifact(art).v_rotation[0] is not None
-    art.metadata["v_folded"] = "true"
-    folded = KVScheme.from_artifact(art)
+    folded = KVScheme.from_artifact(dataclasses.replace(art, metadata={**art.metadata, "v_folded": "true"},
+                                                        settings=None))
     assert all(r is None for r in folded.v_rotation) and folded.k_rotation[0] is not None
 
 

@@ -32,7 +32,8 @@ def test_pyproject_declares_the_same_range():
     assert f'"transformers{",".join(SUPPORTED_TRANSFORMERS)}"' in text
 
 
-@pytest.mark.parametrize("kind, want", [("llama", [None, None]), ("gemma3", [8, None]), ("mistral", [8, 8])])
+@pytest.mark.parametrize("kind, want", [("llama", [(None, None)] * 2), ("gemma3", [(8, None), (None, None)]),
+                                        ("mistral", [(8, None)] * 2)])
 def test_layer_windows(kind, want):
     assert layer_windows(tiny_model(kind).config) == want
 
@@ -43,8 +44,10 @@ def test_layer_windows_reads_the_517_dict_form(monkeypatch):
 
     monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
                         lambda cfg: (["sliding_attention", "full_attention"], {"sliding_window": 512}))
-    assert layer_windows(tiny_model("gemma3").config) == [512, None]
-    monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["chunked_attention"], {"sliding_window": 4}))
-    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
+    assert layer_windows(tiny_model("gemma3").config) == [(512, None), (None, None)]
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["chunked_attention"] * 2, {"sliding_window": 4}))
+    assert layer_windows(tiny_model("llama").config) == [(4, 4), (4, 4)]
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["linear_attention"] * 2, {}))
+    with pytest.raises(UnsupportedModelError, match="'linear_attention' layer; the OSCAR caches support full"):
         layer_windows(tiny_model("llama").config)
     assert version_tuple(transformers.__version__) >= (5, 17)

@@ -345,8 +345,8 @@ def test_onnxruntime_bundle_of_the_zoo_artifacts(tmp_path, zoo):
     for i, lr in enumerate(art.layers):
         assert torch.equal(tensors[rot_key("k", i)], lr.k_rotation)           # per KV head, (H_kv, D, D), x @ R
         a = nodes[i]["attributes"]
-        assert a["kv_quant_group_size"] == art.layer_group_sizes[i]            # per-layer group sizes kept
-        assert nodes[i]["kv_cache"]["packed_head_size"] == packed_head_size(art.head_dim, art.layer_group_sizes[i])
+        assert a["kv_quant_group_size"] == art.settings.k_groups[i]            # per-layer group sizes kept
+        assert nodes[i]["kv_cache"]["packed_head_size"] == packed_head_size(art.head_dim, art.settings.k_groups[i])
         assert (a["sink_size"], a["recent_size"], a["cache_format_version"]) == (64, 256, 1)
     assert packed_head_size(128, 64) == 48 and packed_head_size(128, 64, "fp16") == 40   # the guide's worked example
     imp = import_files("onnxruntime", [tmp_path / "ort" / "oscar_rotations.safetensors"], zoo_target(zoo),

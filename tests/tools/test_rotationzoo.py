@@ -161,7 +161,7 @@ def test_choosing_the_tag_and_clear_errors(monkeypatch, cache, tmp_path):
         rotationzoo.pull_rotationzoo("rotationzoo:tiny-llama")
     # a group size in the tag that does not fit the model: one line, nothing written
     use(monkeypatch, FakeHub(tiny_layout("seq100_prompt1_group32")))
-    with pytest.raises(InputError, match="head_dim 16 is not divisible by group size 32"):
+    with pytest.raises(InputError, match="group size 32 is not a power of two dividing head_dim 16"):
         rotationzoo.pull_rotationzoo("rotationzoo:tiny-llama", out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 

@@ -61,10 +61,15 @@ def guess_source(paths: list[Path]) -> str:
 
 def target_rows() -> list[dict]:
     """What ``oscar export --target list`` prints: every target, its engine, the revision its rules
-    were checked against and the status."""
+    were checked against, the status, and which artifact settings its engine serves (``serves``) or
+    not (``drops``: the export names each one it meets, or refuses)."""
+    from ...contract.settings import FEATURES
+
     return [{"target": t.name, "engine": t.engine, "summary": t.summary, "repo": t.checked.repo,
              "revision": t.checked.revision, "status": t.checked.status, "where": list(t.checked.where),
-             "note": t.checked.note, "imports": t.reads} for t in TARGETS.values()]
+             "note": t.checked.note, "imports": t.reads,
+             "serves": [f for f in FEATURES if f in t.serves], "drops": [f for f in FEATURES if f not in t.serves]}
+            for t in TARGETS.values()]
 
 
 def serving_table(artifact: Path, out_root: str = "serve") -> list[dict]:
@@ -88,7 +93,8 @@ def serving_table(artifact: Path, out_root: str = "serve") -> list[dict]:
             cmd = ["oscar", "export", "<this directory>", "--target", t.name, "--out", where]
             if t.name == "llamacpp":            # needs the user's GGUF: the artifact's own reasons only
                 cmd[-2:-2] = ["--gguf", "<model>.gguf"]
-                why = [architecture_problem(art.metadata.get("model_type", "")), *t.artifact_refusals(art)]
+                why = [*t.setting_lines(art, ExportSettings())[1], architecture_problem(art.metadata.get("model_type", "")),
+                       *t.artifact_refusals(art)]
                 why = [w for w in why if w]
                 row.update(export=shlex.join(cmd).replace("'", ""), **({"refused": why[0]} if why else {}))
                 rows.append(row)

@@ -4,11 +4,20 @@ the files with the engine's restated loader checks before anything is installed.
 
 A target (one module per engine) subclasses :class:`ExportTarget` and supplies
 
-* :meth:`~ExportTarget.refusals`: one line per thing the engine cannot serve for this artifact;
+* :attr:`~ExportTarget.serves`: the artifact settings its engine honours, as data (names of
+  :data:`oscar_calib.contract.settings.FEATURES`); for every other setting the artifact uses,
+  :meth:`ExportTarget.export` prints the setting's one line (the engine serves the artifact without
+  it) or refuses, for every target alike (:meth:`~ExportTarget.setting_lines`);
+* :meth:`~ExportTarget.feature_wording` (optional): the engine's own, more precise line for a
+  setting it drops;
+* :meth:`~ExportTarget.refusals`: one line per other thing the engine cannot serve for this artifact;
 * :meth:`~ExportTarget.write`: the engine's files in a staging directory, and its :class:`Launch`;
 * :meth:`~ExportTarget.load_problems`: the engine's loader rules restated as oscar's own checks
   (the engine's code is read, cited, never copied);
 * :meth:`~ExportTarget.read`: the K and V rotations back from the engine's files, for ``oscar import``.
+
+:meth:`ExportTarget.export` is the same for every target: check, then :meth:`~ExportTarget.install`
+(a target with files of its own layout overrides ``install``, never the checks).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 
 from ... import __version__
 from ...contract.artifact import Artifact, load_artifact
+from ...contract.settings import feature_lines
 from ...errors import ArtifactError, InputError
 from ...fsutil import atomic_write_text, staged_dir
 from ...numerics.rotation import orthogonality_error
@@ -116,6 +126,7 @@ class ExportResult:
     settings: dict
     checked: Checked
     warnings: list[str] = field(default_factory=list)
+    detail: object = None           # a target's own record of what it wrote (SGLang: its SGLangExport)
 
     def to_dict(self) -> dict:
         return {"out": str(self.out), "target": self.target, "files": [str(self.out / f) for f in self.files],
@@ -172,10 +183,15 @@ class ExportTarget:
     summary: str = ""
     checked: Checked
     reads: str = ""            # what `oscar import --from NAME` takes, for --help and errors
+    serves: frozenset[str] = frozenset()    # the artifact settings (contract.settings.FEATURES) it honours
 
     # -- to implement -----------------------------------------------------------------------
     def refusals(self, art: Artifact, s: ExportSettings) -> list[str]:
         return []
+
+    def feature_wording(self, name: str, art: Artifact, s: ExportSettings) -> str | None:
+        """The engine's own line for a setting it drops (None: the setting's generic line)."""
+        return None
 
     def write(self, art: Artifact, tmp: Path, final: Path, s: ExportSettings) -> Written:
         raise NotImplementedError
@@ -187,24 +203,33 @@ class ExportTarget:
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------------
+    def setting_lines(self, art: Artifact, s: ExportSettings) -> tuple[list[str], list[str]]:
+        """``(warnings, refusals)`` from :attr:`serves`: one line per setting the artifact uses and
+        the engine does not serve (:func:`~oscar_calib.contract.settings.feature_lines`)."""
+        return feature_lines(art.settings, self.serves, self.engine, lambda n: self.feature_wording(n, art, s))
+
     def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:
         """Write the engine's files for the artifact into ``out``: refused in one line when the
-        engine cannot serve it; the files are re-read by :meth:`load_problems` in the staging
-        directory and installed only when they pass."""
+        engine cannot serve it (:meth:`setting_lines`, :meth:`refusals`); every setting it drops is
+        named in one warning; then :meth:`install`."""
         if self.checked.status == "unchecked":
             raise InputError(f"--target {self.name}: {self.checked.note or 'no loader code could be read'}; "
                              "oscar does not write for a loader it could not check")
         art = load_artifact(artifact_path)              # every check of oscar validate, the digest included
-        why = self.refusals(art, s)
+        warnings, why = self.setting_lines(art, s)
+        why += self.refusals(art, s)
         if why:
             raise ArtifactError(f"{self.engine} cannot serve {artifact_path}: {why[0]}")
-        out = Path(out)
+        return self.install(art, Path(artifact_path), Path(out), s, warnings, overwrite=overwrite)
+
+    def install(self, art: Artifact, artifact_path: Path, out: Path, s: ExportSettings, warnings: list[str], *,
+                overwrite: bool = False) -> ExportResult:
+        """Write the files (:meth:`write`) in a staging directory, re-read them with
+        :meth:`load_problems` there and move them into ``out`` only when they pass. ``warnings``:
+        the settings the engine drops, first in the export's warnings."""
         with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
             w = self.write(art, tmp, out.resolve(), s)
-            if art.logit_correction:
-                w.warnings.append(f"{self.engine} does not subtract the logit-noise correction this artifact asks "
-                                  f"for (logit_correction {art.logit_correction:g}): it serves the rotations and "
-                                  "clips without it")
+            w.warnings[:0] = warnings
             problems = self.load_problems(tmp, Geometry.of(art))
             if problems:
                 raise ArtifactError(f"the files written for {self.engine} fail its loader's checks: {problems[0]}")
@@ -231,12 +256,17 @@ def _umask() -> int:
 
 # ----------------------------------------------------------------------------- helpers for targets
 
+WINDOWED_KINDS = {"sliding_attention": "sliding-window", "chunked_attention": "chunked"}   # a layer reads a window
+
+
 def sliding_window_note(art: Artifact) -> str | None:
-    """Why the artifact's model has sliding-window layers (None when it has none)."""
+    """Why the artifact's model has layers that attend to a window only, sliding or chunked (None
+    when it has none)."""
     types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
-    if "sliding_attention" in types:
-        n = sum(t == "sliding_attention" for t in types)
-        return f"{art.metadata.get('model_id')} has {n} sliding-window attention layers"
+    kinds = [WINDOWED_KINDS[t] for t in WINDOWED_KINDS if t in types]
+    if kinds:
+        n = sum(t in WINDOWED_KINDS for t in types)
+        return f"{art.metadata.get('model_id')} has {n} {' and '.join(kinds)} attention layers"
     if art.metadata.get("model_type") in SLIDING_MODEL_TYPES:
         return f"{art.metadata.get('model_id')} ({art.metadata.get('model_type')}) has sliding-window attention layers"
     return None

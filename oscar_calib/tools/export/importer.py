@@ -48,9 +48,9 @@ from ...contract.layout import (
     FORMAT_NAME,
     IMPORTED,
     MODEL_SOURCE_METADATA,
-    SHARED_CLIP_METADATA,
     WEIGHTS_NAME,
 )
+from ...contract.settings import ArtifactSettings
 from ...errors import OutputExistsError
 from ...fsutil import staged_dir
 from ..validate import require_valid
@@ -152,18 +152,18 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
         imported["source"] = source
     calibration = {"data": IMPORTED, "tokens": 0, "sequences": 0, "seq_len": 0, "seed": 0, "clip": "fixed",
                    "imported": imported}
+    settings = ArtifactSettings(num_layers=n, num_attention_heads=target.num_attention_heads, num_kv_heads=h,
+                                head_dim=d, group_size=group_size, sink_tokens=sink_tokens,
+                                recent_tokens=recent_tokens, granularity=granularity, shared_clips=(k_clip, v_clip),
+                                model_type=target.model_type)
     metadata = {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": target.model_id,
-        "model_fingerprint": target.fingerprint, "num_layers": str(n),
-        "num_attention_heads": str(target.num_attention_heads), "num_kv_heads": str(h), "head_dim": str(d),
-        "group_size": str(group_size), "bits": "2", "sink_tokens": str(sink_tokens),
-        "recent_tokens": str(recent_tokens), "k_objective": IMPORTED, "v_objective": IMPORTED,
-        "composition": IMPORTED, "granularity": granularity, "calibration": json.dumps(calibration, sort_keys=True),
-        "toolkit_version": __version__, "model_type": target.model_type,
-        **dict(zip(SHARED_CLIP_METADATA, (f"{k_clip:g}", f"{v_clip:g}"))),
+        "model_fingerprint": target.fingerprint, "calibration": json.dumps(calibration, sort_keys=True),
+        "toolkit_version": __version__,
         **({MODEL_SOURCE_METADATA: json.dumps(target.source, sort_keys=True)} if target.source else {}),
+        **settings.metadata(),
     }
-    artifact = Artifact(layers=layers, metadata=metadata)
+    artifact = Artifact(layers=layers, metadata=metadata, settings=settings)
     report = {"format_version": FORMAT_VERSION, "toolkit_version": __version__, "model_id": target.model_id,
               **({"model_source": target.source} if target.source else {}), "model_fingerprint": target.fingerprint, "group_size": group_size, "calibration": calibration,
               "geometry": target.geometry(), "imported": imported, "fingerprint_note": target.note,

@@ -137,6 +137,17 @@ class LlamaCppTarget(ExportTarget):
          "src/llama-kv-cache.cpp: LLAMA_KV_HP_SINK / LLAMA_KV_HP_RECENT (F16 window)",
          "oscar-rotation/export_rot_kv_gguf.py: its baking script (F32, transposed)"))
 
+    # attn_{k,v}_rot [D, D] per layer; LLAMA_KV_HP_SINK / LLAMA_KV_HP_RECENT; q2_0's own fixed blocks
+    serves = frozenset({"windows"})
+
+    def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
+        if name == "per_head_rotations":
+            return per_head_note(art, self.engine, "llamacpp")
+        if name == "layer_group_sizes":
+            return (f"{self.engine} stores q2_0 (blocks of {BLOCK} values with their own levels) in every layer: the "
+                    "artifact's per-layer group sizes are not served (`oscar eval --methods llamacpp`)")
+        return None
+
     def refusals(self, art, s: ExportSettings) -> list[str]:
         if s.gguf is None:
             raise InputError("--target llamacpp needs --gguf MODEL.gguf: the model's GGUF, which the rotations are "
@@ -178,8 +189,8 @@ class LlamaCppTarget(ExportTarget):
         name = src.stem + "-oscar.gguf"
         if (final / name).resolve() == src.resolve():
             raise InputError(f"--out {final} would replace the input {src}: choose another directory")
-        md = art.metadata
-        folded = md.get("v_folded") == "true" if s.folded is None else s.folded
+        st = art.settings
+        folded = st.v_folded if s.folded is None else s.folded
         k_rots = shared_rotations(art, "k", self.engine)[0]
         v_rots = [] if folded else shared_rotations(art, "v", self.engine)[0]
         reader = _reader(src)
@@ -208,9 +219,9 @@ class LlamaCppTarget(ExportTarget):
         writer.close()
 
         k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
-        sink = int(md["sink_tokens"]) if s.sink is None else s.sink
-        recent = int(md["recent_tokens"]) if s.recent is None else s.recent
-        warnings = [w for w in (per_head_note(art, self.engine, "llamacpp"),) if w]
+        sink = st.sink_tokens if s.sink is None else s.sink
+        recent = st.recent_tokens if s.recent is None else s.recent
+        warnings = []
         if k_clip != v_clip:
             warnings.append(f"llama.cpp applies ONE clip ratio to K and V (LLAMA_KV_CLIP_RATIO): serving K's {k_clip:g} "
                             f"for both (V's was {v_clip:g})")

@@ -69,10 +69,16 @@ class MlxTarget(ExportTarget):
         status="partial", note="the pull request was closed without being merged: no mlx-lm release loads these "
                                "files; its settings are Python arguments, not a command line")
 
+    # layer_<i> [D, D] or [H, D, D] (per KV head); OscarConfig: one group_size, sink and recent windows
+    serves = frozenset({"per_head_rotations", "windows"})
+
+    def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
+        return uniform_group_note(art, self.engine) if name == "layer_group_sizes" else None
+
     def write(self, art, tmp: Path, final: Path, s: ExportSettings) -> Written:
-        md = art.metadata
-        folded = md.get("v_folded") == "true" if s.folded is None else s.folded
-        per_head = art.granularity == "head" and art.num_kv_heads > 1
+        st = art.settings
+        folded = st.v_folded if s.folded is None else s.folded
+        per_head = st.per_head
         for which in ("k", "v"):
             tensors = {}
             for i, lr in enumerate(art.layers):
@@ -83,14 +89,13 @@ class MlxTarget(ExportTarget):
             atomic_write_bytes(tmp / FILES[which], stfile.serialize(tensor_entries(tensors), {"format": "mlx-lm-oscar"}))
         k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
         group = s.group_size or art.group_size
-        config = {"group_size": group, "sink_tokens": int(md["sink_tokens"]) if s.sink is None else s.sink,
-                  "recent_tokens": int(md["recent_tokens"]) if s.recent is None else s.recent,
+        config = {"group_size": group, "sink_tokens": st.sink_tokens if s.sink is None else s.sink,
+                  "recent_tokens": st.recent_tokens if s.recent is None else s.recent,
                   "rotation_dir": str(final), "absorb_v_rotation": False,
                   "k_clip_ratio": k_clip if k_clip < 1 else None, "v_clip_ratio": v_clip if v_clip < 1 else None}
         atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
-        warnings = [w for w in (uniform_group_note(art, "mlx-lm"),) if w]
-        warnings.append("mlx-lm clips per INT2 group (the ratio's index taken within each group), not per head "
-                        "vector as oscar calibrated it")
+        warnings = ["mlx-lm clips per INT2 group (the ratio's index taken within each group), not per head "
+                        "vector as oscar calibrated it"]
         notes = ["no command line: pass OscarConfig(**oscar_config.json) to mlx-lm's OSCAR prompt cache (PR #1789)"]
         settings = {"config": config, "clip_source": source, "rotations": "per KV head" if per_head else "per layer"}
         return Written([*FILES.values(), CONFIG_FILE], Launch({}, [], notes), {}, settings, warnings)

@@ -73,6 +73,8 @@ class OnnxRuntimeTarget(ExportTarget):
     summary = ("ONNX Runtime PR #31726: MixedPrecisionGroupQueryAttention nodes, (H_kv, D, D) initializers and "
                "node attributes (no rotation file; a graph patch)")
     reads = f"{ROTATIONS_FILE} (written by this export: (H_kv, D, D) per layer)"
+    # (H_kv, D, D) initializers; one node per layer, each with ONE kv_quant_group_size for K and V; sink_size/recent_size
+    serves = frozenset({"per_head_rotations", "layer_group_sizes", "windows"})
     checked = Checked(
         "microsoft/onnxruntime (PR #31726)", "88330957a3",
         ("docs/oscar_onboarding_guide.md: Steps 1b-5 (node, attributes, packed layout, window I/O, rotations)",
@@ -83,9 +85,9 @@ class OnnxRuntimeTarget(ExportTarget):
              "no patched graph is written (the initializers and attributes are)")
 
     def refusals(self, art, s: ExportSettings) -> list[str]:
-        md = art.metadata
-        sink = int(md["sink_tokens"]) if s.sink is None else s.sink
-        recent = int(md["recent_tokens"]) if s.recent is None else s.recent
+        st = art.settings
+        sink = st.sink_tokens if s.sink is None else s.sink
+        recent = st.recent_tokens if s.recent is None else s.recent
         out = []
         if sink == 0 and recent == 0:
             out.append("ONNX Runtime rejects rotations when sink_size == recent_size == 0 (they run only on its mixed "
@@ -95,17 +97,17 @@ class OnnxRuntimeTarget(ExportTarget):
         return out
 
     def write(self, art, tmp: Path, final: Path, s: ExportSettings) -> Written:
-        md = art.metadata
-        sink = int(md["sink_tokens"]) if s.sink is None else s.sink
-        recent = int(md["recent_tokens"]) if s.recent is None else s.recent
+        md, st = art.metadata, art.settings
+        sink = st.sink_tokens if s.sink is None else s.sink
+        recent = st.recent_tokens if s.recent is None else s.recent
         k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip) if art.shared_clips() or s.clip != (
             None, None) else (*_uniform_clips(art), "the artifact's (equal for every layer and KV head)")
         tensors, nodes = {}, []
         for i, lr in enumerate(art.layers):
             tensors[rot_key("k", i)] = lr.k_rotation.float().contiguous()
             tensors[rot_key("v", i)] = (torch.eye(art.head_dim).expand(art.num_kv_heads, -1, -1).contiguous()
-                                        if md.get("v_folded") == "true" else lr.v_rotation.float().contiguous())
-            g = art.layer_group_sizes[i]
+                                        if st.v_folded else lr.v_rotation.float().contiguous())
+            g = st.layer_groups[i].k          # one size per node for K and V (the values' own: split_group_sizes)
             nodes.append({"layer": i, "op_type": OP_TYPE, "domain": "com.microsoft",
                           "attributes": {"kv_quant_group_size": g, "k_quant_rho": k_clip, "v_quant_rho": v_clip,
                                          "metadata_type": "fp32", "sink_size": sink, "recent_size": recent,
@@ -132,7 +134,7 @@ class OnnxRuntimeTarget(ExportTarget):
         atomic_write_text(tmp / NODES_FILE, json.dumps(doc, indent=2) + "\n")
         notes = ["no server command: patch the GQA graph as mpgqa_nodes.json says, then run it on the CPU EP"]
         settings = {"k_clip": k_clip, "v_clip": v_clip, "clip_source": source, "sink": sink, "recent": recent,
-                    "group_sizes": art.layer_group_sizes, "rotations": "per KV head"}
+                    "group_sizes": st.k_groups, "rotations": "per KV head"}
         return Written([ROTATIONS_FILE, NODES_FILE], Launch({}, [], notes), {}, settings, [])
 
     def load_problems(self, out: Path, geo: Geometry) -> list[str]:

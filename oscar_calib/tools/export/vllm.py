@@ -130,6 +130,25 @@ class VLLMTarget(ExportTarget):
              "(justzhanghong/vllm 79b359bec4) add BF16 windows and restrict head_dim to 128; the torch.quantile "
              "clip revision was not found")
 
+    # one [D, D] rotation per layer id; one scale/zero pair per head vector (group = head_dim) in every layer;
+    # no high-precision window at the revision read (its first and last two layers stay native instead)
+    serves = frozenset()
+
+    def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
+        st = art.settings
+        if name == "per_head_rotations":
+            return per_head_note(art, self.engine, "vllm")
+        if name == "layer_group_sizes":
+            group = max(st.head_dim, s.group_size or st.head_dim)
+            return (f"vLLM stores one scale/zero pair per head vector: group {group} where the artifact was calibrated "
+                    f"with groups of {min(st.k_groups + st.v_groups)}–{max(st.k_groups + st.v_groups)} "
+                    "(`oscar eval --methods vllm` measures it)")
+        if name == "windows":
+            return (f"vLLM at the revision read keeps no BF16 window (VLLM_OSCAR_PREFIX_TOKENS/RECENT_TOKENS, written "
+                    f"as {st.sink_tokens}/{st.recent_tokens}, are read by later revisions only); its first and last "
+                    "two layers stay in the model's dtype instead")
+        return None
+
     def refusals(self, art, s: ExportSettings) -> list[str]:
         d, out = art.head_dim, []
         sliding = sliding_window_note(art)
@@ -147,16 +166,16 @@ class VLLMTarget(ExportTarget):
         return out
 
     def write(self, art, tmp: Path, final: Path, s: ExportSettings) -> Written:
-        md, d = art.metadata, art.head_dim
-        folded = md.get("v_folded") == "true" if s.folded is None else s.folded
+        md, st, d = art.metadata, art.settings, art.head_dim
+        folded = st.v_folded if s.folded is None else s.folded
         k_rots, k_eigs = shared_rotations(art, "k", self.engine)
         atomic_write_bytes(tmp / K_FILE, save_bytes(payload(k_rots, k_eigs, objective="vllm")))
         v_obj = identity_payload(art.num_layers, d) if folded else payload(*shared_rotations(art, "v", self.engine),
                                                                             objective="vllm")
         atomic_write_bytes(tmp / V_FILE, save_bytes(v_obj))
         k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
-        sink = int(md["sink_tokens"]) if s.sink is None else s.sink
-        recent = int(md["recent_tokens"]) if s.recent is None else s.recent
+        sink = st.sink_tokens if s.sink is None else s.sink
+        recent = st.recent_tokens if s.recent is None else s.recent
         group = max(d, s.group_size or d)
         model = s.model_path or md.get("model_id", "")
         env = {"VLLM_OSCAR_K_ROTATION_PATH": str(final / K_FILE), "VLLM_OSCAR_V_ROTATION_PATH": str(final / V_FILE),
@@ -164,11 +183,10 @@ class VLLMTarget(ExportTarget):
                "VLLM_OSCAR_GROUP_SIZE": str(group), "VLLM_OSCAR_PREFIX_TOKENS": str(sink),
                "VLLM_OSCAR_RECENT_TOKENS": str(recent), "VLLM_OSCAR_ABSORB_V_ROTATION": "0"}
         native = boundary_layers(art.num_layers)
-        warnings = [w for w in (per_head_note(art, self.engine, "vllm"),) if w]
-        if min(art.layer_group_sizes) < group:
+        warnings = []
+        if st.uniform_groups and st.group_size < group:      # per-layer sizes: the dropped setting's line says it
             warnings.append(f"vLLM stores one scale/zero pair per head vector: group {group} where the artifact was "
-                            f"calibrated with groups of {min(art.layer_group_sizes)}–{max(art.layer_group_sizes)} "
-                            "(`oscar eval --methods vllm` measures it)")
+                            f"calibrated with groups of {st.group_size} (`oscar eval --methods vllm` measures it)")
         notes = [f"vLLM keeps layers {native} in the model's dtype (get_boundary_skip_layers, revision 9195dd08f3); "
                  "VLLM_OSCAR_PREFIX_TOKENS/RECENT_TOKENS/ABSORB_V_ROTATION are read by later revisions only",
                  "V rotation: " + ("identity (V already folded into the checkpoint by oscar fold-weights)" if folded

@@ -60,7 +60,6 @@ from .weights import (
     fold_layer,
     fold_targets,
     fold_v_rotation,
-    is_folded,
     require_valid_values,
 )
 
@@ -69,5 +68,5 @@ __all__ = ["ARTIFACT_SUBDIR", "CHECK_TOLERANCE", "CONFIG_KEY", "FOLDED_KEY", "FP
            "fp8_checkpoint", "fp8_strategy", "quantize_fp8", "refold_fp8",
            "SAMPLE_SHAPE", "FoldCheck", "FoldResult", "FoldTarget", "check_artifact_matches", "check_fold_output",
            "file_sha256", "fold_and_check", "fold_checkpoint", "fold_layer", "fold_targets", "fold_v_rotation",
-           "is_folded", "logits_of", "rel_diff", "reload_check", "require_valid_values", "run_and_capture",
+           "logits_of", "rel_diff", "reload_check", "require_valid_values", "run_and_capture",
            "sample_input_ids", "value_errors", "write_artifact_copy"]

@@ -123,12 +123,12 @@ def reload_check(directory: Path, input_ids: torch.Tensor, logits0: torch.Tensor
                  device="cpu") -> dict:
     """Reload the written checkpoint with plain transformers, run it in float32, compare with the
     original logits; raise :class:`NumericalError` beyond :data:`RELOAD_TOLERANCE`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from ...model.load import quiet_loading
+    from ...model.load import model_class, quiet_loading
 
     with quiet_loading():
-        m = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        m = model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, dtype=dtype)
     saved = json.loads((Path(directory) / "config.json").read_text()).get(CONFIG_KEY, {})
     if not saved.get(FOLDED_KEY):
         raise NumericalError(f"the saved config.json lacks the '{CONFIG_KEY}' record; nothing written")

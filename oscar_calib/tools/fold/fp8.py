@@ -159,15 +159,16 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool, like: torch.Tensor) -> tupl
     return q, scale.reshape(like.shape).to(like.dtype)
 
 
-def _names(spec, i: int, proj: str) -> tuple[str, str, str]:
-    base = f"{spec.layers}.{i}.{spec.attention}.{proj}"
+def _names(attention: str, proj: str) -> tuple[str, str, str]:
+    base = f"{attention}.{proj}"
     return f"{base}.weight", f"{base}.weight_scale", f"{base}.bias"
 
 
-def refold_fp8(tensors: dict[str, torch.Tensor], artifact, geo, spec) -> dict[str, torch.Tensor]:
+def refold_fp8(tensors: dict[str, torch.Tensor], artifact, geo, spec, paths: list[str]) -> dict[str, torch.Tensor]:
     """The folded replacements of every layer's V and O tensors (``tensors``: the checkpoint's, by
-    name), see the module docstring. Each weight keeps its own scale layout: a ``weight_scale`` of one
-    number is per tensor, else per output channel."""
+    name; ``paths``: every layer's attention module, as the checkpoint names it), see the module
+    docstring. Each weight keeps its own scale layout: a ``weight_scale`` of one number is per
+    tensor, else per output channel."""
     from .weights import FoldTarget, fold_layer
 
     out = {}
@@ -177,7 +178,7 @@ def refold_fp8(tensors: dict[str, torch.Tensor], artifact, geo, spec) -> dict[st
     for i, layer in enumerate(artifact.layers):
         lins = []
         for proj in (v_proj, spec.o_proj):
-            wname, sname, bname = _names(spec, i, proj)
+            wname, sname, bname = _names(paths[i], proj)
             if wname not in tensors:
                 raise UnsupportedModelError(f"the checkpoint has no tensor {wname}")
             w, scale = tensors[wname], tensors.get(sname)
@@ -306,7 +307,7 @@ def fold_fp8_checkpoint(ckpt: FP8Checkpoint, artifact, artifact_sha: str, out: P
     """Fold ``artifact``'s V rotation into the FP8 checkpoint ``ckpt`` and write it into ``out`` (module
     docstring); returns the report ``oscar fold-weights`` prints. Nothing appears at ``out`` unless
     both proofs pass."""
-    from ...model.geometry import text_config
+    from ...model.geometry import decoder_attention, text_config
     from ...model.load import load_model
     from ...model.registry import arch_for
     from .output import ARTIFACT_SUBDIR, check_fold_output, write_artifact_copy
@@ -330,6 +331,7 @@ def fold_fp8_checkpoint(ckpt: FP8Checkpoint, artifact, artifact_sha: str, out: P
         lm = load_model(str(dequantized_copy(ckpt.path, scratch / "original")), dtype="float32", device=device)
         steps("dequantize", 1, 1)
         geo, spec = lm.geometry, arch_for(lm.geometry.model_type)
+        paths = [path for path, _ in decoder_attention(lm.model)]
         ids, kind = sample_input_ids(lm.tokenizer, text_config(lm.model.config).vocab_size,
                                      sample_shape or SAMPLE_SHAPE)
         _, values0 = run_and_capture(lm.model, ids)
@@ -338,8 +340,8 @@ def fold_fp8_checkpoint(ckpt: FP8Checkpoint, artifact, artifact_sha: str, out: P
         del lm
         files = weight_files(ckpt.path)
         proj = [spec.fused_qkv or spec.v_proj, spec.o_proj]
-        wanted = [n for i in range(geo.num_layers) for p in proj for n in _names(spec, i, p)]
-        changed = refold_fp8(_read(ckpt.path, wanted, files), artifact, geo, spec)
+        wanted = [n for path in paths for p in proj for n in _names(path, p)]
+        changed = refold_fp8(_read(ckpt.path, wanted, files), artifact, geo, spec, paths)
         config = dict(ckpt.config, **{CONFIG_KEY: {FOLDED_KEY: True, "artifact_fingerprint": artifact_sha,
                                                    "model_fingerprint": artifact.metadata.get("model_fingerprint"),
                                                    "artifact": f"{ARTIFACT_SUBDIR}/oscar.safetensors",

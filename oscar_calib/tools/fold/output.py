@@ -19,7 +19,6 @@ from ...contract.artifact import (
 )
 from ...errors import InputError
 from ...fsutil import atomic_write_bytes, check_can_replace
-from .weights import FOLDED_KEY
 
 ARTIFACT_SUBDIR = "oscar"
 
@@ -52,7 +51,7 @@ def check_fold_output(out: Path, overwrite: bool, protected: list[Path] = ()) ->
 def write_artifact_copy(directory: Path, artifact: Artifact, source_sha256: str) -> None:
     """The artifact, marked ``v_folded = "true"``, beside the checkpoint it was folded into."""
     directory.mkdir(parents=True, exist_ok=True)
-    meta = dict(artifact.metadata, **{FOLDED_KEY: "true"})
+    meta = {**artifact.metadata, **artifact.settings.replace(v_folded=True).metadata()}
     atomic_write_bytes(directory / WEIGHTS_NAME, serialize_artifact(artifact.tensors(), meta))
     src = Path(artifact.path) if artifact.path else None
     if src is not None and (src / REPORT_NAME).exists():

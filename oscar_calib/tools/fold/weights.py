@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...contract.artifact import Artifact, require_compatible
-from ...contract.values import check_metadata_values, check_values
+from ...contract.artifact import Artifact, require_compatible, valid_artifact
+from ...contract.layout import V_FOLDED_METADATA
 from ...errors import ArtifactError, UnsupportedModelError
 from ...model.geometry import (
     Geometry,
@@ -36,32 +36,22 @@ from ...model.registry import ArchSpec, arch_for
 from ...progress import ProgressFn, counter
 
 CONFIG_KEY = "oscar"
-FOLDED_KEY = "v_folded"
+FOLDED_KEY = V_FOLDED_METADATA     # the artifact key and the checkpoint config key
 
 
 
 # ----------------------------------------------------------------------------- checks
 
-def is_folded(metadata: dict[str, str]) -> bool:
-    return str(metadata.get(FOLDED_KEY, "false")).lower() == "true"
-
-
 def refuse_folded_artifact(artifact: Artifact) -> None:
-    if is_folded(artifact.metadata):
+    if artifact.settings.v_folded:
         raise ArtifactError(f"{artifact.path or 'the artifact'}: its value rotation is already folded into a "
                             "checkpoint (v_folded=true); fold the original artifact into the original model")
 
 
 def require_valid_values(artifact: Artifact) -> None:
-    """The validator's metadata and value checks (finite, orthogonal, clips, ...) on an artifact in
-    memory; raise :class:`ArtifactError` with its first line, as ``oscar validate`` words it."""
-    md = artifact.metadata
-    problems, _ = check_metadata_values(md)
-    for found in check_values(artifact.tensors(), md).values():
-        problems.extend(found)
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ArtifactError(f"{artifact.path or 'the artifact'}: {problems[0]}{more}")
+    """The validator's checks on an artifact in memory (its settings when it was built, its tensors
+    here: :func:`~oscar_calib.contract.artifact.valid_artifact`), raising its first line."""
+    valid_artifact(artifact)
 
 
 def check_artifact_matches(model, artifact: Artifact, *, geometry: Geometry | None = None,

@@ -14,6 +14,7 @@ from ..base import (
     ExportTarget,
     Geometry,
     Launch,
+    per_head_note,
     wrong_paths,
 )
 from .export import (
@@ -24,6 +25,8 @@ from .export import (
     SGLangExport,
     export_sglang,
     serving_clips,
+    uniform_group_note,
+    write_sglang,
 )
 from .fileformat import (
     PER_HEAD_TARGETS,
@@ -54,25 +57,43 @@ UPSTREAM = Checked(
          "checked as the fork's main loader, which the PR says it ports")
 
 
+# the fork's main refuses attention sinks on its INT2 path (read at 473ff3f9d)
+FORK_MAIN_SINKS = ("the fork's Triton decode raises NotImplementedError for sinks with its INT2 windows "
+                   "(sglang-research/python/sglang/srt/layers/attention/triton_backend.py: forward_decode)")
+
+
 class SGLangTarget(ExportTarget):
     engine = "SGLang"
     reads = "K.pt V.pt (the fork's files: V1 [d, d] or V2 [h, d, d] per layer)"
 
-    def __init__(self, name: str, checked: Checked):
-        self.name, self.checked, self.summary = name, checked, TARGETS[name]
+    def __init__(self, name: str, checked: Checked, serves: frozenset[str]):
+        self.name, self.checked, self.summary, self.serves = name, checked, TARGETS[name], serves
         self.engine = {"sglang-fork": "the OSCAR SGLang fork", "sglang-fork-v2": "the OSCAR SGLang fork (per-head)",
                        "sglang": "upstream SGLang"}[name]
 
-    def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:
-        r: SGLangExport = export_sglang(artifact_path, out, target=self.name, model_path=s.model_path, clip=s.clip,
-                                        sink=s.sink, recent=s.recent, folded=s.folded,
-                                        prefill_backend=s.prefill_backend, overwrite=overwrite)
+    def install(self, art, artifact_path: Path, out: Path, s: ExportSettings, warnings: list[str], *,
+                overwrite: bool = False) -> ExportResult:
+        """The fork's own layout (:func:`.export.write_sglang`: rotation files, serve.env, launch.sh,
+        clips.json), re-read with the fork's loader rules before it is installed."""
+        r: SGLangExport = write_sglang(art, artifact_path, out, target=self.name, model_path=s.model_path,
+                                       clip=s.clip, sink=s.sink, recent=s.recent, folded=s.folded,
+                                       prefill_backend=s.prefill_backend, overwrite=overwrite, warnings=warnings)
         final = Path(out).resolve()
         launch = Launch(r.settings.env(final / r.files[0], final / r.files[1]),
                         ["python", "-m", "sglang.launch_server", "--model-path", r.settings.model_path,
                          *r.settings.server_flags(), "--prefill-attention-backend", r.settings.prefill_backend])
         settings = r.to_dict()["settings"] | {"clip_source": r.clip_source, "format_version": r.format_version}
-        return ExportResult(Path(out), self.name, r.files, launch, settings, self.checked, r.warnings)
+        return ExportResult(Path(out), self.name, r.files, launch, settings, self.checked, r.warnings, detail=r)
+
+    def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
+        if name == "layer_group_sizes":
+            return uniform_group_note(art, self.engine)
+        if name == "per_head_rotations":
+            return per_head_note(art, self.engine, "fork")
+        if name == "attention_sinks" and self.name == "sglang-fork":
+            return (f"the model ({art.settings.model_type}) adds a learned attention-sink logit per query head to its "
+                    f"softmax, and {FORK_MAIN_SINKS}")
+        return None
 
     def load_problems(self, out: Path, geo: Geometry) -> list[str]:
         names = sorted(p.name for p in Path(out).glob("*_rotation_*.pt"))
@@ -94,8 +115,11 @@ class SGLangTarget(ExportTarget):
                                         head_dim=geo.head_dim, layer_ids=geo.layer_ids) for p in paths)
 
 
-TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN), SGLangTarget("sglang-fork-v2", FORK_V2),
-               SGLangTarget("sglang", UPSTREAM)]
+# what each loader honours besides the rotations (every one: one group size for all layers and both caches,
+# ONE K and ONE V clip ratio, BF16 sink and recent windows, no logit-noise correction)
+TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, frozenset({"windows"})),
+               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations"})),
+               SGLangTarget("sglang", UPSTREAM, frozenset({"windows"}))]
 
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",
            "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems", "identity_payload",

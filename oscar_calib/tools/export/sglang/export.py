@@ -41,13 +41,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .... import __version__
-from ....contract.artifact import Artifact, load_artifact
+from ....contract.artifact import Artifact
 from ....contract.defaults import check_clip, is_power_of_two
 from ....errors import ArtifactError, InputError
 from ....fsutil import atomic_write_bytes, atomic_write_text, staged_dir
 from ....kernels.pack import bits_per_element
 from ....numerics.clip import choose_global_clips
-from ..base import SLIDING_MODEL_TYPES
+from ..base import SLIDING_MODEL_TYPES, WINDOWED_KINDS
 from .fileformat import (
     PER_HEAD_TARGETS,
     TARGETS,
@@ -139,34 +139,49 @@ def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork"
                   recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
                   overwrite: bool = False) -> SGLangExport:
     """Write the fork's files for the artifact at ``artifact_path`` into ``out`` (see the module
-    docstring). ``folded`` (default: the artifact's ``v_folded`` metadata) serves a checkpoint made
-    by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else the base model id."""
+    docstring) through the target's :meth:`~oscar_calib.tools.export.base.ExportTarget.export`
+    (its checks, then :func:`write_sglang`). ``folded`` (default: the artifact's ``v_folded``) serves
+    a checkpoint made by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else
+    the base model id."""
+    from .. import get_target
+    from ..base import ExportSettings
+
     check_target(target)
+    s = ExportSettings(model_path=model_path, clip=clip, sink=sink, recent=recent, folded=folded,
+                       prefill_backend=prefill_backend)
+    return get_target(target).export(artifact_path, out, s, overwrite=overwrite).detail
+
+
+def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, model_path: str | None = None,
+                 clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
+                 recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
+                 overwrite: bool = False, warnings: list[str] = ()) -> SGLangExport:
+    """The fork's files for the loaded, checked artifact ``art`` into ``out``; ``warnings``: the
+    lines of the settings the target drops (they go into ``serve.env`` too)."""
     if prefill_backend not in PREFILL_BACKENDS:
         raise InputError(f"unknown --prefill-backend {prefill_backend!r}; choose from {', '.join(PREFILL_BACKENDS)}")
-    art = load_artifact(artifact_path)              # every check of oscar validate, the digest included
-    md, d, g = art.metadata, art.head_dim, art.group_size
+    st, d, g = art.settings, art.head_dim, art.group_size
     _check_shapes(artifact_path, d, g)
-    sink = int(md["sink_tokens"]) if sink is None else sink
-    recent = int(md["recent_tokens"]) if recent is None else recent
+    sink = st.sink_tokens if sink is None else sink
+    recent = st.recent_tokens if recent is None else recent
     _check_windows(sink, recent)
     k_clip, v_clip, clip_source = serving_clips(art, target, clip)
-    folded = md.get("v_folded") == "true" if folded is None else folded
-    warnings = _warnings(art, target)
+    folded = st.v_folded if folded is None else folded
+    warnings = [*warnings, *sliding_warnings(art, target)]
     k_rots, k_eigs = _rotations(art, "k", target, artifact_path)
     if model_path is None:
         model_path, note = default_model_path(art, folded)
         warnings += [note] if note else []
     settings = ServeSettings(target, model_path, g, sink, recent, k_clip,
-                             v_clip, absorb_v=not folded and md.get("model_type") in ABSORB_MODEL_TYPES,
+                             v_clip, absorb_v=not folded and st.model_type in ABSORB_MODEL_TYPES,
                              v_identity=folded, prefill_backend=prefill_backend)
-    k_name = file_name("k", _objective(md, "k"))
-    v_name = file_name("v", "identity" if folded else _objective(md, "v"))
+    k_name = file_name("k", _objective(art, "k"))
+    v_name = file_name("v", "identity" if folded else _objective(art, "v"))
     v_obj = identity_payload(art.num_layers, d) if folded else payload(*_rotations(art, "v", target, artifact_path),
-                                                                      objective=_objective(md, "v"))
+                                                                      objective=_objective(art, "v"))
     out = Path(out)
     with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
-        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(md, "k"))))
+        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"))))
         atomic_write_bytes(tmp / v_name, save_bytes(v_obj))
         for name in (k_name, v_name):     # the files must load in the fork: check them as it would
             problems = fork_load_problems(tmp / name, num_layers=art.num_layers, head_dim=d, target=target,
@@ -251,9 +266,9 @@ def _rotations(art: Artifact, which: str, target: str, where) -> tuple[list, lis
     return rots, eigs
 
 
-def _objective(md: dict[str, str], which: str) -> str:
-    obj = md.get(f"{which}_objective", "imported")
-    comp = {"u_h_pbr": "r_h_pbr", "u": "r", "h": "h", "identity": "identity"}.get(md.get("composition", ""), "")
+def _objective(art: Artifact, which: str) -> str:
+    obj = getattr(art.settings, f"{which}_objective")
+    comp = {"u_h_pbr": "r_h_pbr", "u": "r", "h": "h", "identity": "identity"}.get(art.settings.composition, "")
     return obj.replace("-", "_") + (f"_{comp}" if comp else "")
 
 
@@ -278,10 +293,11 @@ def default_model_path(art: Artifact, folded: bool) -> tuple[str, str | None]:
     return art.metadata.get("model_id", ""), None
 
 
-def _warnings(art: Artifact, target: str) -> list[str]:
+def sliding_warnings(art: Artifact, target: str) -> list[str]:
+    """What the target does with a model's sliding-window layers, when it has some."""
     out = []
     types = ((art.report or {}).get("geometry") or {}).get("layer_types") or []
-    sliding = "sliding_attention" in types or art.metadata.get("model_type") in SLIDING_MODEL_TYPES
+    sliding = any(t in WINDOWED_KINDS for t in types) or art.settings.model_type in SLIDING_MODEL_TYPES
     if sliding and target == "sglang-fork":
         out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: the fork's main turns its "
                    "OSCAR decode path off for sliding-window models (and refuses hybrid ones), so this export will "
@@ -289,8 +305,7 @@ def _warnings(art: Artifact, target: str) -> list[str]:
     elif sliding and target == "sglang":
         out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: whether upstream SGLang's "
                    "pull request runs its OSCAR path on them was not checked (docs/guides/engines.md)")
-    note = uniform_group_note(art)
-    return out + ([note] if note else [])
+    return out
 
 
 def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
@@ -299,10 +314,11 @@ def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
     both caches, the fork's ``--kv-cache-quant-group-size``): the export serves the artifact's
     ``group_size``, the closest uniform size within the budget, and the line says what that costs on
     the calibration's held-out rows (its report's ``bit_budget`` record). None for one size."""
-    sizes, v_sizes = art.layer_group_sizes, art.layer_v_group_sizes
-    if len(set(sizes) | set(v_sizes)) == 1:
+    st = art.settings
+    sizes, v_sizes = st.k_groups, st.v_groups
+    if st.uniform_groups:
         return None
-    g = art.group_size
+    g = st.group_size
     b = (art.report or {}).get("bit_budget") or {}
     err = b.get("heldout_attn") or {}
     cost = (f"held-out attention error {err['uniform']:.4f} with group {g} vs {err['per_layer']:.4f} with the "

@@ -1,0 +1,434 @@
+"""The artifact's settings, typed: parsed and validated once, rendered by the same object.
+
+Everything an artifact stores besides its tensors and its provenance (model id and fingerprint,
+calibration record, toolkit version, model source, digest) is a field of
+:class:`ArtifactSettings`. A reader gets it from :meth:`ArtifactSettings.read` (every problem, for
+``oscar validate``) or :meth:`ArtifactSettings.from_metadata` (the first problem, raised); a writer
+builds one and stores :meth:`ArtifactSettings.metadata`. Construction runs the same checks as
+reading (:meth:`ArtifactSettings.problems`), so a writer cannot produce what a reader refuses, and
+every other module takes the typed values instead of re-parsing strings.
+
+=========================  =====================  ===============================================
+field                      metadata key           meaning
+=========================  =====================  ===============================================
+``num_layers`` …           ``num_layers``,        the model's attention geometry
+``head_dim``               ``num_attention_heads``,
+                           ``num_kv_heads``,
+                           ``head_dim``
+``group_size``             ``group_size``         the uniform INT2 group size (with per-layer
+                                                  sizes: the closest uniform size within the
+                                                  same bit budget, what a one-size engine serves)
+``layer_groups``           ``layer_group_sizes``, every layer's :class:`GroupPair` (keys,
+                           ``layer_v_group_sizes`` values); stored only where they differ from
+                                                  ``group_size`` (values: from the keys')
+``sink_tokens``,           ``sink_tokens``,       BF16 attention sink and recent window
+``recent_tokens``          ``recent_tokens``
+``logit_correction``       ``logit_correction``   gain of the logit-noise correction (0 = off,
+                                                  stored only when on)
+``granularity`` …          ``granularity``,       how the rotations were made
+                           ``composition``,
+                           ``k_objective``,
+                           ``v_objective``
+``v_folded``               ``v_folded``           the value rotation is folded into the weights
+``shared_clips``           ``fork_k_clip``,       one (K, V) clip pair for the shared per-layer
+                           ``fork_v_clip``        rotations (engines with one ratio per cache)
+``model_type``             ``model_type``         transformers' model type of the (text) model
+=========================  =====================  ===============================================
+
+Export targets declare which of these their engine serves (:data:`FEATURES`, read by
+:mod:`oscar_calib.tools.export.base`). A new setting is one field here, its key in
+:mod:`.layout`, its check in :meth:`ArtifactSettings.problems` and, when an engine could fail to
+honour it, one :class:`Feature`.
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from ..errors import ArtifactError, InputError
+from .defaults import (
+    BITS,
+    COMPOSITIONS,
+    GRANULARITIES,
+    HEAD_DIM_MULTIPLE,
+    K_OBJECTIVES,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_WINDOW_TOKENS,
+    V_OBJECTIVES,
+    group_pair,
+    group_size_problem,
+    logit_correction_problem,
+)
+from .layout import (
+    IMPORTED,
+    LAYER_GROUPS_METADATA,
+    LAYER_V_GROUPS_METADATA,
+    LOGIT_CORRECTION_METADATA,
+    SHARED_CLIP_METADATA,
+    V_FOLDED_METADATA,
+)
+
+INT_LIMIT = 2 ** 31          # every integer field: what an int32 holds (kernels index with int32)
+# transformers' model types: a letter, then letters, digits, '_' or '-' ("llama", "gemma3_text", "gpt-sw3")
+MODEL_TYPE = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}")
+_DIGITS = re.compile(r"[0-9]{1,30}")
+
+
+class GroupPair(NamedTuple):
+    """One layer's INT2 group sizes: ``k`` for the keys, ``v`` for the values (a tuple ``(k, v)``)."""
+
+    k: int
+    v: int
+
+    @classmethod
+    def of(cls, k: int, v: int | None = None) -> "GroupPair":
+        """The pair ``(k, v)``; the values take the keys' size when ``v`` is None
+        (:func:`~.defaults.group_pair`, the one place where "V defaults to K" is decided)."""
+        return cls(*group_pair(k, v))
+
+    @property
+    def split(self) -> bool:
+        return self.k != self.v
+
+
+@dataclass(frozen=True)
+class ArtifactSettings:
+    """Every setting of an artifact, typed and valid (see the module docstring). ``layer_groups``
+    may be given empty: every layer then uses ``group_size`` for keys and values."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    group_size: int
+    sink_tokens: int
+    recent_tokens: int
+    layer_groups: tuple[GroupPair, ...] = ()
+    logit_correction: float = 0.0
+    granularity: str = "head"
+    composition: str = IMPORTED
+    k_objective: str = IMPORTED
+    v_objective: str = IMPORTED
+    v_folded: bool = False
+    shared_clips: tuple[float, float] | None = None
+    model_type: str | None = None
+
+    def __post_init__(self) -> None:
+        groups = tuple(GroupPair.of(*g) for g in self.layer_groups) or \
+            (GroupPair.of(self.group_size),) * self.num_layers
+        object.__setattr__(self, "layer_groups", groups)
+        if isinstance(self.logit_correction, int) and not isinstance(self.logit_correction, bool):
+            object.__setattr__(self, "logit_correction", float(self.logit_correction))
+        if self.shared_clips is not None:
+            object.__setattr__(self, "shared_clips", tuple(float(c) for c in self.shared_clips))
+        problems = self.problems()
+        if problems:
+            raise ArtifactError(problems[0])
+
+    # -- reading --------------------------------------------------------------------------------
+    @classmethod
+    def read(cls, md: dict[str, str]) -> tuple["ArtifactSettings | None", list[str]]:
+        """Parse the settings in metadata ``md``: ``(settings, [])``, or ``(None, problems)`` with
+        every problem found (a missing key, a malformed value, a value out of bounds)."""
+        problems: list[str] = []
+        values = _parse(md, problems)
+        if problems:
+            return None, problems
+        problems = _problems(values)
+        if problems:
+            return None, problems
+        return cls(**values), []
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, str]) -> "ArtifactSettings":
+        """The settings of ``md``, or :class:`ArtifactError` with the first problem."""
+        settings, problems = cls.read(md)
+        if problems:
+            raise ArtifactError(problems[0])
+        return settings
+
+    def replace(self, **changes) -> "ArtifactSettings":
+        """A copy with ``changes`` (validated like any other construction)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- writing --------------------------------------------------------------------------------
+    def metadata(self) -> dict[str, str]:
+        """The metadata strings of these settings (optional keys only where they say something)."""
+        md = {"num_layers": str(self.num_layers), "num_attention_heads": str(self.num_attention_heads),
+              "num_kv_heads": str(self.num_kv_heads), "head_dim": str(self.head_dim),
+              "group_size": str(self.group_size), "bits": str(BITS), "sink_tokens": str(self.sink_tokens),
+              "recent_tokens": str(self.recent_tokens), "k_objective": self.k_objective,
+              "v_objective": self.v_objective, "composition": self.composition, "granularity": self.granularity}
+        if self.per_layer_groups:
+            md[LAYER_GROUPS_METADATA] = ",".join(str(g.k) for g in self.layer_groups)
+        if self.split_groups:
+            md[LAYER_V_GROUPS_METADATA] = ",".join(str(g.v) for g in self.layer_groups)
+        if self.logit_correction:
+            md[LOGIT_CORRECTION_METADATA] = f"{self.logit_correction:g}"
+        if self.v_folded:
+            md[V_FOLDED_METADATA] = "true"
+        if self.shared_clips is not None:
+            md.update(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in self.shared_clips)))
+        if self.model_type is not None:
+            md["model_type"] = self.model_type
+        return md
+
+    # -- derived --------------------------------------------------------------------------------
+    @property
+    def k_groups(self) -> list[int]:
+        return [g.k for g in self.layer_groups]
+
+    @property
+    def v_groups(self) -> list[int]:
+        return [g.v for g in self.layer_groups]
+
+    @property
+    def per_layer_groups(self) -> bool:
+        """Some layer's keys use another size than ``group_size`` (a bit budget spent unevenly)."""
+        return any(g.k != self.group_size for g in self.layer_groups)
+
+    @property
+    def split_groups(self) -> bool:
+        """Some layer stores its values in groups of another size than its keys."""
+        return any(g.split for g in self.layer_groups)
+
+    @property
+    def uniform_groups(self) -> bool:
+        """Keys and values of every layer in groups of ``group_size``."""
+        return not (self.per_layer_groups or self.split_groups)
+
+    @property
+    def per_head(self) -> bool:
+        """One rotation per KV head (not one shared by a layer's heads)."""
+        return self.granularity == "head" and self.num_kv_heads > 1
+
+    # -- checks ---------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Why these typed values are not a valid artifact's (empty when they are)."""
+        return _problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+# ----------------------------------------------------------------------------- parsing
+
+_INT_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size", "sink_tokens",
+             "recent_tokens")
+
+
+def metadata_int(md: dict[str, str], key: str) -> int | None:
+    """The integer value of ``key`` (ASCII digits only), None when absent or not such a number."""
+    v = str(md.get(key, ""))
+    return int(v) if _DIGITS.fullmatch(v) else None
+
+
+def _parse(md: dict[str, str], problems: list[str]) -> dict:
+    """The typed values of ``md``'s settings; syntax problems are appended to ``problems``."""
+    out: dict = {}
+    for k in _INT_KEYS:
+        if k not in md:
+            problems.append(f"metadata missing {k}")
+            continue
+        v = metadata_int(md, k)
+        if v is None:
+            problems.append(f"metadata {k!r} is not a non-negative integer: {str(md[k])[:40]!r}")
+        elif v >= INT_LIMIT:
+            problems.append(f"metadata {k!r} is {v}, beyond any model (limit {INT_LIMIT - 1})")
+        else:
+            out[k] = v
+    if "bits" in md and metadata_int(md, "bits") != BITS:
+        problems.append(f"metadata 'bits' is {str(md['bits'])[:40]}, format v1 stores 2-bit settings only")
+    for k in ("granularity", "composition", "k_objective", "v_objective"):
+        if k in md:
+            out[k] = str(md[k])
+    n = out.get("num_layers")
+    ks, vs = (_sizes(md, key, n, problems) for key in (LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA))
+    if (ks or vs) and n is not None and "group_size" in out:
+        ks = ks or [out["group_size"]] * n
+        out["layer_groups"] = tuple(GroupPair.of(k, v) for k, v in zip(ks, vs or ks))
+    if LOGIT_CORRECTION_METADATA in md:
+        raw = md[LOGIT_CORRECTION_METADATA]
+        try:
+            gain = float(raw)
+        except ValueError:
+            gain = raw
+        why = logit_correction_problem(gain, f"metadata {LOGIT_CORRECTION_METADATA!r}")
+        if why:
+            problems.append(why.replace(repr(gain), repr(raw)))
+        else:
+            out["logit_correction"] = gain
+    folded = md.get(V_FOLDED_METADATA, "false")
+    if folded not in ("true", "false"):
+        problems.append(f"metadata 'v_folded' is {folded!r}, expected 'true' or 'false'")
+    out["v_folded"] = folded == "true"
+    present = [k for k in SHARED_CLIP_METADATA if k in md]
+    if present and len(present) != len(SHARED_CLIP_METADATA):
+        problems.append(f"metadata has {present[0]!r} without {[k for k in SHARED_CLIP_METADATA if k not in md][0]!r}")
+    elif present:
+        clips = []
+        for k in SHARED_CLIP_METADATA:
+            try:
+                clips.append(float(md[k]))
+            except ValueError:
+                clips.append(float("nan"))          # refused with the range below
+        out["shared_clips"] = tuple(clips)
+    if "model_type" in md:
+        out["model_type"] = str(md["model_type"])
+    return out
+
+
+def _sizes(md: dict[str, str], key: str, n: int | None, problems: list[str]) -> list[int] | None:
+    """The per-layer sizes under ``key`` (None when absent or unreadable: then a problem is added)."""
+    raw = md.get(key)
+    if raw is None:
+        return None
+    parts = str(raw).split(",")
+    if not all(_DIGITS.fullmatch(x.strip()) for x in parts):
+        problems.append(f"metadata {key!r} is not comma-separated integers: {raw[:60]!r}")
+        return None
+    if n is not None and len(parts) != n:
+        problems.append(f"metadata {key!r} has {len(parts)} sizes for {n} layers")
+        return None
+    return [int(x) for x in parts]
+
+
+def _problems(v: dict) -> list[str]:
+    """Every bound and rule the typed values ``v`` (field name -> value) break."""
+    problems = []
+    n, h, kv, d, g = (v.get(k) for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                                          "group_size"))
+    for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "group_size"):
+        if v.get(k) == 0:
+            problems.append(f"metadata {k!r} must be positive")
+    for k, cap in (("num_layers", MAX_LAYERS), ("num_attention_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM)):
+        if v.get(k) is not None and v[k] > cap:
+            problems.append(f"metadata {k!r} is {v[k]}, above the toolkit's limit of {cap}")
+    if h and kv and h % kv:
+        problems.append(f"{h} query heads do not split evenly over {kv} KV heads")
+    if d and d % HEAD_DIM_MULTIPLE:
+        problems.append(f"head_dim {d} is not a multiple of {HEAD_DIM_MULTIPLE} (the INT2 cache packs four 2-bit "
+                        "codes per byte)")
+    if g:
+        why = group_size_problem(g, d or None)
+        if why:
+            problems.append(f"group_size {why}")
+    sink, recent = v.get("sink_tokens"), v.get("recent_tokens")
+    if sink is not None and recent is not None and sink + recent > MAX_WINDOW_TOKENS:
+        problems.append(f"BF16 windows of {sink} sink + {recent} recent tokens exceed the limit of {MAX_WINDOW_TOKENS} "
+                        "tokens (longer than any supported model's context)")
+    if v.get("granularity", "head") not in GRANULARITIES:
+        problems.append(f"unknown granularity {v.get('granularity')!r} (expected one of {', '.join(GRANULARITIES)})")
+    for k, valid in (("composition", COMPOSITIONS), ("k_objective", K_OBJECTIVES), ("v_objective", V_OBJECTIVES)):
+        if v.get(k, IMPORTED) not in (*valid, IMPORTED):
+            problems.append(f"unknown {k} {v.get(k)!r}")
+    groups = v.get("layer_groups") or ()
+    if groups and n is not None and len(groups) != n:
+        problems.append(f"{len(groups)} layer group sizes for {n} layers")
+    elif groups:
+        for key, sizes in ((LAYER_GROUPS_METADATA, [p.k for p in groups]), (LAYER_V_GROUPS_METADATA,
+                                                                            [p.v for p in groups])):
+            bad = next((why for why in (group_size_problem(s, d or None) for s in sizes) if why), None)
+            if bad:
+                problems.append(f"metadata {key!r}: {bad}")
+    a = v.get("logit_correction", 0.0)
+    why = logit_correction_problem(a, f"metadata {LOGIT_CORRECTION_METADATA!r}")
+    if why:
+        problems.append(why)
+    clips = v.get("shared_clips")
+    if clips is not None and len(clips) != len(SHARED_CLIP_METADATA):
+        problems.append(f"shared clip ratios {clips!r} must be a (K, V) pair")
+    elif clips is not None:
+        problems += [f"metadata {k!r} is {c:g}, expected a clip ratio in (0, 1]"
+                     for k, c in zip(SHARED_CLIP_METADATA, clips) if not 0 < c <= 1]
+    mt = v.get("model_type")
+    if mt is not None and not MODEL_TYPE.fullmatch(str(mt)):
+        problems.append(f"metadata 'model_type' is {str(mt)[:40]!r}, not a transformers model type (a letter, then "
+                        "letters, digits, '_' or '-')")
+    return problems
+
+
+# ----------------------------------------------------------------------------- what engines serve
+
+@dataclass(frozen=True)
+class Feature:
+    """A setting an artifact may use and an engine may not honour.
+
+    ``active(settings)``: the artifact uses it. An export target lists the features its engine
+    serves; for one it does not, ``dropped(settings, engine)`` is the one line the export prints
+    (the engine serves the artifact without it), or ``refused`` is True (it cannot be served at all).
+    ``covered_by``: a feature whose dropped line already says this one's (not repeated)."""
+
+    name: str
+    title: str
+    active: Callable[[ArtifactSettings], bool]
+    dropped: Callable[[ArtifactSettings, str], str]
+    refused: bool = False
+    covered_by: str | None = None
+
+
+def _groups_text(s: ArtifactSettings) -> str:
+    ks, vs = s.k_groups, s.v_groups
+    if s.split_groups:
+        return f"the keys' per-layer sizes {min(ks)}–{max(ks)} and the values' {min(vs)}–{max(vs)}"
+    return f"the per-layer sizes {min(ks)}–{max(ks)}"
+
+
+# transformers model types whose attention adds a learned sink logit per query head to its softmax
+# (gpt-oss's ``sinks``, passed to the attention function as ``s_aux``): an engine's INT2 decode must add it
+SINK_MODEL_TYPES = ("gpt_oss",)
+
+FEATURES: dict[str, Feature] = {f.name: f for f in (
+    Feature("logit_correction", "logit-noise correction",
+            lambda s: s.logit_correction > 0,
+            lambda s, e: (f"{e} does not subtract the logit-noise correction this artifact asks for (logit_correction "
+                          f"{s.logit_correction:g}): it serves the rotations and clips without it")),
+    Feature("layer_group_sizes", "per-layer group sizes",
+            lambda s: s.per_layer_groups or s.split_groups,
+            lambda s, e: (f"{e} takes one group size for every layer and both caches: it serves group "
+                          f"{s.group_size} instead of {_groups_text(s)}")),
+    Feature("split_group_sizes", "K and V group sizes apart",
+            lambda s: s.split_groups,
+            lambda s, e: (f"{e} takes one group size per layer for K and V: the values are stored in the keys' "
+                          f"groups ({min(s.k_groups)}–{max(s.k_groups)}) instead of their own "
+                          f"({min(s.v_groups)}–{max(s.v_groups)})"),
+            covered_by="layer_group_sizes"),
+    Feature("per_head_rotations", "one rotation per KV head",
+            lambda s: s.per_head,
+            lambda s, e: (f"{e} loads one rotation per layer: it serves the artifact's shared per-layer rotations, "
+                          f"not its {s.num_kv_heads} per-KV-head ones")),
+    Feature("windows", "BF16 sink and recent window",
+            lambda s: s.sink_tokens + s.recent_tokens > 0,
+            lambda s, e: (f"{e} keeps no BF16 sink or recent window: the {s.sink_tokens} sink and "
+                          f"{s.recent_tokens} recent tokens are stored in INT2 like the rest")),
+    Feature("attention_sinks", "attention-sink logits",
+            lambda s: s.model_type in SINK_MODEL_TYPES,
+            lambda s, e: (f"the model ({s.model_type}) adds a learned attention-sink logit per query head to its "
+                          f"softmax, and {e}'s OSCAR decode path was not read for attention sinks, so oscar does not "
+                          "write for it"),
+            refused=True),
+)}
+
+
+def feature_lines(settings: ArtifactSettings, serves, engine: str,
+                  wording: Callable[[str], str | None] | None = None) -> tuple[list[str], list[str]]:
+    """``(warnings, refusals)`` for an engine that serves the features named in ``serves``:
+    one line per active feature it does not serve (see :class:`Feature`). ``wording(name)``: the
+    engine's own line for a dropped feature, when it has a more precise one (None: the feature's)."""
+    served = set(serves)
+    unknown = served - set(FEATURES)
+    if unknown:
+        raise InputError(f"unknown artifact feature(s) {', '.join(sorted(unknown))}; known: {', '.join(FEATURES)}")
+    warnings, refusals = [], []
+    for f in FEATURES.values():
+        if f.name in served or not f.active(settings):
+            continue
+        if f.covered_by and f.covered_by not in served and FEATURES[f.covered_by].active(settings):
+            continue
+        line = (wording(f.name) if wording else None) or f.dropped(settings, engine)
+        (refusals if f.refused else warnings).append(line)
+    return warnings, refusals
