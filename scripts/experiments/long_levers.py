@@ -2,16 +2,19 @@
 """Levers that see long windows, measured at 8K/16K/32K in one run: perplexity of the last tokens of
 long windows for BF16, Hadamard, the zoo artifact and the levers on it, one JSON and a table.
 
-    # on the GPU machine: the models carried there (a GGUF path per model), Gemma's tokenizer as
-    # transformers 5.23 converts it (scripts/experiments/save_tokenizer.py), about 6 min on an H200
-    python scripts/experiments/long_levers.py --device cuda --out $OUT/long_levers_h200.json \\
-        --model smollm2-135m=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf --lengths smollm2-135m=8192 \\
-        --model gemma3-270m=/root/m/gemma-3-270m-q4_k_m.gguf --tokenizer gemma3-270m=.gpu/gemma3-270m-tokenizer \\
-        --lengths gemma3-270m=8192,16384,32768
-    # on a CPU: SmolLM2 at 2K, two windows, every prediction (oscar eval's protocol); about 10 min on 2 cores
-    python scripts/experiments/long_levers.py --model smollm2-135m --lengths smollm2-135m=2048 --sequences 2 \\
-        --scored all --texts embedded,embedded-code --variants zoo,gain=0,channel,channel-kivi \\
-        --out scripts/experiments/results/long_levers_smollm2-135m_cpu.json
+    # on the GPU machine: the models carried there (a GGUF path per model; the gguf package in
+    # /root/site), Gemma's tokenizer as transformers 5.23 converts it (save_tokenizer.py, 31.8 MiB);
+    # one model per call, the JSON and its table under $OUT
+    PYTHONPATH=/root/site python scripts/experiments/long_levers.py --device cuda \
+        --model smollm2-135m=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf --lengths smollm2-135m=8192 \
+        --texts embedded,embedded-code --real-cache zoo --out $OUT/long_levers_smollm2-135m_h200.json
+    PYTHONPATH=/root/site python scripts/experiments/long_levers.py --device cuda \
+        --model gemma3-270m=/root/m/gemma-3-270m-q4_k_m.gguf --tokenizer gemma3-270m=.gpu/gemma3-270m-tokenizer \
+        --lengths gemma3-270m=8192,16384,32768 --out $OUT/long_levers_gemma3-270m_h200.json
+    # on a CPU: SmolLM2 at 2K, two windows, every prediction (oscar eval's protocol); 45 min on 2 busy cores
+    python scripts/experiments/long_levers.py --model smollm2-135m --lengths smollm2-135m=2048 --sequences 2 \
+        --scored all --texts embedded,embedded-code --variants bf16,hadamard,zoo,gain=0,channel,channel-kivi \
+        --device cpu --out scripts/experiments/results/long_levers_smollm2-135m_cpu.json
 
 Each model is a zoo alias (its artifact ``zoo/<alias>``, its recipe ``configs/<alias>.yaml``),
 optionally loaded from another path (``--model ALIAS=PATH``: a GGUF or checkpoint carried to the
