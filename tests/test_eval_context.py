@@ -189,7 +189,8 @@ def test_cli_eval_context(monkeypatch, tmp_path):
 
     def fake(model, artifact, options, **kw):
         seen.update(options=options)
-        return EvalResult("ppl", "m", {"sink": 64, "recent": 256, "sequences": 1, "data": "embedded", "group_size": 64,
+        return EvalResult("ppl", "m", {"sink": 64, "recent": 256, "sequences": 1, "group_size": 64,
+                                       "data": "embedded:pydoc_data.topics[heldout]",
                                        "contexts": [4096], "scored": {"4096": 1024},
                                        "paths": {"bf16": "simulation (SimulatedKV)"}}, rows)
 
@@ -201,7 +202,7 @@ def test_cli_eval_context(monkeypatch, tmp_path):
     assert seen["options"] == EvalOptions(methods=("bf16", "hadamard"), contexts=(4096,), sequences=1, scored=512,
                                           real_cache=True)
     out = " ".join(r.stdout.split())
-    assert "ppl at long contexts" in out and "9.000 (+12.50%; 3.40 b)" in out
+    assert "ppl at long contexts" in out and "9.000 (+12.50%; 3.40 b)" in out and "topics[heldout]" in out
     r = oscar("eval", "smollm2-135m", "--methods", "bf16,hadamard", "--context", "4096", "--json")
     assert json.loads(r.stdout)["settings"]["contexts"] == [4096]
     r = oscar("eval", "smollm2-135m", "--task", "niah", "--context", "4096")

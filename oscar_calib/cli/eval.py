@@ -159,14 +159,16 @@ def render(result, json_out: bool) -> None:
         return
     s = result.settings
     if result.task == "ppl" and s.get("contexts"):
+        from rich.markup import escape
+
         from ..eval.report import context_caption, context_cells
 
         doc = result.to_json()
         headers, rows = context_cells(doc)
         stdout.print(table(f"oscar eval ppl at long contexts: {result.model_id}", headers, rows,
-                           caption=context_caption(doc) + ". Lower is better, BF16 is the floor; bits with windows: "
-                                   "what the real cache holds per element at that length, its 16-bit sink and "
-                                   "window included"))
+                           caption=escape(context_caption(doc)) + ". Lower is better, BF16 is the floor; bits with "
+                                   "windows: what the real cache holds per element at that length, its 16-bit sink "
+                                   "and window included"))
         _fork_line(s)
     elif result.task == "ppl":
         from ..eval.report import group_label

@@ -257,8 +257,8 @@ def write_plot(path: Path, result: EvalResult) -> None:
         ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("perplexity of the last tokens")
-        ax.set_title(f"{result.model_id}: the last predictions of long windows, sink {result.settings['sink']} + "
-                     f"recent {result.settings['recent']} BF16", fontsize=9)
+        ax.set_title(f"{result.model_id}\nthe last predictions of long windows; BF16 sink {result.settings['sink']} + "
+                     f"recent {result.settings['recent']}", fontsize=9)
         ax.legend()
     elif result.task == "ppl":
         fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
