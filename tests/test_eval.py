@@ -66,12 +66,16 @@ def test_simulation_equals_plain_attention_when_nothing_is_quantised(kind):
 
 
 def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
-    """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops)."""
+    """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops),
+    both in the rotated basis as OscarCache stores them: the window holds ``bf16(bf16(x) @ R)``, the
+    history INT2 of ``clip(bf16(x) @ R)``, the query is rotated and the output rotated back."""
     rk, ck, rv, cv = scheme.layer(0)
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
     g = scheme.group_size
     kq = quantize_kv(kb.transpose(1, 2), rk, ck, g).dequantize()[0]       # [S, H, d] rotated
     vq = quantize_kv(vb.transpose(1, 2), rv, cv, g).dequantize()[0]
+    kw = torch.einsum("bhsd,hde->bhse", kb.float(), rk).to(torch.bfloat16).float()   # the window, rotated
+    vw = torch.einsum("bhsd,hde->bhse", vb.float(), rv).to(torch.bfloat16).float()
     hq, t = q.shape[1], q.shape[2]
     grp = hq // k.shape[1]
     i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
@@ -80,13 +84,13 @@ def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
     out = torch.zeros(1, t, hq, q.shape[-1])
     for h in range(hq):
         kv = h // grp
-        s_hi = q[0, h] @ kb[0, kv].float().T
+        s_hi = (q[0, h] @ rk[kv]) @ kw[0, kv].T
         s_lo = (q[0, h] @ rk[kv]) @ kq[:, kv].T
         s = torch.where(hi, s_hi, s_lo) * scaling
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         p = torch.softmax(s.masked_fill(~ok, -math.inf), -1)
-        out[0, :, h] = (p * hi) @ vb[0, kv].float() + ((p * ~hi) @ vq[:, kv]) @ rv[kv].T
+        out[0, :, h] = ((p * hi) @ vw[0, kv] + (p * ~hi) @ vq[:, kv]) @ rv[kv].T
     return out
 
 
