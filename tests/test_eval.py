@@ -589,3 +589,28 @@ def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
     assert res.settings["fork"]["quantizer"].startswith("oscar (the real INT2 cache")
     with pytest.raises(InputError, match="--task ppl"):
         evaluate_niah(lm, opts.replace(methods=("fork-lloyd",)), artifact=load_artifact(path))
+
+
+@pytest.mark.script
+def test_niah_gpu_baselines_stand_in_only_for_the_same_prompts():
+    """A run of the artifact's methods only takes bf16/hadamard rows from an earlier run of the same
+    prompts (those methods do not depend on the artifact), names where they came from, and refuses a
+    run of other prompts or one without the lengths."""
+    mod = load_script("experiments/niah_gpu.py")
+    base = {"methods": ["bf16", "hadamard", "oscar"], "depths": [0.5], "samples": 1, "seed": 0, "haystack": "prose",
+            "sink": 4, "recent": 8, "lengths": [512, 1024], "haystack_sha256": "a" * 16, "device": "H100"}
+    row = {"length": 512, "tokens": 512, "depth": 0.5, "seed": 0, "score": 1, "bits_per_element": 16.0}
+    old = {"model_id": "m", "settings": base, "timings": {},
+           "rows": [dict(row, method=m, length=n) for m in ("bf16", "hadamard", "oscar") for n in (512, 1024)]}
+    new = {"model_id": "m", "settings": dict(base, methods=["oscar"], lengths=[512], device="H200"), "timings": {},
+           "rows": [dict(row, method="oscar", score=0)]}
+    out = mod.with_baselines(new, old, "old.json")
+    assert sorted((r["method"], r["length"], r["score"]) for r in out["rows"]) == \
+        [("bf16", 512, 1), ("hadamard", 512, 1), ("oscar", 512, 0)]          # the old oscar rows are not taken
+    assert out["settings"]["baselines_from"] == {"file": "old.json", "methods": ["bf16", "hadamard"], "device": "H100",
+                                                "command": None}
+    with pytest.raises(SystemExit, match="ran other prompts \\(seed"):
+        mod.with_baselines(dict(new, settings=dict(new["settings"], seed=1)), old, "old.json")
+    longer = dict(new, rows=[dict(row, method="oscar", length=2048)])
+    with pytest.raises(SystemExit, match="no baseline rows at length\\(s\\) \\[2048\\]"):
+        mod.with_baselines(longer, old, "old.json")
