@@ -46,7 +46,7 @@ from .compat import (
 )
 from .plan import LayerPlan
 from .scheme import KVScheme
-from .storage import LayerStore, write_step, write_tokens
+from .storage import LayerStore, held_slots, write_step, write_tokens
 
 
 class _BatchOps:
@@ -169,6 +169,21 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
         return None
 
 
+def not_storable(scheme: KVScheme) -> str | None:
+    """Why :class:`OscarCache` cannot store ``scheme`` (one line), or None: it stores oscar's
+    uniform INT2 history, nothing else (no full-precision scheme, no engine's or experimental
+    quantiser, no output-side V rotation)."""
+    if not scheme.quantized:
+        return f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache"
+    if scheme.quantizer != "oscar":
+        return (f"{scheme.name}: OscarCache stores oscar's uniform INT2; the {scheme.quantizer!r} quantiser exists "
+                "only in the perplexity simulation (SimulatedKV)")
+    if any(r is not None for r in scheme.v_output):
+        return (f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is simulated by "
+                "SimulatedKV only")
+    return None
+
+
 def checked_artifact(artifact, model):
     """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
     cache is built, when it is invalid or was calibrated for another model
@@ -191,12 +206,9 @@ class OscarCache(Cache):
 
     def __init__(self, config, scheme: KVScheme, *, backend: str = "auto"):
         check_transformers()
-        if not scheme.quantized:
-            raise InputError(f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache")
-        scheme.require_oscar_quantizer("OscarCache")
-        if any(r is not None for r in scheme.v_output):
-            raise InputError(f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is "
-                             "simulated by SimulatedKV only")
+        why = not_storable(scheme)
+        if why:
+            raise InputError(why)
         slots = cache_slots(config)
         attention = [slot for slot in slots if slot.attention]
         if len(attention) != scheme.num_layers:
@@ -329,8 +341,8 @@ class OscarCache(Cache):
             per_slot = [t.element_size() * t[0, :, :, 0].numel() for t in (st.window.kv,) + st.hist.tensors()]
             hist_per_slot = sum(per_slot[1:])
             for c in st.exact_counts():
-                kept = min(c, st.hist.cap + st.plan.sink) if st.hist.ring else c
-                used += min(c, st.plan.sink + st.plan.recent) * per_slot[0] + max(0, kept - st.plan.sink) * hist_per_slot
+                w, h, kept = held_slots(c, st.plan.sink, st.plan.recent, st.hist.cap if st.hist.ring else None)
+                used += w * per_slot[0] + h * hist_per_slot
                 bf16 += 2 * 2 * st.heads * st.d * kept
         first = self.oscar_layers[0].store
         n = sum(first.exact_counts()) if first is not None else 0
@@ -362,4 +374,5 @@ def attached(cache, model):
     return cache.attach(model) if isinstance(cache, OscarCache) else contextlib.nullcontext()
 
 
-__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact"]
+__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact",
+           "not_storable"]
