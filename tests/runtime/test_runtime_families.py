@@ -152,3 +152,37 @@ def test_a_layer_the_kernels_cannot_take_is_refused_under_backend_triton():
     assert str(e.value) == ("OscarCache(backend='triton'): layer 0 has head_dim 16 (the decode kernel needs a power "
                             "of two in 64..256); use backend='auto', which runs that layer on the torch path")
     assert all(layer.store is None for layer in cache.oscar_layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("name", ["gemma4_text", "qwen3_5_text"])
+def test_published_head_sizes_through_the_kernels_equal_the_torch_path(name):
+    """Gemma 4 at its published head sizes (sliding layers 256, the global layer 512) and Qwen3.5 at
+    256, on CUDA (backend auto): Qwen3.5's attention layers decode through the Triton kernel, its
+    recurrent layers step as transformers has them; Gemma 4's 256-wide layers write through the
+    kernels and read through the torch path (sliding windows), its 512-wide layer runs the torch
+    path throughout. The logits equal the all-torch cache's."""
+    from oscar_calib.model.families import Family
+
+    fam = FAMILIES[name]
+    extra = dict(global_head_dim=512) if name == "gemma4_text" else {}
+    model = Family(name, fam.example, dict(fam.tiny, head_dim=256, hidden_size=128, **extra)).model().cuda()
+    art = build_artifact(model, seed=3)
+    ids = torch.randint(1, 120, (1, 24), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def logits(backend):
+        cache = OscarCache.from_artifact(art, model, sink=4, recent=8, backend=backend)
+        with cache.attach(model), torch.no_grad():
+            out = [model(ids[:, :20], past_key_values=cache, use_cache=True).logits]
+            for t in range(20, ids.shape[1]):
+                out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        return cache, torch.cat(out, 1)
+
+    auto_cache, auto = logits("auto")
+    _, ref = logits("torch")
+    q = torch.zeros(1, 4, 1, 256, device="cuda")
+    decodes = [kernel_decodes(layer, q[..., :layer.store.d], None) for layer in auto_cache.oscar_layers]
+    assert decodes == ([False, False, False] if name == "gemma4_text" else [True, True])  # sliding or 512: torch
+    assert (auto - ref).abs().max() < 2e-2 * ref.abs().max()
+    assert torch.equal(auto.argmax(-1), ref.argmax(-1))
