@@ -140,7 +140,7 @@ def test_too_little_data_is_found_before_the_weights_load(monkeypatch, capsys, t
 
 
 def test_hub_ids_are_not_mistaken_for_paths():
-    from oscar_calib.calibrate.corpus import looks_like_path
+    from oscar_calib.data.corpus import looks_like_path
 
     assert not any(map(looks_like_path, ["wikitext", "Salesforce/wikitext", "bigcode/the-stack-v1.2"]))
     assert all(map(looks_like_path, ["corpus.tx", "./c", "~/c", "/data/c", "a/b/c", "a\\b"]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from factories import byte_tokenizer, loaded_tiny, tiny_model
 
-from oscar_calib.calibrate.corpus import load_texts, plan_tokens
+from oscar_calib.data.corpus import load_texts, plan_tokens
 from oscar_calib.errors import (
     DataError,
     InputError,
@@ -178,7 +178,7 @@ def test_embedded_halves_do_not_overlap(char_tokenizer):
 def test_embedded_code_is_a_second_corpus_split_in_halves(char_tokenizer):
     import importlib.util
 
-    from oscar_calib.calibrate.corpus import (
+    from oscar_calib.data.corpus import (
         CODE_MODULES,
         EMBEDDED_CODE,
         embedded_code_texts,

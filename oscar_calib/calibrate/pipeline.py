@@ -60,7 +60,7 @@ from .checkpoint import (
     remove_checkpoints,
     save_checkpoint,
 )
-from .corpus import TokenPlan, load_texts, plan_tokens
+from ..data.corpus import TokenPlan, load_texts, plan_tokens
 from .ranks import Ranks, launched
 from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared, in_layer_order

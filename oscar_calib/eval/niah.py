@@ -78,7 +78,7 @@ def _filler_text(haystack: str) -> str:
 
         return prose_text()
     if haystack == "corpus":
-        from ..calibrate.corpus import embedded_texts
+        from ..data.corpus import embedded_texts
 
         text = "\n".join(embedded_texts())
         return text[len(text) // 2:]

@@ -30,7 +30,7 @@ def heldout_sequences(tokenizer, *, sequences: int = 2, seq_len: int = 2048, dat
                       seed: int = 0) -> list[torch.Tensor]:
     """``sequences`` windows of ``seq_len`` tokens from the held-out half of the embedded corpus
     (``embedded-code``: of the embedded code corpus; or from a file ``data``), chosen by ``seed``."""
-    from ..calibrate.corpus import plan_tokens
+    from ..data.corpus import plan_tokens
 
     plan = plan_tokens(tokenizer, data=data, tokens=seq_len, seq_len=seq_len, heldout_tokens=seq_len,
                        heldout_seqs=sequences, seed=seed, corpus_split="heldout")
@@ -100,7 +100,7 @@ def evaluate_ppl(lm, options: EvalOptions | None = None, *, artifact=None,
     o = options_for(options, "ppl")
     methods, group_size, sink, recent = list(o.methods), o.group_size, o.sink, o.recent
     sequences, seq_len, data, seed = o.sequences, o.seq_len, o.data, o.seed
-    from ..calibrate.corpus import EMBEDDED_SOURCES
+    from ..data.corpus import EMBEDDED_SOURCES
     schemes = build_schemes(methods, lm.geometry, artifact=artifact, group_size=group_size, sink=sink, recent=recent,
                             logit_correction=o.logit_correction)
     seqs = heldout_sequences(lm.tokenizer, sequences=sequences, seq_len=seq_len, data=data, seed=seed)

@@ -259,7 +259,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
     references otherwise). ``triton`` where triton is not installed (it has wheels for Linux only)
     is refused with one :class:`InputError` before anything loads, rather than falling back: a run
     that asks for the kernels must not silently check the references instead."""
-    from ..calibrate.corpus import load_texts, plan_tokens
+    from ..data.corpus import load_texts, plan_tokens
     from ..model.capture import Capture, call_window, capture_forward
     from ..model.load import load_model
 

@@ -47,7 +47,7 @@ from harness import add_output_args, describe_device, new_result, out_dir, write
 def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: int, device: str) -> dict:
     import torch
 
-    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.data.corpus import plan_tokens
     from oscar_calib.calibrate.pipeline import collect_statistics, prepare_model
     from oscar_calib.contract.config import CalibrationConfig
 
@@ -75,7 +75,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
                 _forward(lm.model, b.to(dev))
         sync()
 
-    from oscar_calib.calibrate.corpus import TokenPlan
+    from oscar_calib.data.corpus import TokenPlan
 
     stream_only = TokenPlan(plan.calibration, [], plan.source)   # the fixed held-out capture is not streaming
 
@@ -234,7 +234,7 @@ def qwen3_8b_geometry(device: str):
 
 
 def gpu_plan(tokens: int, seq_len: int):
-    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.data.corpus import plan_tokens
 
     plan = plan_tokens(ByteTokenizer(), data="embedded", tokens=tokens, seq_len=seq_len, heldout_tokens=512,
                        heldout_seqs=1, seed=0)

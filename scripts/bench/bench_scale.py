@@ -172,7 +172,7 @@ def cfg_and_plan(s: dict):
     """The calibration settings and token plan of a scenario's settings ``s``."""
     from bench_calibrate import ByteTokenizer
 
-    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.data.corpus import plan_tokens
     from oscar_calib.contract.config import CalibrationConfig
 
     heldout = min(s["heldout_tokens"], s["seq_len"])

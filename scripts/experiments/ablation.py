@@ -153,7 +153,7 @@ def stats_run(lm, cfg, cache: Path):
     accumulators do not depend on it)."""
     import torch
 
-    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.data.corpus import plan_tokens
     from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
     from oscar_calib.calibrate.stats import LayerStats, Reservoir
     from oscar_calib.contract.config import CalibrationConfig
