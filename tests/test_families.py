@@ -36,7 +36,7 @@ from oscar_calib.tools.export import TARGETS, ExportSettings
 from oscar_calib.tools.fold import fold_and_check
 from oscar_calib.tools.support import family_support
 from oscar_calib.tools.validate import ModelReference, validate_artifact
-from oscar_calib.tools.verify import verify_artifact
+from oscar_calib.eval.verify import verify_artifact
 
 # the families added beside the ten registered before (those have their own tests: test_fold.py,
 # tests/runtime, the zoo): mixtures of experts, newer dense families, multimodal wrappers

@@ -13,7 +13,7 @@ from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.contract.artifact import load_artifact, write_artifact_files
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.errors import ArtifactError
-from oscar_calib.tools.verify import verify_artifact
+from oscar_calib.eval.verify import verify_artifact
 
 QUICK = dict(depths=(400, 700), sequences=1, positions=2)
 
@@ -145,7 +145,7 @@ def test_verify_reports_the_fork_scheme(tmp_path):
     from oscar_calib.cli.verify import render
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.runtime.simulate import SimulatedKV
-    from oscar_calib.tools.verify import _fork_layer_errors
+    from oscar_calib.eval.verify import _fork_layer_errors
 
     lm = loaded_tiny("llama")
     out = tmp_path / "a"

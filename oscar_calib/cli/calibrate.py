@@ -180,7 +180,7 @@ def _rank_named_errors() -> Iterator[None]:
 
 def _verify(result, progress, quick: bool) -> dict:
     """``oscar verify`` on the new artifact, with the model already loaded (spread or not)."""
-    from ..tools.verify import QUICK_VERIFY, verify_artifact
+    from ..eval.verify import QUICK_VERIFY, verify_artifact
 
     return verify_artifact(result.out, loaded=result.loaded, progress=progress,
                            **(QUICK_VERIFY if quick else {})).summary()

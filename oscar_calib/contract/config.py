@@ -151,7 +151,7 @@ UNSET_OPTIONS = {"dtype": "auto", "device": "auto", "trust_remote_code": False}
 # ``oscar calibrate --quick``: a first try in about a minute on two CPU cores. A quarter of the
 # default token budget in half-length sequences, and half the held-out rows the clips are fitted on
 # (clip fitting costs the square of their length). What it costs in accuracy is measured in the
-# docs/guides/calibrate.md ("--quick"). The verify that follows uses ``tools.verify.QUICK_VERIFY``.
+# docs/guides/calibrate.md ("--quick"). The verify that follows uses ``eval.verify.QUICK_VERIFY``.
 QUICK = {"tokens": 2048, "seq_len": 512, "heldout_tokens": 256}
 
 

@@ -4,6 +4,10 @@ Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd``,
 ``quanto``; what the KV cache holds in each, and which group size and windows it uses, is in
 :mod:`.methods`.
 
+The package holds the measurements of an artifact on held-out data: this evaluation, and
+:mod:`.verify` (``oscar verify``: the INT2 kernels on held-out activations against a Hadamard
+baseline, the pass/fail gate recorded in ``verify.json``).
+
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
 Perplexity (``task="ppl"``) is teacher-forced on held-out text (the embedded corpus' ``heldout``

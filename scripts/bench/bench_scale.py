@@ -278,7 +278,7 @@ def save_accumulators(stats: list, path: Path) -> None:
 
 def verify_on(lm, artifact: Path, s: dict, gpus: list[int]) -> dict:
     """``oscar verify`` of ``artifact`` on the model in memory (spread or not), once, untimed rounds."""
-    from oscar_calib.tools.verify import verify_artifact
+    from oscar_calib.eval.verify import verify_artifact
 
     base = reset_peaks(gpus)
     t0 = time.perf_counter()

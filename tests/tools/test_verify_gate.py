@@ -44,7 +44,7 @@ def verified(tmp_path_factory):
     """A tiny Llama's calibrated artifact and ``oscar verify``'s verify.json for it (read-only)."""
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
-    from oscar_calib.tools.verify import verify_artifact
+    from oscar_calib.eval.verify import verify_artifact
 
     lm = loaded_tiny("llama")
     out = tmp_path_factory.mktemp("gate") / "a"
@@ -104,7 +104,7 @@ def test_changed_content_is_refused_by_every_reader(verified, tmp_path, change):
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.tools.export.sglang.export import export_sglang
     from oscar_calib.tools.fold import fold_checkpoint
-    from oscar_calib.tools.verify import verify_artifact
+    from oscar_calib.eval.verify import verify_artifact
     from oscar_calib.tools.zoo import describe
 
     art, lm = verified
