@@ -1,5 +1,5 @@
 """One rank of a data-parallel test job (tests/test_distributed.py starts it through
-``oscar_calib.calibrate.launch.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
+``oscar_calib.jobs.launch.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
 
 Argument: a JSON job file ``{"cfg": {...}, "out": str, "work": str, "resume": bool,
 "model": {tiny_model kwargs}, "model_rank": {rank: kwargs}, "die": {rank: batch}}``. Every rank

@@ -17,7 +17,7 @@ from factories import assert_one_line_error, loaded_tiny, oscar
 from safetensors.torch import load_file
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
-from oscar_calib.calibrate.launch import check_nproc, launch
+from oscar_calib.jobs.launch import check_nproc, launch
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.calibrate.stats import ACCUMULATORS
 from oscar_calib.contract.config import CalibrationConfig
@@ -264,7 +264,7 @@ def test_bad_placement_options():
 
 
 def test_a_rank_with_a_device_map_gets_its_slice_of_the_gpus(monkeypatch):
-    from oscar_calib.calibrate.job import rank_device
+    from oscar_calib.jobs.session import rank_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from oscar_calib.calibrate.heartbeat import DONE, Heartbeat
+from oscar_calib.jobs.heartbeat import DONE, Heartbeat
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.contract.config import CalibrationConfig
 
@@ -256,7 +256,7 @@ def test_neighbours_silent_since_the_same_beat_are_all_named(store, sigterm):
 def test_devices_come_from_the_local_rank_on_every_machine(monkeypatch):
     """Rank 3 of 2 machines × 2 ranks is local rank 1 of machine 1: it takes that machine's second
     GPU, or with a device map its GPUs 4..7 of 8, never anything derived from the global rank."""
-    from oscar_calib.calibrate.job import DistContext, placement_for_rank, rank_device
+    from oscar_calib.jobs.session import DistContext, placement_for_rank, rank_device
     from oscar_calib.model.placement import Placement
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -13,7 +13,7 @@ started by                                     what sets RANK / WORLD_SIZE / MAS
 ``oscar calibrate --nproc N``                  torch's elastic launcher (the engine behind
                                                ``torchrun``), called in-process; it re-executes
                                                the same command line once per rank
-                                               (:mod:`oscar_calib.calibrate.launch`)
+                                               (:mod:`oscar_calib.jobs.launch`)
 ``torchrun --nproc-per-node N -m oscar_calib   torchrun
 calibrate ...``
 ``accelerate launch -m oscar_calib calibrate`` accelerate (through torchrun)
@@ -76,7 +76,7 @@ import torch
 
 from ..errors import DistributedError
 from ..model.placement import Placement
-from .job import DistContext, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
+from ..jobs.session import DistContext, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
 from .ranks import Ranks, env_world_size, launched
 from .stats import ACCUMULATORS
 

@@ -9,7 +9,7 @@ This is the single-process algorithm. Where data parallelism changes it, it call
 :class:`~oscar_calib.calibrate.ranks.Ranks` (no-ops for one process): ``calibrate`` started as one
 rank of a job (torchrun, accelerate launch, ``oscar calibrate --nproc``) joins it through
 :func:`oscar_calib.calibrate.parallel.data_parallel`; a plain run never starts a process group.
-Starting ranks is :mod:`oscar_calib.calibrate.launch`; big models, :mod:`oscar_calib.model.placement`.
+Starting ranks is :mod:`oscar_calib.jobs.launch`; big models, :mod:`oscar_calib.model.placement`.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def calibrate_command(
     --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
     clock = StageClock()                 # from here: the time line accounts for the whole command
-    from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
+    from ..jobs.launch import calibrate_parallel, cli_argv, wants_launch
     from ..contract.config import config_from_options
     from ..model.placement import placement_from_options
 

@@ -429,7 +429,7 @@ def gpu_main(args, argv=None) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.launch import launch
+    from oscar_calib.jobs.launch import launch
 
     _small(args)
     if _cuda() and not torch.cuda.is_available():

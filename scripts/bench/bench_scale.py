@@ -361,7 +361,7 @@ def device_name(gpus: list[int]) -> str:
 
 def run_job(layout: str, ranks: int, shape: str, s: dict, work: Path, *, verify: bool = False) -> dict:
     """A layout's job through oscar's launcher (``ranks`` processes; 1 is a plain process)."""
-    from oscar_calib.calibrate.launch import launch
+    from oscar_calib.jobs.launch import launch
 
     name = f"{shape}-{layout}-{ranks}"
     job = {"layout": layout, "shape": shape, "settings": s, "verify": verify, "keep": str(work / name),

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..contract.config import CalibrationConfig
 from ..errors import DistributedError, InputError, Interrupted
-from .ranks import STOPPED_EXIT, env_world_size, launched
-from .report import check_output_dir
+from ..calibrate.ranks import STOPPED_EXIT, env_world_size, launched
+from ..calibrate.report import check_output_dir
 
 
 def calibrate_parallel(cfg: CalibrationConfig, out: Path, nproc: int, argv: list[str], *, overwrite: bool = False,

@@ -4,7 +4,7 @@
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: what torchrun, accelerate launch and ``oscar calibrate
 --nproc`` set, on one machine or many) and yields a :class:`DistContext` whose collectives turn
 every failure into one :class:`~oscar_calib.errors.DistributedError` line. The decisions are in
-:mod:`oscar_calib.calibrate.parallel`; the liveness watch in :mod:`oscar_calib.calibrate.heartbeat`.
+:mod:`oscar_calib.calibrate.parallel`; the liveness watch in :mod:`oscar_calib.jobs.heartbeat`.
 
 Devices come from ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (the ranks of this machine), never from
 the global rank: rank 9 of a 2 × 8 job is local rank 1 of its machine and takes ``cuda:1`` (or, with
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import DistributedError, first_line
 from ..model.placement import Placement, cpu_bytes
 from .heartbeat import Heartbeat, heartbeat_timeout, job_store
-from .ranks import env_seconds, env_world_size, stopped
+from ..calibrate.ranks import env_seconds, env_world_size, stopped
 
 DEFAULT_TIMEOUT_S = 1800
 
