@@ -10,9 +10,9 @@ import pytest
 from factories import oscar
 
 from oscar_calib.eval import EvalOptions, run_eval
+from oscar_calib.eval.verify import verify_artifact
 from oscar_calib.model.load import load_model
 from oscar_calib.model.placement import Placement
-from oscar_calib.eval.verify import verify_artifact
 
 SPREAD = Placement("auto", {"cpu": 200_000})
 # depths past the 64 + 256 BF16 tokens, so the INT2 history is exercised (the model has 512 positions)

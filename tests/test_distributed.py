@@ -17,11 +17,11 @@ from factories import assert_one_line_error, loaded_tiny, oscar
 from safetensors.torch import load_file
 
 from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
-from oscar_calib.jobs.launch import check_nproc, launch
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.calibrate.stats import ACCUMULATORS
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.errors import DistributedError, InputError
+from oscar_calib.jobs.launch import check_nproc, launch
 from oscar_calib.model.placement import (
     Placement,
     parse_device_map,

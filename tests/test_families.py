@@ -29,6 +29,7 @@ from factories import (
 
 from oscar_calib.errors import OscarError, UnsupportedModelError
 from oscar_calib.eval import EvalOptions, run_eval
+from oscar_calib.eval.verify import verify_artifact
 from oscar_calib.model.families import FAMILIES
 from oscar_calib.model.load import LoadedModel, ModelSource
 from oscar_calib.runtime import OscarCache, SimulatedCache
@@ -36,7 +37,6 @@ from oscar_calib.tools.export import TARGETS, ExportSettings
 from oscar_calib.tools.fold import fold_and_check
 from oscar_calib.tools.support import family_support
 from oscar_calib.tools.validate import ModelReference, validate_artifact
-from oscar_calib.eval.verify import verify_artifact
 
 # the families added beside the ten registered before (those have their own tests: test_fold.py,
 # tests/runtime, the zoo): mixtures of experts, newer dense families, multimodal wrappers

@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from oscar_calib.jobs.heartbeat import DONE, Heartbeat
 from oscar_calib.calibrate.pipeline import calibrate
 from oscar_calib.contract.config import CalibrationConfig
+from oscar_calib.jobs.heartbeat import DONE, Heartbeat
 
 TESTS = Path(__file__).parent
 WORKER = TESTS / "fault_worker.py"

@@ -209,11 +209,11 @@ def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defe
     loaded (the model named here does not exist) and before anything is written."""
     from oscar_calib.errors import ArtifactError
     from oscar_calib.eval import EvalOptions, run_eval
+    from oscar_calib.eval.verify import verify_artifact
     from oscar_calib.runtime import OscarCache, SimulatedCache
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.tools.export.sglang.export import export_sglang
     from oscar_calib.tools.fold import fold_checkpoint
-    from oscar_calib.eval.verify import verify_artifact
 
     bad = make_artifact(tmp_path / "bad", mutate=defect)
     assert validate_artifact(bad).problems[0].startswith(line)

@@ -143,9 +143,9 @@ def test_verify_reports_the_fork_scheme(tmp_path):
     """The fork's attention error per layer (pure-torch simulation): one call per query position with
     the cache [0, p] equals that position's row of a whole-sequence simulation; shown by the CLI."""
     from oscar_calib.cli.verify import render
+    from oscar_calib.eval.verify import _fork_layer_errors
     from oscar_calib.runtime.scheme import KVScheme
     from oscar_calib.runtime.simulate import SimulatedKV
-    from oscar_calib.eval.verify import _fork_layer_errors
 
     lm = loaded_tiny("llama")
     out = tmp_path / "a"

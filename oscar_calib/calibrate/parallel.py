@@ -70,14 +70,19 @@ Decisions:
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import DistributedError
+from ..contract.config import CalibrationConfig
+from ..errors import DistributedError, Interrupted
+from ..jobs.launch import check_nproc, launch
+from ..jobs.session import DistContext, placement_for_rank, session
 from ..model.placement import Placement
-from ..jobs.session import DistContext, gpus_per_rank, placement_for_rank, session  # noqa: F401 (re-exported)
-from .ranks import Ranks, env_world_size, launched
+from .ranks import Ranks
+from .report import check_output_dir
 from .stats import ACCUMULATORS
 
 # ----------------------------------------------------------------------------- start-up
@@ -230,6 +235,24 @@ class DataParallel(Ranks):
         self.ctx.barrier(what)
 
 
+# ----------------------------------------------------------------------------- starting the ranks
+
+def calibrate_parallel(cfg: CalibrationConfig, out: Path, nproc: int, argv: list[str], *, overwrite: bool = False,
+                       resume: bool = False) -> int:
+    """Start ``nproc`` local ranks that each run the command line ``argv`` (``calibrate ...``,
+    which must describe ``cfg`` and ``out``) through torch's elastic launcher, after checking
+    what can be checked here. Returns rank 0's exit code (0, or 1 when verification failed);
+    raises :class:`DistributedError` naming the rank that failed otherwise."""
+    cfg.validate()
+    check_nproc(nproc, cfg.device)
+    check_output_dir(Path(out), overwrite, resume)
+    hint = f"any per-rank checkpoints in {out} are kept: rerun the same command with --resume to continue"
+    try:
+        return launch(nproc, [sys.executable, "-m", "oscar_calib", *argv], hint=hint)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {hint}") from None
+
+
 @contextlib.contextmanager
 def data_parallel(device: str = "auto", placement: Placement | None = None) -> Iterator[DataParallel]:
     """This rank's hooks, inside :func:`session` (for a process started as one rank of a job)."""
@@ -237,6 +260,5 @@ def data_parallel(device: str = "auto", placement: Placement | None = None) -> I
         yield DataParallel(ctx)
 
 
-__all__ = ["DataParallel", "DistContext", "data_parallel", "session", "launched", "env_world_size",
-           "placement_for_rank", "gpus_per_rank", "check_agreement", "all_reduce_stats",
+__all__ = ["DataParallel", "calibrate_parallel", "data_parallel", "check_agreement", "all_reduce_stats",
            "freeze_pilot_across_ranks", "pilot_batches"]

@@ -36,7 +36,9 @@ from ..contract.layout import (
     WEIGHTS_NAME,
 )
 from ..contract.settings import ArtifactSettings, GroupPair
+from ..data.corpus import TokenPlan, load_texts, plan_tokens
 from ..errors import InputError, OscarWarning, UnsupportedModelError
+from ..jobs.env import launched
 from ..model.capture import Capture, call_window, capture_forward
 from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model, load_tokenizer
@@ -60,8 +62,7 @@ from .checkpoint import (
     remove_checkpoints,
     save_checkpoint,
 )
-from ..data.corpus import TokenPlan, load_texts, plan_tokens
-from .ranks import Ranks, launched
+from .ranks import Ranks
 from .report import build_report, check_output_dir, write_outputs
 from .shared import fit_shared, in_layer_order
 from .stats import LayerStats, Reservoir, check_finite, require_finite, rows_on

@@ -62,8 +62,8 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
     an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
     None: the defaults (perplexity). Used by ``oscar eval``."""
-    from ..data.corpus import check_data_path
     from ..contract.artifact import load_artifact, require_compatible
+    from ..data.corpus import check_data_path
     from ..model.load import load_model
 
     opts = options_for(options)

@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 
-from ..calibrate.ranks import STOPPED_EXIT, env_seconds
+from .env import STOPPED_EXIT, env_seconds
 
 # (encodings.idna: socket's name lookup imports this codec on first use, which can be while a peer
 # has just died and the launcher is stopping this rank; the import then failed, "unknown encoding:

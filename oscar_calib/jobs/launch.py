@@ -1,6 +1,7 @@
-"""Starting a data-parallel calibration: ``oscar calibrate --nproc N`` re-executes its own command
-line as N local ranks through torch's elastic launcher (what ``torchrun --standalone`` runs), and
-names the rank that failed. What each rank does is :mod:`oscar_calib.calibrate.parallel`.
+"""Starting local ranks: a command line run as N local ranks through torch's elastic launcher (what
+``torchrun --standalone`` runs), naming the rank that failed. ``oscar calibrate --nproc N``
+re-executes its own command line so (:func:`oscar_calib.calibrate.parallel.calibrate_parallel`);
+what each rank does is :mod:`oscar_calib.calibrate.parallel`.
 
 Several machines use torchrun itself (``torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d
 --rdzv-endpoint HOST:PORT -m oscar_calib calibrate ...`` on every machine, or under SLURM;
@@ -14,28 +15,9 @@ import os
 import signal
 import sys
 import uuid
-from pathlib import Path
 
-from ..contract.config import CalibrationConfig
-from ..errors import DistributedError, InputError, Interrupted
-from ..calibrate.ranks import STOPPED_EXIT, env_world_size, launched
-from ..calibrate.report import check_output_dir
-
-
-def calibrate_parallel(cfg: CalibrationConfig, out: Path, nproc: int, argv: list[str], *, overwrite: bool = False,
-                       resume: bool = False) -> int:
-    """Start ``nproc`` local ranks that each run the command line ``argv`` (``calibrate ...``,
-    which must describe ``cfg`` and ``out``) through torch's elastic launcher, after checking
-    what can be checked here. Returns rank 0's exit code (0, or 1 when verification failed);
-    raises :class:`DistributedError` naming the rank that failed otherwise."""
-    cfg.validate()
-    check_nproc(nproc, cfg.device)
-    check_output_dir(Path(out), overwrite, resume)
-    hint = f"any per-rank checkpoints in {out} are kept: rerun the same command with --resume to continue"
-    try:
-        return launch(nproc, [sys.executable, "-m", "oscar_calib", *argv], hint=hint)
-    except KeyboardInterrupt:
-        raise Interrupted(f"interrupted; {hint}") from None
+from ..errors import DistributedError, InputError
+from .env import STOPPED_EXIT, env_world_size, launched
 
 
 def wants_launch(nproc: int | None) -> bool:
@@ -160,4 +142,4 @@ def cli_argv(command: str) -> list[str]:
     return argv[argv.index(command):]
 
 
-__all__ = ["calibrate_parallel", "wants_launch", "launch", "check_nproc", "available_devices", "cli_argv"]
+__all__ = ["wants_launch", "launch", "check_nproc", "available_devices", "cli_argv"]

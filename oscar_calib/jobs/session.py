@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, first_line
 from ..model.placement import Placement, cpu_bytes
+from .env import env_seconds, env_world_size, stopped
 from .heartbeat import Heartbeat, heartbeat_timeout, job_store
-from ..calibrate.ranks import env_seconds, env_world_size, stopped
 
 DEFAULT_TIMEOUT_S = 1800
 

@@ -47,9 +47,9 @@ from harness import add_output_args, describe_device, new_result, out_dir, write
 def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: int, device: str) -> dict:
     import torch
 
-    from oscar_calib.data.corpus import plan_tokens
     from oscar_calib.calibrate.pipeline import collect_statistics, prepare_model
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     cfg = CalibrationConfig(model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
                             dtype="float32" if device == "cpu" else "bfloat16")

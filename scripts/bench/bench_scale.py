@@ -172,8 +172,8 @@ def cfg_and_plan(s: dict):
     """The calibration settings and token plan of a scenario's settings ``s``."""
     from bench_calibrate import ByteTokenizer
 
-    from oscar_calib.data.corpus import plan_tokens
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     heldout = min(s["heldout_tokens"], s["seq_len"])
     cfg = CalibrationConfig(model="random-init", tokens=s["tokens"], seq_len=s["seq_len"], batch_size=1,
@@ -301,7 +301,7 @@ def job_worker(job: dict) -> None:
     import torch
 
     from oscar_calib.calibrate.parallel import data_parallel
-    from oscar_calib.calibrate.ranks import launched
+    from oscar_calib.jobs.env import launched
     from oscar_calib.model.placement import Placement
 
     s, layout = job["settings"], job["layout"]

@@ -93,8 +93,8 @@ def run_part(part: str, artifact: Path, quick: bool, out: Path, top: int) -> dic
     sys.path.insert(0, str(ROOT))
     from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.contract.config import config_from_options
-    from oscar_calib.model.load import load_model
     from oscar_calib.eval.verify import QUICK_VERIFY, verify_artifact
+    from oscar_calib.model.load import load_model
 
     rec = StageRecorder()
     prof = cProfile.Profile()

@@ -153,10 +153,10 @@ def stats_run(lm, cfg, cache: Path):
     accumulators do not depend on it)."""
     import torch
 
-    from oscar_calib.data.corpus import plan_tokens
     from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
     from oscar_calib.calibrate.stats import LayerStats, Reservoir
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
                        seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
