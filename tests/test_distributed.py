@@ -187,8 +187,9 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     import contextlib
 
     from oscar_calib.calibrate import parallel
+    from oscar_calib.jobs.session import DistContext
 
-    class TwoRanks(parallel.DistContext):
+    class TwoRanks(DistContext):
         def gather_objects(self, obj, what):
             other = dict(obj, fingerprint="0" * 64)                  # "another revision" on the other rank
             return [obj, other] if self.rank == 0 else [other, obj]
