@@ -1,5 +1,5 @@
 """Every model family end to end on a tiny random-init stand-in built from its real config class
-(``oscar_calib.model.families``): calibrate → validate → verify → eval → ``OscarCache.generate``
+(``oscar_calib.model.families``): calibrate → validate → verify → eval → ``oscar_calib.runtime.generate``
 equal to the simulation → export to each target → fold-weights, each step either working or
 refused in one line exactly where the support table (``oscar_calib.tools.support``) says so. The
 README's and the scaling guide's big-model commands run on a saved tiny Qwen3-MoE. gpt-oss's
@@ -32,7 +32,7 @@ from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.eval.verify import verify_artifact
 from oscar_calib.model.families import FAMILIES
 from oscar_calib.model.load import LoadedModel, ModelSource
-from oscar_calib.runtime import OscarCache, SimulatedCache
+from oscar_calib.runtime import OscarCache, SimulatedCache, generate
 from oscar_calib.tools.export import TARGETS, ExportSettings
 from oscar_calib.tools.fold import fold_and_check
 from oscar_calib.tools.support import family_support
@@ -87,7 +87,7 @@ def test_family_end_to_end(name, tmp_path):
     ids = torch.randint(1, 120, (1, 24), generator=torch.Generator().manual_seed(1))
     if support["cache"].ok:
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
-        real = OscarCache.from_artifact(art, model, window_dtype=None).generate(model, ids, **kw)
+        real = generate(model, ids, OscarCache.from_artifact(art, model, window_dtype=None), **kw)
         sim = model.generate(ids, past_key_values=SimulatedCache.from_artifact(art, model, window_dtype=None), **kw)
         assert torch.equal(real.sequences, sim.sequences)
         assert max(float((a - b).abs().max()) for a, b in zip(real.scores, sim.scores)) < 1e-4
