@@ -63,7 +63,7 @@ class Family:
         """The random-init stand-in: float32, eval mode, no gradients."""
         import torch
 
-        from .load import model_class
+        from .registry import model_class
 
         config = self.config()
         torch.manual_seed(seed)

@@ -238,7 +238,7 @@ def config_fingerprint(config) -> str:
     geometry) is at hand."""
     import torch
 
-    from .load import model_class
+    from .registry import model_class
 
     with torch.device("meta"):
         model = model_class(config).from_config(config)

@@ -31,6 +31,7 @@ from ..fsutil import staged_dir
 from ..progress import ProgressFn, step
 from .geometry import Geometry, geometry_of, model_fingerprint, text_config_source
 from .placement import Placement
+from .registry import model_class
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -342,24 +343,6 @@ def _pad_token(tok):
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def model_class(config):
-    """The transformers auto class that builds the model of ``config`` (None: a GGUF file's) with its
-    language-model head:
-    ``AutoModelForCausalLM``, or for a multimodal wrapper that transformers maps only as image-text
-    to text (Mistral 3, Qwen2.5-VL, Qwen3-VL) ``AutoModelForImageTextToText``. oscar runs the
-    wrapper on text alone; its language model is what gets calibrated."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
-
-    model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
 
 
 def _load_model(spec: str, source: ModelSource, dtype: str, device: str, trust_remote_code: bool,

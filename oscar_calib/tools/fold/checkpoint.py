@@ -125,7 +125,8 @@ def reload_check(directory: Path, input_ids: torch.Tensor, logits0: torch.Tensor
     original logits; raise :class:`NumericalError` beyond :data:`RELOAD_TOLERANCE`."""
     from transformers import AutoConfig
 
-    from ...model.load import model_class, quiet_loading
+    from ...model.load import quiet_loading
+    from ...model.registry import model_class
 
     with quiet_loading():
         m = model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, dtype=dtype)
