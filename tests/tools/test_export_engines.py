@@ -32,8 +32,8 @@ from oscar_calib.tools.export.llamacpp import (
     rot_name,
     to_gguf,
 )
-from oscar_calib.tools.export.sglang import fork_load_problems, payload
-from oscar_calib.tools.export.sglang.fileformat import save_bytes
+from oscar_calib.tools.export.ptfile import payload, save_bytes
+from oscar_calib.tools.export.sglang import fork_load_problems
 from oscar_calib.tools.export.vllm import parse_checkpoint, vllm_load_problems
 from oscar_calib.tools.validate import validate_artifact
 

@@ -50,7 +50,7 @@ from .base import (
     rotation_problem,
     wrong_paths,
 )
-from .sglang.export import serving_clips
+from .uniform import serving_clips
 
 ROTATIONS_FILE = "oscar_rotations.safetensors"
 NODES_FILE = "mpgqa_nodes.json"
@@ -100,7 +100,7 @@ class OnnxRuntimeTarget(ExportTarget):
         md, st = art.metadata, art.settings
         sink = st.sink_tokens if s.sink is None else s.sink
         recent = st.recent_tokens if s.recent is None else s.recent
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip) if art.shared_clips() or s.clip != (
+        k_clip, v_clip, source = serving_clips(art, s.clip) if art.shared_clips() or s.clip != (
             None, None) else (*_uniform_clips(art), "the artifact's (equal for every layer and KV head)")
         tensors, nodes = {}, []
         for i, lr in enumerate(art.layers):

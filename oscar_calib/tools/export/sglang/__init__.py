@@ -17,6 +17,7 @@ from ..base import (
     per_head_note,
     wrong_paths,
 )
+from ..uniform import uniform_group_note
 from .export import (
     CLIPS_FILE,
     ENV_FILE,
@@ -24,8 +25,6 @@ from .export import (
     ServeSettings,
     SGLangExport,
     export_sglang,
-    serving_clips,
-    uniform_group_note,
     write_sglang,
 )
 from .fileformat import (
@@ -33,8 +32,6 @@ from .fileformat import (
     TARGETS,
     file_name,
     fork_load_problems,
-    identity_payload,
-    payload,
     read_rotation_file,
 )
 
@@ -122,5 +119,5 @@ TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, frozenset({"windows"})),
                SGLangTarget("sglang", UPSTREAM, frozenset({"windows"}))]
 
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",
-           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems", "identity_payload",
-           "payload", "read_rotation_file", "serving_clips"]
+           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems",
+           "read_rotation_file"]
