@@ -127,7 +127,8 @@ def loaded_tiny(kind: str = "llama", **kw):
     """A tiny random-init model (``tiny_model(kind, **kw)``) wrapped as the LoadedModel every
     tool takes, with a CharTokenizer."""
     from oscar_calib.model.geometry import geometry_of, model_fingerprint
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     model = tiny_model(kind, **kw)
     src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")

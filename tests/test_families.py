@@ -31,7 +31,8 @@ from oscar_calib.errors import OscarError, UnsupportedModelError
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.eval.verify import verify_artifact
 from oscar_calib.model.families import FAMILIES
-from oscar_calib.model.load import LoadedModel, ModelSource
+from oscar_calib.model.load import LoadedModel
+from oscar_calib.model.source import ModelSource
 from oscar_calib.runtime import OscarCache, SimulatedCache, generate
 from oscar_calib.tools.export import TARGETS, ExportSettings
 from oscar_calib.tools.fold import fold_and_check

@@ -37,7 +37,8 @@ from oscar_calib.errors import (
     UnsupportedModelError,
 )
 from oscar_calib.model.geometry import geometry_of, model_fingerprint
-from oscar_calib.model.load import LoadedModel, ModelSource
+from oscar_calib.model.load import LoadedModel
+from oscar_calib.model.source import ModelSource
 from oscar_calib.numerics.quant import quantize_int2, simulate_kv_quant
 from oscar_calib.tools.fold import (
     CHECK_TOLERANCE,

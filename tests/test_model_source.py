@@ -20,7 +20,7 @@ from oscar_calib.contract.artifact import (
 from oscar_calib.contract.card import model_card
 from oscar_calib.contract.values import check_metadata_values
 from oscar_calib.errors import ArtifactError, InputError
-from oscar_calib.model.load import local_hub_id, model_for_artifact, resolve_model
+from oscar_calib.model.source import local_hub_id, model_for_artifact, resolve_model
 
 ZOO_REPORT = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m" / "calibration.json"
 
@@ -99,7 +99,7 @@ def test_the_card_names_a_hub_id_only_and_loads_a_local_model_by_path(tmp_path):
 
 
 def test_the_card_of_a_pip_shipped_model_loads_it_by_its_alias():
-    from oscar_calib.model.load import load_hint
+    from oscar_calib.model.source import load_hint
 
     src = resolve_model("smollm2-135m")
     card = model_card(report_for(src.record(), load_hint(src), src.model_id))

@@ -15,14 +15,9 @@ from oscar_calib.errors import (
     UnsupportedModelError,
 )
 from oscar_calib.model.geometry import geometry_of, model_fingerprint
-from oscar_calib.model.load import (
-    ALIASES,
-    gguf_cache_dir,
-    load_model,
-    resolve_model,
-    spec_for_model_id,
-)
+from oscar_calib.model.load import gguf_cache_dir, load_model
 from oscar_calib.model.registry import ARCHITECTURES, arch_for
+from oscar_calib.model.source import ALIASES, resolve_model, spec_for_model_id
 
 
 def test_alias_resolves_to_the_wheel_gguf():

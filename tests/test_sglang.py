@@ -29,7 +29,8 @@ from oscar_calib.contract.artifact import (
     load_artifact,
 )
 from oscar_calib.errors import ArtifactError, InputError, OutputExistsError
-from oscar_calib.model.load import LoadedModel, ModelSource
+from oscar_calib.model.load import LoadedModel
+from oscar_calib.model.source import ModelSource
 from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV
 from oscar_calib.tools.export import import_files

@@ -16,7 +16,8 @@ from ..contract.artifact import (
 from ..contract.config import CalibrationConfig
 from ..errors import OutputExistsError
 from ..fsutil import check_can_replace, check_writable, remove_stale_temps
-from ..model.load import LoadedModel, load_hint
+from ..model.load import LoadedModel
+from ..model.source import load_hint
 
 
 def check_output_dir(out: Path, overwrite: bool, resume: bool = False) -> None:

@@ -104,7 +104,7 @@ def verify_command(
 
 def _next(model: str | None, directory: Path, passed: bool) -> str:
     from ..contract.artifact import read_metadata
-    from ..model.load import model_for_artifact
+    from ..model.source import model_for_artifact
 
     spec = model or model_for_artifact(read_metadata(directory))
     m, art = quote(spec), quote(directory)

@@ -95,7 +95,7 @@ def dtype_name(t) -> str:
 # Optional metadata (toolkit 0.3): where the model came from, a JSON object (``model_id`` stays the
 # model's name): ``kind`` (alias | local | gguf | hub); ``alias`` (a pip-shipped model's name) or
 # ``path`` (the absolute directory or .gguf file a local model was read from); ``hub_id`` when
-# known. Tools load the model from it (``model.load.model_for_artifact``); the card shows it.
+# known. Tools load the model from it (``model.source.model_for_artifact``); the card shows it.
 MODEL_SOURCE_METADATA = "model_source"
 MODEL_SOURCE_KINDS = ("alias", "local", "gguf", "hub")
 MODEL_SOURCE_FIELDS = ("kind", "alias", "path", "hub_id")

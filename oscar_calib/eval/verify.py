@@ -276,7 +276,7 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         raise InputError("--max-layer-error must be positive")
     documents = load_texts(data)         # a bad --data is reported before the model loads
     if loaded is None:
-        from ..model.load import model_for_artifact
+        from ..model.source import model_for_artifact
 
         model = model or model_for_artifact(art.metadata)
         loaded = load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)

@@ -213,7 +213,8 @@ def qwen3_8b_geometry(device: str):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from oscar_calib.model.geometry import geometry_of, model_fingerprint
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     geo = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128)

@@ -114,7 +114,8 @@ def build(geo: dict, where, device: str):
     from bench_calibrate import ByteTokenizer
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     cfg = Qwen3Config(**geo, max_position_embeddings=40960, rope_theta=1_000_000, tie_word_embeddings=False)
     with torch.device("meta"):

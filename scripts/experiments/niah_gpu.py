@@ -62,7 +62,8 @@ def load(alias: str, gguf: str | None, device: str, dtype: str):
     model id, so the result belongs to the same model as the artifact)."""
     import dataclasses
 
-    from oscar_calib.model.load import ALIASES, load_model
+    from oscar_calib.model.load import load_model
+    from oscar_calib.model.source import ALIASES
 
     if gguf is None:
         return load_model(alias, device=device, dtype=dtype)

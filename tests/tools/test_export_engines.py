@@ -278,7 +278,7 @@ def test_llamacpp_folded_checkpoint_bakes_k_only(tmp_path):
 
 @pytest.mark.slow
 def test_llamacpp_refuses_the_real_smollm2_gguf(tmp_path):
-    from oscar_calib.model.load import resolve_model
+    from oscar_calib.model.source import resolve_model
 
     src = resolve_model("smollm2-135m")
     gguf = Path(src.path) / src.gguf_file

@@ -154,7 +154,8 @@ class FoldResult:
 def _load(model_spec: str, artifact: Artifact, out: Path, overwrite: bool, loaded: LoadedModel | None, device: str,
           trust_remote_code: bool, progress: ProgressFn | None = None) -> LoadedModel:
     """Check the output against every input, then load the model (unless ``loaded``)."""
-    from ...model.load import load_model, resolve_model
+    from ...model.load import load_model
+    from ...model.source import resolve_model
 
     if loaded is not None and not isinstance(loaded, LoadedModel):
         raise TypeError("fold_checkpoint(loaded=...) takes a LoadedModel (LoadedModel.wrap(model, tokenizer, source))")
