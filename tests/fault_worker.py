@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from oscar_calib.calibrate import pipeline
+from oscar_calib.calibrate import collect
 
-_real_forward = pipeline.capture_forward
+_real_forward = collect.capture_forward
 _calls = {"n": 0}
 
 
@@ -40,7 +40,7 @@ def _record_end() -> None:
     Path(_env("ENDS"), f"end.rank{os.environ.get('RANK', '0')}").write_text(repr(time.time()))
 
 
-pipeline.capture_forward = _forward
+collect.capture_forward = _forward
 if _env("ENDS"):
     atexit.register(_record_end)
 

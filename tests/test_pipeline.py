@@ -321,11 +321,11 @@ def test_bit_budget_reuses_the_tables_fits_exactly(tmp_path, monkeypatch):
     the budget's tables fitted at the chosen sizes: the artifact and the report's rows equal a
     from-scratch build_rotations at those sizes, and no clip is fitted outside the tables."""
     from oscar_calib.calibrate import budget as budget_mod
-    from oscar_calib.calibrate import pipeline as pipeline_mod
+    from oscar_calib.calibrate import fit as fit_mod
     from oscar_calib.model.geometry import geometry_of
 
     fits = {"tables": 0, "outside": 0}
-    real_tables, real_fit = budget_mod.budget_tables, pipeline_mod.fit_clips
+    real_tables, real_fit = budget_mod.budget_tables, fit_mod.fit_clips
 
     def counted_tables(*a, **k):
         fits["tables"] += 1
@@ -336,14 +336,14 @@ def test_bit_budget_reuses_the_tables_fits_exactly(tmp_path, monkeypatch):
         return real_fit(*a, **k)
 
     monkeypatch.setattr(budget_mod, "budget_tables", counted_tables)
-    monkeypatch.setattr(pipeline_mod, "fit_clips", counted_fit)
+    monkeypatch.setattr(fit_mod, "fit_clips", counted_fit)
     loaded = loaded_tiny("llama", head_dim=64, layers=3)
     res = calibrate_tiny(tmp_path / "b", loaded=loaded, bit_budget=2.7)
     assert fits == {"tables": 1, "outside": 0}
     cfg = CalibrationConfig(**{**TINY_FAST, "bit_budget": 2.7})
     groups = [(r["k_group_size"], r["v_group_size"]) for r in res.report["layers"]]
     assert sorted(g for g, _ in groups) == [32, 64, 64]
-    layers, rows = pipeline_mod.build_rotations(res.stats, cfg, geometry_of(loaded.model), 64, groups=groups)
+    layers, rows = fit_mod.build_rotations(res.stats, cfg, geometry_of(loaded.model), 64, groups=groups)
     assert fits["outside"] == 3
     for got, want in zip(res.artifact.layers, layers):
         for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues"):

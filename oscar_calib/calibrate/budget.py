@@ -71,7 +71,7 @@ class LayerFits:
     errors: dict
 
     def clips(self, gk: int, gv: int) -> tuple:
-        """``(k_clip, k_table, v_clip, v_table)`` as :func:`~oscar_calib.calibrate.pipeline.fit_clips` returns them."""
+        """``(k_clip, k_table, v_clip, v_table)`` as :func:`~oscar_calib.calibrate.fit.fit_clips` returns them."""
         return (*self.fits[("k", gk)], *self.fits[("v", gv)])
 
 

@@ -245,7 +245,7 @@ class Reservoir:
 
     Stores q [n_seq, T, Hq, d], k/v [n_seq, T, Hkv, d] on the CPU: float32 rows of a CPU model as they
     are; rows captured on a GPU in the dtype they come in (bf16: half the bytes), in pinned memory,
-    widened to float32 where they are fitted (:func:`oscar_calib.calibrate.pipeline.heldout_layer`),
+    widened to float32 where they are fitted (:func:`oscar_calib.calibrate.fit.heldout_layer`),
     with the values and layout ``.cpu().float()`` gave. On 4 H100s (random-init Qwen3-8B shape, 512
     held-out tokens, 36 layers) the held-out capture took 1.39 s with ``.cpu().float()`` and 0.05 s
     this way (scripts/bench/results/scale-h100x4.json). Truncating a sequence to a prefix keeps it

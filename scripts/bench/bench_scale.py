@@ -219,7 +219,8 @@ def measure(lm, cfg, plan, repeats: int, gpus: list[int], *, ranks=None, placeme
 
     import torch
 
-    from oscar_calib.calibrate.pipeline import calibrate, collect_statistics
+    from oscar_calib.calibrate.collect import collect_statistics
+    from oscar_calib.calibrate.pipeline import calibrate
     from oscar_calib.model.capture import capture_forward
     from oscar_calib.model.placement import input_device
 

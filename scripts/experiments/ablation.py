@@ -11,7 +11,7 @@
 
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
-every variant re-runs only the rotation and clip step (``pipeline.build_rotations``) with its
+every variant re-runs only the rotation and clip step (``calibrate.fit.build_rotations``) with its
 options changed, and is scored by ``oscar eval``'s perplexity (``eval.ppl.sequence_nll``: 2 × 2048
 held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history) on every text of
 ``--texts``: by default the embedded corpus' held-out half (``embedded``, CPython's documentation
@@ -153,7 +153,7 @@ def stats_run(lm, cfg, cache: Path):
     accumulators do not depend on it)."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
+    from oscar_calib.calibrate.collect import StatsRun, collect_statistics
     from oscar_calib.calibrate.stats import LayerStats, Reservoir
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.data.corpus import plan_tokens
@@ -425,7 +425,7 @@ def variant_scheme(name, run, base, geo, g, opts):
     and the row's extra fields."""
     import dataclasses
 
-    from oscar_calib.calibrate.pipeline import build_rotations
+    from oscar_calib.calibrate.fit import build_rotations
     from oscar_calib.contract.artifact import Artifact
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.runtime.scheme import KVScheme
@@ -505,7 +505,7 @@ def variant_groups(spec, run, layers, cfg, geo, g0):
     """Per layer ``(G_K, G_V)`` of a bit-budget variant (None for the others) and, for the greedy
     ones, what the allocation saw."""
     from oscar_calib.calibrate.budget import allocate, budget_tables, candidate_sizes
-    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.calibrate.fit import heldout_layer
 
     if spec is None:
         return None, None
@@ -537,7 +537,7 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
     layers and KV heads."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.calibrate.fit import heldout_layer
     from oscar_calib.experimental.codebook import (
         CodebookScheme,
         fake_quant_codebook,
