@@ -23,7 +23,7 @@ torch.set_num_threads(1)     # the single-process reference in the test runs wit
 
 from factories import loaded_tiny  # noqa: E402
 
-from oscar_calib.calibrate.pipeline import calibrate  # noqa: E402
+from oscar_calib.calibration.pipeline import calibrate  # noqa: E402
 from oscar_calib.contract.config import CalibrationConfig  # noqa: E402
 from oscar_calib.errors import OscarError  # noqa: E402
 

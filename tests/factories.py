@@ -145,7 +145,7 @@ def save_checkpoint(directory: Path, model, tokenizer) -> Path:
 def calibrate_tiny(out: Path, kind: str = "llama", loaded=None, *, overwrite: bool = False, **settings):
     """``calibrate()`` of a tiny model (``loaded``, else a fresh ``loaded_tiny(kind)``) with
     TINY_FAST settings updated by ``settings``; returns its CalibrationResult."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
 
     return calibrate(CalibrationConfig(**{**TINY_FAST, **settings}), out, loaded=loaded or loaded_tiny(kind),

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from oscar_calib.calibrate import collect
+from oscar_calib.calibration import collect
 
 _real_forward = collect.capture_forward
 _calls = {"n": 0}

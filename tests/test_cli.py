@@ -114,7 +114,7 @@ def test_a_missing_data_file_is_one_line_before_any_model_or_hub(monkeypatch, ca
     tokenizer, the model nor the datasets hub was asked for anything."""
     import datasets
 
-    import oscar_calib.calibrate.pipeline as pipeline
+    import oscar_calib.calibration.pipeline as pipeline
 
     asked = []
     monkeypatch.chdir(tmp_path)
@@ -129,7 +129,7 @@ def test_a_missing_data_file_is_one_line_before_any_model_or_hub(monkeypatch, ca
 
 def test_too_little_data_is_found_before_the_weights_load(monkeypatch, capsys, tmp_path, tiny_dir):
     """Counting tokens needs the tokenizer only: the weights are never read for a short file."""
-    import oscar_calib.calibrate.pipeline as pipeline
+    import oscar_calib.calibration.pipeline as pipeline
 
     (tmp_path / "short.txt").write_text("only a few words here")
     monkeypatch.setattr(pipeline, "prepare_model", lambda *a, **k: pytest.fail("the model was loaded"))

@@ -16,9 +16,9 @@ import torch
 from factories import assert_one_line_error, loaded_tiny, oscar
 from safetensors.torch import load_file
 
-from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
-from oscar_calib.calibrate.pipeline import calibrate
-from oscar_calib.calibrate.stats import ACCUMULATORS
+from oscar_calib.calibration.checkpoint import CHECKPOINT_NAME
+from oscar_calib.calibration.pipeline import calibrate
+from oscar_calib.calibration.stats import ACCUMULATORS
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.errors import DistributedError, InputError
 from oscar_calib.jobs.launch import check_nproc, launch
@@ -102,8 +102,8 @@ def fitted_alone(tmp_path: Path, cfg: dict, saved: list[dict], monkeypatch, **mo
     """One process (one thread, as every rank) that captures as usual, then takes a job's
     all-reduced accumulators ``saved`` in place of its own and fits every layer itself: its
     artifact is what the job's ranks, each fitting its share of the layers, must write byte for byte."""
-    from oscar_calib.calibrate import pipeline
-    from oscar_calib.calibrate.ranks import Ranks
+    from oscar_calib.calibration import pipeline
+    from oscar_calib.calibration.ranks import Ranks
 
     class TakesTheJobsSums(Ranks):
         def reduce(self, stats):
@@ -186,7 +186,7 @@ def test_mismatched_models_stop_every_rank(tmp_path, monkeypatch, rank):
     here the other rank loaded another revision: every rank stops before writing anything."""
     import contextlib
 
-    from oscar_calib.calibrate import parallel
+    from oscar_calib.calibration import parallel
     from oscar_calib.jobs.session import DistContext
 
     class TwoRanks(DistContext):
@@ -232,7 +232,7 @@ def test_nproc_beyond_devices_is_refused(monkeypatch, tmp_path, tiny_dir):
 def test_half_precision_grams_match_float64(monkeypatch):
     """bf16 activations take the batched float32-output GEMM (exact products); float64 is forced by
     OSCAR_EXACT_GRAMS=1. They agree to float32 summation error; float32 inputs never take it."""
-    from oscar_calib.calibrate.stats import LayerStats, half_precision_grams
+    from oscar_calib.calibration.stats import LayerStats, half_precision_grams
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 6, 96, 16, generator=gen).bfloat16()

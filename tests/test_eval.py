@@ -468,7 +468,7 @@ def tiny_fork(tmp_path_factory):
     """A tiny Llama (2 KV heads, head_dim 16) and an artifact calibrated on it with windows 4 + 8."""
     from factories import FAST
 
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
 
     lm = loaded_tiny("llama")

@@ -128,7 +128,7 @@ KILL_WHILE_WRITING = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from factories import TINY_FAST, loaded_tiny
-from oscar_calib.calibrate.pipeline import calibrate
+from oscar_calib.calibration.pipeline import calibrate
 from oscar_calib.contract.config import CalibrationConfig
 
 real = os.fsync

@@ -88,7 +88,7 @@ def test_fp8_config_detection():
 
 def _calibrated(fp8_dir: Path, root: Path) -> Path:
     """An artifact calibrated on the de-quantised checkpoint (same fingerprint as the FP8 one)."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.model.load import load_model
 

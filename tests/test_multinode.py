@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from oscar_calib.calibrate.pipeline import calibrate
+from oscar_calib.calibration.pipeline import calibrate
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.jobs.heartbeat import DONE, Heartbeat
 

@@ -15,8 +15,8 @@ import torch
 from factories import FAST, TINY_FAST, calibrate_tiny, loaded_tiny, sha256
 from safetensors import safe_open
 
-from oscar_calib.calibrate.checkpoint import CHECKPOINT_NAME
-from oscar_calib.calibrate.pipeline import calibrate
+from oscar_calib.calibration.checkpoint import CHECKPOINT_NAME
+from oscar_calib.calibration.pipeline import calibrate
 from oscar_calib.contract.artifact import (
     SHARED_KINDS,
     TENSOR_KINDS,
@@ -151,7 +151,7 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path, tiny_calibrated):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from factories import TINY_FAST, loaded_tiny
         from oscar_calib.contract.config import CalibrationConfig
-        from oscar_calib.calibrate.pipeline import calibrate
+        from oscar_calib.calibration.pipeline import calibrate
 
         def die(n):
             if n == 3:
@@ -229,19 +229,19 @@ def test_jsonl_and_directory_data(tmp_path):
 @pytest.mark.slow
 def test_single_process_never_enters_the_data_parallel_code(tmp_path):
     """A plain run calls the pipeline's hooks on ``Ranks()``: it neither imports
-    calibrate.parallel nor starts a process group."""
+    calibration.parallel nor starts a process group."""
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from factories import TINY_FAST, loaded_tiny
         from oscar_calib.contract.config import CalibrationConfig
-        from oscar_calib.calibrate.pipeline import calibrate
+        from oscar_calib.calibration.pipeline import calibrate
         import torch.distributed as dist
 
         res = calibrate(CalibrationConfig(**TINY_FAST), {str(tmp_path / "a")!r}, loaded=loaded_tiny())
         assert res.artifact is not None and "world_size" not in res.report["timings"]
         assert not dist.is_initialized()
-        assert "oscar_calib.calibrate.parallel" not in sys.modules, "a single process entered calibrate.parallel"
+        assert "oscar_calib.calibration.parallel" not in sys.modules, "a single process entered calibration.parallel"
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300, env=env)
@@ -320,8 +320,8 @@ def test_bit_budget_reuses_the_tables_fits_exactly(tmp_path, monkeypatch):
     """--bit-budget computes each layer's rotations once and takes the clips and held-out figures
     the budget's tables fitted at the chosen sizes: the artifact and the report's rows equal a
     from-scratch build_rotations at those sizes, and no clip is fitted outside the tables."""
-    from oscar_calib.calibrate import budget as budget_mod
-    from oscar_calib.calibrate import fit as fit_mod
+    from oscar_calib.calibration import budget as budget_mod
+    from oscar_calib.calibration import fit as fit_mod
     from oscar_calib.model.geometry import geometry_of
 
     fits = {"tables": 0, "outside": 0}

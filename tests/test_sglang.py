@@ -364,7 +364,7 @@ def test_folded_checkpoint_with_identity_v_equals_the_unfolded_model():
 def test_calibration_stores_shared_rotations_and_global_clips(tmp_path):
     from factories import FAST
 
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.numerics.clip import CLIP_GRID
     from oscar_calib.numerics.rotation import rotations_from_covariance

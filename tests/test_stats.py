@@ -1,6 +1,6 @@
 import torch
 
-from oscar_calib.calibrate.stats import LayerStats
+from oscar_calib.calibration.stats import LayerStats
 
 
 def _batch(gen, b=2, t=16, hq=6, hkv=2, d=8):

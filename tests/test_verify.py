@@ -9,7 +9,7 @@ import pytest
 import torch
 from factories import FAST, loaded_tiny
 
-from oscar_calib.calibrate.pipeline import calibrate
+from oscar_calib.calibration.pipeline import calibrate
 from oscar_calib.contract.artifact import load_artifact, write_artifact_files
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.errors import ArtifactError

@@ -128,12 +128,12 @@ def calibrate_command(
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     if wants_launch(nproc):
-        from ..calibrate.parallel import calibrate_parallel  # (a single process never imports it)
+        from ..calibration.parallel import calibrate_parallel  # (a single process never imports it)
 
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
     with progress_display(enabled=os.environ.get("RANK", "0") == "0") as display, _rank_named_errors():
         with starting(display):              # (not a stage of the time line: imports count as "other")
-            from ..calibrate.pipeline import calibrate
+            from ..calibration.pipeline import calibrate
         progress = clock.wrap(display)
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
         verdict = _verify(result, progress, quick) if verify and result.rank == 0 else None

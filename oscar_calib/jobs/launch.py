@@ -1,7 +1,7 @@
 """Starting local ranks: a command line run as N local ranks through torch's elastic launcher (what
 ``torchrun --standalone`` runs), naming the rank that failed. ``oscar calibrate --nproc N``
-re-executes its own command line so (:func:`oscar_calib.calibrate.parallel.calibrate_parallel`);
-what each rank does is :mod:`oscar_calib.calibrate.parallel`.
+re-executes its own command line so (:func:`oscar_calib.calibration.parallel.calibrate_parallel`);
+what each rank does is :mod:`oscar_calib.calibration.parallel`.
 
 Several machines use torchrun itself (``torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d
 --rdzv-endpoint HOST:PORT -m oscar_calib calibrate ...`` on every machine, or under SLURM;

@@ -4,7 +4,7 @@
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: what torchrun, accelerate launch and ``oscar calibrate
 --nproc`` set, on one machine or many) and yields a :class:`DistContext` whose collectives turn
 every failure into one :class:`~oscar_calib.errors.DistributedError` line. The decisions are in
-:mod:`oscar_calib.calibrate.parallel`; the liveness watch in :mod:`oscar_calib.jobs.heartbeat`.
+:mod:`oscar_calib.calibration.parallel`; the liveness watch in :mod:`oscar_calib.jobs.heartbeat`.
 
 Devices come from ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (the ranks of this machine), never from
 the global rank: rank 9 of a 2 × 8 job is local rank 1 of its machine and takes ``cuda:1`` (or, with

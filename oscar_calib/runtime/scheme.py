@@ -51,7 +51,7 @@ class KVScheme:
     history is not quantised at all (vLLM keeps its first and last two in the model's dtype).
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
-    budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
+    budget spent unevenly, :mod:`oscar_calib.calibration.budget`); empty = ``group_size`` everywhere.
     ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``). Every
     cache and simulation reads any split (the kernels take a K and a V size per layer).
 

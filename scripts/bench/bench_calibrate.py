@@ -47,8 +47,8 @@ from harness import add_output_args, describe_device, new_result, out_dir, write
 def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: int, device: str) -> dict:
     import torch
 
-    from oscar_calib.calibrate.collect import collect_statistics
-    from oscar_calib.calibrate.pipeline import prepare_model
+    from oscar_calib.calibration.collect import collect_statistics
+    from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.data.corpus import plan_tokens
 
@@ -255,7 +255,7 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
     """Plain forwards vs collect_statistics over the same 30K tokens, alternating; medians."""
     import torch
 
-    from oscar_calib.calibrate.collect import collect_statistics
+    from oscar_calib.calibration.collect import collect_statistics
     from oscar_calib.model.capture import capture_forward as _forward
 
     plan, cfg = gpu_plan(GPU_TOKENS, seq_len), gpu_cfg(GPU_TOKENS, seq_len, batch_size)
@@ -295,7 +295,7 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
 def peak_memory(lm, weights: int, seq_len: int, batch_size: int) -> list[dict]:
     import torch
 
-    from oscar_calib.calibrate.collect import collect_statistics
+    from oscar_calib.calibration.collect import collect_statistics
     from oscar_calib.model.capture import capture_forward as _forward
 
     rows = []
@@ -325,7 +325,7 @@ def update_microbench(lm, seq_len: int, batch_size: int, plain_per_batch_s: floa
     in float64), and the finiteness check."""
     import torch
 
-    from oscar_calib.calibrate.stats import ACCUMULATORS, LayerStats, check_finite
+    from oscar_calib.calibration.stats import ACCUMULATORS, LayerStats, check_finite
 
     geo = lm.geometry
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -374,9 +374,9 @@ def dp_worker(job: dict) -> None:
     """One rank of the data-parallel measurement (started by gpu_main through oscar's launcher)."""
     import torch
 
-    from oscar_calib.calibrate.collect import collect_statistics
-    from oscar_calib.calibrate.parallel import data_parallel
-    from oscar_calib.calibrate.stats import ACCUMULATORS
+    from oscar_calib.calibration.collect import collect_statistics
+    from oscar_calib.calibration.parallel import data_parallel
+    from oscar_calib.calibration.stats import ACCUMULATORS
     from oscar_calib.model.capture import capture_forward as _forward
 
     global DEV, SMALL

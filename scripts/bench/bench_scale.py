@@ -219,8 +219,8 @@ def measure(lm, cfg, plan, repeats: int, gpus: list[int], *, ranks=None, placeme
 
     import torch
 
-    from oscar_calib.calibrate.collect import collect_statistics
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.collect import collect_statistics
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.model.capture import capture_forward
     from oscar_calib.model.placement import input_device
 
@@ -302,7 +302,7 @@ def job_worker(job: dict) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.parallel import data_parallel
+    from oscar_calib.calibration.parallel import data_parallel
     from oscar_calib.jobs.env import launched
     from oscar_calib.model.placement import Placement
 

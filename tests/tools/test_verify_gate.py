@@ -42,7 +42,7 @@ CHANGED = "content changed after it was written"
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     """A tiny Llama's calibrated artifact and ``oscar verify``'s verify.json for it (read-only)."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.eval.verify import verify_artifact
 

@@ -1,7 +1,7 @@
 """Data-parallel calibration over torch.distributed: the :class:`DataParallel` hooks of the pipeline.
 
 :mod:`.pipeline` is the single-process algorithm; it calls the hook points of
-:class:`~oscar_calib.calibrate.ranks.Ranks` (a table there), and only a process started as one rank
+:class:`~oscar_calib.calibration.ranks.Ranks` (a table there), and only a process started as one rank
 of a job enters :func:`session` and gets :class:`DataParallel`. Every rank loads the same model,
 plans the same token ids, and streams its share of the calibration batches through its own copy;
 the float64 accumulators are then summed over ranks and rank 0 writes the artifact. The same code
@@ -179,7 +179,7 @@ def all_reduce_stats(stats: list, ctx: DistContext) -> None:
 
 class DataParallel(Ranks):
     """The pipeline's hook points for one rank of a data-parallel job (the table in
-    :mod:`oscar_calib.calibrate.ranks`); its collectives go through ``ctx``."""
+    :mod:`oscar_calib.calibration.ranks`); its collectives go through ``ctx``."""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx

@@ -71,7 +71,7 @@ class LayerFits:
     errors: dict
 
     def clips(self, gk: int, gv: int) -> tuple:
-        """``(k_clip, k_table, v_clip, v_table)`` as :func:`~oscar_calib.calibrate.fit.fit_clips` returns them."""
+        """``(k_clip, k_table, v_clip, v_table)`` as :func:`~oscar_calib.calibration.fit.fit_clips` returns them."""
         return (*self.fits[("k", gk)], *self.fits[("v", gv)])
 
 
@@ -200,6 +200,6 @@ def spend_budget(tables: list[torch.Tensor], layer_info: dict, cfg, geo) -> tupl
 
 def budget_calibration(calibration: str, record: dict) -> str:
     """The artifact's ``calibration`` JSON with the bit budget added (the per-layer sizes themselves
-    are settings: :func:`~oscar_calib.calibrate.pipeline.artifact_settings`)."""
+    are settings: :func:`~oscar_calib.calibration.pipeline.artifact_settings`)."""
     extra = {"bit_budget": record["bits"], **({"split_kv": True} if "layer_v_group_sizes" in record else {})}
     return json.dumps({**json.loads(calibration), **extra}, sort_keys=True)

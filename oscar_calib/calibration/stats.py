@@ -99,7 +99,7 @@ class LayerStats:
 
     def freeze_pilot(self, cq: torch.Tensor | None = None) -> None:
         """Fix C̃_Q from the tokens seen so far, or to ``cq`` [h, d, d] (every data-parallel rank's pilot,
-        :mod:`oscar_calib.calibrate.parallel`), and fold the buffered rows in."""
+        :mod:`oscar_calib.calibration.parallel`), and fold the buffered rows in."""
         if self.pilot_cq is None and self.approx:
             q = self.sums["q"]
             self.pilot_cq = q / max(self.tokens * self.group, 1) if cq is None else cq.to(q.device, torch.float64)
@@ -245,7 +245,7 @@ class Reservoir:
 
     Stores q [n_seq, T, Hq, d], k/v [n_seq, T, Hkv, d] on the CPU: float32 rows of a CPU model as they
     are; rows captured on a GPU in the dtype they come in (bf16: half the bytes), in pinned memory,
-    widened to float32 where they are fitted (:func:`oscar_calib.calibrate.fit.heldout_layer`),
+    widened to float32 where they are fitted (:func:`oscar_calib.calibration.fit.heldout_layer`),
     with the values and layout ``.cpu().float()`` gave. On 4 H100s (random-init Qwen3-8B shape, 512
     held-out tokens, 36 layers) the held-out capture took 1.39 s with ``.cpu().float()`` and 0.05 s
     this way (scripts/bench/results/scale-h100x4.json). Truncating a sequence to a prefix keeps it

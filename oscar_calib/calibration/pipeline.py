@@ -8,9 +8,9 @@ result. Accumulators are checkpointed every ``checkpoint_every`` batches into
 model fingerprint and token ids match, and gives a byte-identical ``oscar.safetensors``.
 
 This is the single-process algorithm. Where data parallelism changes it, it calls a hook of a
-:class:`~oscar_calib.calibrate.ranks.Ranks` (no-ops for one process): ``calibrate`` started as one
+:class:`~oscar_calib.calibration.ranks.Ranks` (no-ops for one process): ``calibrate`` started as one
 rank of a job (torchrun, accelerate launch, ``oscar calibrate --nproc``) joins it through
-:func:`oscar_calib.calibrate.parallel.data_parallel`; a plain run never starts a process group.
+:func:`oscar_calib.calibration.parallel.data_parallel`; a plain run never starts a process group.
 Starting ranks is :mod:`oscar_calib.jobs.launch`; big models, :mod:`oscar_calib.model.placement`.
 """
 
@@ -72,7 +72,7 @@ def refine_metadata(cfg: CalibrationConfig, heldout_seqs: int) -> dict:
 def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips: tuple[float, float] | None,
                       budget: dict | None = None) -> ArtifactSettings:
     """The typed settings of the artifact a calibration writes (a bit budget's per-layer sizes from
-    its record, :mod:`oscar_calib.calibrate.budget`)."""
+    its record, :mod:`oscar_calib.calibration.budget`)."""
     groups = ()
     if budget is not None:
         ks = budget["layer_group_sizes"]
@@ -119,7 +119,7 @@ def calibrate(cfg: CalibrationConfig, out: Path, *, overwrite: bool = False, res
               loaded: LoadedModel | None = None, placement: Placement | None = None) -> CalibrationResult:
     """Run a whole calibration and write the artifact into ``out``.
 
-    Started as one rank of a data-parallel job (WORLD_SIZE > 1, see :mod:`oscar_calib.calibrate.parallel`),
+    Started as one rank of a data-parallel job (WORLD_SIZE > 1, see :mod:`oscar_calib.calibration.parallel`),
     it streams this rank's share of the batches, and only rank 0 writes; other ranks return a
     result with ``artifact`` and ``report`` of ``None``. ``placement`` spreads the model with
     accelerate (``device_map``, ``max_memory``)."""

@@ -65,10 +65,10 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
                     rotations: list | None = None, fitted: list | None = None,
                     only: list[int] | None = None) -> tuple[list, list]:
     """Rotations, clips and per-layer report rows of the layers ``only`` (default: every layer).
-    ``groups``: per layer ``(K, V)`` group sizes (a bit budget, :mod:`oscar_calib.calibrate.budget`)
+    ``groups``: per layer ``(K, V)`` group sizes (a bit budget, :mod:`oscar_calib.calibration.budget`)
     the clips are fitted for; default ``group_size`` everywhere. ``rotations``: :func:`layer_rotations`
     already computed (for ``only``); ``fitted``: per layer of ``only`` the budget's
-    :class:`~oscar_calib.calibrate.budget.LayerFits`, whose clips and held-out records for the
+    :class:`~oscar_calib.calibration.budget.LayerFits`, whose clips and held-out records for the
     layer's sizes are taken instead of fitting them again."""
     layers, rows = [], []
     only = list(range(len(run.stats))) if only is None else only

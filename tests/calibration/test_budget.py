@@ -1,4 +1,4 @@
-"""The K/V bit budget (calibrate.budget): candidate sizes, the greedy allocation within the mean and
+"""The K/V bit budget (calibration.budget): candidate sizes, the greedy allocation within the mean and
 long-context bounds, and the error table against heldout_errors."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_calib.calibrate.budget import allocate, candidate_sizes, error_table
+from oscar_calib.calibration.budget import allocate, candidate_sizes, error_table
 from oscar_calib.errors import InputError
 from oscar_calib.kernels.pack import bits_per_element
 from oscar_calib.numerics.clip import HeldoutLayer, heldout_errors

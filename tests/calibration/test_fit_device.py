@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_calib.calibrate.collect import StatsRun, fit_device
-from oscar_calib.calibrate.fit import heldout_layer
-from oscar_calib.calibrate.stats import Reservoir
+from oscar_calib.calibration.collect import StatsRun, fit_device
+from oscar_calib.calibration.fit import heldout_layer
+from oscar_calib.calibration.stats import Reservoir
 from oscar_calib.errors import InputError
 from oscar_calib.numerics.clip import (
     HeldoutLayer,

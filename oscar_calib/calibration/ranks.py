@@ -2,7 +2,7 @@
 
 :mod:`.pipeline` is the single-process algorithm. The few places where data parallelism changes
 it are calls on a :class:`Ranks` object; the base class is one process (every hook a no-op or the
-identity), and :class:`oscar_calib.calibrate.parallel.DataParallel` implements them over
+identity), and :class:`oscar_calib.calibration.parallel.DataParallel` implements them over
 torch.distributed. A plain run never starts a process group.
 
 =====================  ======================================  =====================================
