@@ -65,6 +65,16 @@ def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed
     return model
 
 
+def sharpen(m):
+    """``m`` with queries and keys 6x larger: sharp attention and wide INT2 steps, so what the cache
+    stores moves the logits measurably (a random-init model attends almost uniformly)."""
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return m
+
+
 def family_model(name: str):
     """The tiny random-init stand-in of family ``name`` (``oscar_calib.model.families``), the test
     skipped where the installed transformers lacks the family; a gpt-oss stand-in gets sink logits

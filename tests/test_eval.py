@@ -66,12 +66,16 @@ def test_simulation_equals_plain_attention_when_nothing_is_quantised(kind):
 
 
 def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
-    """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops)."""
+    """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops),
+    both in the rotated basis as OscarCache stores them: the window holds ``bf16(bf16(x) @ R)``, the
+    history INT2 of ``clip(bf16(x) @ R)``, the query is rotated and the output rotated back."""
     rk, ck, rv, cv = scheme.layer(0)
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
     g = scheme.group_size
     kq = quantize_kv(kb.transpose(1, 2), rk, ck, g).dequantize()[0]       # [S, H, d] rotated
     vq = quantize_kv(vb.transpose(1, 2), rv, cv, g).dequantize()[0]
+    kw = torch.einsum("bhsd,hde->bhse", kb.float(), rk).to(torch.bfloat16).float()   # the window, rotated
+    vw = torch.einsum("bhsd,hde->bhse", vb.float(), rv).to(torch.bfloat16).float()
     hq, t = q.shape[1], q.shape[2]
     grp = hq // k.shape[1]
     i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
@@ -80,13 +84,13 @@ def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
     out = torch.zeros(1, t, hq, q.shape[-1])
     for h in range(hq):
         kv = h // grp
-        s_hi = q[0, h] @ kb[0, kv].float().T
+        s_hi = (q[0, h] @ rk[kv]) @ kw[0, kv].T
         s_lo = (q[0, h] @ rk[kv]) @ kq[:, kv].T
         s = torch.where(hi, s_hi, s_lo) * scaling
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         p = torch.softmax(s.masked_fill(~ok, -math.inf), -1)
-        out[0, :, h] = (p * hi) @ vb[0, kv].float() + ((p * ~hi) @ vq[:, kv]) @ rv[kv].T
+        out[0, :, h] = ((p * hi) @ vw[0, kv] + (p * ~hi) @ vq[:, kv]) @ rv[kv].T
     return out
 
 
@@ -585,3 +589,28 @@ def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
     assert res.settings["fork"]["quantizer"].startswith("oscar (the real INT2 cache")
     with pytest.raises(InputError, match="--task ppl"):
         evaluate_niah(lm, opts.replace(methods=("fork-lloyd",)), artifact=load_artifact(path))
+
+
+@pytest.mark.script
+def test_niah_gpu_baselines_stand_in_only_for_the_same_prompts():
+    """A run of the artifact's methods only takes bf16/hadamard rows from an earlier run of the same
+    prompts (those methods do not depend on the artifact), names where they came from, and refuses a
+    run of other prompts or one without the lengths."""
+    mod = load_script("experiments/niah_gpu.py")
+    base = {"methods": ["bf16", "hadamard", "oscar"], "depths": [0.5], "samples": 1, "seed": 0, "haystack": "prose",
+            "sink": 4, "recent": 8, "lengths": [512, 1024], "haystack_sha256": "a" * 16, "device": "H100"}
+    row = {"length": 512, "tokens": 512, "depth": 0.5, "seed": 0, "score": 1, "bits_per_element": 16.0}
+    old = {"model_id": "m", "settings": base, "timings": {},
+           "rows": [dict(row, method=m, length=n) for m in ("bf16", "hadamard", "oscar") for n in (512, 1024)]}
+    new = {"model_id": "m", "settings": dict(base, methods=["oscar"], lengths=[512], device="H200"), "timings": {},
+           "rows": [dict(row, method="oscar", score=0)]}
+    out = mod.with_baselines(new, old, "old.json")
+    assert sorted((r["method"], r["length"], r["score"]) for r in out["rows"]) == \
+        [("bf16", 512, 1), ("hadamard", 512, 1), ("oscar", 512, 0)]          # the old oscar rows are not taken
+    assert out["settings"]["baselines_from"] == {"file": "old.json", "methods": ["bf16", "hadamard"], "device": "H100",
+                                                "command": None}
+    with pytest.raises(SystemExit, match="ran other prompts \\(seed"):
+        mod.with_baselines(dict(new, settings=dict(new["settings"], seed=1)), old, "old.json")
+    longer = dict(new, rows=[dict(row, method="oscar", length=2048)])
+    with pytest.raises(SystemExit, match="no baseline rows at length\\(s\\) \\[2048\\]"):
+        mod.with_baselines(longer, old, "old.json")

@@ -150,6 +150,12 @@ def _eval_section(report: dict) -> list[str]:
                 extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}"
                              + (f" ({prompts} prompts per method, 95% Wilson interval in brackets)." if prompts else "."))
             lines += ["", *([" ".join(extra), ""] if extra else [])]
+        long = ev.get("long_ppl") if isinstance(ev.get("long_ppl"), dict) else {}
+        at = [(n, v) for n, v in long.items() if isinstance(v, dict) and "oscar" in v and "bf16" in v]
+        if at:
+            lines += ["Perplexity at long contexts (the last tokens of long windows, table below): "
+                      + "; ".join(f"{int(n):,} tokens: BF16 {v['bf16']:.3f}, this artifact {v['oscar']:.3f} "
+                                  f"({v['oscar'] / v['bf16'] - 1:+.1%})" for n, v in at) + ".", ""]
     if text:
         lines += ["Measured with `oscar eval` (full tables):", "", "```", text, "```", ""]
     elif ev and not isinstance(ev, dict):

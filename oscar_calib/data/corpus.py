@@ -216,6 +216,32 @@ class TokenPlan:
         return out
 
 
+def token_windows(tokenizer, seq_len: int, *, data: str = EMBEDDED, split: str = "train", text_field: str = "text",
+                  corpus_split: str = "calibration", documents: tuple[list[str], str] | None = None
+                  ) -> tuple[list[torch.Tensor], torch.Tensor, str]:
+    """``data``'s token stream (an embedded corpus: its ``corpus_split`` half) cut into consecutive
+    windows of ``seq_len`` tokens, a ragged tail dropped (kept when it is the only window): the
+    windows, the stream and a description of the source."""
+    texts, source = documents if documents is not None else load_texts(data, split=split, text_field=text_field)
+    stream = token_stream(texts, tokenizer)
+    if data in EMBEDDED_SOURCES:
+        half = len(stream) // 2
+        stream = stream[:half] if corpus_split == "calibration" else stream[half:]
+        source += f"[{corpus_split}]"
+    if len(stream) == 0:
+        raise DataError(f"no text in {source}")
+    windows = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)]
+    if len(windows) > 1 and len(windows[-1]) < seq_len:
+        windows.pop()                       # a ragged tail window is dropped
+    return windows, stream, source
+
+
+def pick_windows(count: int, windows: int, seed: int) -> list[int]:
+    """Which ``count`` of ``windows`` windows a run holds out: the first of a ``seed``-driven
+    permutation (the rest of it is what :func:`plan_tokens` calibrates on)."""
+    return torch.randperm(windows, generator=torch.Generator().manual_seed(seed)).tolist()[:count]
+
+
 def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_field: str = "text",
                 tokens: int, seq_len: int, heldout_tokens: int, heldout_seqs: int = 1,
                 seed: int = 0, corpus_split: str = "calibration",
@@ -232,17 +258,8 @@ def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_f
         raise InputError(f"--tokens must be positive, got {tokens}")
     if seq_len < 16:
         raise InputError(f"--seq-len must be at least 16, got {seq_len}")
-    texts, source = documents if documents is not None else load_texts(data, split=split, text_field=text_field)
-    stream = token_stream(texts, tokenizer)
-    if data in EMBEDDED_SOURCES:
-        half = len(stream) // 2
-        stream = stream[:half] if corpus_split == "calibration" else stream[half:]
-        source += f"[{corpus_split}]"
-    if len(stream) == 0:
-        raise DataError(f"no text in {source}")
-    windows = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)]
-    if len(windows) > 1 and len(windows[-1]) < seq_len:
-        windows.pop()                       # a ragged tail window is dropped
+    windows, stream, source = token_windows(tokenizer, seq_len, data=data, split=split, text_field=text_field,
+                                            corpus_split=corpus_split, documents=documents)
     need_cal = -(-tokens // seq_len)
     if len(windows) < need_cal + heldout_seqs:
         raise DataError(
@@ -253,8 +270,7 @@ def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_f
     if heldout_tokens > seq_len:
         warnings.warn(f"--heldout-tokens {heldout_tokens} is more than one sequence: the held-out prefix is capped at "
                       f"--seq-len {seq_len} tokens (raise --seq-len for more)", OscarWarning, stacklevel=2)
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(windows), generator=g).tolist()
+    order = pick_windows(len(windows), len(windows), seed)
     held = [windows[i][:heldout_tokens] for i in order[:heldout_seqs]]
     cal_idx = sorted(order[heldout_seqs:heldout_seqs + need_cal])
     cal = [windows[i] for i in cal_idx]

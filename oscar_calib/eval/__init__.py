@@ -19,7 +19,10 @@ transformers' ``AttentionInterface`` (:class:`SimulatedKV`) that computes the sc
 versions and picks per (i, j), and splits the probabilities into their BF16 and INT2 parts for
 ``P·V``; the model's causal and sliding-window masks and GQA are honoured, math is float32. With
 nothing quantised it equals plain attention (tested). ``quanto`` has no such simulation: it
-decodes the text token by token through a real ``QuantizedCache``.
+decodes the text token by token through a real ``QuantizedCache``. At long contexts
+(``contexts``) the last predictions of long windows are scored after a full-precision prefill, by
+the simulation or through the real :class:`~oscar_calib.runtime.OscarCache` (``real_cache``):
+:mod:`.context`.
 
 Needle in a haystack (``task="niah"``, RULER's ``niah_single`` style): a needle "One of the
 special magic numbers for {key} is: {value}." (a random word pair and a 7-digit number) is placed
@@ -38,6 +41,7 @@ from pathlib import Path
 
 from ..errors import EvalError
 from ..progress import ProgressFn
+from .context import context_windows, evaluate_context
 from .methods import (
     DEFAULT_METHODS,
     METHODS,
@@ -50,7 +54,14 @@ from .methods import (
 )
 from .niah import evaluate_niah, make_niah, score_niah
 from .options import TASKS, EvalOptions, options_for
-from .ppl import evaluate_ppl, heldout_sequences, quanto_sequence_nll, sequence_nll
+from .ppl import (
+    cache_nll,
+    evaluate_ppl,
+    heldout_sequences,
+    quanto_sequence_nll,
+    real_cache_nll,
+    sequence_nll,
+)
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 
@@ -80,7 +91,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah
     result = fn(lm, opts, artifact=art, progress=progress)
     if notes:
-        result.settings["notes"] = notes
+        result.settings["notes"] = notes + result.settings.get("notes", [])
     if plot is not None:
         write_plot(Path(plot), result)
         result.settings["plot"] = str(plot)
@@ -88,6 +99,6 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
 
 
 __all__ = ["DEFAULT_METHODS", "EvalError", "EvalOptions", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes",
-           "eval_headline", "eval_text", "evaluate_niah", "evaluate_ppl", "heldout_sequences", "make_niah",
-           "parse_methods", "quanto_cache", "quanto_sequence_nll", "record_eval", "run_eval", "score_niah",
-           "sequence_nll", "write_plot"]
+           "cache_nll", "context_windows", "eval_headline", "eval_text", "evaluate_context", "evaluate_niah",
+           "evaluate_ppl", "heldout_sequences", "make_niah", "parse_methods", "quanto_cache", "quanto_sequence_nll",
+           "real_cache_nll", "record_eval", "run_eval", "score_niah", "sequence_nll", "write_plot"]

@@ -37,7 +37,7 @@ from ..errors import ArtifactError, CacheError, InputError
 from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
 from .plan import LayerPlan
 from .scheme import KVScheme
-from .storage import LayerStore, write_step, write_tokens
+from .storage import LayerStore, held_slots, write_step, write_tokens
 
 
 class _BatchOps:
@@ -152,6 +152,21 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
         return None
 
 
+def not_storable(scheme: KVScheme) -> str | None:
+    """Why :class:`OscarCache` cannot store ``scheme`` (one line), or None: it stores oscar's
+    uniform INT2 history, nothing else (no full-precision scheme, no engine's or experimental
+    quantiser, no output-side V rotation)."""
+    if not scheme.quantized:
+        return f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache"
+    if scheme.quantizer != "oscar":
+        return (f"{scheme.name}: OscarCache stores oscar's uniform INT2; the {scheme.quantizer!r} quantiser exists "
+                "only in the perplexity simulation (SimulatedKV)")
+    if any(r is not None for r in scheme.v_output):
+        return (f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is simulated by "
+                "SimulatedKV only")
+    return None
+
+
 def checked_artifact(artifact, model):
     """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
     cache is built, when it is invalid or was calibrated for another model
@@ -174,12 +189,9 @@ class OscarCache(Cache):
 
     def __init__(self, config, scheme: KVScheme, *, backend: str = "auto"):
         check_transformers()
-        if not scheme.quantized:
-            raise InputError(f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache")
-        scheme.require_oscar_quantizer("OscarCache")
-        if any(r is not None for r in scheme.v_output):
-            raise InputError(f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is "
-                             "simulated by SimulatedKV only")
+        why = not_storable(scheme)
+        if why:
+            raise InputError(why)
         windows = layer_windows(config)
         if len(windows) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
@@ -237,8 +249,8 @@ class OscarCache(Cache):
             per_slot = [t.element_size() * t[0, :, :, 0].numel() for t in (st.window.kv,) + st.hist.tensors()]
             hist_per_slot = sum(per_slot[1:])
             for c in st.exact_counts():
-                kept = min(c, st.hist.cap + st.plan.sink) if st.hist.ring else c
-                used += min(c, st.plan.sink + st.plan.recent) * per_slot[0] + max(0, kept - st.plan.sink) * hist_per_slot
+                w, h, kept = held_slots(c, st.plan.sink, st.plan.recent, st.hist.cap if st.hist.ring else None)
+                used += w * per_slot[0] + h * hist_per_slot
                 bf16 += 2 * 2 * st.heads * st.d * kept
         first = self.layers[0].store
         n = sum(first.exact_counts()) if first is not None else 0
@@ -252,4 +264,5 @@ def attached(cache, model):
     return cache.attach(model) if isinstance(cache, OscarCache) else contextlib.nullcontext()
 
 
-__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact"]
+__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact",
+           "not_storable"]

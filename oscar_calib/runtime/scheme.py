@@ -167,6 +167,14 @@ class KVScheme:
     def layer(self, i: int) -> tuple:
         return self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i]
 
+    def reads_window(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """Whether the query at position ``qpos`` reads the key at ``kpos`` from the 16-bit window
+        (broadcast, bool): the sink (``kpos < sink``) and its recent window (``qpos − kpos <
+        recent``); every older key comes from the quantised history. The perplexity simulation
+        asks this for every (query, key) pair; a scheme that lets keys leave the window otherwise
+        (e.g. in blocks of tokens) overrides it."""
+        return (kpos < self.sink) | (qpos - kpos < self.recent)
+
     # -- constructors ------------------------------------------------------------------------
     @classmethod
     def full_precision(cls, num_layers: int, *, name: str = "bf16", window_dtype=torch.bfloat16,

@@ -17,9 +17,11 @@ recent      ``[n - recent, n)``           BF16, un-rotated; a token that leaves 
 ==========  ===========================  ===================================================
 
 ``update`` returns everything cached *before* the call in its stored form (history as
-``Q(clip(xR))·Rᵀ``; a token this call pushed out of the window already INT2), then the call's
-new tokens exactly as the model computed them. A decode step therefore reads what a kernel reads
-with the query rotated online; a multi-token call (the prefill) attends in full precision.
+``Q(clip(xR))·Rᵀ``; a token this call pushed out of the window already INT2; sink and window as
+the real cache's rotated window holds them, ``bf16(bf16(x)R)·Rᵀ``), then the call's new tokens
+exactly as the model computed them; a decode step (one new token) reads its own token from the
+window too, as the real cache does. A decode step therefore reads what a kernel reads with the
+query rotated online; a multi-token call (the prefill) attends in full precision.
 Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``, and
 so do chunked-attention layers with the chunk as the window (as transformers' ``DynamicCache`` keeps
 them; the model's chunked mask picks the query's chunk).
@@ -135,15 +137,22 @@ class _Segments:
 
     def materialize(self, which: str, dtype, skip_last: int = 0) -> torch.Tensor:
         """Stored keys (``k``) or values (``v``) ``[B, H, n - skip_last, d]`` in ``dtype``: the history
-        de-quantised and rotated back."""
-        parts = [getattr(self, f"sink_{which}")]
+        de-quantised and rotated back, the sink and the window as the real cache's window holds
+        them (:func:`~oscar_calib.runtime.simulate.window_rows`: rounded again after the rotation)."""
+        from .simulate import window_rows
+
+        rot = getattr(self, f"{which}_rotation") if self.hist is not None else None
+
+        def window(x):
+            return x if not _n(x) else window_rows(x, rot, x.dtype)
+
+        parts = [window(getattr(self, f"sink_{which}"))]
         if self.hist is None:
             parts.append(getattr(self, f"hist_{which}"))
         elif len(self.hist):
             x = getattr(self.hist, which).dequantize()                          # [B, T, H, d] rotated
-            rot = getattr(self, f"{which}_rotation")
             parts.append(torch.einsum("bthe,hde->bhtd", x, rot) if rot is not None else x.transpose(1, 2))
-        parts.append(getattr(self, f"recent_{which}"))
+        parts.append(window(getattr(self, f"recent_{which}")))
         out = torch.cat([p.to(dtype) for p in parts if _n(p)], dim=-2)
         return out[..., :out.shape[-2] - skip_last, :]
 
@@ -190,7 +199,9 @@ class SimulatedLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         self.seg.append(key_states.to(self.store_dtype), value_states.to(self.store_dtype), self.cumulative_length)
         self.cumulative_length += n
-        if self.seg.stored() > n:
+        if self.seg.stored() > n and n == 1 and self.seg.recent:     # a decode step reads its token from the window
+            keys, values = self.seg.materialize("k", self.dtype), self.seg.materialize("v", self.dtype)
+        elif self.seg.stored() > n:
             keys = torch.cat([self.seg.materialize("k", self.dtype, skip_last=n), key_states], dim=-2)
             values = torch.cat([self.seg.materialize("v", self.dtype, skip_last=n), value_states], dim=-2)
         else:

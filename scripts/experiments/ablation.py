@@ -228,8 +228,7 @@ def main(argv=None) -> None:
     from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.contract.defaults import default_group_size
-    from oscar_calib.eval import EvalOptions
-    from oscar_calib.eval.ppl import heldout_sequences
+    from oscar_calib.eval import EvalOptions, heldout_sequences
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -349,9 +348,10 @@ def attach_niah(results: dict, specs: list[str]) -> None:
 
 
 def real_storable(scheme) -> bool:
-    """Whether oscar's real cache (OscarCache) can store ``scheme``."""
-    return scheme.quantized and scheme.quantizer == "oscar" and not is_lever(scheme) \
-        and not any(r is not None for r in scheme.v_output)
+    """Whether oscar's real cache (OscarCache) can store ``scheme`` (a lever's is simulated only)."""
+    from oscar_calib.runtime.cache import not_storable
+
+    return not is_lever(scheme) and not_storable(scheme) is None
 
 
 def is_lever(scheme) -> bool:
@@ -361,38 +361,18 @@ def is_lever(scheme) -> bool:
     return isinstance(scheme, levers.LeverScheme)
 
 
-def real_cache_nll(model, ids, scheme, chunk: int) -> tuple[float, int]:
-    """Teacher-forced NLL of ``ids`` [1, T] through the real cache (:class:`OscarCache`): the text in
-    chunks of ``chunk`` tokens, each chunk reading the cache as stored (BF16 sink and window, INT2
-    history) and its own tokens at full precision, then written (``chunk`` = 1: decode steps)."""
-    import torch
-
-    from oscar_calib.eval.ppl import _decoder_and_head, _nll_from_hidden
-    from oscar_calib.model.placement import input_device
-    from oscar_calib.runtime.cache import OscarCache
-
-    ids = ids.to(input_device(model))
-    cache = OscarCache(model.config, scheme)
-    cache.reserve(ids.shape[1])
-    dec, _, _ = _decoder_and_head(model)
-    total, n = 0.0, ids.shape[1] - 1
-    with cache.attach(model), torch.no_grad():
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            h = dec(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True).last_hidden_state
-            total += _nll_from_hidden(model, h, ids[:, a + 1:b + 1])
-    return total, n
-
-
 def perplexity(model, seqs, scheme, real_chunk: int = 0) -> float:
-    from oscar_calib.eval.ppl import sequence_nll
+    """Perplexity of ``seqs`` read as ``scheme`` stores K/V: the simulation (``oscar eval``'s,
+    a lever's own), or with ``real_chunk`` through OscarCache itself
+    (:func:`oscar_calib.eval.real_cache_nll`, ``real_chunk`` tokens per call; 1: decode steps)."""
+    from oscar_calib.eval import real_cache_nll, sequence_nll
 
     if is_lever(scheme):                           # its own simulation
         import levers
 
         sequence_nll = levers.sequence_nll  # noqa: F811
     if real_chunk:
-        sequence_nll = lambda m, ids, sch: real_cache_nll(m, ids, sch, real_chunk)  # noqa: E731, F811
+        sequence_nll = lambda m, ids, sch: real_cache_nll(m, ids, sch, chunk=real_chunk)  # noqa: E731, F811
     nll = n = 0
     for s in seqs:
         a, b = sequence_nll(model, s.unsqueeze(0), scheme)
