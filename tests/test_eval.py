@@ -30,12 +30,8 @@ from oscar_calib.eval.niah import (
     make_niah,
     score_niah,
 )
-from oscar_calib.eval.ppl import (
-    evaluate_ppl,
-    heldout_sequences,
-    quanto_sequence_nll,
-    sequence_nll,
-)
+from oscar_calib.eval.nll import quanto_sequence_nll, sequence_nll
+from oscar_calib.eval.ppl import evaluate_ppl, heldout_sequences
 from oscar_calib.kernels import quantize_kv
 from oscar_calib.model.geometry import geometry_of
 from oscar_calib.runtime.cache import OscarCache

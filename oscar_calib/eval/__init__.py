@@ -53,15 +53,9 @@ from .methods import (
     resolve_methods,
 )
 from .niah import evaluate_niah, make_niah, score_niah
+from .nll import cache_nll, quanto_sequence_nll, real_cache_nll, sequence_nll
 from .options import TASKS, EvalOptions, options_for
-from .ppl import (
-    cache_nll,
-    evaluate_ppl,
-    heldout_sequences,
-    quanto_sequence_nll,
-    real_cache_nll,
-    sequence_nll,
-)
+from .ppl import evaluate_ppl, heldout_sequences
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 

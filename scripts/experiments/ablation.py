@@ -12,7 +12,7 @@
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
 every variant re-runs only the rotation and clip step (``calibration.fit.build_rotations``) with its
-options changed, and is scored by ``oscar eval``'s perplexity (``eval.ppl.sequence_nll``: 2 × 2048
+options changed, and is scored by ``oscar eval``'s perplexity (``eval.nll.sequence_nll``: 2 × 2048
 held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history) on every text of
 ``--texts``: by default the embedded corpus' held-out half (``embedded``, CPython's documentation
 topics) and the embedded code corpus' held-out half (``embedded-code``, stdlib source: a second
