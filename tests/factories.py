@@ -328,14 +328,27 @@ def triton_interpret_flag():
     return getattr(getattr(knobs, "runtime", None), "interpret", None)
 
 
+def process_state() -> dict:
+    """What a test may change for the tests after it besides the environment: the working
+    directory, and once torch is imported its threads, default dtype, grad mode and determinism."""
+    state = {"working directory": os.getcwd()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state.update({"torch threads": torch.get_num_threads(), "torch default dtype": torch.get_default_dtype(),
+                      "torch grad mode": torch.is_grad_enabled(),
+                      "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled()})
+    return state
+
+
 @contextmanager
 def left_as_found(*, whole: bool):
     """Fail (AssertionError) if the block leaves the process changed for the code after it.
     Triton decides at import whether its kernels run under the CPU interpreter, from
     ``TRITON_INTERPRET``: a test that leaves it (or Triton's flag) changed turns every later
     kernel test into an interpreter run. Checked: the ``TRITON_*`` and ``OSCAR_*`` variables and
-    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`)."""
-    before, flag = dict(os.environ), triton_interpret_flag()
+    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`); and
+    :func:`process_state` (torch's part once torch is imported)."""
+    before, flag, state = dict(os.environ), triton_interpret_flag(), process_state()
     yield
     after = dict(os.environ)
     keys = (set(before) | set(after)) - SET_BY_LIBRARIES
@@ -343,6 +356,9 @@ def left_as_found(*, whole: bool):
     changed = sorted(k for k in keys if before.get(k) != after.get(k))
     assert not changed, f"environment variables left changed for the code after this: {changed}"
     assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
+    now = process_state()
+    moved = {k: (v, now[k]) for k, v in state.items() if k in now and now[k] != v}
+    assert not moved, f"left changed for the code after this (before, after): {moved}"
 
 
 def quick_without_interpreter(main, out: Path, argv: list[str]) -> str:

@@ -52,6 +52,27 @@ def test_left_as_found_names_what_a_block_leaves_changed(monkeypatch):
         del os.environ["SOME_SCRIPT_VAR"]
 
 
+def test_left_as_found_names_torch_settings_and_the_directory_a_block_leaves_changed(tmp_path):
+    import torch
+
+    threads, here = torch.get_num_threads(), os.getcwd()
+    try:
+        with pytest.raises(AssertionError, match="torch threads"):
+            with left_as_found(whole=False):
+                torch.set_num_threads(threads + 1)
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        with pytest.raises(AssertionError, match="working directory"):
+            with left_as_found(whole=False):
+                os.chdir(tmp_path)
+    finally:
+        os.chdir(here)
+    with left_as_found(whole=False), torch.no_grad():         # changed and restored inside: passes
+        torch.set_num_threads(threads + 1)
+        torch.set_num_threads(threads)
+
+
 def test_cpu_timing_calls_each_copy_in_turn(harness):
     calls = []
     fns = [lambda i=i: calls.append(i) for i in range(3)]
