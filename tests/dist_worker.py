@@ -1,4 +1,4 @@
-"""One rank of a data-parallel test job (tests/test_distributed.py starts it through
+"""One rank of a data-parallel test job (tests/calibration/test_distributed.py starts it through
 ``oscar_calib.jobs.launch.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
 
 Argument: a JSON job file ``{"cfg": {...}, "out": str, "work": str, "resume": bool,

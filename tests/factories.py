@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 ON_GPU = torch.cuda.is_available()
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent        # tests/: factories and the worker processes
+REPO = TESTS.parent
 
 # ----------------------------------------------------------------------------- calibration settings
 

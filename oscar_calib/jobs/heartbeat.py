@@ -55,7 +55,7 @@ from .env import STOPPED_EXIT, env_seconds
 # (encodings.idna: socket's name lookup imports this codec on first use, which can be while a peer
 # has just died and the launcher is stopping this rank; the import then failed, "unknown encoding:
 # idna", and the rank printed a traceback instead of its one line: seen under load in
-# tests/test_distributed.py)
+# tests/calibration/test_distributed.py)
 
 DEFAULT_TIMEOUT_S = 60.0
 DONE = 1 << 40

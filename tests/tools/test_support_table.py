@@ -1,6 +1,6 @@
 """The support table of docs/reference/models.md is what the code says (``oscar_calib.tools.support``),
 so it cannot drift; its cells follow the rules they state (a refused family's row, the registry's
-entries, the export targets' refusals). tests/test_families.py checks each family's cells against
+entries, the export targets' refusals). tests/model/test_families.py checks each family's cells against
 the real pipeline."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import FAST, TINY_FAST, calibrate_tiny, loaded_tiny, sha256
+from factories import FAST, TESTS, TINY_FAST, calibrate_tiny, loaded_tiny, sha256
 from safetensors import safe_open
 
 from oscar_calib.calibration.checkpoint import CHECKPOINT_NAME
@@ -148,7 +148,7 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path, tiny_calibrated):
     out = tmp_path / "run"
     script = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(TESTS)!r})
         from factories import TINY_FAST, loaded_tiny
         from oscar_calib.contract.config import CalibrationConfig
         from oscar_calib.calibration.pipeline import calibrate
@@ -232,7 +232,7 @@ def test_single_process_never_enters_the_data_parallel_code(tmp_path):
     calibration.parallel nor starts a process group."""
     script = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(TESTS)!r})
         from factories import TINY_FAST, loaded_tiny
         from oscar_calib.contract.config import CalibrationConfig
         from oscar_calib.calibration.pipeline import calibrate

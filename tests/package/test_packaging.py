@@ -14,7 +14,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def requirements() -> list[Requirement]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import assert_one_line_error, loaded_tiny, oscar
+from factories import TESTS, assert_one_line_error, loaded_tiny, oscar
 from safetensors.torch import load_file
 
 from oscar_calib.calibration.checkpoint import CHECKPOINT_NAME
@@ -30,7 +30,7 @@ from oscar_calib.model.placement import (
 )
 from oscar_calib.numerics.rotation import eig_desc
 
-WORKER = Path(__file__).parent / "dist_worker.py"
+WORKER = TESTS / "dist_worker.py"
 # 16 sequences of 64 tokens, 2 per batch: 8 batches, 4 per rank. The sst-approx pilot (384 tokens)
 # is the first 3 batches: 2 of them on rank 0, 1 on rank 1.
 CFG = dict(tokens=1024, seq_len=64, batch_size=2, heldout_tokens=48, pilot_tokens=384, checkpoint_every=1,

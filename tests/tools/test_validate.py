@@ -186,7 +186,7 @@ def test_model_check_matches_and_mismatches(demo_artifact, smollm2):
 
 
 def test_exit_code_and_no_traceback(tmp_path):
-    """(The console script's own exit codes, as a process: test_cli.py.)"""
+    """(The console script's own exit codes, as a process: tests/cli/test_cli.py.)"""
     art = make_artifact(tmp_path / "a")
     _truncate(art / WEIGHTS_NAME)
     code, _, err = oscar("validate", art)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from factories import (
     FAST_ARGS,
+    TESTS,
     assert_one_line_error,
     calibrate_tiny,
     oscar,
@@ -33,7 +34,6 @@ from oscar_calib.tools.validate import validate_artifact
 # Fault injection (full disks, SIGKILL, Ctrl-C, damaged inputs): the slow tier.
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).parent
 ARTIFACT_FILES = ["README.md", "calibration.json", "oscar.safetensors"]
 
 

@@ -14,7 +14,7 @@ import torch
 from factories import load_script
 from safetensors.torch import save_file
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_scale.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_scale.py"
 
 pytestmark = pytest.mark.script
 
@@ -138,7 +138,7 @@ def test_dry_run_layouts_and_scaling(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_torchrun_nodes(tmp_path):
-    """The script's torchrun scenario (the CLI's own behaviour is tests/test_multinode.py's)."""
+    """The script's torchrun scenario (the CLI's own behaviour is tests/jobs/test_multinode.py's)."""
     rows, stdout, page = dry_run(tmp_path, "--mode", "torchrun", "--node-ranks", "1", "--node-tokens", "1024",
                            "--node-seq-len", "128", "--die-at", "2", "--slow-s", "4", "--heartbeat", "2")
     # two torchrun "nodes": the artifact of one process; a rank killed, the other stopped with one line; resumed

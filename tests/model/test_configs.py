@@ -20,7 +20,7 @@ from oscar_calib.model.configs import geometry_from_mapping, load_model_config
 from oscar_calib.model.geometry import attention_modules, geometry_of, model_fingerprint
 from oscar_calib.model.registry import ARCHITECTURES
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # (layers, query heads, KV heads, head_dim, hidden) from each model's published config.json
 PUBLISHED = {

@@ -4,29 +4,18 @@ form; the GPU machine also checks the flash form and the graph timings' plumbing
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from factories import load_script
 
 pytestmark = pytest.mark.script
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_generate_fair", ROOT / "scripts/bench/bench_generate_fair.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/bench_generate_fair.py")
 
 
 def _model(device):
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    from bench_generate_runs import build_model
-
-    return build_model(True, device)
+    return load_script("bench/bench_generate_runs.py").build_model(True, device)
 
 
 def test_sdpa_baseline_follows_dynamic_cache_on_cpu():

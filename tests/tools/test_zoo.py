@@ -106,6 +106,6 @@ def test_damaged_entry_is_listed_not_fatal(tmp_path, empty_cache):
 
 
 def test_committed_index_is_current():
-    root = Path(__file__).resolve().parents[1] / "zoo"
+    root = Path(__file__).resolve().parents[2] / "zoo"
     assert zoo.index_is_current(root), "zoo/index.json is stale: run `oscar zoo index`"
     assert zoo.load_index(root)["format"] == "oscar-zoo-index"

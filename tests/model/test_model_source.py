@@ -22,7 +22,7 @@ from oscar_calib.contract.values import check_metadata_values
 from oscar_calib.errors import ArtifactError, InputError
 from oscar_calib.model.source import local_hub_id, model_for_artifact, resolve_model
 
-ZOO_REPORT = Path(__file__).resolve().parents[1] / "zoo" / "smollm2-135m" / "calibration.json"
+ZOO_REPORT = Path(__file__).resolve().parents[2] / "zoo" / "smollm2-135m" / "calibration.json"
 
 
 def checkpoint(d: Path, config: dict | None = None) -> Path:

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from factories import TESTS
 
 from oscar_calib.calibration.pipeline import calibrate
 from oscar_calib.contract.config import CalibrationConfig
 from oscar_calib.jobs.heartbeat import DONE, Heartbeat
 
-TESTS = Path(__file__).parent
 WORKER = TESTS / "fault_worker.py"
 # 16 sequences of 64 tokens, one per batch: 8 batches per rank, a checkpoint after every batch
 SETTINGS = dict(tokens=1024, seq_len=64, batch_size=1, heldout_tokens=48, checkpoint_every=1, device="cpu")
