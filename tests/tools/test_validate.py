@@ -212,7 +212,7 @@ def test_every_reader_refuses_an_invalid_artifact_before_using_it(tmp_path, defe
     from oscar_calib.eval.verify import verify_artifact
     from oscar_calib.runtime import OscarCache, SimulatedCache
     from oscar_calib.runtime.scheme import KVScheme
-    from oscar_calib.tools.export.sglang.export import export_sglang
+    from oscar_calib.tools.export.sglang import export_sglang
     from oscar_calib.tools.fold import fold_checkpoint
 
     bad = make_artifact(tmp_path / "bad", mutate=defect)

@@ -103,7 +103,7 @@ def test_changed_content_is_refused_by_every_reader(verified, tmp_path, change):
     from oscar_calib.eval.verify import verify_artifact
     from oscar_calib.runtime import OscarCache, SimulatedCache
     from oscar_calib.runtime.scheme import KVScheme
-    from oscar_calib.tools.export.sglang.export import export_sglang
+    from oscar_calib.tools.export.sglang import export_sglang
     from oscar_calib.tools.fold import fold_checkpoint
     from oscar_calib.tools.zoo import describe
 

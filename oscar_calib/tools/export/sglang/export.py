@@ -51,7 +51,6 @@ from ..uniform import serving_clips
 from .fileformat import (
     PER_HEAD_TARGETS,
     TARGETS,
-    check_target,
     file_name,
     fork_load_problems,
 )
@@ -129,24 +128,6 @@ class SGLangExport:
         return {"out": str(self.out), "format": "sglang", "target": self.target,
                 "format_version": self.format_version, "files": [str(self.out / f) for f in self.files],
                 "settings": asdict(self.settings), "clip_source": self.clip_source, "warnings": self.warnings}
-
-
-def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork", model_path: str | None = None,
-                  clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
-                  recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
-                  overwrite: bool = False) -> SGLangExport:
-    """Write the fork's files for the artifact at ``artifact_path`` into ``out`` (see the module
-    docstring) through the target's :meth:`~oscar_calib.tools.export.base.ExportTarget.export`
-    (its checks, then :func:`write_sglang`). ``folded`` (default: the artifact's ``v_folded``) serves
-    a checkpoint made by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else
-    the base model id."""
-    from .. import get_target
-    from ..base import ExportSettings
-
-    check_target(target)
-    s = ExportSettings(model_path=model_path, clip=clip, sink=sink, recent=recent, folded=folded,
-                       prefill_backend=prefill_backend)
-    return get_target(target).export(artifact_path, out, s, overwrite=overwrite).detail
 
 
 def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, model_path: str | None = None,
