@@ -185,37 +185,45 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     (one per layer, shared by the heads, with ``granularity="layer"``), clips 0.95 / 0.9 and
     descending random eigenvalues.
 
-    With ``model`` the geometry (layers, KV and query heads, head_dim) and the fingerprint are the
-    model's, so the artifact fits it; otherwise ``layers`` x ``kv`` x ``d`` with ``heads`` query
-    heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys.
+    With ``model`` the geometry (attention layers and their decoder-layer ids, KV and query heads,
+    head_dim, per layer where layers differ) and the fingerprint are the model's, so the artifact
+    fits it; otherwise ``layers`` x ``kv`` x ``d`` with ``heads`` query heads and a fingerprint of
+    no model. ``metadata`` overrides or adds metadata keys.
     """
     from oscar_calib import FORMAT_VERSION
     from oscar_calib.contract.artifact import Artifact, LayerRotations
     from oscar_calib.contract.defaults import default_group_size
     from oscar_calib.contract.layout import FORMAT_NAME
 
-    fingerprint, model_type = FAKE_FINGERPRINT, "llama"
+    fingerprint, model_type, per_layer = FAKE_FINGERPRINT, "llama", {}
+    shapes = [(kv, d)] * layers
     if model is not None:
+        from oscar_calib.contract.settings import ArtifactSettings
         from oscar_calib.model.geometry import geometry_of, model_fingerprint
 
         geo = geometry_of(model)
         layers, kv, heads, d = geo.num_layers, geo.num_kv_heads, geo.num_attention_heads, geo.head_dim
         fingerprint, model_type = model_fingerprint(model), model.config.model_type
+        shapes = list(zip(geo.kv_heads, geo.head_dims))
+        keys = ("layer_ids", "layer_head_dims", "layer_kv_heads")
+        settings = ArtifactSettings(**geo.settings_fields(), group_size=default_group_size(min(geo.head_dims)),
+                                    sink_tokens=64, recent_tokens=256).metadata()
+        per_layer = {k: v for k, v in settings.items() if k in keys} | {"group_size": settings["group_size"]}
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for _ in range(layers):
-        k, v = random_rotation(kv, d, gen), random_rotation(kv, d, gen)
+    for hk, dk in shapes:
+        k, v = random_rotation(hk, dk, gen), random_rotation(hk, dk, gen)
         if granularity == "layer":
-            k, v = k[:1].expand(kv, d, d).clone(), v[:1].expand(kv, d, d).clone()
-        eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
-        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone()))
+            k, v = k[:1].expand(hk, dk, dk).clone(), v[:1].expand(hk, dk, dk).clone()
+        eig = torch.rand(hk, dk, generator=gen).sort(dim=-1, descending=True).values
+        rows.append(LayerRotations(k, v, torch.full((hk,), 0.95), torch.full((hk,), 0.9), eig, eig.clone()))
     md = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": "test/tiny",
           "model_fingerprint": fingerprint, "num_layers": str(layers), "num_attention_heads": str(heads),
           "num_kv_heads": str(kv), "head_dim": str(d), "group_size": str(default_group_size(d)), "bits": "2",
           "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
           "composition": "u_h_pbr", "granularity": granularity,
           "calibration": json.dumps({"data": "test", "tokens": 0}), "toolkit_version": "0.1.0",
-          "model_type": model_type}
+          "model_type": model_type, **per_layer}
     md.update(metadata or {})
     return Artifact(layers=rows, metadata=md)
 

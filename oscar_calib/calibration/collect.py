@@ -44,8 +44,8 @@ class StatsRun:
                 sw = call_window(module, kwargs)
                 cfg = getattr(module, "config", None)
                 sinks = kwargs.get("s_aux")           # gpt-oss: a learned sink logit per query head
-                types = getattr(cfg, "layer_types", None) or ()
-                chunked = layer < len(types) and types[layer] == "chunked_attention"
+                types, lid = getattr(cfg, "layer_types", None) or (), getattr(module, "layer_idx", layer)
+                chunked = lid < len(types) and types[lid] == "chunked_attention"
                 self.layer_info[layer] = {
                     "scaling": float(getattr(module, "scaling", q.shape[-1] ** -0.5)),
                     "sliding_window": sw,
@@ -82,8 +82,8 @@ def collect_statistics(lm: LoadedModel, plan: TokenPlan, cfg: CalibrationConfig,
     approx = cfg.v_objective == "sst-approx"     # s_approx costs a float64 pass: only when asked for
     pilot = ranks.plan_pilot(all_batches, cfg.pilot_tokens, approx)
     run = StatsRun(
-        stats=[LayerStats(geo.num_kv_heads, geo.group, geo.head_dim, pilot, device=dev, approx=approx)
-               for _ in range(geo.num_layers)],
+        stats=[LayerStats(lg.num_kv_heads, lg.group, lg.head_dim, pilot, device=dev, approx=approx)
+               for lg in map(geo.layer, range(geo.num_layers))],
         reservoir=[Reservoir(cfg.heldout_tokens) for _ in range(geo.num_layers)],
         fit_device=fit_device(dev),
         fitting=ranks.fit_share(geo.num_layers),

@@ -83,25 +83,25 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         if fitted is not None:
             k_clip, k_table, v_clip, v_table = fitted[j].clips(gk, gv)
         else:
-            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.kv_heads[i], gk, gv)
         refined = None
         if cfg.refine_steps:      # refine with the start's clips on the same held-out rows, then fit them again
             if gk != gv:
                 raise InputError("--refine-steps needs one group size for K and V in every layer")
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
             k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
-            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.num_kv_heads, gk, gv)
+            k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.kv_heads[i], gk, gv)
         if fitted is not None and refined is None:
             ours = fitted[j].errors[(gk, gv)]
         else:
             ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
-        h = compose(torch.eye(geo.head_dim, dtype=torch.float64).expand(geo.num_kv_heads, -1, -1), "h", warn=False)
+        h = compose(torch.eye(geo.head_dims[i], dtype=torch.float64).expand(geo.kv_heads[i], -1, -1), "h", warn=False)
         base = heldout_errors(held, h, torch.full_like(k_clip, BASELINE_CLIPS[0]), h,
                               torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
         layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
                                      v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float()))
         rows.append({
-            "layer": i,
+            "layer": i, **({"model_layer": geo.ids[i]} if geo.layer_ids is not None else {}),
             "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
             "k_spread": spread(k_eig), "v_spread": spread(v_eig),
             **({"k_group_size": gk, "v_group_size": gv} if groups else {}),

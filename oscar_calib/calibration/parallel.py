@@ -135,20 +135,21 @@ def freeze_pilot_across_ranks(stats: list, ctx: DistContext, pilot_tokens: int) 
     flags = torch.zeros(ctx.world_size, dtype=torch.float64)
     flags[ctx.rank] = float(frozen)
     ctx.all_reduce_(flags, "the sst-approx pilot")
+    shapes = [s.sums["q"].shape for s in stats]         # layers may differ in heads and head_dim (Gemma 4)
+    dev = ctx.comm_device
     if bool(flags.any()):
         src = int(flags.nonzero()[0, 0])
-        dev = ctx.comm_device
         if ctx.rank == src:
-            buf = torch.stack([s.pilot_cq.to(dev) for s in stats])
+            buf = torch.cat([s.pilot_cq.to(dev).reshape(-1) for s in stats])
         else:
-            h, d = stats[0].num_kv_heads, stats[0].head_dim
-            buf = torch.zeros(len(stats), h, d, d, dtype=torch.float64, device=dev)
-        cqs = ctx.broadcast_(buf, src, "the sst-approx pilot")
+            buf = torch.zeros(sum(shape.numel() for shape in shapes), dtype=torch.float64, device=dev)
+        flat, scale = ctx.broadcast_(buf, src, "the sst-approx pilot"), [1] * len(stats)
     else:
-        buf = torch.stack([s.sums["q"].to(ctx.comm_device) for s in stats])
-        cqs = ctx.all_reduce_(buf, "the sst-approx pilot") / max(pilot_tokens * stats[0].group, 1)
-    for s, cq in zip(stats, cqs):
-        s.freeze_pilot(cq)
+        flat = ctx.all_reduce_(torch.cat([s.sums["q"].to(dev).reshape(-1) for s in stats]), "the sst-approx pilot")
+        scale = [max(pilot_tokens * s.group, 1) for s in stats]
+    parts = flat.split([shape.numel() for shape in shapes])
+    for s, part, shape, n in zip(stats, parts, shapes, scale):
+        s.freeze_pilot(part.reshape(shape) / n)
 
 
 def all_reduce_stats(stats: list, ctx: DistContext) -> None:

@@ -36,7 +36,7 @@ from ..contract.settings import ArtifactSettings, GroupPair
 from ..data.corpus import TokenPlan, load_texts, plan_tokens
 from ..errors import InputError, OscarWarning
 from ..jobs.env import launched
-from ..model.geometry import context_length
+from ..model.geometry import Geometry, context_length
 from ..model.load import LoadedModel, load_model, load_tokenizer
 from ..model.placement import Placement
 from ..numerics.refine import split_sequences
@@ -78,8 +78,7 @@ def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips
         ks = budget["layer_group_sizes"]
         groups = tuple(GroupPair.of(k, v) for k, v in zip(ks, budget.get("layer_v_group_sizes") or ks))
     return ArtifactSettings(
-        num_layers=geo.num_layers, num_attention_heads=geo.num_attention_heads, num_kv_heads=geo.num_kv_heads,
-        head_dim=geo.head_dim, group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
+        **geo.settings_fields(), group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
         layer_groups=groups, logit_correction=cfg.logit_correction, granularity=cfg.granularity,
         composition=cfg.composition, k_objective=cfg.k_objective, v_objective=cfg.v_objective,
         shared_clips=shared_clips, model_type=geo.model_type)
@@ -202,8 +201,7 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
                                heldout_seqs=cfg.heldout_seqs, seed=cfg.seed, documents=documents)
         lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement),
                                      progress=progress, tokenizer=tokenizer)
-        group_size = cfg.group_size or default_group_size(lm.geometry.head_dim)
-        check_group_size(lm.geometry.head_dim, group_size)
+        group_size = calibration_group_size(cfg, lm.geometry)
         _warn_beyond_context(lm, cfg.seq_len)
         if cfg.refine_steps and cfg.heldout_seqs < 2:
             warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
@@ -215,6 +213,21 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         error = e
     ranks.agree(info, error)
     return created, lm, plan, group_size
+
+
+def calibration_group_size(cfg: CalibrationConfig, geo: Geometry) -> int:
+    """``--group-size`` or the default for the model's head sizes (the smallest layer's: a power of
+    two that divides every layer's head_dim when they are powers of two), refused in one line where it
+    does not divide some layer's head_dim; a bit budget on a model whose layers differ in head_dim is
+    refused (its candidate sizes are per head_dim)."""
+    dims = sorted(set(geo.head_dims))
+    group_size = cfg.group_size or default_group_size(dims[0])
+    for d in dims:
+        check_group_size(d, group_size, "--group-size" if cfg.group_size else "group size")
+    if cfg.bit_budget and len(dims) > 1:
+        raise InputError(f"--bit-budget chooses group sizes among one head_dim's divisors; {geo.model_type}'s layers "
+                         f"have head_dims {', '.join(map(str, dims))}: pass --group-size instead")
+    return group_size
 
 
 def _warn_beyond_context(lm: LoadedModel, seq_len: int) -> None:

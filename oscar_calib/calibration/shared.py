@@ -35,8 +35,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
     fitting its own layers; default: this process alone): the per-layer clip tables are put back
     in layer order, so the global clips are chosen from the same tables in the same order wherever
     the layers were fitted."""
-    h = geo.num_kv_heads
-    shared_needed = cfg.granularity == "head" and h > 1
+    shared_needed = cfg.granularity == "head" and max(geo.kv_heads) > 1     # stored on every layer or none
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     k_tables, v_tables = [], []
     rots = []
@@ -76,6 +75,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
     k_clip = cfg.k_clip if cfg.k_clip is not None else k_fit
     v_clip = cfg.v_clip if cfg.v_clip is not None else v_fit
     for j, (k_rot, v_rot) in enumerate(rots):
+        h = geo.kv_heads[rows[j]["layer"]]
         full = lambda c: torch.full((h,), float(c), dtype=torch.float64)  # noqa: E731
         rows[j]["heldout"]["fork"] = heldout_errors(held_layers(rows[j]["layer"]), k_rot, full(k_clip), v_rot,
                                                     full(v_clip), group_size)

@@ -128,7 +128,9 @@ def calibrate_command(
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     if wants_launch(nproc):
-        from ..calibration.parallel import calibrate_parallel  # (a single process never imports it)
+        from ..calibration.parallel import (
+            calibrate_parallel,  # (a single process never imports it)
+        )
 
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
     with progress_display(enabled=os.environ.get("RANK", "0") == "0") as display, _rank_named_errors():

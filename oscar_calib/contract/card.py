@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from .settings import layer_span
+
 
 def model_card(report: dict) -> str:
     s, g, cal, summ = report["settings"], report["geometry"], report["calibration"], report["summary"]
@@ -23,7 +25,7 @@ def model_card(report: dict) -> str:
         "| setting | value |",
         "|---|---|",
         f"| base model | `{report['model_id']}`{_where(report)} (fingerprint `{report['model_fingerprint'][:16]}…`) |",
-        f"| geometry | {g['num_layers']} layers, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']} |",
+        f"| geometry | {_geometry(g)} |",
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
@@ -231,3 +233,16 @@ def _engines_section(report: dict) -> list[str]:
             lines += [f"- warning: {w}" for w in row.get("warnings") or []]
             lines += [""] if row.get("warnings") else []
     return lines
+
+
+def _geometry(g: dict) -> str:
+    """The geometry row: layers (a hybrid's attention layers and their ids), heads, head_dim (per layer
+    where layers differ)."""
+    layers = f"{g['num_layers']} layers"
+    if g.get("layer_ids"):
+        layers = f"{g['num_layers']} attention layers (the model's layers {layer_span(g['layer_ids'])})"
+    if g.get("layer_head_dims"):
+        shapes = sorted(set(zip(g["layer_kv_heads"], g["layer_head_dims"])), key=lambda hd: hd[1])
+        heads = " / ".join(f"{h} KV heads of {d}" for h, d in shapes)
+        return f"{layers}, {g['num_attention_heads']} query heads; {heads} by layer"
+    return f"{layers}, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']}"

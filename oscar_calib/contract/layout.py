@@ -52,6 +52,16 @@ LOGIT_CORRECTION_METADATA = "logit_correction"
 # multimodal model whose language model was calibrated), ``<wrapper model_type>.<attribute>``, e.g.
 # ``gemma3.text_config``; ``model_type`` is then the text model's. Absent: the model's config is the text config.
 TEXT_CONFIG_METADATA = "text_config"
+# Optional metadata: the model's decoder-layer index of every artifact layer, comma separated and increasing, when
+# they are not 0..num_layers-1 (a hybrid model, whose linear-attention or state-space layers keep no KV cache and
+# have no artifact layer: Qwen3.5's "3,7,11,..."). Absent: artifact layer i is decoder layer i. A reader that
+# predates it would put the rotations on the model's first layers: engines that cannot map it refuse.
+LAYER_IDS_METADATA = "layer_ids"
+# Optional metadata: every layer's head_dim and KV-head count, comma separated, when layers differ (Gemma 4: sliding
+# layers 256, global layers 512 with fewer KV heads); ``head_dim`` / ``num_kv_heads`` then hold layer 0's. Layer i's
+# tensors take its own shapes. A reader that predates them refuses the file (its shapes disagree with the metadata).
+LAYER_HEAD_DIMS_METADATA = "layer_head_dims"
+LAYER_KV_HEADS_METADATA = "layer_kv_heads"
 # Optional metadata: "true" when the value rotation is folded into a checkpoint's v_proj/o_proj (`oscar
 # fold-weights` marks the artifact copy it writes beside the checkpoint); absent or "false" otherwise.
 V_FOLDED_METADATA = "v_folded"

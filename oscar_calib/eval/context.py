@@ -50,7 +50,13 @@ import torch
 
 from ..errors import DataError
 from ..progress import ProgressFn, counter
-from .methods import QUANTO_DEFAULTS, build_schemes, gap_closed, method_fields, scheme_settings
+from .methods import (
+    QUANTO_DEFAULTS,
+    build_schemes,
+    gap_closed,
+    method_fields,
+    scheme_settings,
+)
 from .nll import quanto_sequence_nll, real_cache_nll, sequence_nll
 from .options import EvalOptions, options_for
 from .report import EvalResult

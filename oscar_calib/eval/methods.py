@@ -115,15 +115,16 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
     if real_cache and engines:
         raise InputError(f"method(s) {', '.join(engines)} run only in the perplexity simulation (--task ppl): oscar's "
                          "real INT2 cache stores oscar's own quantiser")
-    g = group_size or (artifact.group_size if artifact is not None else default_group_size(geo.head_dim))
-    check_group_size(geo.head_dim, g)
+    g = group_size or (artifact.group_size if artifact is not None else default_group_size(min(geo.head_dims)))
+    for d in sorted(set(geo.head_dims)):
+        check_group_size(d, g)
     out = {}
     for m in methods:
         if m == "bf16":
             out[m] = KVScheme.full_precision(geo.num_layers, sink=sink, recent=recent)
         elif m in ("naive", "hadamard"):
             rot, clips = ("identity", (1.0, 1.0)) if m == "naive" else ("hadamard", tuple(hadamard_clips))
-            out[m] = KVScheme.uniform(m, geo.num_layers, geo.num_kv_heads, geo.head_dim, g, rotation=rot,
+            out[m] = KVScheme.uniform(m, geo.num_layers, geo.kv_heads, geo.head_dims, g, rotation=rot,
                                       clips=clips, sink=sink, recent=recent)
         elif m == "oscar":
             out[m] = KVScheme.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
@@ -180,7 +181,12 @@ def quanto_cache(config):
         raise InputError("method 'quanto' needs optimum-quanto: pip install 'oscar-calib[quanto]'") from None
     from transformers.cache_utils import Cache, QuantizedCache, QuantoQuantizedLayer
 
+    from ..runtime.compat import cache_slots
+
     cfg = config.get_text_config(decoder=True)
+    if any(slot.state is not None for slot in cache_slots(cfg)):
+        raise InputError(f"method 'quanto': transformers' QuantizedCache holds no recurrent state, which "
+                         f"{cfg.model_type}'s linear-attention or state-space layers keep (leave it out of --methods)")
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     if all(t == "full_attention" for t in types):
         return QuantizedCache(backend="quanto", config=cfg, nbits=QUANTO_DEFAULTS["nbits"])

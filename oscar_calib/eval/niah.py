@@ -153,11 +153,15 @@ def score_niah(answer: str, value: str) -> int:
 
 
 def _prefill(model, ids: torch.Tensor, chunk: int):
-    """Full-precision prefill of ``ids`` [1, T] into a config-less ``DynamicCache`` (every layer
-    keeps every token, so any method's cache can be built from it)."""
+    """Full-precision prefill of ``ids`` [1, T] into a cache whose attention layers keep every token
+    (a config-less ``DynamicCache``; a hybrid's keeps its recurrent states beside them:
+    :func:`~oscar_calib.runtime.compat.full_cache`), so any method's cache can be built from it."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    from ..runtime.compat import cache_slots, full_cache
+
+    hybrid = any(slot.state is not None for slot in cache_slots(model.config))
+    cache = full_cache(model.config) if hybrid else DynamicCache()
     for a in range(0, ids.shape[1], chunk):
         model(input_ids=ids[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache

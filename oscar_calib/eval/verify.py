@@ -319,9 +319,6 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         for seq[0] in range(len(ids)):
             capture_forward(lm.model, ids[seq[0]:seq[0] + 1].to(dev))
     t_capture = time.perf_counter() - t0
-    h = hadamard(geo.head_dim, warn=False).float().to(dev).expand(geo.num_kv_heads, -1, -1).contiguous()
-    base_k = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[0], device=dev)
-    base_v = torch.full((geo.num_kv_heads,), BASELINE_CLIPS[1], device=dev)
     fork = _fork_scheme(art)
     rows = []
     tick = counter(progress, "verify: INT2 kernels", len(art.layers), "layers")
@@ -337,8 +334,13 @@ def verify_artifact(path: Path, *, model: str | None = None, loaded: LoadedModel
         ours = _layer_errors(cap, samples, layer.k_rotation.to(dev), layer.k_clip.to(dev),
                              layer.v_rotation.to(dev), layer.v_clip.to(dev), **kw,
                              logit_correction=st.logit_correction)
+        hk, d = geo.kv_heads[i], geo.head_dims[i]         # the Hadamard baseline at this layer's heads
+        h = hadamard(d, warn=False).float().to(dev).expand(hk, -1, -1).contiguous()
+        base_k = torch.full((hk,), BASELINE_CLIPS[0], device=dev)
+        base_v = torch.full((hk,), BASELINE_CLIPS[1], device=dev)
         base = _layer_errors(cap, samples, h, base_k, h, base_v, **kw)
-        rows.append({"layer": i, "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
+        rows.append({"layer": i, **({"model_layer": geo.ids[i]} if geo.layer_ids is not None else {}),
+                     "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
                      "artifact": ours, "hadamard": base})
         if fork is not None:
             rows[-1]["fork"] = _fork_layer_errors(cap, samples, fork, i, info[i]["scaling"], info[i]["window"], sinks)

@@ -28,7 +28,13 @@ use. Storage format and packing order: :mod:`oscar_calib.kernels.pack`; cache la
 """
 
 from ..contract.defaults import DEFAULT_RECENT, DEFAULT_SINK
-from ._common import BACKENDS, ENV_VAR, interpreter_problem, interpreting, triton_available
+from ._common import (
+    BACKENDS,
+    ENV_VAR,
+    interpreter_problem,
+    interpreting,
+    triton_available,
+)
 from .append import append_token, append_token_reference
 from .cache import Int2KVCache, build_cache, split_lengths, to_paged
 from .decode import decode_attention, decode_attention_reference

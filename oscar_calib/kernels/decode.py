@@ -103,12 +103,13 @@ import math
 
 import torch
 
-from ..contract.defaults import check_logit_correction, is_power_of_two
+from ..contract.defaults import check_logit_correction
 from ..errors import InputError
 from ..numerics.quant import logit_noise, logit_noise_coefficient
 from ._common import (
     check_tensor,
     derived,
+    head_dim_problem,
     interpreting,
     load_triton_module,
     next_pow2,
@@ -244,8 +245,9 @@ def decode_attention_reference(
 
 def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     d, g = cache.head_dim, min(cache.group_size, cache.v_group_size)
-    if not is_power_of_two(d) or not 64 <= d <= 256:
-        return f"head_dim {d} (the decode kernel needs 64, 128 or 256)"
+    why = head_dim_problem(d, "decode")
+    if why:
+        return why
     if g < 32:
         return f"group size {g} (the decode kernel needs groups of at least 32 channels)"
     if q.shape[1] // cache.num_kv_heads > 64:

@@ -34,7 +34,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
-from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
+from .compat import (
+    SUPPORTED_TRANSFORMERS,
+    cache_slots,
+    check_transformers,
+    copy_state,
+    state_layer,
+    with_state,
+)
 from .plan import LayerPlan
 from .scheme import KVScheme
 from .storage import LayerStore, held_slots, write_step, write_tokens
@@ -82,8 +89,9 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
     def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
                  sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0,
-                 chunk: int | None = None):
+                 chunk: int | None = None, layer_id: int | None = None):
         super().__init__()
+        self.layer_id = layer_id     # the decoder layer (for messages)
         self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
         self.logit_correction = logit_correction
         self.window_dtype, self.backend = window_dtype, backend
@@ -95,6 +103,13 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
+        if self.backend == "triton":      # (auto: a head_dim the kernels do not take runs the torch path)
+            from ..kernels._common import head_dim_problem
+
+            why = head_dim_problem(d, "write") or head_dim_problem(d, "decode")
+            if why:
+                raise InputError(f"OscarCache(backend='triton'): layer {self.layer_id} has {why}; use backend='auto', "
+                                 "which runs that layer on the torch path")
         self.dtype, self.device = key_states.dtype, key_states.device
         plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
                                v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
@@ -192,16 +207,37 @@ class OscarCache(Cache):
         why = not_storable(scheme)
         if why:
             raise InputError(why)
-        windows = layer_windows(config)
-        if len(windows) != scheme.num_layers:
+        slots = cache_slots(config)
+        attention = [slot for slot in slots if slot.attention]
+        if len(attention) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(windows)} layers")
+                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        super().__init__(layers=[
-            OscarLayer(scheme.layer(i), groups=scheme.groups(i), sink=scheme.sink, recent=scheme.recent,
-                       window_dtype=scheme.window_dtype, sliding_window=w, backend=backend,
-                       logit_correction=scheme.logit_correction, chunk=c)
-            for i, (w, c) in enumerate(windows)])
+        layers, j = [], 0
+        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
+            if not slot.attention:
+                layers.append(state_layer(slot.state))
+                continue
+            cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
+            layers.append(cls(scheme.layer(j), groups=scheme.groups(j), sink=scheme.sink, recent=scheme.recent,
+                              window_dtype=scheme.window_dtype, sliding_window=slot.window, backend=backend,
+                              logit_correction=scheme.logit_correction, chunk=slot.chunk,
+                              layer_id=len(layers), **extra))
+            j += 1
+        super().__init__(layers=layers)
+
+    @property
+    def oscar_layers(self) -> list[OscarLayer]:
+        """The INT2 layers (a hybrid model's attention layers; its other layers keep transformers' own state)."""
+        return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+    @property
+    def recurrent(self) -> str | None:
+        """Why a decode step is not recorded as a CUDA graph for this cache (None: it can be): some
+        layers keep a recurrent state beside or instead of the KV cache (a hybrid model), which
+        transformers updates outside the cache's attention function."""
+        n = sum(not isinstance(layer, OscarLayer) or type(layer) is not OscarLayer for layer in self.layers)
+        return f"{n} of the model's {len(self.layers)} layers keep a recurrent state (a hybrid model)" if n else None
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
@@ -224,16 +260,22 @@ class OscarCache(Cache):
 
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""
-        for layer in self.layers:
+        for layer in self.oscar_layers:
             layer.reserved = max(layer.reserved, int(tokens))
             if layer.store is not None:
                 layer.store.reserve(int(tokens))
 
     def prefill_from(self, cache) -> "OscarCache":
         """Fill the cache with the K/V of another cache's layers (e.g. a ``DynamicCache`` after a
-        full-precision prefill); returns self."""
+        full-precision prefill; a hybrid's: :func:`~oscar_calib.runtime.compat.full_cache`, whose
+        recurrent states are copied as they are); returns self."""
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
         for layer, src in zip(self.layers, cache.layers):
-            layer.write_prefix(src.keys, src.values)
+            if isinstance(layer, LinearAttentionCacheLayerMixin):       # a hybrid's recurrent state, as it is
+                copy_state(layer, src)
+            if isinstance(layer, OscarLayer):
+                layer.write_prefix(src.keys, src.values)
         return self
 
     def memory(self) -> dict:
@@ -241,7 +283,7 @@ class OscarCache(Cache):
         (the slots that hold tokens: window, sink, INT2 history with its scales), and the BF16
         bytes a full-precision cache would hold for the same tokens."""
         used = alloc = bf16 = 0
-        for layer in self.layers:
+        for layer in self.oscar_layers:
             st = layer.store
             if st is None:
                 continue
@@ -252,7 +294,7 @@ class OscarCache(Cache):
                 w, h, kept = held_slots(c, st.plan.sink, st.plan.recent, st.hist.cap if st.hist.ring else None)
                 used += w * per_slot[0] + h * hist_per_slot
                 bf16 += 2 * 2 * st.heads * st.d * kept
-        first = self.layers[0].store
+        first = self.oscar_layers[0].store
         n = sum(first.exact_counts()) if first is not None else 0
         return {"bytes": used, "allocated_bytes": alloc, "tokens": n, "bytes_per_token": used / n if n else 0.0,
                 "bf16_bytes": bf16, "compression": bf16 / used if used else 0.0,

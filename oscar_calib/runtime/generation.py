@@ -31,10 +31,11 @@ def generate(model, input_ids: torch.Tensor, cache: OscarCache, *, fast: bool | 
 
     ``fast``: ``"auto"`` takes the graph where it applies and eager steps otherwise (a CPU model,
     one spread over several GPUs or offloaded, beam search, attentions or hidden states in the
-    output); ``True`` refuses with one line where the graph does not apply; ``False`` always runs
-    eager steps. ``compile=True`` records the graph through ``torch.compile`` (about 30% more
-    tokens/s at 1 x 16K-128K on an H100, for 25-40 s of compiling at the first call of each batch
-    size): worth it for long generations; it needs the graph.
+    output, a hybrid model's recurrent layers: :attr:`~.cache.OscarCache.recurrent`); ``True``
+    refuses with one line where the graph does not apply; ``False`` always runs eager steps.
+    ``compile=True`` records the graph through ``torch.compile`` (about 30% more tokens/s at 1 x
+    16K-128K on an H100, for 25-40 s of compiling at the first call of each batch size): worth it
+    for long generations; it needs the graph.
 
     ``progress`` (:mod:`oscar_calib.progress`; :func:`oscar_calib.display.show_progress` draws it)
     hears a ``prefill`` stage, then ``decode`` with one report per new token (counted against
@@ -44,7 +45,7 @@ def generate(model, input_ids: torch.Tensor, cache: OscarCache, *, fast: bool | 
         raise InputError(f"generate needs an OscarCache, got {type(cache).__name__}")
     if fast not in ("auto", True, False):
         raise InputError(f"generate: fast must be 'auto', True or False, not {fast!r}")
-    why = graph_refusal(model, **generate_kwargs) if fast is not False else "fast=False"
+    why = (graph_refusal(model, **generate_kwargs) or cache.recurrent) if fast is not False else "fast=False"
     if why and fast is True:
         raise InputError(f"generate(fast=True): no graph decoding here: {why} (fast='auto' falls back to eager steps)")
     if compile and why:

@@ -183,23 +183,29 @@ class KVScheme:
         return cls(name, num_layers, None, sink=sink, recent=recent, window_dtype=window_dtype)
 
     @classmethod
-    def uniform(cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int, *,
+    def uniform(cls, name: str, num_layers: int, num_kv_heads, head_dim, group_size: int, *,
                 rotation: str = "identity", clips: tuple[float, float] = (1.0, 1.0), sink: int = DEFAULT_SINK,
                 recent: int = DEFAULT_RECENT, window_dtype=torch.bfloat16) -> "KVScheme":
         """One data-free rotation for every layer: ``identity`` (naive INT2) or ``hadamard``
-        (QuaRot-style), with global clip ratios ``(k, v)``."""
+        (QuaRot-style), with global clip ratios ``(k, v)``. ``num_kv_heads`` / ``head_dim``: one
+        number for every layer, or one per layer (layers that differ, e.g. Gemma 4's)."""
         from ..numerics.hadamard import hadamard
 
-        if rotation == "identity":
-            r = None
-        elif rotation == "hadamard":
-            r = hadamard(head_dim, warn=False).float().expand(num_kv_heads, -1, -1).contiguous()
-        else:
+        if rotation not in ("identity", "hadamard"):
             raise InputError(f"unknown rotation {rotation!r}; choose identity or hadamard")
-        ck = None if clips[0] >= 1 else torch.full((num_kv_heads,), float(clips[0]))
-        cv = None if clips[1] >= 1 else torch.full((num_kv_heads,), float(clips[1]))
-        return cls(name, num_layers, group_size, [r] * num_layers, [r] * num_layers, [ck] * num_layers,
-                   [cv] * num_layers, sink=sink, recent=recent, window_dtype=window_dtype)
+        heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
+        cache: dict = {}
+
+        def per_layer(h: int, d: int) -> tuple:
+            if (h, d) not in cache:
+                r = hadamard(d, warn=False).float().expand(h, -1, -1).contiguous() if rotation == "hadamard" else None
+                cache[h, d] = (r, *(None if c >= 1 else torch.full((h,), float(c)) for c in clips))
+            return cache[h, d]
+
+        r, ck, cv = zip(*(per_layer(h, d) for h, d in zip(heads, dims))) if num_layers else ((), (), ())
+        return cls(name, num_layers, group_size, list(r), list(r), list(ck), list(cv), sink=sink, recent=recent,
+                   window_dtype=window_dtype)
 
     @classmethod
     def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
@@ -250,21 +256,20 @@ class KVScheme:
         if why:
             raise ArtifactError(why)
         clips = clips or art.shared_clips()
-        h = art.num_kv_heads
+        st = art.settings
+        heads = st.layer_kv_heads
         rot = {}
         for which in ("k", "v"):
             rs = [art.shared_rotation(i, which)[0].float() for i in range(art.num_layers)]
             if bf16_rotations:
                 rs = [r.to(torch.bfloat16).float() for r in rs]
-            rot[which] = [r.expand(h, -1, -1).contiguous() for r in rs]
-        st = art.settings
-        ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in clips)
+            rot[which] = [r.expand(h, -1, -1).contiguous() for r, h in zip(rs, heads)]
+        ck, cv = ([None if c >= 1 else torch.full((h,), float(c)) for h in heads] for c in clips)
         n, g = art.num_layers, int(group_size or st.group_size)
         if quantizer == "fork-lloyd" and g != art.head_dim:
             raise InputError(f"{name}: the fork's Lloyd-Max mode needs group size = head_dim ({art.head_dim}), this "
                              f"scheme has {g}; the fork ignores SGLANG_LLOYD_MAX for grouped scales")
-        return cls(name, n, g, rot["k"], [None] * n if absorb_v else rot["v"],
-                   [ck] * n, [cv] * n,
+        return cls(name, n, g, rot["k"], [None] * n if absorb_v else rot["v"], ck, cv,
                    sink=st.sink_tokens if sink is None else sink, recent=st.recent_tokens if recent is None else recent,
                    window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [], quantizer=quantizer)
 
@@ -290,6 +295,10 @@ class KVScheme:
         if why:
             raise ArtifactError(why.replace("for the fork", f"for {engine}"))
         k_clip, v_clip = clips or art.shared_clips()
+        if art.settings.mixed_heads:
+            from ..contract.settings import FEATURES
+
+            raise InputError(FEATURES["layer_head_dims"].dropped(art.settings, engine))
         h, n, d = art.num_kv_heads, art.num_layers, art.head_dim
         rot = {w: [art.shared_rotation(i, w)[0].float().expand(h, -1, -1).contiguous() for i in range(n)]
                for w in ("k", "v")}
@@ -297,7 +306,7 @@ class KVScheme:
         if engine == "vllm":
             ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in (k_clip, v_clip))
             return cls(engine, n, d, rot["k"], rot["v"], [ck] * n, [cv] * n, sink=0, recent=0,
-                       quantizer="vllm", native_layers=tuple(boundary_layers(n)))
+                       quantizer="vllm", native_layers=tuple(boundary_layers(n, hybrid=st.hybrid)))
         if engine == "llamacpp":
             if d % Q2_0_BLOCK:
                 raise InputError(f"{engine}: head_dim {d} is not a whole number of q2_0 blocks of {Q2_0_BLOCK}")

@@ -41,7 +41,7 @@ import math
 import torch
 
 from ..errors import EvalError
-from ..model.capture import AttentionRoute, call_window
+from ..model.capture import AttentionRoute, attention_slot, attention_slots, call_window
 from .attend import allowed_mask
 from .scheme import QUANTIZERS, KVScheme
 
@@ -54,9 +54,7 @@ _ACTIVE: list["SimulatedKV"] = []
 def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, s_aux=None,
                    **kwargs):
     sim = _ACTIVE[-1]
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise EvalError(f"{type(module).__name__} has no layer_idx")
+    layer = attention_slot(sim.slots, module)          # the scheme's layer (a hybrid model's attention layers)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = sim.attend(layer, query, key, value, attention_mask, scale, call_window(module, kwargs), softcap,
                      **({} if s_aux is None else {"sinks": s_aux}))
@@ -88,6 +86,7 @@ class SimulatedKV(AttentionRoute):
         from transformers import AttentionInterface
 
         AttentionInterface.register(SIM_NAME, _sim_attention)
+        self.slots = attention_slots(self.model)
         return self._route("sdpa")
 
     @staticmethod

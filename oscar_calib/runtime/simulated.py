@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import ArtifactError, CacheError, InputError
-from .compat import check_transformers, layer_windows
+from .compat import cache_slots, check_transformers, state_layer, with_state
 from .scheme import KVScheme
 
 
@@ -260,18 +260,24 @@ class SimulatedCache(Cache):
         if scheme.logit_correction:
             raise InputError(f"{scheme.name}: SimulatedCache hands K/V to the model's own attention, which cannot "
                              "subtract the logit-noise correction; use OscarCache (or SimulatedKV for perplexity)")
-        windows = layer_windows(config)
-        if len(windows) != scheme.num_layers:
+        slots = cache_slots(config)
+        attention = [slot for slot in slots if slot.attention]
+        if len(attention) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(windows)} layers")
+                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        layers = []
-        for i, (w, _) in enumerate(windows):
-            rk, ck, rv, cv = scheme.layer(i)
-            layers.append(SimulatedLayer(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
-                                         groups=scheme.groups(i) if scheme.quantized else None,
-                                         sink=scheme.sink, recent=scheme.recent,
-                                         window_dtype=scheme.window_dtype, sliding_window=w))
+        layers, j = [], 0
+        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
+            if not slot.attention:
+                layers.append(state_layer(slot.state))
+                continue
+            rk, ck, rv, cv = scheme.layer(j)
+            cls, extra = (SimulatedLayer, {}) if slot.state is None else (with_state(SimulatedLayer), slot.state)
+            layers.append(cls(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
+                              groups=scheme.groups(j) if scheme.quantized else None, sink=scheme.sink,
+                              recent=scheme.recent, window_dtype=scheme.window_dtype, sliding_window=slot.window,
+                              **extra))
+            j += 1
         super().__init__(layers=layers)
 
     @classmethod
@@ -291,7 +297,7 @@ class SimulatedCache(Cache):
     def memory(self) -> dict:
         """Bytes the simulation stores (sink, window, packed history; rotations not counted)."""
         total = sum(sum(t.numel() * t.element_size() for t in layer.seg.tensors())
-                    for layer in self.layers if layer.seg is not None)
+                    for layer in self.layers if getattr(layer, "seg", None) is not None)
         n = self.get_seq_length()
         return {"bytes": total, "tokens": n, "bytes_per_token": total / n if n else 0.0,
                 "history_bits_per_element": self.scheme.bits_per_element}

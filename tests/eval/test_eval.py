@@ -587,6 +587,35 @@ def test_niah_runs_the_fork_through_the_real_cache(tiny_fork):
         evaluate_niah(lm, opts.replace(methods=("fork-lloyd",)), artifact=load_artifact(path))
 
 
+def test_niah_on_a_hybrid_carries_its_recurrent_states_into_each_cache():
+    """A Qwen3.5 stand-in (linear, full, linear, full): NIAH's prefill keeps the linear-attention
+    states beside every token of the attention layers, and each method's cache starts from them: with
+    BF16 windows that hold the whole prompt the INT2 cache's next logits are the BF16 cache's (a cache
+    that dropped the states would read from zero states). quanto's cache holds no recurrent state:
+    refused in one line."""
+    from factories import family_model
+
+    from oscar_calib.eval.methods import quanto_cache
+    from oscar_calib.eval.niah import _prefill, cache_for
+    from oscar_calib.runtime import KVScheme
+    from oscar_calib.runtime.cache import attached
+
+    model = family_model("qwen3_5_text")
+    ids = torch.randint(1, 120, (1, 40), generator=torch.Generator().manual_seed(4))
+    prefill = _prefill(model, ids[:, :-1], chunk=16)
+    scheme = KVScheme.uniform("hadamard", 2, 2, 16, 8, rotation="hadamard", sink=32, recent=32, window_dtype=None)
+    logits = {}
+    for method in ("bf16", "hadamard"):
+        cache = cache_for(method, model, prefill, scheme)
+        with attached(cache, model), torch.no_grad():
+            logits[method] = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+    assert (logits["hadamard"] - logits["bf16"]).abs().max() < 1e-5
+    with torch.no_grad():
+        assert (model(ids).logits[:, -1:] - logits["bf16"]).abs().max() < 1e-5
+    with pytest.raises(InputError, match="QuantizedCache holds no recurrent state"):
+        quanto_cache(model.config)
+
+
 @pytest.mark.script
 def test_niah_gpu_baselines_stand_in_only_for_the_same_prompts():
     """A run of the artifact's methods only takes bf16/hadamard rows from an earlier run of the same

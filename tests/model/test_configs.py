@@ -15,6 +15,7 @@ from oscar_calib.contract.config import (
     load_yaml_section,
 )
 from oscar_calib.contract.layout import TENSOR_KINDS, tensor_name, tensor_shape
+from oscar_calib.contract.settings import ArtifactSettings
 from oscar_calib.errors import InputError
 from oscar_calib.model.configs import geometry_from_mapping, load_model_config
 from oscar_calib.model.geometry import attention_modules, geometry_of, model_fingerprint
@@ -35,6 +36,8 @@ PUBLISHED = {
     "qwen3-235b-a22b": ("qwen3_moe", 94, 64, 4, 128, 4096),
     "gpt-oss-20b": ("gpt_oss", 24, 64, 8, 64, 2880),
     "gpt-oss-120b": ("gpt_oss", 36, 64, 8, 64, 2880),
+    "qwen3.5-35b-a3b": ("qwen3_5_moe_text", 40, 16, 2, 256, 2048),
+    "gemma-4-31b": ("gemma4_text", 60, 32, 16, 256, 5376),
 }
 
 def test_every_covered_model_has_a_config():
@@ -52,33 +55,39 @@ def test_config_geometry_and_tiny_model_shapes(name):
     assert cal == mc.calibration and cal.granularity == "head"
     # full-size config (no weights): transformers and the toolkit read the same geometry
     assert geometry_of(g.to_hf_config()) == g.to_geometry()
-    # tiny random-init model: real heads / KV heads / head_dim, 2 layers
+    # tiny random-init model: real heads / KV heads / head_dim, its attention layers (2; a hybrid's of 4 layers)
     model = g.tiny_model()
     geo = geometry_of(model)
-    assert (geo.num_attention_heads, geo.num_kv_heads, geo.head_dim, geo.num_layers) == \
-        (g.num_attention_heads, g.num_kv_heads, g.head_dim, 2)
+    assert (geo.num_attention_heads, geo.num_kv_heads, geo.head_dim) == (g.num_attention_heads, g.num_kv_heads,
+                                                                          g.head_dim)
+    assert geo.num_layers == sum(t != "linear_attention" for t in g.layer_types(model.config.num_hidden_layers))
     attn = attention_modules(model)[0]
     hidden = model.config.hidden_size
-    assert attn.q_proj.weight.shape == (g.num_attention_heads * g.head_dim, hidden)
+    gate = 2 if g.model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text") else 1   # q_proj: q and a gate
+    assert attn.q_proj.weight.shape == (gate * g.num_attention_heads * g.head_dim, hidden)
     assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (g.num_kv_heads * g.head_dim, hidden)
     assert (attn.k_proj.bias is not None) == g.attention_bias
     norm = getattr(attn, "q_norm", None)
     expected_norm = {None: None, "head": g.head_dim, "layer": g.num_attention_heads * g.head_dim}[g.qk_norm]
     assert (None if norm is None else norm.weight.shape[0]) == expected_norm
     freqs = [b for n, b in model.named_buffers() if n.endswith("inv_freq") and "original" not in n]
-    assert freqs and all(2 * f.numel() == round(g.head_dim * g.partial_rotary_factor) for f in freqs)
+    if g.full_head_dim is None:           # (Gemma 4: each layer kind its own RoPE, proportional on global layers)
+        assert freqs and all(2 * f.numel() == round(g.head_dim * g.partial_rotary_factor) for f in freqs)
     if g.layer_pattern:
-        assert set(geo.layer_types) == set(g.layer_pattern) and geo.sliding_window == g.sliding_window
+        assert set(geo.layer_types) == set(g.layer_pattern) - {"linear_attention"}
+        assert geo.sliding_window == g.sliding_window
+    if g.full_head_dim:                   # the global layers' own geometry (Gemma 4)
+        full = geo.layer_types.index("full_attention")
+        assert (geo.kv_heads[full], geo.head_dims[full]) == (g.full_kv_heads, g.full_head_dim)
     # the artifact contract's shapes for this geometry pass the format-v1 structure check
-    tensors = {tensor_name(i, k): torch.zeros(tensor_shape(k, geo.num_kv_heads, geo.head_dim))
+    tensors = {tensor_name(i, k): torch.zeros(tensor_shape(k, geo.kv_heads[i], geo.head_dims[i]))
                for i in range(geo.num_layers) for k in TENSOR_KINDS}
-    assert tensors[tensor_name(1, "k_rotation")].shape == (g.num_kv_heads, g.head_dim, g.head_dim)
+    assert tensors[tensor_name(0, "k_rotation")].shape == (g.num_kv_heads, g.head_dim, g.head_dim)
+    settings = ArtifactSettings(**geo.settings_fields(), group_size=min(128, geo.head_dim), sink_tokens=64,
+                                recent_tokens=256, k_objective="qqt", v_objective="sst", composition="u_h_pbr")
     md = {"format": "oscar-rotations", "format_version": "1", "model_id": g.model_id,
-          "model_fingerprint": model_fingerprint(model), "num_layers": "2",
-          "num_attention_heads": str(geo.num_attention_heads), "num_kv_heads": str(geo.num_kv_heads),
-          "head_dim": str(geo.head_dim), "group_size": str(min(128, geo.head_dim)), "bits": "2",
-          "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
-          "composition": "u_h_pbr", "granularity": "head", "calibration": "{}", "toolkit_version": "0"}
+          "model_fingerprint": model_fingerprint(model), "calibration": "{}", "toolkit_version": "0",
+          **settings.metadata()}
     assert check_structure(tensors, md) == []
 
 

@@ -31,6 +31,7 @@ from oscar_calib.errors import OscarError, UnsupportedModelError
 from oscar_calib.eval import EvalOptions, run_eval
 from oscar_calib.eval.verify import verify_artifact
 from oscar_calib.model.families import FAMILIES
+from oscar_calib.model.geometry import geometry_of
 from oscar_calib.model.load import LoadedModel
 from oscar_calib.model.source import ModelSource
 from oscar_calib.runtime import OscarCache, SimulatedCache, generate
@@ -42,7 +43,9 @@ from oscar_calib.tools.validate import ModelReference, validate_artifact
 # the families added beside the ten registered before (those have their own tests: test_fold.py,
 # tests/runtime, the zoo): mixtures of experts, newer dense families, multimodal wrappers
 NEW_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "llama4_text", "granitemoe", "olmo3", "seed_oss",
-                "smollm3", "granite", "exaone4", "ernie4_5", "gemma3", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl")
+                "smollm3", "granite", "exaone4", "ernie4_5", "gemma3", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl",
+                "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "falcon_h1", "lfm2",
+                "gemma4_text", "gemma4", "gemma4_unified")
 # a calibration in well under a second: 2 batches of 64 tokens; 8 + 8 BF16 window tokens so the
 # 24-token prompt and the 48-token depths reach the INT2 history
 CHAIN = dict(tokens=128, seq_len=64, heldout_tokens=32, pilot_tokens=32, sink_tokens=8, recent_tokens=8)
@@ -110,8 +113,9 @@ def test_family_end_to_end(name, tmp_path):
         check, _ = fold_and_check(model, art, torch.randint(1, 120, (2, 16), generator=torch.Generator().manual_seed(2)))
         assert check.ok and check.logits_rel_diff < 1e-4
     else:
-        with pytest.raises(UnsupportedModelError, match="no entry in oscar's registry"):
+        with pytest.raises(UnsupportedModelError) as e:
             fold_and_check(model, art, ids)
+        assert str(e.value) == support["fold-weights"].note
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -132,7 +136,8 @@ def test_capture_gives_the_models_own_logits(name):
         with Capture(model, [lambda layer, *_: seen.append(layer)]):
             got = model(input_ids=ids).logits
     assert torch.equal(got, ref)
-    assert sorted(set(seen)) == list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
+    # every attention layer, numbered as the artifact's layers (a hybrid's attention layers only)
+    assert sorted(set(seen)) == list(range(geometry_of(model).num_layers))
 
 
 def test_gpt_oss_sinks_reach_verify_and_eval(tmp_path):
@@ -213,3 +218,22 @@ def test_scaling_guide_ranks_each_spread_over_devices(tiny_qwen3_moe, tmp_path):
     code, _, err = oscar(*argv[1:], *FAST_ARGS)
     assert code == 0, err
     assert (tmp_path / "run" / "oscar.safetensors").is_file()
+
+
+@pytest.mark.parametrize("recipe, layer_ids, head_dims", [
+    ("qwen3.5-35b-a3b", "3", None),
+    pytest.param("gemma-4-31b", None, "256,512", marks=pytest.mark.slow)])     # 32 query heads of 256 and 512
+def test_the_hybrid_and_gemma4_recipes_calibrate_a_saved_stand_in(recipe, layer_ids, head_dims, tmp_path):
+    """configs/qwen3.5-35b-a3b.yaml and configs/gemma-4-31b.yaml at tiny width (their real heads and
+    head_dims; Qwen3.5's 3:1 pattern over 4 layers, Gemma 4's sliding and global layer), saved by
+    transformers and calibrated from the command line with the recipe's settings: the artifact maps
+    Qwen3.5's one attention layer to decoder layer 3, and holds Gemma 4's 256- and 512-wide layers."""
+    from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.model.configs import configs_dir, load_model_config
+
+    path = configs_dir() / f"{recipe}.yaml"
+    directory = save_checkpoint(tmp_path / recipe, load_model_config(path).geometry.tiny_model(), ascii_tokenizer())
+    code, _, err = oscar("calibrate", directory, "--config", path, *FAST_ARGS, "--out", tmp_path / "run")
+    assert code == 0, err
+    md = load_artifact(tmp_path / "run").metadata
+    assert md.get("layer_ids") == layer_ids and md.get("layer_head_dims") == head_dims

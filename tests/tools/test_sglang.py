@@ -35,7 +35,11 @@ from oscar_calib.runtime.scheme import KVScheme
 from oscar_calib.runtime.simulate import SimulatedKV
 from oscar_calib.tools.export import import_files
 from oscar_calib.tools.export.ptfile import identity_payload, payload
-from oscar_calib.tools.export.sglang import export_sglang, fork_load_problems, read_rotation_file
+from oscar_calib.tools.export.sglang import (
+    export_sglang,
+    fork_load_problems,
+    read_rotation_file,
+)
 from oscar_calib.tools.validate import validate_artifact
 
 # Every variable the fork reads for OSCAR serving (its sglang/srt/environ.py), and only those.

@@ -24,9 +24,25 @@ def test_cells_follow_the_registry_and_the_layer_kinds():
     rows = dict((fam.name, cells) for fam, cells in support.table())
     assert set(rows) == set(FAMILIES)
     for name, cells in rows.items():
-        geo_type = FAMILIES[name].config().get_text_config(decoder=True).model_type
+        text = FAMILIES[name].config().get_text_config(decoder=True)
+        spec = ARCHITECTURES.get(text.model_type)
+        folds = spec is not None and not spec.fold_refusal and not getattr(text, spec.values_from_keys or "-", False)
         assert cells["calibrate"].ok, (name, cells["calibrate"].note)
-        assert cells["fold-weights"].ok == (geo_type in ARCHITECTURES), name
+        assert cells["fold-weights"].ok == folds, name
+    # hybrids: the attention layers only, mapped by id; engines that number layers globally serve them, the fork's
+    # main and upstream SGLang's pull request do not; Gemma 4: per-layer head sizes, served by the fork's newer
+    # loader and mlx-lm only
+    for name in ("qwen3_next", "qwen3_5_text", "lfm2"):
+        assert "layer_ids" in rows[name]["calibrate"].note and "recurrent" in rows[name]["cache"].note
+        assert [t for t in support.columns()[len(support.CORE):] if rows[name][t].ok] == \
+            ["sglang-fork-v2", "vllm", "onnxruntime"], name
+    assert "recurrent" in rows["falcon_h1"]["cache"].note and not rows["falcon_h1"]["sglang-fork"].ok
+    for name in ("gemma4_text", "gemma4", "gemma4_unified"):
+        assert "layer_head_dims" in rows[name]["calibrate"].note and "512" in rows[name]["decode kernel"].note
+        assert [t for t in support.columns()[len(support.CORE):] if rows[name][t].ok] == \
+            ["sglang-fork-v2", "mlx-lm"], name
+    assert not rows["qwen3_next"]["fold-weights"].ok and "gate" in rows["qwen3_next"]["fold-weights"].note
+    assert rows["gemma4_text"]["fold-weights"].ok and not rows["gemma4"]["fold-weights"].ok
     # chunked attention (Llama 4): the cache reads each query's chunk through the torch path; gpt-oss:
     # sinks in the cache and the kernel, refused by every engine
     assert rows["llama4_text"]["cache"].ok and "chunked layers" in rows["llama4_text"]["decode kernel"].note

@@ -42,7 +42,8 @@ ENV_FILE = "serve.env"
 LAUNCH_FILE = "launch.sh"
 
 # transformers model types with sliding-window attention layers (their KV cache is windowed per layer)
-SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
+SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gemma4_unified_text", "gpt_oss",
+                       "llama4")
 
 STATUSES = {
     "checked": "loader code read at the cited revision; its rules are restated in oscar's checks and tests",
@@ -136,21 +137,32 @@ class ExportResult:
 
 @dataclass(frozen=True)
 class Geometry:
-    """What a loader check needs to know about the model: its decoder layers (global ids of the
-    layers that hold a KV cache), KV heads and head_dim."""
+    """What a loader check needs to know about the model: its attention layers (``layer_ids``: the
+    decoder-layer ids of the layers that hold a KV cache, None for ``0..num_layers-1``), KV heads and
+    head_dim (layer 0's, and every layer's in ``layer_kv_heads`` / ``layer_head_dims`` when they
+    differ)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     layer_ids: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    layer_head_dims: tuple[int, ...] | None = None
 
     @property
     def ids(self) -> tuple[int, ...]:
         return self.layer_ids if self.layer_ids is not None else tuple(range(self.num_layers))
 
+    def heads(self, i: int) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of layer ``i`` (an index among the attention layers)."""
+        return ((self.layer_kv_heads or (self.num_kv_heads,) * self.num_layers)[i],
+                (self.layer_head_dims or (self.head_dim,) * self.num_layers)[i])
+
     @classmethod
     def of(cls, art: Artifact) -> "Geometry":
-        return cls(art.num_layers, art.num_kv_heads, art.head_dim)
+        st = art.settings
+        return cls(art.num_layers, art.num_kv_heads, art.head_dim, st.layer_ids if st.mapped_layers else None,
+                   *((st.layer_kv_heads, st.layer_head_dims) if st.mixed_heads else ()))
 
 
 @dataclass

@@ -17,17 +17,21 @@ import torch
 from ...errors import ArtifactError, InputError
 
 
-def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str) -> dict:
+def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str,
+            layer_ids=None) -> dict:
     """The fork's dict for one cache: ``rotations[i]`` ``[d, d]`` (format_version 1) or ``[h, d, d]``
     (format_version 2), ``eigenvalues[i]`` descending (oscar's order; written ascending, the
-    fork's, and only in format_version 1, as its writers do) or None. Tensors are cloned, fp32 and
-    contiguous (a saved view would carry its whole storage)."""
+    fork's, and only in format_version 1, as its writers do) or None, keyed by the model's layer
+    ids (``layer_ids``, default ``0..n-1``: a hybrid model's attention layers by their global id,
+    as the fork's Qwen3.5 recipe keys them). Tensors are cloned, fp32 and contiguous (a saved view
+    would carry its whole storage)."""
     dims = {r.dim() for r in rotations}
     if len(dims) != 1 or dims.pop() not in (2, 3):
         raise ArtifactError("every layer needs a [d, d] rotation (format_version 1) or an [h, d, d] one (2)")
     version = 1 if rotations[0].dim() == 2 else 2
     layers = {}
-    for i, (r, e) in enumerate(zip(rotations, eigenvalues)):
+    ids = list(layer_ids) if layer_ids is not None else range(len(rotations))
+    for i, r, e in zip(ids, rotations, eigenvalues):
         entry = {"layer_id": i, "rotation": r.detach().to("cpu", torch.float32).contiguous().clone()}
         if e is not None and version == 1:
             entry["eigenvalues"] = e.detach().to("cpu", torch.float32).flip(-1).contiguous().clone()
@@ -36,13 +40,14 @@ def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None
             "source_grouping": "layer" if version == 1 else "per_kv_head", "layers": layers}
 
 
-def identity_payload(num_layers: int, head_dim: int) -> dict:
+def identity_payload(num_layers: int, head_dim, layer_ids=None) -> dict:
     """Identity rotations for every layer (the V file of a checkpoint whose V rotation is already
     folded into its weights: the fork then quantises V as the weights produce it and maps the output
-    back with ``o @ I``)."""
-    eye = torch.eye(head_dim, dtype=torch.float32)
+    back with ``o @ I``), keyed like :func:`payload`; ``head_dim`` one for all layers or one per layer."""
+    dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
+    ids = list(layer_ids) if layer_ids is not None else range(num_layers)
     return {"format_version": 1, "objective": "identity", "source_grouping": "layer",
-            "layers": {i: {"layer_id": i, "rotation": eye.clone()} for i in range(num_layers)}}
+            "layers": {i: {"layer_id": i, "rotation": torch.eye(d, dtype=torch.float32)} for i, d in zip(ids, dims)}}
 
 
 def save_bytes(obj: dict) -> bytes:

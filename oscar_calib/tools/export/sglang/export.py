@@ -139,7 +139,8 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
     if prefill_backend not in PREFILL_BACKENDS:
         raise InputError(f"unknown --prefill-backend {prefill_backend!r}; choose from {', '.join(PREFILL_BACKENDS)}")
     st, d, g = art.settings, art.head_dim, art.group_size
-    _check_shapes(artifact_path, d, g)
+    for hd in sorted(set(st.layer_head_dims)):
+        _check_shapes(artifact_path, hd, g)
     sink = st.sink_tokens if sink is None else sink
     recent = st.recent_tokens if recent is None else recent
     _check_windows(sink, recent)
@@ -155,15 +156,18 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
                              v_identity=folded, prefill_backend=prefill_backend)
     k_name = file_name("k", _objective(art, "k"))
     v_name = file_name("v", "identity" if folded else _objective(art, "v"))
-    v_obj = identity_payload(art.num_layers, d) if folded else payload(*_rotations(art, "v", target, artifact_path),
-                                                                      objective=_objective(art, "v"))
+    ids = st.layer_ids           # the model's layer ids: a hybrid's attention layers keep their global id
+    v_obj = identity_payload(art.num_layers, st.layer_head_dims, ids) if folded else \
+        payload(*_rotations(art, "v", target, artifact_path), objective=_objective(art, "v"), layer_ids=ids)
     out = Path(out)
     with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
-        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"))))
+        atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"),
+                                                            layer_ids=ids)))
         atomic_write_bytes(tmp / v_name, save_bytes(v_obj))
         for name in (k_name, v_name):     # the files must load in the fork: check them as it would
             problems = fork_load_problems(tmp / name, num_layers=art.num_layers, head_dim=d, target=target,
-                                          num_kv_heads=art.num_kv_heads)
+                                          num_kv_heads=art.num_kv_heads, layer_ids=ids,
+                                          layer_heads=list(zip(st.layer_kv_heads, st.layer_head_dims)))
             if problems:
                 raise ArtifactError(f"{name} would not load in {target}: {problems[0]}")
         final = out.resolve()

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from ....contract.defaults import ORTHOGONALITY_TOL
+from ....contract.settings import layer_span
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
 from ..ptfile import load_plain
@@ -100,21 +101,18 @@ def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, obje
             found[lid] = layers[key]
     missing = [i for i in wanted if i not in found]
     if missing:
-        raise ArtifactError(f"has no rotation for layer(s) {_span(missing)} (the model's layers: {_span(wanted)})")
+        raise ArtifactError(f"has no rotation for layer(s) {layer_span(missing)} (the model's layers: "
+                            f"{layer_span(wanted)})")
     return found, sorted(set(extra))
 
 
-def _span(ids: list[int]) -> str:
-    if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2:
-        return f"{ids[0]}..{ids[-1]}"
-    return ", ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
-
-
 def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: str = "sglang-fork",
-                       num_kv_heads: int | None = None, layer_ids=None) -> list[str]:
+                       num_kv_heads: int | None = None, layer_ids=None, layer_heads=None) -> list[str]:
     """Would SGLang (``target``) load this file? Its loader's acceptance rules (module docstring),
     encoded as oscar's own checks, plus what the loader does not check but serving needs (finite,
-    orthogonal in float64 to 1e-5, a per-head tensor with the model's KV head count)."""
+    orthogonal in float64 to 1e-5, a per-head tensor with the model's KV head count). ``layer_heads``:
+    ``(num_kv_heads, head_dim)`` of every layer where they differ (the newer loader's per-layer
+    ``head_dim``), in the order of ``layer_ids``."""
     check_target(target)
     try:
         obj, _ = load_plain(path)
@@ -122,9 +120,12 @@ def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: st
     except (ArtifactError, InputError) as e:
         return [str(e)]
     per_head = target in PER_HEAD_TARGETS
-    shapes = [(head_dim, head_dim)] + ([(num_kv_heads, head_dim, head_dim)] if per_head else [])
+    ids = list(layer_ids) if layer_ids is not None else list(range(num_layers))
+    heads = dict(zip(ids, layer_heads or [(num_kv_heads, head_dim)] * num_layers))
     problems = []
     for i, entry in sorted(entries.items()):
+        h, d = heads[i]
+        shapes = [(d, d)] + ([(h, d, d)] if per_head else [])
         r = entry.get("rotation") if isinstance(entry, dict) else None
         if not isinstance(r, torch.Tensor):
             problems.append(f"layer {i} has no 'rotation' tensor")
@@ -141,7 +142,7 @@ def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: st
         err = orthogonality_error(r)
         if err >= ORTHOGONALITY_TOL:
             problems.append(f"layer {i} rotation is not orthogonal (‖RRᵀ − I‖∞ = {err:.2e})")
-    if per_head:
+    if per_head and len(set(heads.values())) == 1:
         problems += optional_field_problems(entries, head_dim, num_kv_heads)
     return problems
 
@@ -199,7 +200,7 @@ def read_rotation_file(path: Path, *, num_layers: int, num_kv_heads: int, head_d
             dtypes.add(str(entries[i]["rotation"].dtype).replace("torch.", ""))
     except ArtifactError as e:
         raise ArtifactError(f"{path}: {e}") from None
-    notes = [f"layer(s) {_span(extra)} ignored (not among the model's layers)"] if extra else []
+    notes = [f"layer(s) {layer_span(extra)} ignored (not among the model's layers)"] if extra else []
     if fixed:
         notes.append(f"16-bit rotations re-orthogonalised (‖RRᵀ − I‖∞ was {fixed:.1e})")
     return ReadRotations(path.name, str(version), rots, hashlib.sha256(raw).hexdigest(), eigs, notes,
