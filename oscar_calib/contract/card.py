@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .settings import layer_span
+from .features import layer_span
 
 
 def model_card(report: dict) -> str:

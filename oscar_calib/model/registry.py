@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.settings import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
+from ..contract.features import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
 from ..errors import UnsupportedModelError
 
 

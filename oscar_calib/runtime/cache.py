@@ -33,7 +33,9 @@ import contextlib
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..contract.artifact import checked_artifact
 from ..errors import ArtifactError, CacheError, InputError
+from ..model.geometry import model_identity
 from .compat import (
     SUPPORTED_TRANSFORMERS,
     cache_slots,
@@ -43,7 +45,7 @@ from .compat import (
     with_state,
 )
 from .plan import LayerPlan
-from .scheme import KVScheme
+from .scheme import KVScheme, SchemeLayer
 from .storage import LayerStore, held_slots, write_step, write_tokens
 
 
@@ -87,14 +89,10 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
-                 sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0,
-                 chunk: int | None = None, layer_id: int | None = None):
+    def __init__(self, scheme: SchemeLayer, *, sliding_window: int | None = None, chunk: int | None = None,
+                 backend: str = "auto", layer_id: int | None = None):
         super().__init__()
-        self.layer_id = layer_id     # the decoder layer (for messages)
-        self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
-        self.logit_correction = logit_correction
-        self.window_dtype, self.backend = window_dtype, backend
+        self.scheme, self.layer_id, self.backend = scheme, layer_id, backend     # layer_id: the decoder layer
         self.sliding_window, self.chunk = sliding_window, chunk
         self.is_sliding = sliding_window is not None          # a window (sliding or chunked): a ring, no kernel
         self.attached = 0            # > 0 while an OscarAttention route serves this cache
@@ -111,11 +109,8 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
                 raise InputError(f"OscarCache(backend='triton'): layer {self.layer_id} has {why}; use backend='auto', "
                                  "which runs that layer on the torch path")
         self.dtype, self.device = key_states.dtype, key_states.device
-        plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
-                               v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
-                               sliding_window=self.sliding_window, window_dtype=self.window_dtype or key_states.dtype,
-                               device=self.device, backend=self.backend, logit_correction=self.logit_correction,
-                               chunk=self.chunk)
+        plan = LayerPlan.build(self.scheme, heads=h, d=d, device=self.device, dtype=key_states.dtype,
+                               sliding_window=self.sliding_window, chunk=self.chunk, backend=self.backend)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -182,20 +177,6 @@ def not_storable(scheme: KVScheme) -> str | None:
     return None
 
 
-def checked_artifact(artifact, model):
-    """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
-    cache is built, when it is invalid or was calibrated for another model
-    (:func:`~oscar_calib.contract.artifact.valid_artifact`, then
-    :func:`~oscar_calib.contract.artifact.require_compatible` with ``model``'s geometry and, given a
-    model rather than a config, its fingerprint)."""
-    from ..contract.artifact import require_compatible, valid_artifact
-    from ..model.geometry import geometry_of, model_fingerprint
-
-    art = valid_artifact(artifact)                 # before anything of the model is read
-    require_compatible(art, geometry_of(model), model_fingerprint(model) if hasattr(model, "config") else None)
-    return art
-
-
 class OscarCache(Cache):
     """The real OSCAR cache (see the module docstring): BF16 sink and recent window, packed INT2
     history appended by the write kernel, decode attention by the INT2 kernel. Build it with
@@ -219,9 +200,7 @@ class OscarCache(Cache):
                 layers.append(state_layer(slot.state))
                 continue
             cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
-            layers.append(cls(scheme.layer(j), groups=scheme.groups(j), sink=scheme.sink, recent=scheme.recent,
-                              window_dtype=scheme.window_dtype, sliding_window=slot.window, backend=backend,
-                              logit_correction=scheme.logit_correction, chunk=slot.chunk,
+            layers.append(cls(scheme.layer(j), sliding_window=slot.window, chunk=slot.chunk, backend=backend,
                               layer_id=len(layers), **extra))
             j += 1
         super().__init__(layers=layers)
@@ -245,9 +224,10 @@ class OscarCache(Cache):
                       logit_correction: float | None = None) -> "OscarCache":
         """A cache for ``model`` (or its config: then the fingerprint is not checked) with an artifact
         (directory, ``oscar.safetensors`` or :class:`~oscar_calib.contract.artifact.Artifact`), refused
-        first if invalid or made for another model (:func:`checked_artifact`); ``logit_correction``:
+        first if invalid or made for another model
+        (:func:`~oscar_calib.contract.artifact.checked_artifact`); ``logit_correction``:
         another gain than the artifact's."""
-        art = checked_artifact(artifact, model)
+        art = checked_artifact(artifact, lambda: model_identity(model))
         scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
                                         logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme, backend=backend)
@@ -306,5 +286,5 @@ def attached(cache, model):
     return cache.attach(model) if isinstance(cache, OscarCache) else contextlib.nullcontext()
 
 
-__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact",
+__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers",
            "not_storable"]

@@ -65,7 +65,7 @@ def _reference(q, k, v, scheme, scaling, softcap=None, window=None):
     """Per (i, j): BF16 key/value when j < sink or i − j < recent, INT2 otherwise (explicit loops),
     both in the rotated basis as OscarCache stores them: the window holds ``bf16(bf16(x) @ R)``, the
     history INT2 of ``clip(bf16(x) @ R)``, the query is rotated and the output rotated back."""
-    rk, ck, rv, cv = scheme.layer(0)
+    rk, ck, rv, cv = scheme.layer(0).rotations
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
     g = scheme.group_size
     kq = quantize_kv(kb.transpose(1, 2), rk, ck, g).dequantize()[0]       # [S, H, d] rotated

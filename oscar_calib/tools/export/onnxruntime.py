@@ -87,7 +87,7 @@ class OnnxRuntimeTarget(ExportTarget):
 
     def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
         if name == "layer_head_dims":
-            from ...contract.settings import heads_text
+            from ...contract.features import heads_text
 
             return (f"the model's layers differ in head geometry ({heads_text(art.settings)}), and ONNX Runtime's "
                     f"{OP_TYPE} kernel was not read for nodes of different head sizes (the guide's graphs have one)")

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ....contract.defaults import ORTHOGONALITY_TOL
-from ....contract.settings import layer_span
+from ....contract.features import layer_span
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
 from ..ptfile import load_plain
