@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .features import layer_span
+from .layout import CARD_PLOTS
 
 
 def model_card(report: dict) -> str:
@@ -129,7 +130,8 @@ def _eval_section(report: dict) -> list[str]:
     """``## Evaluation``: the headline numbers ``oscar eval --record`` stored under ``eval`` as a
     table, then the full text tables (``eval_results["text"]``)."""
     ev = report.get("eval")
-    text = (report.get("eval_results") or {}).get("text")
+    results = report.get("eval_results") or {}
+    text = results.get("text")
     if not ev and not text:
         return []
     lines = ["## Evaluation", ""]
@@ -152,12 +154,18 @@ def _eval_section(report: dict) -> list[str]:
                 extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}"
                              + (f" ({prompts} prompts per method, 95% Wilson interval in brackets)." if prompts else "."))
             lines += ["", *([" ".join(extra), ""] if extra else [])]
+            if niah.get("lengths") and "niah" in results:
+                lines += [f"![Needle retrieval against context length, per KV cache, with 95% intervals]"
+                          f"({CARD_PLOTS['niah']})", ""]
         long = ev.get("long_ppl") if isinstance(ev.get("long_ppl"), dict) else {}
         at = [(n, v) for n, v in long.items() if isinstance(v, dict) and "oscar" in v and "bf16" in v]
         if at:
             lines += ["Perplexity at long contexts (the last tokens of long windows, table below): "
                       + "; ".join(f"{int(n):,} tokens: BF16 {v['bf16']:.3f}, this artifact {v['oscar']:.3f} "
                                   f"({v['oscar'] / v['bf16'] - 1:+.1%})" for n, v in at) + ".", ""]
+            if "long" in results:
+                lines += [f"![Perplexity of the last tokens of long windows against context length, per KV cache]"
+                          f"({CARD_PLOTS['long']})", ""]
     if text:
         lines += ["Measured with `oscar eval` (full tables):", "", "```", text, "```", ""]
     elif ev and not isinstance(ev, dict):

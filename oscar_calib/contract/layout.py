@@ -23,6 +23,9 @@ from pathlib import Path
 WEIGHTS_NAME = "oscar.safetensors"
 CARD_NAME = "README.md"
 REPORT_NAME = "calibration.json"
+# the pictures `oscar eval --record` keeps beside the model card, by the result they draw: perplexity
+# against context length (a long-context result) and needle retrieval against context length
+CARD_PLOTS = {"long": "eval-context.png", "niah": "eval-niah.png"}
 VERIFY_NAME = "verify.json"
 PULL_RECORD = ".oscar-pull.json"      # where an artifact came from, written by `oscar pull` (hidden: never pushed)
 FORMAT_NAME = "oscar-rotations"

@@ -198,11 +198,14 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     other methods (``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``...) also replace the main
     ``ppl`` table when they include ``bf16`` and every method that table has (so one run can fill
     both); otherwise the main table stays as it was. ``serving``
-    (:func:`oscar_calib.tools.export.serving_table`) is stored beside it as ``engine_serving``."""
+    (:func:`oscar_calib.tools.export.serving_table`) is stored beside it as ``engine_serving``.
+
+    A long-context or NIAH result is also drawn beside the card (``CARD_PLOTS``: perplexity or
+    needle retrieval against context length), and the card shows that picture."""
     import json
 
-    from ..contract.artifact import CARD_NAME, REPORT_NAME
     from ..contract.card import model_card
+    from ..contract.layout import CARD_NAME, CARD_PLOTS, REPORT_NAME
     from ..fsutil import atomic_write_text
 
     directory = Path(artifact_dir)
@@ -216,7 +219,10 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     results = report.setdefault("eval_results", {})
     long = result.task == "ppl" and bool(result.settings.get("contexts"))
     engines = result.task == "ppl" and not long and any(r["method"] in ENGINE_METHODS for r in result.rows)
-    results["long" if long else "engines" if engines else result.task] = result.to_json()
+    key = "long" if long else "engines" if engines else result.task
+    results[key] = result.to_json()
+    if key in CARD_PLOTS:                   # the card shows it: drawn from the result it stores
+        write_plot(directory / CARD_PLOTS[key], result)
     if engines:
         own = [r for r in result.rows if r["method"] not in ENGINE_METHODS]
         names = {r["method"] for r in own}
@@ -229,8 +235,11 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
         report["engine_serving"] = serving
     results["text"] = eval_text(results)
     report["eval"] = eval_headline(results)
-    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
-    atomic_write_text(directory / CARD_NAME, model_card(report))
+    stored = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    atomic_write_text(path, stored)
+    # the card is drawn from the report as stored (sorted keys), so it is the card that
+    # calibration.json generates and `oscar validate` recognises it as unedited
+    atomic_write_text(directory / CARD_NAME, model_card(json.loads(stored)))
 
 
 PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7", "vllm": "#5a8",

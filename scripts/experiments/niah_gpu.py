@@ -248,7 +248,7 @@ def _text_sha256(haystack: str) -> str:
 
 
 def record(paths: list[str], artifact: str, force: bool, baselines: str | None = None) -> None:
-    from oscar_calib.eval import EvalResult, record_eval, write_plot
+    from oscar_calib.eval import EvalResult, record_eval
 
     results = [json.loads(Path(p).read_text()) for p in paths]
     merged = merge(results) if len(results) > 1 else results[0]
@@ -271,10 +271,7 @@ def record(paths: list[str], artifact: str, force: bool, baselines: str | None =
         raise SystemExit(f"error: {artifact}/oscar.safetensors (sha256 {have[:12]}…) is not the artifact the run used "
                          f"({str(want)[:12]}…); re-run the NIAH with this artifact, or pass --force to record anyway")
     result = EvalResult("niah", merged["model_id"], settings, rows, merged["timings"])
-    plot = Path(artifact) / "eval-niah.png"             # the card's needle plot, with the intervals
-    write_plot(plot, result)
-    result.settings["plot"] = str(plot)
-    record_eval(Path(artifact), result)
+    record_eval(Path(artifact), result)                 # draws the card's needle plot too
     print(table(result.to_json()))
     print(f"recorded in {artifact}/calibration.json and its README.md")
 

@@ -177,6 +177,9 @@ def test_record_keeps_long_contexts_in_their_own_table(tmp_path):
     assert "the last 1,024 predictions" in text and "8.400 (+5.00%; 3.30 b)" in text
     card = (art / "README.md").read_text()
     assert "8,192 tokens: BF16 7.500, this artifact 8.100 (+8.0%)" in card
+    # the card shows the picture drawn from the table it stores
+    assert "](eval-context.png)" in card and (art / "eval-context.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (art / "eval-niah.png").exists() and "eval-niah.png" not in card
 
 
 def test_cli_eval_context(monkeypatch, tmp_path):

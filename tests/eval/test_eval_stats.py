@@ -100,6 +100,8 @@ def test_recorded_card_shows_the_interval(demo_artifact, tmp_path):
     assert "0.50 [0.24, 0.76]" in report["eval_results"]["text"]
     card = (art / "README.md").read_text()
     assert "| **this artifact** | – | 50% [24%, 76%] |" in card and "10 prompts per method" in card
+    assert "](eval-niah.png)" in card and (art / "eval-niah.png").read_bytes()[:4] == b"\x89PNG"
+    assert "eval-context.png" not in card
 
 
 def test_prompts_option_sets_samples():

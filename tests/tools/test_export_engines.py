@@ -540,6 +540,9 @@ def test_serving_table_and_the_engine_cost_section(tmp_path):
     assert "refused: its GGUF architecture is 'llama'" in section
     assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --kv-cache-dtype oscar_int2" in section
     assert "FutureMLS-Lab/OSCAR (branch zhongzhu/llamacpp) @ 4570ea609" in section
+    from oscar_calib.contract.card import model_card
+
+    assert card == model_card(report)          # the card of the stored report: validate sees it unedited
     # a run with every method of the main table as well fills both tables
     main = {r["method"]: r for r in before["rows"]}
     both = EvalResult("ppl", "HuggingFaceTB/SmolLM2-135M-Instruct", dict(before["settings"], methods=[*main, "vllm"]),
