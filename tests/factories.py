@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 ON_GPU = torch.cuda.is_available()
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent        # tests/: factories and the worker processes
+REPO = TESTS.parent
 
 # ----------------------------------------------------------------------------- calibration settings
 
@@ -137,7 +138,8 @@ def loaded_tiny(kind: str = "llama", **kw):
     """A tiny random-init model (``tiny_model(kind, **kw)``) wrapped as the LoadedModel every
     tool takes, with a CharTokenizer."""
     from oscar_calib.model.geometry import geometry_of, model_fingerprint
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     model = tiny_model(kind, **kw)
     src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")
@@ -154,7 +156,7 @@ def save_checkpoint(directory: Path, model, tokenizer) -> Path:
 def calibrate_tiny(out: Path, kind: str = "llama", loaded=None, *, overwrite: bool = False, **settings):
     """``calibrate()`` of a tiny model (``loaded``, else a fresh ``loaded_tiny(kind)``) with
     TINY_FAST settings updated by ``settings``; returns its CalibrationResult."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
 
     return calibrate(CalibrationConfig(**{**TINY_FAST, **settings}), out, loaded=loaded or loaded_tiny(kind),
@@ -335,14 +337,27 @@ def triton_interpret_flag():
     return getattr(getattr(knobs, "runtime", None), "interpret", None)
 
 
+def process_state() -> dict:
+    """What a test may change for the tests after it besides the environment: the working
+    directory, and once torch is imported its threads, default dtype, grad mode and determinism."""
+    state = {"working directory": os.getcwd()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state.update({"torch threads": torch.get_num_threads(), "torch default dtype": torch.get_default_dtype(),
+                      "torch grad mode": torch.is_grad_enabled(),
+                      "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled()})
+    return state
+
+
 @contextmanager
 def left_as_found(*, whole: bool):
     """Fail (AssertionError) if the block leaves the process changed for the code after it.
     Triton decides at import whether its kernels run under the CPU interpreter, from
     ``TRITON_INTERPRET``: a test that leaves it (or Triton's flag) changed turns every later
     kernel test into an interpreter run. Checked: the ``TRITON_*`` and ``OSCAR_*`` variables and
-    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`)."""
-    before, flag = dict(os.environ), triton_interpret_flag()
+    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`); and
+    :func:`process_state` (torch's part once torch is imported)."""
+    before, flag, state = dict(os.environ), triton_interpret_flag(), process_state()
     yield
     after = dict(os.environ)
     keys = (set(before) | set(after)) - SET_BY_LIBRARIES
@@ -350,6 +365,9 @@ def left_as_found(*, whole: bool):
     changed = sorted(k for k in keys if before.get(k) != after.get(k))
     assert not changed, f"environment variables left changed for the code after this: {changed}"
     assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
+    now = process_state()
+    moved = {k: (v, now[k]) for k, v in state.items() if k in now and now[k] != v}
+    assert not moved, f"left changed for the code after this (before, after): {moved}"
 
 
 def quick_without_interpreter(main, out: Path, argv: list[str]) -> str:

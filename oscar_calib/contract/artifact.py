@@ -19,13 +19,14 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ArtifactError, OscarError, OscarWarning
 from ..fsutil import atomic_write_files
 from . import stfile
 from .checks import inspect_bytes, read_file
 from .digest import content_digest
+from .features import layer_span
 from .layout import (
     CARD_NAME,
     DIGEST_KEY,
@@ -41,7 +42,7 @@ from .layout import (
     dtype_name,
     tensor_name,
 )
-from .settings import ArtifactSettings, GroupPair, layer_span
+from .settings import ArtifactSettings, GroupPair
 from .values import model_source_problems, value_problems
 
 if TYPE_CHECKING:
@@ -333,3 +334,16 @@ def require_compatible(artifact: "Artifact | dict[str, str]", geometry, fingerpr
     if problems:
         where = getattr(artifact, "path", None) or "the artifact"
         raise ArtifactError(f"{where}: {problems[0]}")
+
+
+def checked_artifact(artifact: "Artifact | Path | str", identity: Callable[[], tuple], *,
+                     model_name: str = "this model") -> Artifact:
+    """``artifact`` (a path or an :class:`Artifact`) refused before anything is built from it when
+    it is invalid (:func:`valid_artifact`) or was calibrated for another model
+    (:func:`require_compatible`). ``identity()`` gives the model's ``(geometry, fingerprint)``
+    (fingerprint None: not checked, e.g.
+    :func:`~oscar_calib.model.geometry.model_identity`); it is asked only once the artifact is
+    valid, so an invalid artifact is refused before anything of the model is read."""
+    art = valid_artifact(artifact)
+    require_compatible(art, *identity(), model_name=model_name)
+    return art

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from .features import layer_span
 from .layout import CARD_PLOTS
-from .settings import layer_span
 
 
 def model_card(report: dict) -> str:

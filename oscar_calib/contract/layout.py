@@ -10,9 +10,15 @@ Layout of an artifact directory::
     <out>/README.md             model card
     <out>/calibration.json      per-layer report, timings, settings
     <out>/verify.json           what ``oscar verify`` measured, and on which content (optional)
+
+and of a zoo (a directory of artifacts): its ``index.json`` (:func:`is_zoo_index`), which
+``oscar zoo index`` writes and ``oscar validate`` checks and skips as no artifact.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 WEIGHTS_NAME = "oscar.safetensors"
 CARD_NAME = "README.md"
@@ -102,7 +108,23 @@ def dtype_name(t) -> str:
 # Optional metadata (toolkit 0.3): where the model came from, a JSON object (``model_id`` stays the
 # model's name): ``kind`` (alias | local | gguf | hub); ``alias`` (a pip-shipped model's name) or
 # ``path`` (the absolute directory or .gguf file a local model was read from); ``hub_id`` when
-# known. Tools load the model from it (``model.load.model_for_artifact``); the card shows it.
+# known. Tools load the model from it (``model.source.model_for_artifact``); the card shows it.
 MODEL_SOURCE_METADATA = "model_source"
 MODEL_SOURCE_KINDS = ("alias", "local", "gguf", "hub")
 MODEL_SOURCE_FIELDS = ("kind", "alias", "path", "hub_id")
+
+# A zoo's index of its artifacts (`oscar zoo index`, oscar_calib.tools.zoo), committed beside them.
+ZOO_INDEX_NAME = "index.json"
+ZOO_INDEX_FORMAT = "oscar-zoo-index"
+ZOO_INDEX_VERSION = 1
+
+
+def is_zoo_index(path: Path) -> bool:
+    """Whether ``path`` is a zoo's ``index.json`` (its ``format`` says so)."""
+    path = Path(path)
+    if path.name != ZOO_INDEX_NAME:
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == ZOO_INDEX_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -4,6 +4,10 @@ Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd``,
 ``quanto``; what the KV cache holds in each, and which group size and windows it uses, is in
 :mod:`.methods`.
 
+The package holds the measurements of an artifact on held-out data: this evaluation, and
+:mod:`.verify` (``oscar verify``: the INT2 kernels on held-out activations against a Hadamard
+baseline, the pass/fail gate recorded in ``verify.json``).
+
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
 Perplexity (``task="ppl"``) is teacher-forced on held-out text (the embedded corpus' ``heldout``
@@ -49,15 +53,9 @@ from .methods import (
     resolve_methods,
 )
 from .niah import evaluate_niah, make_niah, score_niah
+from .nll import cache_nll, quanto_sequence_nll, real_cache_nll, sequence_nll
 from .options import TASKS, EvalOptions, options_for
-from .ppl import (
-    cache_nll,
-    evaluate_ppl,
-    heldout_sequences,
-    quanto_sequence_nll,
-    real_cache_nll,
-    sequence_nll,
-)
+from .ppl import evaluate_ppl, heldout_sequences
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 
@@ -69,8 +67,8 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
     an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
     None: the defaults (perplexity). Used by ``oscar eval``."""
-    from ..calibrate.corpus import check_data_path
     from ..contract.artifact import load_artifact, require_compatible
+    from ..data.corpus import check_data_path
     from ..model.load import load_model
 
     opts = options_for(options)

@@ -27,7 +27,7 @@ path               what runs
 simulation         one forward pass per window through
 (default)          :class:`~oscar_calib.runtime.simulate.SimulatedKV` (prefill rows in full
                    precision, the scored rows per query position): any device, any method
-``--real-cache``   :class:`~oscar_calib.runtime.OscarCache` itself (:func:`~.ppl.real_cache_nll`):
+``--real-cache``   :class:`~oscar_calib.runtime.OscarCache` itself (:func:`~.nll.real_cache_nll`):
                    its prefill, then one decode step per scored prediction (the Triton write and
                    decode kernels on CUDA, their torch path elsewhere); for ``naive``,
                    ``hadamard`` and ``oscar``. ``bf16`` (nothing quantised) and the engines'
@@ -50,16 +50,15 @@ import torch
 
 from ..errors import DataError
 from ..progress import ProgressFn, counter
-from .methods import QUANTO_DEFAULTS, build_schemes
-from .options import EvalOptions, options_for
-from .ppl import (
+from .methods import (
+    QUANTO_DEFAULTS,
+    build_schemes,
     gap_closed,
     method_fields,
-    quanto_sequence_nll,
-    real_cache_nll,
     scheme_settings,
-    sequence_nll,
 )
+from .nll import quanto_sequence_nll, real_cache_nll, sequence_nll
+from .options import EvalOptions, options_for
 from .report import EvalResult
 
 PATHS = {"simulation": "simulation (SimulatedKV)", "real": "real cache (OscarCache)",
@@ -73,7 +72,7 @@ def context_windows(tokenizer, length: int, *, sequences: int = 2, data: str = "
     ``sequences`` of a ``seed``-driven permutation (at ``seq_len`` the windows
     :func:`~.ppl.heldout_sequences` gives). A text too short for them is one
     :class:`~oscar_calib.errors.DataError` line saying what fits."""
-    from ..calibrate.corpus import pick_windows, token_windows
+    from ..data.corpus import pick_windows, token_windows
 
     windows, stream, source = token_windows(tokenizer, length, data=data, corpus_split="heldout")
     full = [w for w in windows if len(w) == length]
@@ -103,7 +102,7 @@ def evaluate_context(lm, options: EvalOptions | None = None, *, artifact=None,
     length of ``options.contexts`` (none: the ``seq_len`` windows, every prediction), by the
     simulation or, with ``options.real_cache``, through the real cache (module docstring).
     ``progress`` hears one stage per length and method."""
-    from ..calibrate.corpus import EMBEDDED_SOURCES
+    from ..data.corpus import EMBEDDED_SOURCES
     from ..runtime.compat import layer_windows
     from ..runtime.storage import context_bits
 
@@ -177,7 +176,7 @@ def evaluate_context(lm, options: EvalOptions | None = None, *, artifact=None,
 
 def _relative(rows: list[dict]) -> None:
     """Per length: each row's perplexity over BF16's (``vs_bf16``) and the share of the Hadamard →
-    BF16 gap it closes (:func:`~.ppl.gap_closed`), where those methods ran."""
+    BF16 gap it closes (:func:`~.methods.gap_closed`), where those methods ran."""
     for n in {r.get("context") for r in rows}:
         same = [r for r in rows if r.get("context") == n]
         bf16 = next((r["ppl"] for r in same if r["method"] == "bf16"), None)

@@ -191,3 +191,39 @@ def quanto_cache(config):
     if all(t == "full_attention" for t in types):
         return QuantizedCache(backend="quanto", config=cfg, nbits=QUANTO_DEFAULTS["nbits"])
     return Cache(layers=[QuantoQuantizedLayer(nbits=QUANTO_DEFAULTS["nbits"]) for _ in types])
+
+
+def method_fields(method: str, sch: KVScheme | None, sink: int, recent: int) -> dict:
+    """A perplexity row's description of what ``method`` stored: bits per history element, group
+    size, per-layer sizes of a bit budget, the correction's gain, and windows other than ``sink`` /
+    ``recent`` (the fork methods take the artifact's)."""
+    row = {"bits_per_element": bits_of(method, sch),
+           "group_size": QUANTO_DEFAULTS["q_group_size"] if method == "quanto" else (sch.group_size if sch else None)}
+    if sch is not None and sch.quantized and not sch.uniform_groups:
+        row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]   # a bit budget
+    if sch is not None and sch.logit_correction:
+        row["logit_correction"] = sch.logit_correction
+    if sch is not None and (sch.sink, sch.recent) != (sink, recent):
+        row.update(sink=sch.sink, recent=sch.recent)
+    return row
+
+
+def gap_closed(rows: list[dict]) -> None:
+    """Set each row's share of the Hadamard → BF16 perplexity gap it closes
+    (``gap_closed_vs_hadamard``), where both ran (rows of one length)."""
+    by = {r["method"]: r["ppl"] for r in rows}
+    for r in rows:
+        if "bf16" in by and "hadamard" in by and by["hadamard"] != by["bf16"]:
+            r["gap_closed_vs_hadamard"] = (by["hadamard"] - r["ppl"]) / (by["hadamard"] - by["bf16"])
+
+
+def scheme_settings(schemes: dict, artifact) -> dict:
+    """What a perplexity result's settings say about the fork's and other engines' schemes."""
+    out = {}
+    fork = fork_settings(schemes, artifact)
+    if fork:
+        out["fork"] = fork
+    engines = engine_settings(schemes)
+    if engines:
+        out["engines"] = engines
+    return out

@@ -68,7 +68,7 @@ class NiahSample:
 _SENTENCES: dict = {}
 
 
-def _filler_text(haystack: str) -> str:
+def filler_text(haystack: str) -> str:
     """The text filler sentences come from: RULER's noise, generated prose (:mod:`.haystack`), or the
     embedded corpus' held-out half."""
     if haystack == "noise":
@@ -78,7 +78,7 @@ def _filler_text(haystack: str) -> str:
 
         return prose_text()
     if haystack == "corpus":
-        from ..calibrate.corpus import embedded_texts
+        from ..data.corpus import embedded_texts
 
         text = "\n".join(embedded_texts())
         return text[len(text) // 2:]
@@ -89,7 +89,7 @@ def _filler_sentences(tokenizer, haystack: str) -> tuple[list[str], list[int]]:
     """Sentences of the embedded corpus' held-out half (or RULER's noise), with token counts."""
     key = (id(tokenizer), haystack)
     if key not in _SENTENCES:
-        text = _filler_text(haystack)
+        text = filler_text(haystack)
         if haystack == "noise":
             sents = [s + "." for s in text.rstrip(".").split(". ")]
         else:
@@ -103,7 +103,7 @@ def haystack_fingerprint(haystack: str) -> str:
     """sha256 (first 16 hex digits) of the filler text: the ``corpus`` haystack is the running
     Python's ``pydoc_data`` topics, so two machines' prompts agree only when this does (``prose``
     is the same everywhere)."""
-    return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(filler_text(haystack).encode("utf-8")).hexdigest()[:16]
 
 
 def make_niah(tokenizer, length: int, depth: float, seed: int, *, haystack: str = "corpus") -> NiahSample:

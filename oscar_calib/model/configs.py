@@ -182,7 +182,7 @@ class GeometrySpec:
         """A random-init causal LM with this geometry at tiny width (float32, eval mode)."""
         import torch
 
-        from .load import model_class
+        from .registry import model_class
 
         torch.manual_seed(seed)
         config = self.to_hf_config(tiny=True)

@@ -76,7 +76,7 @@ class Family:
         """The random-init stand-in: float32, eval mode, no gradients."""
         import torch
 
-        from .load import model_class
+        from .registry import model_class
 
         config = self.config()
         torch.manual_seed(seed)
@@ -86,7 +86,7 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    # dense families registered before (their stand-ins make the support table; tests/test_models.py
+    # dense families registered before (their stand-ins make the support table; tests/model/test_models.py
     # checks their fingerprints against the registry-based rule)
     Family("llama", "meta-llama/Llama-3.1-8B", dict(BASE)),
     Family("mistral", "mistralai/Mistral-7B-v0.1", dict(BASE, sliding_window=16)),

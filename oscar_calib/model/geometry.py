@@ -311,13 +311,20 @@ def model_fingerprint(model) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def model_identity(model_or_config) -> tuple[Geometry, str | None]:
+    """``(geometry, fingerprint)`` of a model, what an artifact is checked against
+    (:func:`~oscar_calib.contract.artifact.checked_artifact`); given a config: no fingerprint."""
+    is_model = hasattr(model_or_config, "config")
+    return geometry_of(model_or_config), (model_fingerprint(model_or_config) if is_model else None)
+
+
 def config_fingerprint(config) -> str:
     """:func:`model_fingerprint` of the model ``config`` describes, built on the meta device (no weights
     are created or read): what an artifact records when only a ``config.json`` (or ``configs/``
     geometry) is at hand."""
     import torch
 
-    from .load import model_class
+    from .registry import model_class
 
     with torch.device("meta"):
         model = model_class(config).from_config(config)

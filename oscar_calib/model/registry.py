@@ -1,5 +1,6 @@
-"""Architecture knowledge as data: where each family keeps the projections that weight folding
-rewrites, and the families that do not fit with the reason.
+"""Architecture knowledge as data: which transformers class builds a family's model with its
+language-model head (:func:`model_class`), where each family keeps the projections that weight
+folding rewrites, and the families that do not fit with the reason.
 
 Calibration, verify, eval and the runtime cache need no entry here: they read post-RoPE Q/K/V
 through transformers' attention interface and find the attention modules by structure
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.settings import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
+from ..contract.features import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
 from ..errors import UnsupportedModelError
 
 
@@ -126,3 +127,21 @@ def arch_for(model_type: str, config=None) -> ArchSpec:
         raise UnsupportedModelError(f"{model_type}: with {spec.values_from_keys} its global layers take their values "
                                     f"from k_proj (no {spec.v_proj}), so folding R_v would rotate the keys too")
     return spec
+
+
+def model_class(config):
+    """The transformers auto class that builds the model of ``config`` (None: a GGUF file's) with its
+    language-model head:
+    ``AutoModelForCausalLM``, or for a multimodal wrapper that transformers maps only as image-text
+    to text (Mistral 3, Qwen2.5-VL, Qwen3-VL) ``AutoModelForImageTextToText``. oscar runs the
+    wrapper on text alone; its language model is what gets calibrated."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

@@ -29,13 +29,13 @@ against (same numbers within the tolerances stated in ``tests/runtime``).
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..contract.artifact import checked_artifact
 from ..errors import ArtifactError, CacheError, InputError
-from ..progress import ProgressFn, report
+from ..model.geometry import model_identity
 from .compat import (
     SUPPORTED_TRANSFORMERS,
     cache_slots,
@@ -45,7 +45,7 @@ from .compat import (
     with_state,
 )
 from .plan import LayerPlan
-from .scheme import KVScheme
+from .scheme import KVScheme, SchemeLayer
 from .storage import LayerStore, held_slots, write_step, write_tokens
 
 
@@ -89,14 +89,10 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, scheme_layer: tuple, *, groups: tuple[int, int], sink: int, recent: int, window_dtype,
-                 sliding_window: int | None, backend: str = "auto", logit_correction: float = 0.0,
-                 chunk: int | None = None, layer_id: int | None = None):
+    def __init__(self, scheme: SchemeLayer, *, sliding_window: int | None = None, chunk: int | None = None,
+                 backend: str = "auto", layer_id: int | None = None):
         super().__init__()
-        self.layer_id = layer_id     # the decoder layer (for messages)
-        self.scheme_layer, self.groups, self.sink, self.recent = scheme_layer, tuple(groups), sink, recent
-        self.logit_correction = logit_correction
-        self.window_dtype, self.backend = window_dtype, backend
+        self.scheme, self.layer_id, self.backend = scheme, layer_id, backend     # layer_id: the decoder layer
         self.sliding_window, self.chunk = sliding_window, chunk
         self.is_sliding = sliding_window is not None          # a window (sliding or chunked): a ring, no kernel
         self.attached = 0            # > 0 while an OscarAttention route serves this cache
@@ -113,11 +109,8 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
                 raise InputError(f"OscarCache(backend='triton'): layer {self.layer_id} has {why}; use backend='auto', "
                                  "which runs that layer on the torch path")
         self.dtype, self.device = key_states.dtype, key_states.device
-        plan = LayerPlan.build(self.scheme_layer, heads=h, d=d, group_size=self.groups[0],
-                               v_group_size=self.groups[1], sink=self.sink, recent=self.recent,
-                               sliding_window=self.sliding_window, window_dtype=self.window_dtype or key_states.dtype,
-                               device=self.device, backend=self.backend, logit_correction=self.logit_correction,
-                               chunk=self.chunk)
+        plan = LayerPlan.build(self.scheme, heads=h, d=d, device=self.device, dtype=key_states.dtype,
+                               sliding_window=self.sliding_window, chunk=self.chunk, backend=self.backend)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -184,20 +177,6 @@ def not_storable(scheme: KVScheme) -> str | None:
     return None
 
 
-def checked_artifact(artifact, model):
-    """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
-    cache is built, when it is invalid or was calibrated for another model
-    (:func:`~oscar_calib.contract.artifact.valid_artifact`, then
-    :func:`~oscar_calib.contract.artifact.require_compatible` with ``model``'s geometry and, given a
-    model rather than a config, its fingerprint)."""
-    from ..contract.artifact import require_compatible, valid_artifact
-    from ..model.geometry import geometry_of, model_fingerprint
-
-    art = valid_artifact(artifact)                 # before anything of the model is read
-    require_compatible(art, geometry_of(model), model_fingerprint(model) if hasattr(model, "config") else None)
-    return art
-
-
 class OscarCache(Cache):
     """The real OSCAR cache (see the module docstring): BF16 sink and recent window, packed INT2
     history appended by the write kernel, decode attention by the INT2 kernel. Build it with
@@ -221,9 +200,7 @@ class OscarCache(Cache):
                 layers.append(state_layer(slot.state))
                 continue
             cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
-            layers.append(cls(scheme.layer(j), groups=scheme.groups(j), sink=scheme.sink, recent=scheme.recent,
-                              window_dtype=scheme.window_dtype, sliding_window=slot.window, backend=backend,
-                              logit_correction=scheme.logit_correction, chunk=slot.chunk,
+            layers.append(cls(scheme.layer(j), sliding_window=slot.window, chunk=slot.chunk, backend=backend,
                               layer_id=len(layers), **extra))
             j += 1
         super().__init__(layers=layers)
@@ -247,9 +224,10 @@ class OscarCache(Cache):
                       logit_correction: float | None = None) -> "OscarCache":
         """A cache for ``model`` (or its config: then the fingerprint is not checked) with an artifact
         (directory, ``oscar.safetensors`` or :class:`~oscar_calib.contract.artifact.Artifact`), refused
-        first if invalid or made for another model (:func:`checked_artifact`); ``logit_correction``:
+        first if invalid or made for another model
+        (:func:`~oscar_calib.contract.artifact.checked_artifact`); ``logit_correction``:
         another gain than the artifact's."""
-        art = checked_artifact(artifact, model)
+        art = checked_artifact(artifact, lambda: model_identity(model))
         scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
                                         logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme, backend=backend)
@@ -259,54 +237,6 @@ class OscarCache(Cache):
         from .attention import OscarAttention
 
         return OscarAttention(model, self)
-
-    def generate(self, model, input_ids: torch.Tensor, *, fast: bool | str = "auto", compile: bool = False,
-                 progress: ProgressFn | None = None, **generate_kwargs):
-        """``model.generate(input_ids, past_key_values=self, **generate_kwargs)`` with the cache
-        attached, on the fastest path that applies: on one GPU every new token replays a CUDA graph
-        (:func:`~oscar_calib.runtime.graph.graph_decoding`; ~6x the tokens/s of eager steps on
-        an 8B model), elsewhere eager steps.
-
-        ``fast``: ``"auto"`` takes the graph where it applies and eager steps otherwise (a CPU model,
-        one spread over several GPUs or offloaded, beam search, attentions or hidden states in the
-        output); ``True`` refuses with one line where the graph does not apply; ``False`` always
-        runs eager steps. ``compile=True`` records the graph through ``torch.compile`` (about 30%
-        more tokens/s at 1 x 16K-128K on an H100, for 25-40 s of compiling at the first call of
-        each batch size): worth it for long generations; it needs the graph.
-
-        ``progress`` (:mod:`oscar_calib.progress`; :func:`oscar_calib.display.show_progress` draws
-        it) hears a ``prefill`` stage, then ``decode`` with one report per new token (counted
-        against ``max_new_tokens`` when given), from a logits processor: nothing is read back from
-        the device for it.
-
-        >>> cache = OscarCache.from_artifact("zoo/smollm2-135m", model)
-        >>> out = cache.generate(model, ids, max_new_tokens=256)          # graph on a GPU, eager on a CPU
-        """
-        from .graph import graph_decoding, graph_refusal
-
-        if fast not in ("auto", True, False):
-            raise InputError(f"OscarCache.generate: fast must be 'auto', True or False, not {fast!r}")
-        why = (graph_refusal(model, **generate_kwargs) or self.recurrent) if fast is not False else "fast=False"
-        if why and fast is True:
-            raise InputError(f"OscarCache.generate(fast=True): no graph decoding here: {why} "
-                             "(fast='auto' falls back to eager steps)")
-        if compile and why:
-            raise InputError(f"OscarCache.generate(compile=True) compiles the graph step, which does not apply: {why}")
-        if not why:
-            generate_kwargs["custom_generate"] = (functools.partial(graph_decoding, compile=True) if compile
-                                                  else graph_decoding)
-        if progress is not None:
-            from transformers import LogitsProcessorList
-
-            counter = _TokenProgress(progress, input_ids.shape[-1], generate_kwargs.get("max_new_tokens"))
-            theirs = generate_kwargs.get("logits_processor") or ()
-            generate_kwargs["logits_processor"] = LogitsProcessorList([*theirs, counter])
-            report(progress, f"prefill: {input_ids.shape[-1]} tokens", 0, None)
-        with attached(self, model):
-            out = model.generate(input_ids, past_key_values=self, **generate_kwargs)
-        if progress is not None:
-            counter.finish()
-        return out
 
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""
@@ -351,28 +281,10 @@ class OscarCache(Cache):
                 "history_bits_per_element": self.scheme.bits_per_element}
 
 
-class _TokenProgress:
-    """A logits processor that reports decoding progress and leaves the scores as they are: it is
-    called once per new token, before that token is chosen, with the sequences so far."""
-
-    def __init__(self, progress: ProgressFn, prompt: int, total: int | None):
-        self.progress, self.prompt, self.total, self.done = progress, prompt, total, 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.done = input_ids.shape[-1] - self.prompt
-        report(self.progress, "decode", self.done, self.total, "tokens")
-        return scores
-
-    def finish(self) -> None:
-        """The stage ends with the last token (sooner than ``total`` when generation stopped)."""
-        n = self.done + 1
-        report(self.progress, "decode", n, n, "tokens")
-
-
 def attached(cache, model):
     """``cache.attach(model)`` for an :class:`OscarCache`, a no-op context for any other cache."""
     return cache.attach(model) if isinstance(cache, OscarCache) else contextlib.nullcontext()
 
 
-__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact",
+__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers",
            "not_storable"]

@@ -72,7 +72,7 @@ class DecodeGraph:
             raise InputError(f"DecodeGraph needs a CUDA model on one GPU (CUDA graphs); its parameters are on {where}")
         if cache.recurrent:
             raise InputError(f"DecodeGraph records the KV cache's attention only; {cache.recurrent}: decode it "
-                             "with eager steps (OscarCache.generate does)")
+                             "with eager steps (runtime.generate does)")
         layers = cache.layers
         if not layers or any(layer.store is None for layer in layers):
             raise CacheError("DecodeGraph needs a prefilled cache: run the prompt through the model first")

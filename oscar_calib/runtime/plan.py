@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from ..contract.defaults import group_pair
+from ..errors import InputError
 from ..kernels import QuantizedKV, quantize_kv
 from ..kernels.append import rotate_kv
+from .scheme import SchemeLayer
 
 
 @dataclass
@@ -50,13 +52,14 @@ class LayerPlan:
         return self.group_size != self.v_group_size
 
     @classmethod
-    def build(cls, layer: tuple, *, heads: int, d: int, group_size: int, sink: int, recent: int,
-              sliding_window: int | None, window_dtype: torch.dtype, device, backend: str = "auto",
-              v_group_size: int | None = None, logit_correction: float = 0.0,
-              chunk: int | None = None) -> "LayerPlan":
-        """From a :meth:`KVScheme.layer` tuple ``(k_rotation, k_clip, v_rotation, v_clip)``; keys in
-        groups of ``group_size``, values of ``v_group_size`` (default the same)."""
-        rk, ck, rv, cv = (None if t is None else t.to(device, torch.float32).contiguous() for t in layer)
+    def build(cls, layer: SchemeLayer, *, heads: int, d: int, device, dtype: torch.dtype,
+              sliding_window: int | None = None, chunk: int | None = None, backend: str = "auto") -> "LayerPlan":
+        """From one quantised layer of a scheme (:meth:`~.scheme.KVScheme.layer`) for ``heads`` KV
+        heads of ``d`` on ``device``; ``dtype``: the model's, the window's where the scheme keeps the
+        model's dtype."""
+        if layer.groups is None:
+            raise InputError("a LayerPlan stores an INT2 history: the scheme's layer quantises nothing")
+        rk, ck, rv, cv = layer.on(device)
         rot2 = clip2 = None
         if rk is not None or rv is not None:
             eye = torch.eye(d, device=device).expand(heads, d, d)
@@ -64,8 +67,8 @@ class LayerPlan:
         if ck is not None or cv is not None:
             one = torch.ones(heads, device=device)
             clip2 = torch.cat([one if ck is None else ck.reshape(heads), one if cv is None else cv.reshape(heads)])
-        return cls(rk, rv, rot2, clip2, group_size, sink, recent, sliding_window, window_dtype, backend,
-                   v_group_size, logit_correction, chunk)
+        return cls(rk, rv, rot2, clip2, layer.groups[0], layer.sink, layer.recent, sliding_window,
+                   layer.window_dtype or dtype, backend, layer.groups[1], layer.logit_correction, chunk)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R`` per head."""

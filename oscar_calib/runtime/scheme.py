@@ -28,6 +28,34 @@ QUANTIZERS = ("oscar", "fork", "fork-lloyd", "vllm", "llamacpp")
 ENGINE_QUANTIZERS = ("vllm", "llamacpp")
 
 
+@dataclass(frozen=True)
+class SchemeLayer:
+    """One layer of a :class:`KVScheme` (:meth:`KVScheme.layer`): everything a cache layer stores
+    K/V by, passed whole to :class:`~oscar_calib.runtime.cache.OscarLayer` and its
+    :class:`~oscar_calib.runtime.plan.LayerPlan`, to
+    :class:`~oscar_calib.runtime.simulated.SimulatedLayer` and to the simulations of
+    :mod:`oscar_calib.runtime.simulate`. A missing rotation is the identity, a missing clip none."""
+
+    k_rotation: torch.Tensor | None = None     # [H, d, d]: keys stored as k @ R_k, queries rotated alike
+    k_clip: torch.Tensor | None = None         # [H]: the keys' clip ratios
+    v_rotation: torch.Tensor | None = None     # [H, d, d]
+    v_clip: torch.Tensor | None = None         # [H]
+    groups: tuple[int, int] | None = None      # the keys' and the values' INT2 group sizes (None: not quantised)
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    window_dtype: torch.dtype | None = torch.bfloat16      # None: the model's dtype
+    logit_correction: float = 0.0
+
+    @property
+    def rotations(self) -> tuple:
+        """``(k_rotation, k_clip, v_rotation, v_clip)`` as stored."""
+        return self.k_rotation, self.k_clip, self.v_rotation, self.v_clip
+
+    def on(self, device) -> tuple:
+        """:attr:`rotations` in float32 on ``device`` (None stays None)."""
+        return tuple(None if t is None else t.to(device, torch.float32).contiguous() for t in self.rotations)
+
+
 @dataclass
 class KVScheme:
     """How one method stores K/V: per-layer rotations and clips, INT2 group size, sink, window.
@@ -51,7 +79,7 @@ class KVScheme:
     history is not quantised at all (vLLM keeps its first and last two in the model's dtype).
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
-    budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
+    budget spent unevenly, :mod:`oscar_calib.calibration.budget`); empty = ``group_size`` everywhere.
     ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``). Every
     cache and simulation reads any split (the kernels take a K and a V size per layer).
 
@@ -164,8 +192,11 @@ class KVScheme:
             raise InputError(f"{self.name}: {cache} stores oscar's uniform INT2; the {self.quantizer!r} quantiser "
                              "exists only in the perplexity simulation (SimulatedKV)")
 
-    def layer(self, i: int) -> tuple:
-        return self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i]
+    def layer(self, i: int) -> SchemeLayer:
+        """Layer ``i``, whole: its rotations and clips, group sizes, windows and correction."""
+        return SchemeLayer(self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i],
+                           groups=self.groups(i) if self.quantized else None, sink=self.sink, recent=self.recent,
+                           window_dtype=self.window_dtype, logit_correction=self.logit_correction)
 
     def reads_window(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         """Whether the query at position ``qpos`` reads the key at ``kpos`` from the 16-bit window
@@ -296,7 +327,7 @@ class KVScheme:
             raise ArtifactError(why.replace("for the fork", f"for {engine}"))
         k_clip, v_clip = clips or art.shared_clips()
         if art.settings.mixed_heads:
-            from ..contract.settings import FEATURES
+            from ..contract.features import FEATURES
 
             raise InputError(FEATURES["layer_head_dims"].dropped(art.settings, engine))
         h, n, d = art.num_kv_heads, art.num_layers, art.head_dim

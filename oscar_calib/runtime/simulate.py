@@ -213,7 +213,7 @@ def key_scales(sch: KVScheme, layer: int, k) -> torch.Tensor:
     (rounded to the window dtype first, as the cache quantises it)."""
     from ..kernels import quantize_kv
 
-    rk, ck = (None if x is None else x.to(k.device, torch.float32) for x in sch.layer(layer)[:2])
+    rk, ck = sch.layer(layer).on(k.device)[:2]
     k_in = k.to(sch.window_dtype) if sch.window_dtype is not None else k
     return quantize_kv(k_in.transpose(1, 2), rk, ck, sch.groups(layer)[0]).scale.permute(0, 2, 1, 3)
 
@@ -224,7 +224,7 @@ def logit_noise_of(sch: KVScheme, layer: int, q, scales: torch.Tensor, scaling: 
     the query in the keys' rotated basis."""
     from ..numerics.quant import logit_noise
 
-    rk = sch.layer(layer)[0]
+    rk = sch.layer(layer).k_rotation
     grp = q.shape[1] // scales.shape[1]
     qr = q.float() if rk is None else torch.einsum("bhtd,hde->bhte", q.float(),
                                                    rk.to(q.device, torch.float32).repeat_interleave(grp, 0))
@@ -271,7 +271,7 @@ def oscar_rows(sch: KVScheme, layer: int, q, k, v, store=kernel_store):
     wd = sch.window_dtype
     k_in = k.to(wd) if wd is not None else k
     v_in = v.to(wd) if wd is not None else v
-    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    rk, ck, rv, cv = sch.layer(layer).on(q.device)
     k_lo = v_lo = None
     if sch.quantized:
         gk, gv = sch.groups(layer)
@@ -319,7 +319,7 @@ def fork_rows(sch: KVScheme, layer: int, q, k, v):
 
     hp = sch.window_dtype
     grp = q.shape[1] // k.shape[1]
-    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    rk, ck, rv, cv = sch.layer(layer).on(q.device)
 
     def rotate(x, r):                      # x [B, H, S, d], r [H, d, d] or None
         xb = _round(x, hp)
@@ -355,7 +355,7 @@ def vllm_rows(sch: KVScheme, layer: int, q, k, v):
     if not sch.quantizes(layer):              # a native layer: vLLM's own attention, K/V in the model's dtype
         return q.float(), _round(k, wd), _round(v, wd), None, None, None
     grp = q.shape[1] // k.shape[1]
-    rk, ck, rv, cv = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    rk, ck, rv, cv = sch.layer(layer).on(q.device)
 
     def rotate(x, r):
         return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
@@ -383,7 +383,7 @@ def llamacpp_rows(sch: KVScheme, layer: int, q, k, v):
 
     b, hkv, s, d = k.shape
     grp = q.shape[1] // hkv
-    rk, ck, rv, _ = (None if x is None else x.to(q.device, torch.float32) for x in sch.layer(layer))
+    rk, ck, rv, _ = sch.layer(layer).on(q.device)
 
     def rotate(x, r):
         return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)

@@ -33,9 +33,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..contract.artifact import checked_artifact
 from ..errors import ArtifactError, CacheError, InputError
+from ..model.geometry import model_identity
 from .compat import cache_slots, check_transformers, state_layer, with_state
-from .scheme import KVScheme
+from .scheme import KVScheme, SchemeLayer
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
@@ -85,11 +87,11 @@ class _Int2Rows:
 class _Segments:
     """Sink, history and recent segments of one simulated layer (see the module docstring)."""
 
-    def __init__(self, rotations: tuple, groups: tuple[int, int] | None, sink: int, recent: int):
-        self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = rotations
-        self.groups, self.sink, self.recent = groups, sink, recent
+    def __init__(self, layer: SchemeLayer, device):
+        self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = layer.on(device)
+        self.groups, self.sink, self.recent = layer.groups, layer.sink, layer.recent
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None       # [B, H, n, d]
-        self.hist = _Int2Rows() if groups is not None else None
+        self.hist = _Int2Rows() if self.groups is not None else None
         self.hist_k = self.hist_v = None        # history kept as it is when quantisation is off
 
     def n_hist(self) -> int:
@@ -174,23 +176,18 @@ class SimulatedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, *, k_rotation=None, k_clip=None, v_rotation=None, v_clip=None,
-                 groups: tuple[int, int] | None = None, sink: int = 64, recent: int = 256,
-                 window_dtype=torch.bfloat16, sliding_window: int | None = None):
-        """``groups``: the keys' and the values' INT2 group sizes (None: nothing quantised)."""
+    def __init__(self, scheme: SchemeLayer, *, sliding_window: int | None = None):
         super().__init__()
-        self._args = ((k_rotation, k_clip, v_rotation, v_clip), None if groups is None else tuple(groups), int(sink),
-                      int(recent))
-        self.window_dtype = window_dtype
+        self.scheme = scheme
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.is_sliding = self.sliding_window is not None
         self.reset()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store_dtype = self.window_dtype or key_states.dtype
-        rots = tuple(None if t is None else t.to(self.device, torch.float32) for t in self._args[0])
-        self.seg = _Segments(rots, *self._args[1:])
+        s = self.scheme
+        self.store_dtype = s.window_dtype or key_states.dtype
+        self.seg = _Segments(s, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -271,12 +268,8 @@ class SimulatedCache(Cache):
             if not slot.attention:
                 layers.append(state_layer(slot.state))
                 continue
-            rk, ck, rv, cv = scheme.layer(j)
             cls, extra = (SimulatedLayer, {}) if slot.state is None else (with_state(SimulatedLayer), slot.state)
-            layers.append(cls(k_rotation=rk, k_clip=ck, v_rotation=rv, v_clip=cv,
-                              groups=scheme.groups(j) if scheme.quantized else None, sink=scheme.sink,
-                              recent=scheme.recent, window_dtype=scheme.window_dtype, sliding_window=slot.window,
-                              **extra))
+            layers.append(cls(scheme.layer(j), sliding_window=slot.window, **extra))
             j += 1
         super().__init__(layers=layers)
 
@@ -287,9 +280,7 @@ class SimulatedCache(Cache):
         """The artifact's rotations and clips (the same checks as :meth:`OscarCache.from_artifact`).
         An artifact with a logit-noise correction is refused unless ``logit_correction=0`` asks for
         its cache without it (this simulation cannot subtract it)."""
-        from .cache import checked_artifact
-
-        art = checked_artifact(artifact, model)
+        art = checked_artifact(artifact, lambda: model_identity(model))
         scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
                                         logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme)

@@ -185,7 +185,8 @@ def _target(cfg, model: str | None, trust_remote_code: bool):
                                               "config: pull with --model to match a checkpoint")
     from transformers import AutoConfig
 
-    from ..model.load import ALIASES, load_model, resolve_model
+    from ..model.load import load_model
+    from ..model.source import ALIASES, resolve_model
 
     if model in ALIASES or resolve_model(model).gguf_file:
         return ModelTarget.from_loaded(load_model(model, device="cpu"))

@@ -23,7 +23,7 @@ one per export target :func:`~oscar_calib.tools.export.serving_table` on an arti
 
 and every family the registry refuses (:data:`~oscar_calib.model.registry.UNSUPPORTED`) gets a row
 with its reason. :func:`render` writes the Markdown that ``docs/reference/models.md`` holds between
-its markers; ``tests/test_support_table.py`` checks that the page is what :func:`render` gives, so
+its markers; ``tests/tools/test_support_table.py`` checks that the page is what :func:`render` gives, so
 the table cannot drift from the code. ``python scripts/dev/support_table.py`` rewrites the page.
 """
 

@@ -59,11 +59,16 @@ from pathlib import Path
 from ..contract import stfile
 from ..contract.artifact import compatibility_problems
 from ..contract.checks import ValidationReport, inspect_bytes, read_file
-from ..contract.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
+from ..contract.layout import (
+    CARD_NAME,
+    DIGEST_KEY,
+    REPORT_NAME,
+    WEIGHTS_NAME,
+    is_zoo_index,
+)
 from ..contract.verification import verification_of
 from ..errors import ArtifactError
 from ..fsutil import atomic_write_bytes, atomic_write_files
-from .zoo import is_zoo_index
 
 
 @dataclass

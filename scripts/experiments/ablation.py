@@ -11,8 +11,8 @@
 
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
-every variant re-runs only the rotation and clip step (``pipeline.build_rotations``) with its
-options changed, and is scored by ``oscar eval``'s perplexity (``eval.ppl.sequence_nll``: 2 × 2048
+every variant re-runs only the rotation and clip step (``calibration.fit.build_rotations``) with its
+options changed, and is scored by ``oscar eval``'s perplexity (``eval.nll.sequence_nll``: 2 × 2048
 held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history) on every text of
 ``--texts``: by default the embedded corpus' held-out half (``embedded``, CPython's documentation
 topics) and the embedded code corpus' held-out half (``embedded-code``, stdlib source: a second
@@ -52,7 +52,7 @@ variant            options
 ``k/2``, ``v/2``    keys (values) in half the default group size, the other cache unchanged
 ``global/2``,      the full-attention layers' groups halved (quartered), sliding-window layers
 ``global/4``       unchanged; ``sliding/2`` the reverse
-``budget``         per-layer group sizes (K = V) chosen by ``calibrate.budget`` on the held-out
+``budget``         per-layer group sizes (K = V) chosen by ``calibration.budget`` on the held-out
                    tables within 2.5 bits, mean and long-context bounds (``--bit-budget 2.5``)
 ``budget-split``   the same with K and V sizes chosen apart (simulation only)
 ``budget-mean``,   the same bounded by the mean over layers only (over budget at long contexts
@@ -153,10 +153,10 @@ def stats_run(lm, cfg, cache: Path):
     accumulators do not depend on it)."""
     import torch
 
-    from oscar_calib.calibrate.corpus import plan_tokens
-    from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
-    from oscar_calib.calibrate.stats import LayerStats, Reservoir
+    from oscar_calib.calibration.collect import StatsRun, collect_statistics
+    from oscar_calib.calibration.stats import LayerStats, Reservoir
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
                        seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
@@ -225,7 +225,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.pipeline import prepare_model
+    from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.contract.defaults import default_group_size
     from oscar_calib.eval import EvalOptions, heldout_sequences
@@ -405,7 +405,7 @@ def variant_scheme(name, run, base, geo, g, opts):
     and the row's extra fields."""
     import dataclasses
 
-    from oscar_calib.calibrate.pipeline import build_rotations
+    from oscar_calib.calibration.fit import build_rotations
     from oscar_calib.contract.artifact import Artifact
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.runtime.scheme import KVScheme
@@ -476,7 +476,7 @@ def full_layers(run) -> list[int]:
 
 
 def long_bits(scheme, run) -> float:
-    """Bits per element at long contexts: the full-attention layers' mean (``calibrate.budget``)."""
+    """Bits per element at long contexts: the full-attention layers' mean (``calibration.budget``)."""
     longs = full_layers(run) or list(range(scheme.num_layers))
     return sum(scheme.layer_bits(i) for i in longs) / len(longs)
 
@@ -484,8 +484,8 @@ def long_bits(scheme, run) -> float:
 def variant_groups(spec, run, layers, cfg, geo, g0):
     """Per layer ``(G_K, G_V)`` of a bit-budget variant (None for the others) and, for the greedy
     ones, what the allocation saw."""
-    from oscar_calib.calibrate.budget import allocate, budget_tables, candidate_sizes
-    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.calibration.budget import allocate, budget_tables, candidate_sizes
+    from oscar_calib.calibration.fit import heldout_layer
 
     if spec is None:
         return None, None
@@ -517,7 +517,7 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
     layers and KV heads."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.calibration.fit import heldout_layer
     from oscar_calib.experimental.codebook import (
         CodebookScheme,
         fake_quant_codebook,

@@ -112,7 +112,7 @@ class LeverKV(SimulatedKV):
     def _int2(self, layer: int, which: str, x: torch.Tensor):
         """``x [B, H, S, d]`` -> (dequantised rows in the model's basis [B, H, S, d], scales [B, S, H, NG])."""
         sch = self.scheme
-        rk, ck, rv, cv = (None if t is None else t.to(x.device, torch.float32) for t in sch.layer(layer))
+        rk, ck, rv, cv = sch.layer(layer).on(x.device)
         r, c = (rk, ck) if which == "k" else (rv, cv)
         g = sch.groups(layer)[0 if which == "k" else 1]
         y = x.float().transpose(1, 2)                                           # [B, S, H, d]
@@ -140,7 +140,7 @@ class LeverKV(SimulatedKV):
         v_lo, _ = self._int2(layer, "v", v_in)
         kpos = torch.arange(s, device=q.device).unsqueeze(0)
         hi = sch.reads_window(qpos, kpos) | (qpos < self.prefill)     # prefill rows: the window half, every key
-        rk, _, rv, _ = sch.layer(layer)
+        rk, _, rv, _ = sch.layer(layer).rotations
         keys = torch.cat([k_lo, window_rows(k, rk, wd or k.dtype)], 2).repeat_interleave(grp, 1)
         values = torch.cat([v_lo, window_rows(v, rv, wd or v.dtype)], 2).repeat_interleave(grp, 1)
         allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)
@@ -149,7 +149,7 @@ class LeverKV(SimulatedKV):
         if softcap:
             sc = torch.tanh(sc / softcap) * softcap
         if sch.logit_correction:
-            rk = sch.layer(layer)[0]
+            rk = sch.layer(layer).k_rotation
             qr = qf if rk is None else torch.einsum("bhtd,hde->bhte", qf,
                                                     rk.to(q.device, torch.float32).repeat_interleave(grp, 0))
             scales = k_scales.permute(0, 2, 1, 3).repeat_interleave(grp, 1)             # [B, Hq, S, NG]
@@ -176,7 +176,8 @@ def self_check(scheme: KVScheme, head_dim: int, seed: int = 0) -> float:
     """Largest difference between :class:`LeverKV` with every lever off and ``SimulatedKV`` on random
     rows of layer 0 (the lever simulation's own test)."""
     g = torch.Generator().manual_seed(seed)
-    heads = scheme.layer(0)[0].shape[0] if scheme.layer(0)[0] is not None else 1
+    rk = scheme.layer(0).k_rotation
+    heads = rk.shape[0] if rk is not None else 1
     q = torch.randn(1, 2 * heads, 400, head_dim, generator=g)
     k = torch.randn(1, heads, 400, head_dim, generator=g) * 3
     v = torch.randn(1, heads, 400, head_dim, generator=g)

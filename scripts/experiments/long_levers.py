@@ -107,7 +107,8 @@ def _pairs(items: list[str], option: str) -> dict[str, str]:
 def load(alias: str, path: str | None, tokenizer: str | None, device: str, dtype: str):
     """The model (its alias, or ``path`` recorded under the alias' model id) with its tokenizer, or
     the one saved in ``tokenizer`` (checked as every tool checks one)."""
-    from oscar_calib.model.load import ALIASES, check_tokenizer, load_model
+    from oscar_calib.model.load import check_tokenizer, load_model
+    from oscar_calib.model.source import ALIASES
 
     tok = None
     if tokenizer:
@@ -162,7 +163,7 @@ def v_window(m: Model, args, name: str):
 
 def v_long_cal(m: Model, args, name: str):
     """The zoo's recipe calibrated on long sequences (module docstring)."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib import calibrate
     from oscar_calib.contract.config import from_mapping, load_yaml_section
     from oscar_calib.runtime import KVScheme
 

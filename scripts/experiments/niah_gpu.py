@@ -63,7 +63,8 @@ def load(alias: str, gguf: str | None, device: str, dtype: str):
     model id, so the result belongs to the same model as the artifact)."""
     import dataclasses
 
-    from oscar_calib.model.load import ALIASES, load_model
+    from oscar_calib.model.load import load_model
+    from oscar_calib.model.source import ALIASES
 
     if gguf is None:
         return load_model(alias, device=device, dtype=dtype)
@@ -241,9 +242,9 @@ def run(args) -> None:
 
 def _text_sha256(haystack: str) -> str:
     """Full sha256 of the filler text the prompts were cut from."""
-    from oscar_calib.eval.niah import _filler_text
+    from oscar_calib.eval.niah import filler_text
 
-    return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()
+    return hashlib.sha256(filler_text(haystack).encode("utf-8")).hexdigest()
 
 
 def record(paths: list[str], artifact: str, force: bool, baselines: str | None = None) -> None:

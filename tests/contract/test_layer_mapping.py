@@ -16,12 +16,13 @@ from oscar_calib.contract.artifact import (
     load_artifact,
     require_compatible,
 )
+from oscar_calib.contract.features import FEATURES, feature_lines
 from oscar_calib.contract.layout import (
     LAYER_HEAD_DIMS_METADATA,
     LAYER_IDS_METADATA,
     LAYER_KV_HEADS_METADATA,
 )
-from oscar_calib.contract.settings import FEATURES, ArtifactSettings, feature_lines
+from oscar_calib.contract.settings import ArtifactSettings
 from oscar_calib.errors import ArtifactError
 from oscar_calib.model.geometry import geometry_of, model_fingerprint
 from oscar_calib.tools.validate import validate_artifact

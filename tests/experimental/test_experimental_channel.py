@@ -64,7 +64,7 @@ def test_simulation_reads_channel_blocks_as_the_explicit_data_path():
     base = _base()
     sch = ChannelScheme.of(base, block=8)
     got = SimulatedKV(None, sch).attend(0, q, k, v, None, 0.25, None, None)
-    rk, _, rv, cv = sch.layer(0)
+    rk, _, rv, cv = sch.layer(0).rotations
     kb, vb = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
     kr = torch.einsum("bhsd,hde->bshe", kb, rk)
     kq = torch.einsum("bshe,hde->bhsd", _block_ref(kr, 3, 8), rk)          # per channel, no row clip

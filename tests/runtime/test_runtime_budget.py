@@ -33,7 +33,7 @@ def _reference(q, k, v, sch, layer, scaling):
     rotated and rounded to BF16 again, read rotated back), else K/V rotated, clipped, quantised in
     groups of the layer's own K and V sizes, rotated back."""
     bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
-    rk, ck, rv, cv = sch.layer(layer)
+    rk, ck, rv, cv = sch.layer(layer).rotations
     gk, gv = sch.groups(layer)
     hq, t = q.shape[1], q.shape[2]
     grp = hq // k.shape[1]

@@ -206,7 +206,7 @@ def test_smollm2_zoo_artifact_generates_like_the_simulation(smollm2, zoo_smollm2
     long enough for an INT2 history."""
     model, tok, _ = smollm2
     art = zoo_smollm2
-    from oscar_calib.calibrate.corpus import embedded_texts
+    from oscar_calib.data.corpus import embedded_texts
 
     ids = tok(embedded_texts()[3][:2400], return_tensors="pt").input_ids[:, :400]
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)

@@ -1,5 +1,5 @@
 """The real cache on every model family's tiny stand-in (``oscar_calib.model.families``), at both
-ends of the transformers range (``make test-low`` runs this file at 5.17): ``OscarCache.generate``
+ends of the transformers range (``make test-low`` runs this file at 5.17): ``oscar_calib.runtime.generate``
 gives the tokens and scores of the simulation (``SimulatedCache``) with an INT2 history, or the
 chunked-attention layers (Llama 4) read their own chunk, and a padded batch is refused there in
 one line. gpt-oss's attention sinks through the Triton decode kernel (the CPU interpreter here)
@@ -13,7 +13,7 @@ from factories import build_artifact, family_model, share_sinks
 
 from oscar_calib.errors import CacheError
 from oscar_calib.model.families import FAMILIES
-from oscar_calib.runtime import OscarCache, SimulatedCache
+from oscar_calib.runtime import OscarCache, SimulatedCache, generate
 from oscar_calib.runtime.attention import kernel_decodes
 
 ON_GPU = torch.cuda.is_available()
@@ -28,7 +28,7 @@ def test_family_cache_generates_like_the_simulation(name):
     ids = torch.randint(1, 120, (1, 20), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     real_cache = OscarCache.from_artifact(art, model, window_dtype=None, **WINDOWS)
-    real = real_cache.generate(model, ids, **kw)
+    real = generate(model, ids, real_cache, **kw)
     sim = model.generate(ids, past_key_values=SimulatedCache.from_artifact(art, model, window_dtype=None, **WINDOWS),
                          **kw)
     # every token but the last generated one is cached, past the BF16 windows: an INT2 history was read
@@ -65,7 +65,7 @@ def test_chunked_attention_reads_the_query_chunk_and_refuses_padding():
     art = build_artifact(model, seed=3)
     ids = torch.randint(1, 120, (1, 30), generator=torch.Generator().manual_seed(6))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
-    real = OscarCache.from_artifact(art, model, window_dtype=None, **WINDOWS).generate(model, ids, **kw)
+    real = generate(model, ids, OscarCache.from_artifact(art, model, window_dtype=None, **WINDOWS), **kw)
     sim = model.generate(ids, past_key_values=SimulatedCache.from_artifact(art, model, window_dtype=None, **WINDOWS),
                          **kw)
     assert torch.equal(real.sequences, sim.sequences)
@@ -73,8 +73,8 @@ def test_chunked_attention_reads_the_query_chunk_and_refuses_padding():
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, :3] = 0
     with pytest.raises(CacheError, match="padded batch with chunked-attention layers"):
-        OscarCache.from_artifact(art, model, **WINDOWS).generate(model, ids[:, :20].repeat(2, 1), attention_mask=mask,
-                                                                 max_new_tokens=2, pad_token_id=0)
+        generate(model, ids[:, :20].repeat(2, 1), OscarCache.from_artifact(art, model, **WINDOWS), attention_mask=mask,
+                 max_new_tokens=2, pad_token_id=0)
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_a_hybrids_recurrent_layers_stay_transformers_own():
             == kinds
         assert cache.recurrent and "keep a recurrent state" in cache.recurrent
         with pytest.raises(InputError, match="no graph decoding here"):
-            cache.generate(model, ids, fast=True, max_new_tokens=2)
+            generate(model, ids, cache, fast=True, max_new_tokens=2)
         exact = SimulatedCache(model.config, KVScheme.full_precision(len(cache.oscar_layers), window_dtype=None,
                                                                      **WINDOWS))
         sim, plain = model.generate(ids, past_key_values=exact, **kw), model.generate(ids, **kw)

@@ -32,8 +32,8 @@ from oscar_calib.tools.export.llamacpp import (
     rot_name,
     to_gguf,
 )
-from oscar_calib.tools.export.sglang import fork_load_problems, payload
-from oscar_calib.tools.export.sglang.fileformat import save_bytes
+from oscar_calib.tools.export.ptfile import payload, save_bytes
+from oscar_calib.tools.export.sglang import fork_load_problems
 from oscar_calib.tools.export.vllm import parse_checkpoint, vllm_load_problems
 from oscar_calib.tools.validate import validate_artifact
 
@@ -278,7 +278,7 @@ def test_llamacpp_folded_checkpoint_bakes_k_only(tmp_path):
 
 @pytest.mark.slow
 def test_llamacpp_refuses_the_real_smollm2_gguf(tmp_path):
-    from oscar_calib.model.load import resolve_model
+    from oscar_calib.model.source import resolve_model
 
     src = resolve_model("smollm2-135m")
     gguf = Path(src.path) / src.gguf_file

@@ -5,7 +5,7 @@ the files with the engine's restated loader checks before anything is installed.
 A target (one module per engine) subclasses :class:`ExportTarget` and supplies
 
 * :attr:`~ExportTarget.serves`: the artifact settings its engine honours, as data (names of
-  :data:`oscar_calib.contract.settings.FEATURES`); for every other setting the artifact uses,
+  :data:`oscar_calib.contract.features.FEATURES`); for every other setting the artifact uses,
   :meth:`ExportTarget.export` prints the setting's one line (the engine serves the artifact without
   it) or refuses, for every target alike (:meth:`~ExportTarget.setting_lines`);
 * :meth:`~ExportTarget.feature_wording` (optional): the engine's own, more precise line for a
@@ -32,7 +32,7 @@ import torch
 
 from ... import __version__
 from ...contract.artifact import Artifact, load_artifact
-from ...contract.settings import feature_lines
+from ...contract.features import feature_lines
 from ...errors import ArtifactError, InputError
 from ...fsutil import atomic_write_text, staged_dir
 from ...numerics.rotation import orthogonality_error
@@ -195,7 +195,7 @@ class ExportTarget:
     summary: str = ""
     checked: Checked
     reads: str = ""            # what `oscar import --from NAME` takes, for --help and errors
-    serves: frozenset[str] = frozenset()    # the artifact settings (contract.settings.FEATURES) it honours
+    serves: frozenset[str] = frozenset()    # the artifact settings (contract.features.FEATURES) it honours
 
     # -- to implement -----------------------------------------------------------------------
     def refusals(self, art: Artifact, s: ExportSettings) -> list[str]:
@@ -217,7 +217,7 @@ class ExportTarget:
     # -- shared -----------------------------------------------------------------------------
     def setting_lines(self, art: Artifact, s: ExportSettings) -> tuple[list[str], list[str]]:
         """``(warnings, refusals)`` from :attr:`serves`: one line per setting the artifact uses and
-        the engine does not serve (:func:`~oscar_calib.contract.settings.feature_lines`)."""
+        the engine does not serve (:func:`~oscar_calib.contract.features.feature_lines`)."""
         return feature_lines(art.settings, self.serves, self.engine, lambda n: self.feature_wording(n, art, s))
 
     def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:

@@ -46,7 +46,7 @@ from .base import (
     rotation_problem,
     wrong_paths,
 )
-from .sglang.export import serving_clips, uniform_group_note
+from .uniform import serving_clips, uniform_group_note
 
 FILES = {"k": "k_rotation.safetensors", "v": "v_rotation.safetensors"}
 CONFIG_FILE = "oscar_config.json"
@@ -92,7 +92,7 @@ class MlxTarget(ExportTarget):
                     r = torch.eye(r.shape[-1]).expand_as(r)
                 tensors[f"layer_{i}"] = to_mlx(r if per_head else r[0])
             atomic_write_bytes(tmp / FILES[which], stfile.serialize(tensor_entries(tensors), {"format": "mlx-lm-oscar"}))
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
+        k_clip, v_clip, source = serving_clips(art, s.clip)
         group = s.group_size or art.group_size
         config = {"group_size": group, "sink_tokens": st.sink_tokens if s.sink is None else s.sink,
                   "recent_tokens": st.recent_tokens if s.recent is None else s.recent,

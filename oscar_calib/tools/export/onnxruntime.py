@@ -50,7 +50,7 @@ from .base import (
     rotation_problem,
     wrong_paths,
 )
-from .sglang.export import serving_clips
+from .uniform import serving_clips
 
 ROTATIONS_FILE = "oscar_rotations.safetensors"
 NODES_FILE = "mpgqa_nodes.json"
@@ -87,7 +87,7 @@ class OnnxRuntimeTarget(ExportTarget):
 
     def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
         if name == "layer_head_dims":
-            from ...contract.settings import heads_text
+            from ...contract.features import heads_text
 
             return (f"the model's layers differ in head geometry ({heads_text(art.settings)}), and ONNX Runtime's "
                     f"{OP_TYPE} kernel was not read for nodes of different head sizes (the guide's graphs have one)")
@@ -109,7 +109,7 @@ class OnnxRuntimeTarget(ExportTarget):
         md, st = art.metadata, art.settings
         sink = st.sink_tokens if s.sink is None else s.sink
         recent = st.recent_tokens if s.recent is None else s.recent
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip) if art.shared_clips() or s.clip != (
+        k_clip, v_clip, source = serving_clips(art, s.clip) if art.shared_clips() or s.clip != (
             None, None) else (*_uniform_clips(art), "the artifact's (equal for every layer and KV head)")
         tensors, nodes = {}, []
         for i, lr in enumerate(art.layers):

@@ -62,8 +62,8 @@ from .base import (
     sliding_window_note,
     wrong_paths,
 )
-from .sglang.export import serving_clips
-from .sglang.fileformat import identity_payload, load_plain, payload, save_bytes
+from .ptfile import identity_payload, load_plain, payload, save_bytes
+from .uniform import serving_clips
 
 K_FILE = "k_rotation.pt"
 V_FILE = "v_rotation.pt"
@@ -175,7 +175,7 @@ class VLLMTarget(ExportTarget):
         v_obj = identity_payload(art.num_layers, d, ids) if folded else \
             payload(*shared_rotations(art, "v", self.engine), objective="vllm", layer_ids=ids)
         atomic_write_bytes(tmp / V_FILE, save_bytes(v_obj))
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
+        k_clip, v_clip, source = serving_clips(art, s.clip)
         sink = st.sink_tokens if s.sink is None else s.sink
         recent = st.recent_tokens if s.recent is None else s.recent
         group = max(d, s.group_size or d)

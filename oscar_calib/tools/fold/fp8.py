@@ -103,7 +103,7 @@ def fp8_strategy(config: dict) -> str | None:
 def fp8_checkpoint(model_spec: str) -> FP8Checkpoint | None:
     """The local FP8 checkpoint ``model_spec`` names (a directory, or a hub id fetched whole once its
     ``config.json`` says FP8), else None."""
-    from ...model.load import ALIASES, resolve_model
+    from ...model.source import ALIASES, resolve_model
 
     if model_spec in ALIASES:                 # the pip-shipped GGUF models
         return None

@@ -17,24 +17,21 @@ from ..base import (
     per_head_note,
     wrong_paths,
 )
+from ..uniform import uniform_group_note
 from .export import (
     CLIPS_FILE,
     ENV_FILE,
     LAUNCH_FILE,
     ServeSettings,
     SGLangExport,
-    export_sglang,
-    serving_clips,
-    uniform_group_note,
     write_sglang,
 )
 from .fileformat import (
     PER_HEAD_TARGETS,
     TARGETS,
+    check_target,
     file_name,
     fork_load_problems,
-    identity_payload,
-    payload,
     read_rotation_file,
 )
 
@@ -146,6 +143,23 @@ TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, frozenset({"windows"})),
                                                                   "layer_head_dims"})),
                SGLangTarget("sglang", UPSTREAM, frozenset({"windows"}))]
 
+
+def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork", model_path: str | None = None,
+                  clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
+                  recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
+                  overwrite: bool = False) -> SGLangExport:
+    """Write the fork's files for the artifact at ``artifact_path`` into ``out`` (see the module
+    docstring of :mod:`.export`) through the target's :meth:`~oscar_calib.tools.export.base.ExportTarget.export`
+    (its checks, then :func:`write_sglang`). ``folded`` (default: the artifact's ``v_folded``) serves
+    a checkpoint made by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else
+    the base model id."""
+    check_target(target)
+    s = ExportSettings(model_path=model_path, clip=clip, sink=sink, recent=recent, folded=folded,
+                       prefill_backend=prefill_backend)
+    chosen = next(t for t in TARGET_LIST if t.name == target)
+    return chosen.export(artifact_path, out, s, overwrite=overwrite).detail
+
+
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",
-           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems", "identity_payload",
-           "payload", "read_rotation_file", "serving_clips"]
+           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems",
+           "read_rotation_file"]

@@ -31,7 +31,7 @@ Three loaders, read for this module (nothing copied):
   ``N_Q = 4 × itemsize(hp)`` (8 for bf16). Checked as the fork's main.
 
 =====================  =====================================================================
-target                 what :func:`payload` writes per layer
+target                 what :func:`~oscar_calib.tools.export.ptfile.payload` writes per layer
 =====================  =====================================================================
 ``sglang-fork``        format_version 1: the layer's shared rotation fp32 ``[d, d]`` and its
                        eigenvalues fp32 ``[d]`` ascending (what the fork's main loads)
@@ -48,17 +48,15 @@ the K file; the attention output is mapped back with ``o @ R_vᵀ``.
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
-import re
 from pathlib import Path
 
 import torch
 
 from ....contract.defaults import ORTHOGONALITY_TOL
-from ....contract.settings import layer_span
+from ....contract.features import layer_span
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
+from ..ptfile import load_plain
 
 TARGETS = {
     "sglang-fork": "the OSCAR SGLang fork's main branch: one rotation per layer (format_version 1)",
@@ -81,73 +79,6 @@ def check_target(target: str) -> str:
 def file_name(which: str, objective: str) -> str:
     """``k_rotation_<objective>.pt`` / ``v_rotation_<objective>.pt`` (the fork's naming)."""
     return f"{which}_rotation_{objective}.pt"
-
-
-def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str,
-            layer_ids=None) -> dict:
-    """The fork's dict for one cache: ``rotations[i]`` ``[d, d]`` (format_version 1) or ``[h, d, d]``
-    (format_version 2), ``eigenvalues[i]`` descending (oscar's order; written ascending, the
-    fork's, and only in format_version 1, as its writers do) or None, keyed by the model's layer
-    ids (``layer_ids``, default ``0..n-1``: a hybrid model's attention layers by their global id,
-    as the fork's Qwen3.5 recipe keys them). Tensors are cloned, fp32 and contiguous (a saved view
-    would carry its whole storage)."""
-    dims = {r.dim() for r in rotations}
-    if len(dims) != 1 or dims.pop() not in (2, 3):
-        raise ArtifactError("every layer needs a [d, d] rotation (format_version 1) or an [h, d, d] one (2)")
-    version = 1 if rotations[0].dim() == 2 else 2
-    layers = {}
-    ids = list(layer_ids) if layer_ids is not None else range(len(rotations))
-    for i, r, e in zip(ids, rotations, eigenvalues):
-        entry = {"layer_id": i, "rotation": r.detach().to("cpu", torch.float32).contiguous().clone()}
-        if e is not None and version == 1:
-            entry["eigenvalues"] = e.detach().to("cpu", torch.float32).flip(-1).contiguous().clone()
-        layers[i] = entry
-    return {"format_version": version, "objective": objective,
-            "source_grouping": "layer" if version == 1 else "per_kv_head", "layers": layers}
-
-
-def identity_payload(num_layers: int, head_dim, layer_ids=None) -> dict:
-    """Identity rotations for every layer (the V file of a checkpoint whose V rotation is already
-    folded into its weights: the fork then quantises V as the weights produce it and maps the output
-    back with ``o @ I``), keyed like :func:`payload`; ``head_dim`` one for all layers or one per layer."""
-    dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
-    ids = list(layer_ids) if layer_ids is not None else range(num_layers)
-    return {"format_version": 1, "objective": "identity", "source_grouping": "layer",
-            "layers": {i: {"layer_id": i, "rotation": torch.eye(d, dtype=torch.float32)} for i, d in zip(ids, dims)}}
-
-
-def save_bytes(obj: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-# ----------------------------------------------------------------------------- loading
-
-def _load_reason(e: Exception) -> str:
-    """One short line from torch.load's (long, multi-line, ANSI-coloured) refusal."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-    if m:
-        return f"it pickles the Python object {m.group(1)}"
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")[:120]
-    if isinstance(e, pickle.UnpicklingError):
-        return f"unpickling refused: {first}"
-    return f"not a readable torch.save file: {type(e).__name__}: {first}"
-
-
-def load_plain(path: Path) -> tuple[object, bytes]:
-    """``torch.load(weights_only=True)`` of ``path`` (what the fork does, and the only way oscar
-    opens a pickle), with one clear error."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    raw = path.read_bytes()
-    try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True), raw
-    except Exception as e:  # noqa: BLE001 - unpickling raises many types; all mean "refused"
-        raise ArtifactError(f"{path}: not a plain tensor dict that torch.load(weights_only=True) accepts "
-                            f"({_load_reason(e)}); oscar never unpickles anything else") from None
 
 
 def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, object], list[int]]:
