@@ -325,10 +325,14 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
 # left it unset (torch/cuda/__init__.py, _lazy_init); torch.compile, the first time it compiles,
 # sets TORCHINDUCTOR_CACHE_DIR to its cache folder (torch/_inductor/runtime/cache_dir_utils.py,
 # cache_dir) and TRITON_PTXAS_PATH to the ptxas torch ships (compile_tasks.py,
-# _set_triton_ptxas_path; torch 2.11 and 2.13, seen on an H200); oscar_calib.model.load turns the
-# hub's progress bars off (HF_HUB_DISABLE_PROGRESS_BARS) at the first model it loads.
+# _set_triton_ptxas_path; torch 2.11 and 2.13, seen on an H200), TRITON_LIBDEVICE_PATH where CUDA_HOME
+# holds a libdevice (the same file) and, at the first Triton kernel it builds for a GPU,
+# TRITON_CACHE_DIR where the caller left it unset (triton_heuristics.py, CachingAutotuner.__init__);
+# oscar_calib.model.load turns the hub's progress bars off (HF_HUB_DISABLE_PROGRESS_BARS) at the
+# first model it loads.
 SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
-                              "TRITON_PTXAS_PATH", "HF_HUB_DISABLE_PROGRESS_BARS"})
+                              "TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH", "TRITON_CACHE_DIR",
+                              "HF_HUB_DISABLE_PROGRESS_BARS"})
 
 
 def triton_interpret_flag():
