@@ -84,7 +84,7 @@ NOTRITON_VENV := $(STAMP)/venv-no-triton
 # no .pyc compiled up front: half the install time
 NOTRITON_PIP := $(NOTRITON_VENV)/bin/python -m pip install -q --no-compile
 NOTRITON_TESTS := tests/kernels/test_kernels_without_triton.py tests/kernels/test_kernels_pack.py \
-	tests/test_packaging.py "tests/runtime/test_runtime_cache.py::test_int2_decode_equals_simulation[gemma3]"
+	tests/package/test_packaging.py "tests/runtime/test_runtime_cache.py::test_int2_decode_equals_simulation[gemma3]"
 
 test-no-triton:
 	rm -rf $(NOTRITON_VENV)

@@ -9,7 +9,7 @@ choice: ``rich``, ``plain`` or ``off``.
 
 >>> from oscar_calib.display import show_progress
 >>> with show_progress() as progress:
-...     out = cache.generate(model, ids, max_new_tokens=32, progress=progress)
+...     out = generate(model, ids, cache, max_new_tokens=32, progress=progress)
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def smollm2_loaded(smollm2):
 def demo_artifact(tmp_path_factory, smollm2_loaded) -> Path:
     """A SmolLM2 artifact calibrated once per session with FAST settings (read-only: copy it
     before changing anything)."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
 
     out = tmp_path_factory.mktemp("demo") / "smollm2"
@@ -158,7 +158,7 @@ def plain_artifact(tmp_path_factory, tiny_dir) -> Path:
     Read-only."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
 
     out = tmp_path_factory.mktemp("plain") / "out"

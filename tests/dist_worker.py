@@ -1,5 +1,5 @@
-"""One rank of a data-parallel test job (tests/test_distributed.py starts it through
-``oscar_calib.calibrate.launch.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
+"""One rank of a data-parallel test job (tests/calibration/test_distributed.py starts it through
+``oscar_calib.jobs.launch.launch``, which sets RANK / WORLD_SIZE / MASTER_ADDR like torchrun).
 
 Argument: a JSON job file ``{"cfg": {...}, "out": str, "work": str, "resume": bool,
 "model": {tiny_model kwargs}, "model_rank": {rank: kwargs}, "die": {rank: batch}}``. Every rank
@@ -23,7 +23,7 @@ torch.set_num_threads(1)     # the single-process reference in the test runs wit
 
 from factories import loaded_tiny  # noqa: E402
 
-from oscar_calib.calibrate.pipeline import calibrate  # noqa: E402
+from oscar_calib.calibration.pipeline import calibrate  # noqa: E402
 from oscar_calib.contract.config import CalibrationConfig  # noqa: E402
 from oscar_calib.errors import OscarError  # noqa: E402
 

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 ON_GPU = torch.cuda.is_available()
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent        # tests/: factories and the worker processes
+REPO = TESTS.parent
 
 # ----------------------------------------------------------------------------- calibration settings
 
@@ -67,6 +68,16 @@ def tiny_model(kind: str = "llama", *, head_dim: int = 16, layers: int = 2, seed
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.requires_grad_(False)
     return model
+
+
+def sharpen(m):
+    """``m`` with queries and keys 6x larger: sharp attention and wide INT2 steps, so what the cache
+    stores moves the logits measurably (a random-init model attends almost uniformly)."""
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return m
 
 
 def family_model(name: str):
@@ -131,7 +142,8 @@ def loaded_tiny(kind: str = "llama", **kw):
     """A tiny random-init model (``tiny_model(kind, **kw)``) wrapped as the LoadedModel every
     tool takes, with a CharTokenizer."""
     from oscar_calib.model.geometry import geometry_of, model_fingerprint
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     model = tiny_model(kind, **kw)
     src = ModelSource(spec=f"tiny-{kind}", model_id=f"tiny-{kind}", path="", kind="local")
@@ -148,7 +160,7 @@ def save_checkpoint(directory: Path, model, tokenizer) -> Path:
 def calibrate_tiny(out: Path, kind: str = "llama", loaded=None, *, overwrite: bool = False, **settings):
     """``calibrate()`` of a tiny model (``loaded``, else a fresh ``loaded_tiny(kind)``) with
     TINY_FAST settings updated by ``settings``; returns its CalibrationResult."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
 
     return calibrate(CalibrationConfig(**{**TINY_FAST, **settings}), out, loaded=loaded or loaded_tiny(kind),
@@ -177,39 +189,48 @@ def build_artifact(model=None, *, layers: int = 2, kv: int = 2, heads: int = 4, 
     (one per layer, shared by the heads, with ``granularity="layer"``), clips 0.95 / 0.9 and
     descending random eigenvalues.
 
-    With ``model`` the geometry (layers, KV and query heads, head_dim) and the fingerprint are the
-    model's, so the artifact fits it; otherwise ``layers`` x ``kv`` x ``d`` with ``heads`` query
-    heads and a fingerprint of no model. ``metadata`` overrides or adds metadata keys. ``centered``:
-    key centering, a random mean key ``k_mean [kv, d]`` per layer (metadata ``k_centered``).
+    With ``model`` the geometry (attention layers and their decoder-layer ids, KV and query heads,
+    head_dim, per layer where layers differ) and the fingerprint are the model's, so the artifact
+    fits it; otherwise ``layers`` x ``kv`` x ``d`` with ``heads`` query heads and a fingerprint of
+    no model. ``metadata`` overrides or adds metadata keys. ``centered``: key centering, a random
+    mean key ``k_mean [kv, d]`` per layer (its own shape where layers differ; metadata ``k_centered``).
     """
     from oscar_calib import FORMAT_VERSION
     from oscar_calib.contract.artifact import Artifact, LayerRotations
     from oscar_calib.contract.defaults import default_group_size
     from oscar_calib.contract.layout import FORMAT_NAME
 
-    fingerprint, model_type = FAKE_FINGERPRINT, "llama"
+    fingerprint, model_type, per_layer = FAKE_FINGERPRINT, "llama", {}
+    shapes = [(kv, d)] * layers
     if model is not None:
+        from oscar_calib.contract.settings import ArtifactSettings
         from oscar_calib.model.geometry import geometry_of, model_fingerprint
 
         geo = geometry_of(model)
         layers, kv, heads, d = geo.num_layers, geo.num_kv_heads, geo.num_attention_heads, geo.head_dim
         fingerprint, model_type = model_fingerprint(model), model.config.model_type
+        shapes = list(zip(geo.kv_heads, geo.head_dims))
+        keys = ("layer_ids", "layer_head_dims", "layer_kv_heads")
+        settings = ArtifactSettings(**geo.settings_fields(), group_size=default_group_size(min(geo.head_dims)),
+                                    sink_tokens=64, recent_tokens=256).metadata()
+        per_layer = {k: v for k, v in settings.items() if k in keys} | {"group_size": settings["group_size"]}
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for _ in range(layers):
-        k, v = random_rotation(kv, d, gen), random_rotation(kv, d, gen)
+    for hk, dk in shapes:
+        k, v = random_rotation(hk, dk, gen), random_rotation(hk, dk, gen)
         if granularity == "layer":
-            k, v = k[:1].expand(kv, d, d).clone(), v[:1].expand(kv, d, d).clone()
-        eig = torch.rand(kv, d, generator=gen).sort(dim=-1, descending=True).values
-        rows.append(LayerRotations(k, v, torch.full((kv,), 0.95), torch.full((kv,), 0.9), eig, eig.clone(),
-                                   k_mean=torch.randn(kv, d, generator=gen) if centered else None))
+            k, v = k[:1].expand(hk, dk, dk).clone(), v[:1].expand(hk, dk, dk).clone()
+        eig = torch.rand(hk, dk, generator=gen).sort(dim=-1, descending=True).values
+        rows.append(LayerRotations(k, v, torch.full((hk,), 0.95), torch.full((hk,), 0.9), eig, eig.clone(),
+                                   k_mean=torch.randn(hk, dk, generator=gen) if centered else None))
     md = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": "test/tiny",
           "model_fingerprint": fingerprint, "num_layers": str(layers), "num_attention_heads": str(heads),
           "num_kv_heads": str(kv), "head_dim": str(d), "group_size": str(default_group_size(d)), "bits": "2",
           "sink_tokens": "64", "recent_tokens": "256", "k_objective": "qqt", "v_objective": "sst",
           "composition": "u_h_pbr", "granularity": granularity,
           "calibration": json.dumps({"data": "test", "tokens": 0}), "toolkit_version": "0.1.0",
-          "model_type": model_type, **({"k_centered": "true"} if centered else {})}
+          "model_type": model_type, **per_layer,
+          **({"k_centered": "true"} if centered else {})}
     md.update(metadata or {})
     return Artifact(layers=rows, metadata=md)
 
@@ -311,10 +332,14 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
 # left it unset (torch/cuda/__init__.py, _lazy_init); torch.compile, the first time it compiles,
 # sets TORCHINDUCTOR_CACHE_DIR to its cache folder (torch/_inductor/runtime/cache_dir_utils.py,
 # cache_dir) and TRITON_PTXAS_PATH to the ptxas torch ships (compile_tasks.py,
-# _set_triton_ptxas_path; torch 2.11 and 2.13, seen on an H200); oscar_calib.model.load turns the
-# hub's progress bars off (HF_HUB_DISABLE_PROGRESS_BARS) at the first model it loads.
+# _set_triton_ptxas_path; torch 2.11 and 2.13, seen on an H200), TRITON_LIBDEVICE_PATH where CUDA_HOME
+# holds a libdevice (the same file) and, at the first Triton kernel it builds for a GPU,
+# TRITON_CACHE_DIR where the caller left it unset (triton_heuristics.py, CachingAutotuner.__init__);
+# oscar_calib.model.load turns the hub's progress bars off (HF_HUB_DISABLE_PROGRESS_BARS) at the
+# first model it loads.
 SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
-                              "TRITON_PTXAS_PATH", "HF_HUB_DISABLE_PROGRESS_BARS"})
+                              "TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH", "TRITON_CACHE_DIR",
+                              "HF_HUB_DISABLE_PROGRESS_BARS"})
 
 
 def triton_interpret_flag():
@@ -323,14 +348,27 @@ def triton_interpret_flag():
     return getattr(getattr(knobs, "runtime", None), "interpret", None)
 
 
+def process_state() -> dict:
+    """What a test may change for the tests after it besides the environment: the working
+    directory, and once torch is imported its threads, default dtype, grad mode and determinism."""
+    state = {"working directory": os.getcwd()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state.update({"torch threads": torch.get_num_threads(), "torch default dtype": torch.get_default_dtype(),
+                      "torch grad mode": torch.is_grad_enabled(),
+                      "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled()})
+    return state
+
+
 @contextmanager
 def left_as_found(*, whole: bool):
     """Fail (AssertionError) if the block leaves the process changed for the code after it.
     Triton decides at import whether its kernels run under the CPU interpreter, from
     ``TRITON_INTERPRET``: a test that leaves it (or Triton's flag) changed turns every later
     kernel test into an interpreter run. Checked: the ``TRITON_*`` and ``OSCAR_*`` variables and
-    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`)."""
-    before, flag = dict(os.environ), triton_interpret_flag()
+    Triton's flag; with ``whole``, every environment variable (but :data:`SET_BY_LIBRARIES`); and
+    :func:`process_state` (torch's part once torch is imported)."""
+    before, flag, state = dict(os.environ), triton_interpret_flag(), process_state()
     yield
     after = dict(os.environ)
     keys = (set(before) | set(after)) - SET_BY_LIBRARIES
@@ -338,6 +376,9 @@ def left_as_found(*, whole: bool):
     changed = sorted(k for k in keys if before.get(k) != after.get(k))
     assert not changed, f"environment variables left changed for the code after this: {changed}"
     assert flag is None or triton_interpret_flag() == flag, "Triton's interpreter flag left changed"
+    now = process_state()
+    moved = {k: (v, now[k]) for k, v in state.items() if k in now and now[k] != v}
+    assert not moved, f"left changed for the code after this (before, after): {moved}"
 
 
 def quick_without_interpreter(main, out: Path, argv: list[str]) -> str:

@@ -4,7 +4,10 @@ alone): ``python tests/fault_worker.py calibrate ...``. Before each forward pass
 ``OSCAR_TEST_DIE_RANK`` (``RANK``, 0 when unset) writes the time to ``OSCAR_TEST_MARK`` and kills
 itself with SIGKILL right after its ``OSCAR_TEST_DIE_AT``-th forward pass. ``OSCAR_TEST_SLOW_RANKS``
 (comma-separated) limits the sleeps to those ranks. With ``OSCAR_TEST_ENDS`` (a folder) every rank
-that exits on its own (not killed) writes the time it exited to ``end.rank{RANK}`` there."""
+that exits on its own (not killed) writes there the time it exited, ``end.rank{RANK}`` (what
+scripts/bench/bench_scale.py times), and how many forward passes it had finished,
+``forwards.rank{RANK}`` (what the tests check: a rank stopped in its own batches, not at the
+collective they lead to)."""
 
 import atexit
 import os
@@ -13,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from oscar_calib.calibrate import pipeline
+from oscar_calib.calibration import collect
 
-_real_forward = pipeline.capture_forward
+_real_forward = collect.capture_forward
 _calls = {"n": 0}
 
 
@@ -37,10 +40,12 @@ def _forward(model, ids):
 
 
 def _record_end() -> None:
-    Path(_env("ENDS"), f"end.rank{os.environ.get('RANK', '0')}").write_text(repr(time.time()))
+    rank = os.environ.get("RANK", "0")
+    Path(_env("ENDS"), f"forwards.rank{rank}").write_text(str(_calls["n"]))
+    Path(_env("ENDS"), f"end.rank{rank}").write_text(repr(time.time()))
 
 
-pipeline.capture_forward = _forward
+collect.capture_forward = _forward
 if _env("ENDS"):
     atexit.register(_record_end)
 

@@ -7,7 +7,7 @@ marker                              replaced by
 ==================================  ============================================================
 ``<!-- oscar-engine-settings -->``  which artifact settings each export target's engine serves
                                     (the targets' ``serves`` declarations,
-                                    ``oscar_calib.contract.settings.FEATURES``)
+                                    ``oscar_calib.contract.features.FEATURES``)
 ``<!-- oscar-zoo-serving -->``      the exact export commands and launch settings for each zoo
                                     artifact, from real exports (``tools.export.serving_table``)
 ==================================  ============================================================
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine_settings() -> str:
-    from oscar_calib.contract.settings import FEATURES
+    from oscar_calib.contract.features import FEATURES
     from oscar_calib.tools.export import TARGETS
 
     head = "| setting | " + " | ".join(f"`{n}`" for n in TARGETS) + " |"

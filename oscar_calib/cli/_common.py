@@ -67,7 +67,7 @@ def model_of_artifact(metadata: dict) -> str:
     """The MODEL argument `oscar verify` would load for an artifact (its model_id when that cannot
     be told without the model's files)."""
     from ..errors import OscarError
-    from ..model.load import model_for_artifact
+    from ..model.source import model_for_artifact
 
     try:
         return model_for_artifact(metadata)

@@ -119,8 +119,8 @@ def calibrate_command(
     --no-verify) and exits 1 if verification fails (the artifact stays written).
     """
     clock = StageClock()                 # from here: the time line accounts for the whole command
-    from ..calibrate.launch import calibrate_parallel, cli_argv, wants_launch
     from ..contract.config import config_from_options
+    from ..jobs.launch import cli_argv, wants_launch
     from ..model.placement import placement_from_options
 
     cfg = config_from_options(config, dict(
@@ -134,10 +134,14 @@ def calibrate_command(
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")
     placement = placement_from_options(device_map, max_memory, offload_dir)
     if wants_launch(nproc):
+        from ..calibration.parallel import (
+            calibrate_parallel,  # (a single process never imports it)
+        )
+
         raise typer.Exit(calibrate_parallel(cfg, out, nproc, cli_argv("calibrate"), overwrite=overwrite, resume=resume))
     with progress_display(enabled=os.environ.get("RANK", "0") == "0") as display, _rank_named_errors():
         with starting(display):              # (not a stage of the time line: imports count as "other")
-            from ..calibrate.pipeline import calibrate
+            from ..calibration.pipeline import calibrate
         progress = clock.wrap(display)
         result = calibrate(cfg, out, overwrite=overwrite, resume=resume, progress=progress, placement=placement)
         verdict = _verify(result, progress, quick) if verify and result.rank == 0 else None
@@ -172,8 +176,8 @@ def _next(model: str, out: Path, verdict: dict | None) -> str:
 @contextlib.contextmanager
 def _rank_named_errors() -> Iterator[None]:
     """Inside a rank of a data-parallel job, an error's line says which rank (once per rank)."""
-    from ..calibrate.ranks import launched
     from ..errors import OscarError
+    from ..jobs.env import launched
 
     try:
         yield
@@ -186,7 +190,7 @@ def _rank_named_errors() -> Iterator[None]:
 
 def _verify(result, progress, quick: bool) -> dict:
     """``oscar verify`` on the new artifact, with the model already loaded (spread or not)."""
-    from ..tools.verify import QUICK_VERIFY, verify_artifact
+    from ..eval.verify import QUICK_VERIFY, verify_artifact
 
     return verify_artifact(result.out, loaded=result.loaded, progress=progress,
                            **(QUICK_VERIFY if quick else {})).summary()

@@ -50,6 +50,16 @@ def eval_command(
     seq_len: Annotated[int, typer.Option(help="ppl: tokens per sequence.")] = 2048,
     data: Annotated[str, typer.Option(help="ppl: 'embedded' (pydoc topics) or 'embedded-code' (stdlib source), "
                                       "their held-out half; or a text file/dir.")] = "embedded",
+    context: Annotated[Optional[str], typer.Option(help="ppl: long contexts, comma-separated (e.g. 8192,32768): "
+                                                   "--sequences windows of each length, the last --scored "
+                                                   "predictions scored after a full-precision prefill of the rest.")]
+    = None,
+    scored: Annotated[Optional[int], typer.Option(help="ppl: predictions scored at the end of each window "
+                                                  "(default: 1024 with --context, half a window below 2048; "
+                                                  "every one without).")] = None,
+    real_cache: Annotated[bool, typer.Option("--real-cache", help="ppl: score naive/hadamard/oscar through "
+                                             "OscarCache itself, one decode step per scored prediction (the "
+                                             "Triton kernels on a GPU), instead of the simulation.")] = False,
     lengths: Annotated[str, typer.Option(help="niah: context lengths, comma-separated.")] = "1024,2048,4096,8192",
     depths: Annotated[str, typer.Option(help="niah: needle depths in [0, 1], comma-separated.")]
     = "0,0.25,0.5,0.75,1",
@@ -97,6 +107,15 @@ def eval_command(
     * `oscar eval Qwen/Qwen3-32B runs/qwen3-32b --device-map auto --methods bf16,oscar` (spread over the GPUs)
     * `oscar eval smollm2-135m zoo/smollm2-135m --methods bf16,oscar,fork,vllm,llamacpp --record` (engine costs)
     * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,oscar --logit-correction 0.5` (try a gain)
+    * `oscar eval smollm2-135m zoo/smollm2-135m --methods bf16,hadamard,oscar --context 4096,8192 --sequences 1`
+      (the last 1,024 tokens of long windows; minutes on a CPU, seconds on a GPU)
+    * `oscar eval gemma3-270m zoo/gemma3-270m --methods bf16,hadamard,oscar --context 8192,32768 --sequences 1
+      --real-cache --device cuda` (through OscarCache and its kernels)
+
+    --context scores the last --scored predictions (1,024 by default) of windows of each length: the rest of
+    each window is prefilled at full precision, as a serving engine prefills a prompt, and every scored
+    token reads a long INT2 history. A text too short for the windows asked is refused with what fits
+    (the embedded corpus' held-out half holds about 55K SmolLM2 tokens: one window of 32,768).
     """
     from ..errors import InputError
     from ..model.placement import placement_from_options
@@ -116,7 +135,8 @@ def eval_command(
         given = {k: v for k, v in (("methods", methods), ("sequences", sequences)) if v is not None}   # or defaults
         options = EvalOptions(task=task, group_size=group_size, logit_correction=logit_correction,
                               sink=sink, recent=recent, seed=seed, seq_len=seq_len, data=data, lengths=lengths,
-                              depths=depths, samples=samples, prompts=prompts, haystack=haystack, **given)
+                              depths=depths, samples=samples, prompts=prompts, haystack=haystack,
+                              contexts=context or (), scored=scored, real_cache=real_cache, **given)
         result = run_eval(model, artifact, options, device=device, dtype=dtype, plot=plot, progress=progress,
                           placement=placement)
     if record:
@@ -154,7 +174,19 @@ def render(result, json_out: bool) -> None:
         emit_json(result.to_json())
         return
     s = result.settings
-    if result.task == "ppl":
+    if result.task == "ppl" and s.get("contexts"):
+        from rich.markup import escape
+
+        from ..eval.report import context_caption, context_cells
+
+        doc = result.to_json()
+        headers, rows = context_cells(doc)
+        stdout.print(table(f"oscar eval ppl at long contexts: {result.model_id}", headers, rows,
+                           caption=escape(context_caption(doc)) + ". Lower is better, BF16 is the floor; bits with "
+                                   "windows: what the real cache holds per element at that length, its 16-bit sink "
+                                   "and window included"))
+        _fork_line(s)
+    elif result.task == "ppl":
         from ..eval.report import group_label
 
         rows = [[r["method"], f"{r['bits_per_element']:.3f}", group_label(r).replace("-", "–"), f"{r['ppl']:.3f}",
@@ -167,6 +199,8 @@ def render(result, json_out: bool) -> None:
                                    f"{s['recent']} per query position{quanto}. Perplexity of the held-out text: "
                                    "lower is better, BF16 is the floor; gap closed: the share of Hadamard's "
                                    "distance to BF16 a method removes (100% = as good as BF16)"))
+        if s.get("real_cache"):
+            stdout.print("scored through: " + "; ".join(f"{m} {path}" for m, path in s["paths"].items()))
         _fork_line(s)
     else:
         from ..eval.stats import format_rate

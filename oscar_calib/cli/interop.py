@@ -90,7 +90,7 @@ def export_command(
         for r in rows:
             if r["note"]:
                 stdout.print(f"{r['target']}: {r['note']}")
-        from ..contract.settings import FEATURES
+        from ..contract.features import FEATURES
 
         stdout.print("artifact settings each engine serves (the export names every other one it meets):")
         for r in rows:

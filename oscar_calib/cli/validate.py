@@ -100,7 +100,7 @@ def _next(reports) -> str:
     """Verify next: an artifact of the default model, else the first whose model is installed (a
     pip-shipped model that is not: its install line first, or named after); a hub repository is
     pulled first."""
-    from ..model.load import DEFAULT_MODEL, wheel_missing
+    from ..model.source import DEFAULT_MODEL, wheel_missing
     from ..tools.zoo import zoo_of
 
     arts = [(r.path.parent if r.path.suffix == ".safetensors" else r.path) for r in reports

@@ -84,7 +84,7 @@ def verify_command(
     placement = placement_from_options(device_map, max_memory, offload_dir)
     with progress_display() as progress:
         with starting(progress):
-            from ..tools.verify import verify_artifact
+            from ..eval.verify import verify_artifact
         result = verify_artifact(directory, model=model, device=device, dtype=dtype, backend=backend,
                                  depths=depth_list, sequences=sequences, positions=positions, data=data,
                                  max_layer_error=max_layer_error, seed=seed, write=write, progress=progress,
@@ -104,7 +104,7 @@ def verify_command(
 
 def _next(model: str | None, directory: Path, passed: bool) -> str:
     from ..contract.artifact import read_metadata
-    from ..model.load import model_for_artifact
+    from ..model.source import model_for_artifact
 
     spec = model or model_for_artifact(read_metadata(directory))
     m, art = quote(spec), quote(directory)

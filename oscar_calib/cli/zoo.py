@@ -80,17 +80,18 @@ def index_command(zoo: ZooOpt = None,
                                                       "if not.")] = False,
                   json_out: JsonOpt = False) -> None:
     """Regenerate zoo/index.json from the committed artifacts (deterministic; --check for CI)."""
-    from ..tools.zoo import INDEX_NAME, index_is_current, write_index
+    from ..contract.layout import ZOO_INDEX_NAME
+    from ..tools.zoo import index_is_current, write_index
 
     root = _root(zoo)
     if check:
         current = index_is_current(root)
         if json_out:
-            emit_json({"index": str(root / INDEX_NAME), "current": current})
+            emit_json({"index": str(root / ZOO_INDEX_NAME), "current": current})
         elif not current:
-            typer.echo(f"{root / INDEX_NAME} is stale or missing; run `oscar zoo index`", err=True)
+            typer.echo(f"{root / ZOO_INDEX_NAME} is stale or missing; run `oscar zoo index`", err=True)
         else:
-            stdout.print(f"{root / INDEX_NAME} is current")
+            stdout.print(f"{root / ZOO_INDEX_NAME} is current")
         if not current:
             raise typer.Exit(1)
         return

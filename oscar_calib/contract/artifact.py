@@ -19,18 +19,22 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ArtifactError, OscarError, OscarWarning
 from ..fsutil import atomic_write_files
 from . import stfile
 from .checks import inspect_bytes, read_file
 from .digest import content_digest
+from .features import layer_span
 from .layout import (
     CARD_NAME,
     DIGEST_KEY,
     GEOMETRY_KEYS,
     KINDS,
+    LAYER_HEAD_DIMS_METADATA,
+    LAYER_IDS_METADATA,
+    LAYER_KV_HEADS_METADATA,
     MODEL_SOURCE_METADATA,
     REPORT_NAME,
     WEIGHTS_NAME,
@@ -295,18 +299,41 @@ def valid_artifact(artifact: "Artifact | Path | str") -> Artifact:
 def compatibility_problems(metadata: dict[str, str], geometry, fingerprint: str | None, *,
                            model_name: str = "this model") -> list[str]:
     """Why an artifact (its ``metadata``) does not belong to a model with ``geometry`` (anything with
-    ``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``head_dim``) and ``fingerprint``
-    (None: not checked). Empty when it does. The one artifact-matches-model check of the toolkit."""
+    ``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``head_dim`` of its attention layers,
+    and optionally their ``ids``, ``head_dims`` and ``kv_heads``, as
+    :class:`~oscar_calib.model.geometry.Geometry` has them) and ``fingerprint`` (None: not checked).
+    Empty when it does. The one artifact-matches-model check of the toolkit: it compares the
+    attention layers only (a hybrid model's others have no artifact layer)."""
     problems = []
     for key in GEOMETRY_KEYS:
         have, want = metadata.get(key), getattr(geometry, key)
         if have is not None and str(have) != str(want):
             problems.append(f"{key} is {have} but {model_name} has {want}")
+    n = getattr(geometry, "num_layers", None)
+    for key, attr, what in ((LAYER_IDS_METADATA, "ids", "the model's layers"),
+                            (LAYER_HEAD_DIMS_METADATA, "head_dims", "head_dims"),
+                            (LAYER_KV_HEADS_METADATA, "kv_heads", "KV heads")):
+        want = getattr(geometry, attr, None)
+        if problems or want is None or n is None:
+            continue
+        default = list(range(n)) if key == LAYER_IDS_METADATA else \
+            [int(metadata.get("head_dim" if attr == "head_dims" else "num_kv_heads", 0) or 0)] * n
+        have = _layer_ints(metadata.get(key)) or default
+        if list(have) != list(want):
+            problems.append(f"the artifact's layers have {what} {layer_span(have)} but {model_name}'s attention layers "
+                            f"have {layer_span(want)}")
     if fingerprint is not None and metadata.get("model_fingerprint") != fingerprint:
         problems.append(f"model fingerprint {str(metadata.get('model_fingerprint'))[:12]}… does not match "
                         f"{model_name} ({fingerprint[:12]}…): calibrated for another model "
                         f"({metadata.get('model_id')!r}) or config; calibrate this model with `oscar calibrate`")
     return problems
+
+
+def _layer_ints(raw) -> list[int] | None:
+    """A per-layer metadata list (``"3,7,11"``) as integers, None when absent or malformed (the
+    settings' own check names a malformed one)."""
+    parts = str(raw).split(",") if raw is not None else []
+    return [int(x) for x in parts] if parts and all(x.strip().isdigit() for x in parts) else None
 
 
 def require_compatible(artifact: "Artifact | dict[str, str]", geometry, fingerprint: str | None, *,
@@ -317,3 +344,16 @@ def require_compatible(artifact: "Artifact | dict[str, str]", geometry, fingerpr
     if problems:
         where = getattr(artifact, "path", None) or "the artifact"
         raise ArtifactError(f"{where}: {problems[0]}")
+
+
+def checked_artifact(artifact: "Artifact | Path | str", identity: Callable[[], tuple], *,
+                     model_name: str = "this model") -> Artifact:
+    """``artifact`` (a path or an :class:`Artifact`) refused before anything is built from it when
+    it is invalid (:func:`valid_artifact`) or was calibrated for another model
+    (:func:`require_compatible`). ``identity()`` gives the model's ``(geometry, fingerprint)``
+    (fingerprint None: not checked, e.g.
+    :func:`~oscar_calib.model.geometry.model_identity`); it is asked only once the artifact is
+    valid, so an invalid artifact is refused before anything of the model is read."""
+    art = valid_artifact(artifact)
+    require_compatible(art, *identity(), model_name=model_name)
+    return art

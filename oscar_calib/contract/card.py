@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from .features import layer_span
+from .layout import CARD_PLOTS
+
 
 def model_card(report: dict) -> str:
     s, g, cal, summ = report["settings"], report["geometry"], report["calibration"], report["summary"]
@@ -23,7 +26,7 @@ def model_card(report: dict) -> str:
         "| setting | value |",
         "|---|---|",
         f"| base model | `{report['model_id']}`{_where(report)} (fingerprint `{report['model_fingerprint'][:16]}…`) |",
-        f"| geometry | {g['num_layers']} layers, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']} |",
+        f"| geometry | {_geometry(g)} |",
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
@@ -130,7 +133,8 @@ def _eval_section(report: dict) -> list[str]:
     """``## Evaluation``: the headline numbers ``oscar eval --record`` stored under ``eval`` as a
     table, then the full text tables (``eval_results["text"]``)."""
     ev = report.get("eval")
-    text = (report.get("eval_results") or {}).get("text")
+    results = report.get("eval_results") or {}
+    text = results.get("text")
     if not ev and not text:
         return []
     lines = ["## Evaluation", ""]
@@ -153,6 +157,18 @@ def _eval_section(report: dict) -> list[str]:
                 extra.append(f"Needle retrieval: exact match over lengths {', '.join(str(x) for x in niah['lengths'])}"
                              + (f" ({prompts} prompts per method, 95% Wilson interval in brackets)." if prompts else "."))
             lines += ["", *([" ".join(extra), ""] if extra else [])]
+            if niah.get("lengths") and "niah" in results:
+                lines += [f"![Needle retrieval against context length, per KV cache, with 95% intervals]"
+                          f"({CARD_PLOTS['niah']})", ""]
+        long = ev.get("long_ppl") if isinstance(ev.get("long_ppl"), dict) else {}
+        at = [(n, v) for n, v in long.items() if isinstance(v, dict) and "oscar" in v and "bf16" in v]
+        if at:
+            lines += ["Perplexity at long contexts (the last tokens of long windows, table below): "
+                      + "; ".join(f"{int(n):,} tokens: BF16 {v['bf16']:.3f}, this artifact {v['oscar']:.3f} "
+                                  f"({v['oscar'] / v['bf16'] - 1:+.1%})" for n, v in at) + ".", ""]
+            if "long" in results:
+                lines += [f"![Perplexity of the last tokens of long windows against context length, per KV cache]"
+                          f"({CARD_PLOTS['long']})", ""]
     if text:
         lines += ["Measured with `oscar eval` (full tables):", "", "```", text, "```", ""]
     elif ev and not isinstance(ev, dict):
@@ -228,3 +244,16 @@ def _engines_section(report: dict) -> list[str]:
             lines += [f"- warning: {w}" for w in row.get("warnings") or []]
             lines += [""] if row.get("warnings") else []
     return lines
+
+
+def _geometry(g: dict) -> str:
+    """The geometry row: layers (a hybrid's attention layers and their ids), heads, head_dim (per layer
+    where layers differ)."""
+    layers = f"{g['num_layers']} layers"
+    if g.get("layer_ids"):
+        layers = f"{g['num_layers']} attention layers (the model's layers {layer_span(g['layer_ids'])})"
+    if g.get("layer_head_dims"):
+        shapes = sorted(set(zip(g["layer_kv_heads"], g["layer_head_dims"])), key=lambda hd: hd[1])
+        heads = " / ".join(f"{h} KV heads of {d}" for h, d in shapes)
+        return f"{layers}, {g['num_attention_heads']} query heads; {heads} by layer"
+    return f"{layers}, {g['num_attention_heads']} query / {g['num_kv_heads']} KV heads, head_dim {g['head_dim']}"

@@ -39,6 +39,8 @@ from .layout import (
     FORMAT_NAME,
     INT_METADATA,
     KEY_CENTERING_METADATA,
+    LAYER_HEAD_DIMS_METADATA,
+    LAYER_KV_HEADS_METADATA,
     REQUIRED_METADATA,
     SHARED_KINDS,
     TENSOR_KINDS,
@@ -147,12 +149,24 @@ def contradictions(tensors: dict, md: dict[str, str]) -> list[str]:
     return out
 
 
-def shape_problems(tensors: dict, md: dict[str, str]) -> list[str]:
-    """Every tensor of the contract present, with its shape and dtype float32; no others. The
-    shared rotations are optional (all of them or none); the key means are there exactly when the
-    metadata says the keys are centered (``k_centered``)."""
-    problems = []
+def layer_heads(md: dict[str, str]) -> list[tuple[int, int]]:
+    """``(num_kv_heads, head_dim)`` of every layer, from ``layer_kv_heads`` / ``layer_head_dims`` when
+    the metadata has them (well formed: a malformed one is the settings' problem, and the uniform
+    geometry is assumed here), else ``num_kv_heads`` / ``head_dim`` everywhere."""
     n, h, d = (int(md[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
+    per = []
+    for key, default in ((LAYER_KV_HEADS_METADATA, h), (LAYER_HEAD_DIMS_METADATA, d)):
+        parts = str(md.get(key, "")).split(",")
+        ok = key in md and len(parts) == n and all(re.fullmatch(r"[0-9]{1,6}", x.strip()) for x in parts)
+        per.append([int(x) for x in parts] if ok else [default] * n)
+    return list(zip(*per))
+
+
+def shape_problems(tensors: dict, md: dict[str, str]) -> list[str]:
+    """Every tensor of the contract present, with its layer's shape (:func:`layer_heads`) and dtype
+    float32; no others. The shared rotations are optional (all of them or none); the key means are
+    there exactly when the metadata says the keys are centered (``k_centered``)."""
+    problems = []
     kinds = TENSOR_KINDS
     if any(name.endswith(SHARED_KINDS) for name in tensors):      # optional: all of them or none
         kinds = TENSOR_KINDS + SHARED_KINDS
@@ -164,7 +178,7 @@ def shape_problems(tensors: dict, md: dict[str, str]) -> list[str]:
         problems.append(f"{first} is stored but metadata {KEY_CENTERING_METADATA!r} is not 'true': a reader would "
                         "serve the keys uncentered")
         tensors = {k: v for k, v in tensors.items() if not k.endswith(CENTER_KINDS)}
-    expected = {tensor_name(i, k): tensor_shape(k, h, d) for i in range(n) for k in kinds}
+    expected = {tensor_name(i, k): tensor_shape(k, h, d) for i, (h, d) in enumerate(layer_heads(md)) for k in kinds}
     for name, shape in expected.items():
         if name not in tensors:
             problems.append(f"missing tensor {name}")
@@ -200,7 +214,9 @@ def check_content(tensors: dict, md: dict[str, str], report: ValidationReport) -
     report.add("metadata", root + values)
     if root:
         return
-    if any(p.startswith(("metadata 'num_layers'", "metadata 'num_kv_heads'", "metadata 'head_dim'")) for p in values):
+    if any(p.startswith(("metadata 'num_layers'", "metadata 'num_kv_heads'", "metadata 'head_dim'",
+                         f"metadata {LAYER_HEAD_DIMS_METADATA!r}", f"metadata {LAYER_KV_HEADS_METADATA!r}"))
+           for p in values):
         return          # a count beyond its bound: the expected tensors are not worth listing
     report.add("shapes", shape_problems(tensors, md))
     if not (report.checks["metadata"] and report.checks["shapes"]):

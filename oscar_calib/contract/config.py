@@ -31,7 +31,7 @@ class CalibrationConfig:
 
     ``k_clip``/``v_clip`` of ``None`` mean "fit per layer and KV head"; a number fixes them.
     ``group_size`` of ``None`` means ``min(128, head_dim)``; ``bit_budget`` (bits per stored
-    element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibrate.budget`),
+    element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibration.budget`),
     and with ``split_kv`` one for the keys and one for the values of every layer.
     """
 
@@ -51,7 +51,7 @@ class CalibrationConfig:
     composition: str = "u_h_pbr"
     granularity: str = "head"
     group_size: int | None = None
-    bit_budget: float | None = None     # stored bits per element to spend on per-layer group sizes (calibrate.budget)
+    bit_budget: float | None = None     # stored bits per element to spend on per-layer group sizes (calibration.budget)
     split_kv: bool = False              # the budget chooses the keys' and the values' group sizes apart
     k_clip: float | None = None
     v_clip: float | None = None
@@ -154,7 +154,7 @@ UNSET_OPTIONS = {"dtype": "auto", "device": "auto", "trust_remote_code": False}
 # ``oscar calibrate --quick``: a first try in about a minute on two CPU cores. A quarter of the
 # default token budget in half-length sequences, and half the held-out rows the clips are fitted on
 # (clip fitting costs the square of their length). What it costs in accuracy is measured in the
-# docs/guides/calibrate.md ("--quick"). The verify that follows uses ``tools.verify.QUICK_VERIFY``.
+# docs/guides/calibrate.md ("--quick"). The verify that follows uses ``eval.verify.QUICK_VERIFY``.
 QUICK = {"tokens": 2048, "seq_len": 512, "heldout_tokens": 256}
 
 

@@ -42,7 +42,7 @@ MAX_HEADS = 1024              # query heads; KV heads divide them
 MAX_WINDOW_TOKENS = 1 << 24   # sink + recent BF16 tokens per sequence (16,777,216)
 MAX_LOGIT_CORRECTION = 4.0    # gain of the logit-noise correction (1 = the whole expected inflation)
 
-# method names -> the accumulator (``calibrate.stats``) each objective reads
+# method names -> the accumulator (``calibration.stats``) each objective reads
 K_OBJECTIVES = {"qqt": "q", "ktk": "k"}
 V_OBJECTIVES = {"sst": "s", "sst-approx": "s_approx", "vtv": "v"}
 COMPOSITIONS = ("u_h_pbr", "u", "h", "identity")

@@ -10,13 +10,22 @@ Layout of an artifact directory::
     <out>/README.md             model card
     <out>/calibration.json      per-layer report, timings, settings
     <out>/verify.json           what ``oscar verify`` measured, and on which content (optional)
+
+and of a zoo (a directory of artifacts): its ``index.json`` (:func:`is_zoo_index`), which
+``oscar zoo index`` writes and ``oscar validate`` checks and skips as no artifact.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 WEIGHTS_NAME = "oscar.safetensors"
 CARD_NAME = "README.md"
 REPORT_NAME = "calibration.json"
+# the pictures `oscar eval --record` keeps beside the model card, by the result they draw: perplexity
+# against context length (a long-context result) and needle retrieval against context length
+CARD_PLOTS = {"long": "eval-context.png", "niah": "eval-niah.png"}
 VERIFY_NAME = "verify.json"
 PULL_RECORD = ".oscar-pull.json"      # where an artifact came from, written by `oscar pull` (hidden: never pushed)
 FORMAT_NAME = "oscar-rotations"
@@ -53,6 +62,16 @@ LOGIT_CORRECTION_METADATA = "logit_correction"
 # multimodal model whose language model was calibrated), ``<wrapper model_type>.<attribute>``, e.g.
 # ``gemma3.text_config``; ``model_type`` is then the text model's. Absent: the model's config is the text config.
 TEXT_CONFIG_METADATA = "text_config"
+# Optional metadata: the model's decoder-layer index of every artifact layer, comma separated and increasing, when
+# they are not 0..num_layers-1 (a hybrid model, whose linear-attention or state-space layers keep no KV cache and
+# have no artifact layer: Qwen3.5's "3,7,11,..."). Absent: artifact layer i is decoder layer i. A reader that
+# predates it would put the rotations on the model's first layers: engines that cannot map it refuse.
+LAYER_IDS_METADATA = "layer_ids"
+# Optional metadata: every layer's head_dim and KV-head count, comma separated, when layers differ (Gemma 4: sliding
+# layers 256, global layers 512 with fewer KV heads); ``head_dim`` / ``num_kv_heads`` then hold layer 0's. Layer i's
+# tensors take its own shapes. A reader that predates them refuses the file (its shapes disagree with the metadata).
+LAYER_HEAD_DIMS_METADATA = "layer_head_dims"
+LAYER_KV_HEADS_METADATA = "layer_kv_heads"
 # Optional metadata: "true" when the value rotation is folded into a checkpoint's v_proj/o_proj (`oscar
 # fold-weights` marks the artifact copy it writes beside the checkpoint); absent or "false" otherwise.
 V_FOLDED_METADATA = "v_folded"
@@ -100,7 +119,23 @@ def dtype_name(t) -> str:
 # Optional metadata (toolkit 0.3): where the model came from, a JSON object (``model_id`` stays the
 # model's name): ``kind`` (alias | local | gguf | hub); ``alias`` (a pip-shipped model's name) or
 # ``path`` (the absolute directory or .gguf file a local model was read from); ``hub_id`` when
-# known. Tools load the model from it (``model.load.model_for_artifact``); the card shows it.
+# known. Tools load the model from it (``model.source.model_for_artifact``); the card shows it.
 MODEL_SOURCE_METADATA = "model_source"
 MODEL_SOURCE_KINDS = ("alias", "local", "gguf", "hub")
 MODEL_SOURCE_FIELDS = ("kind", "alias", "path", "hub_id")
+
+# A zoo's index of its artifacts (`oscar zoo index`, oscar_calib.tools.zoo), committed beside them.
+ZOO_INDEX_NAME = "index.json"
+ZOO_INDEX_FORMAT = "oscar-zoo-index"
+ZOO_INDEX_VERSION = 1
+
+
+def is_zoo_index(path: Path) -> bool:
+    """Whether ``path`` is a zoo's ``index.json`` (its ``format`` says so)."""
+    path = Path(path)
+    if path.name != ZOO_INDEX_NAME:
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == ZOO_INDEX_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False

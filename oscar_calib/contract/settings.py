@@ -35,12 +35,19 @@ field                      metadata key           meaning
 ``shared_clips``           ``fork_k_clip``,       one (K, V) clip pair for the shared per-layer
                            ``fork_v_clip``        rotations (engines with one ratio per cache)
 ``model_type``             ``model_type``         transformers' model type of the (text) model
+``layer_ids``              ``layer_ids``          the model's decoder-layer index of every
+                                                  artifact layer (a hybrid model: its attention
+                                                  layers only); stored when not ``0..n-1``
+``layer_head_dims``,       ``layer_head_dims``,   every layer's head_dim and KV heads (Gemma 4:
+``layer_kv_heads``         ``layer_kv_heads``     sliding and global layers differ); stored when
+                                                  some layer differs from layer 0, whose
+                                                  ``head_dim`` / ``num_kv_heads`` the metadata holds
 =========================  =====================  ===============================================
 
-Export targets declare which of these their engine serves (:data:`FEATURES`, read by
+Export targets declare which of these their engine serves (:data:`.features.FEATURES`, read by
 :mod:`oscar_calib.tools.export.base`). A new setting is one field here, its key in
 :mod:`.layout`, its check in :meth:`ArtifactSettings.problems` and, when an engine could fail to
-honour it, one :class:`Feature`.
+honour it, one :class:`~.features.Feature`.
 
 Importing this module does not import torch.
 """
@@ -50,9 +57,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from ..errors import ArtifactError, InputError
+from ..errors import ArtifactError
 from .defaults import (
     BITS,
     COMPOSITIONS,
@@ -72,6 +79,9 @@ from .layout import (
     IMPORTED,
     KEY_CENTERING_METADATA,
     LAYER_GROUPS_METADATA,
+    LAYER_HEAD_DIMS_METADATA,
+    LAYER_IDS_METADATA,
+    LAYER_KV_HEADS_METADATA,
     LAYER_V_GROUPS_METADATA,
     LOGIT_CORRECTION_METADATA,
     SHARED_CLIP_METADATA,
@@ -82,6 +92,9 @@ INT_LIMIT = 2 ** 31          # every integer field: what an int32 holds (kernels
 # transformers' model types: a letter, then letters, digits, '_' or '-' ("llama", "gemma3_text", "gpt-sw3")
 MODEL_TYPE = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}")
 _DIGITS = re.compile(r"[0-9]{1,30}")
+# transformers model types whose layers also keep a recurrent state (linear attention, short convolution, Mamba):
+# hybrid models, whose attention layers alone have artifact layers (Falcon-H1: every layer has both)
+STATE_MODEL_TYPES = ("falcon_h1", "lfm2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 class GroupPair(NamedTuple):
@@ -104,7 +117,8 @@ class GroupPair(NamedTuple):
 @dataclass(frozen=True)
 class ArtifactSettings:
     """Every setting of an artifact, typed and valid (see the module docstring). ``layer_groups``
-    may be given empty: every layer then uses ``group_size`` for keys and values."""
+    may be given empty: every layer then uses ``group_size`` for keys and values; ``layer_ids``,
+    ``layer_head_dims`` and ``layer_kv_heads`` likewise (``0..n-1``, ``head_dim``, ``num_kv_heads``)."""
 
     num_layers: int
     num_attention_heads: int
@@ -123,11 +137,18 @@ class ArtifactSettings:
     key_centering: bool = False
     shared_clips: tuple[float, float] | None = None
     model_type: str | None = None
+    layer_ids: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         groups = tuple(GroupPair.of(*g) for g in self.layer_groups) or \
             (GroupPair.of(self.group_size),) * self.num_layers
         object.__setattr__(self, "layer_groups", groups)
+        n = self.num_layers
+        for name, default in (("layer_ids", range(n)), ("layer_head_dims", [self.head_dim] * n),
+                              ("layer_kv_heads", [self.num_kv_heads] * n)):
+            object.__setattr__(self, name, tuple(int(x) for x in (getattr(self, name) or default)))
         if isinstance(self.logit_correction, int) and not isinstance(self.logit_correction, bool):
             object.__setattr__(self, "logit_correction", float(self.logit_correction))
         if self.shared_clips is not None:
@@ -184,6 +205,11 @@ class ArtifactSettings:
             md.update(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in self.shared_clips)))
         if self.model_type is not None:
             md["model_type"] = self.model_type
+        if self.mapped_layers:
+            md[LAYER_IDS_METADATA] = ",".join(map(str, self.layer_ids))
+        if self.mixed_heads:
+            md[LAYER_HEAD_DIMS_METADATA] = ",".join(map(str, self.layer_head_dims))
+            md[LAYER_KV_HEADS_METADATA] = ",".join(map(str, self.layer_kv_heads))
         return md
 
     # -- derived --------------------------------------------------------------------------------
@@ -213,7 +239,27 @@ class ArtifactSettings:
     @property
     def per_head(self) -> bool:
         """One rotation per KV head (not one shared by a layer's heads)."""
-        return self.granularity == "head" and self.num_kv_heads > 1
+        return self.granularity == "head" and max(self.layer_kv_heads) > 1
+
+    @property
+    def mapped_layers(self) -> bool:
+        """The artifact's layers are not the model's layers 0..n-1 (a hybrid model's attention layers)."""
+        return self.layer_ids != tuple(range(self.num_layers))
+
+    @property
+    def hybrid(self) -> bool:
+        """A hybrid model's artifact: its layers are the model's attention layers, beside layers that keep a
+        recurrent state (:data:`STATE_MODEL_TYPES`, or layers mapped to other ids)."""
+        return self.mapped_layers or self.model_type in STATE_MODEL_TYPES
+
+    @property
+    def mixed_heads(self) -> bool:
+        """Some layer's head_dim or KV-head count differs from layer 0's."""
+        return len(set(zip(self.layer_head_dims, self.layer_kv_heads))) > 1
+
+    def layer_heads(self, i: int) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of layer ``i``."""
+        return self.layer_kv_heads[i], self.layer_head_dims[i]
 
     # -- checks ---------------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -302,11 +348,15 @@ def _parse(md: dict[str, str], problems: list[str]) -> dict:
         out["shared_clips"] = tuple(clips)
     if "model_type" in md:
         out["model_type"] = str(md["model_type"])
+    for key in (LAYER_IDS_METADATA, LAYER_HEAD_DIMS_METADATA, LAYER_KV_HEADS_METADATA):
+        values = _sizes(md, key, n, problems)
+        if values is not None:
+            out[key] = tuple(values)
     return out
 
 
 def _sizes(md: dict[str, str], key: str, n: int | None, problems: list[str]) -> list[int] | None:
-    """The per-layer sizes under ``key`` (None when absent or unreadable: then a problem is added)."""
+    """The per-layer integers under ``key`` (None when absent or unreadable: then a problem is added)."""
     raw = md.get(key)
     if raw is None:
         return None
@@ -315,7 +365,8 @@ def _sizes(md: dict[str, str], key: str, n: int | None, problems: list[str]) -> 
         problems.append(f"metadata {key!r} is not comma-separated integers: {raw[:60]!r}")
         return None
     if n is not None and len(parts) != n:
-        problems.append(f"metadata {key!r} has {len(parts)} sizes for {n} layers")
+        problems.append(f"metadata {key!r} has {len(parts)} {'ids' if key == LAYER_IDS_METADATA else 'sizes'} for "
+                        f"{n} layers")
         return None
     return [int(x) for x in parts]
 
@@ -331,13 +382,18 @@ def _problems(v: dict) -> list[str]:
     for k, cap in (("num_layers", MAX_LAYERS), ("num_attention_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM)):
         if v.get(k) is not None and v[k] > cap:
             problems.append(f"metadata {k!r} is {v[k]}, above the toolkit's limit of {cap}")
-    if h and kv and h % kv:
-        problems.append(f"{h} query heads do not split evenly over {kv} KV heads")
-    if d and d % HEAD_DIM_MULTIPLE:
-        problems.append(f"head_dim {d} is not a multiple of {HEAD_DIM_MULTIPLE} (the INT2 cache packs four 2-bit "
-                        "codes per byte)")
+    problems += _layer_problems(v)
+    dims = v.get("layer_head_dims") or ([d] if d else [])
+    heads = v.get("layer_kv_heads") or ([kv] if kv else [])
+    for x in sorted(set(heads)):
+        if h and x and h % x:
+            problems.append(f"{h} query heads do not split evenly over {x} KV heads")
+    for x in sorted(set(dims)):
+        if x and x % HEAD_DIM_MULTIPLE:
+            problems.append(f"head_dim {x} is not a multiple of {HEAD_DIM_MULTIPLE} (the INT2 cache packs four 2-bit "
+                            "codes per byte)")
     if g:
-        why = group_size_problem(g, d or None)
+        why = next((w for w in (group_size_problem(g, x or None) for x in sorted(set(dims)) or [None]) if w), None)
         if why:
             problems.append(f"group_size {why}")
     sink, recent = v.get("sink_tokens"), v.get("recent_tokens")
@@ -353,9 +409,10 @@ def _problems(v: dict) -> list[str]:
     if groups and n is not None and len(groups) != n:
         problems.append(f"{len(groups)} layer group sizes for {n} layers")
     elif groups:
+        per_d = dims if len(dims) == len(groups) else [d] * len(groups)
         for key, sizes in ((LAYER_GROUPS_METADATA, [p.k for p in groups]), (LAYER_V_GROUPS_METADATA,
                                                                             [p.v for p in groups])):
-            bad = next((why for why in (group_size_problem(s, d or None) for s in sizes) if why), None)
+            bad = next((why for why in (group_size_problem(s, x or None) for s, x in zip(sizes, per_d)) if why), None)
             if bad:
                 problems.append(f"metadata {key!r}: {bad}")
     a = v.get("logit_correction", 0.0)
@@ -378,85 +435,30 @@ def _problems(v: dict) -> list[str]:
     return problems
 
 
-# ----------------------------------------------------------------------------- what engines serve
-
-@dataclass(frozen=True)
-class Feature:
-    """A setting an artifact may use and an engine may not honour.
-
-    ``active(settings)``: the artifact uses it. An export target lists the features its engine
-    serves; for one it does not, ``dropped(settings, engine)`` is the one line the export prints
-    (the engine serves the artifact without it), or ``refused`` is True (it cannot be served at all).
-    ``covered_by``: a feature whose dropped line already says this one's (not repeated)."""
-
-    name: str
-    title: str
-    active: Callable[[ArtifactSettings], bool]
-    dropped: Callable[[ArtifactSettings, str], str]
-    refused: bool = False
-    covered_by: str | None = None
-
-
-def _groups_text(s: ArtifactSettings) -> str:
-    ks, vs = s.k_groups, s.v_groups
-    if s.split_groups:
-        return f"the keys' per-layer sizes {min(ks)}–{max(ks)} and the values' {min(vs)}–{max(vs)}"
-    return f"the per-layer sizes {min(ks)}–{max(ks)}"
-
-
-
-FEATURES: dict[str, Feature] = {f.name: f for f in (
-    Feature("logit_correction", "logit-noise correction",
-            lambda s: s.logit_correction > 0,
-            lambda s, e: (f"{e} does not subtract the logit-noise correction this artifact asks for (logit_correction "
-                          f"{s.logit_correction:g}): it serves the rotations and clips without it")),
-    Feature("layer_group_sizes", "per-layer group sizes",
-            lambda s: s.per_layer_groups or s.split_groups,
-            lambda s, e: (f"{e} takes one group size for every layer and both caches: it serves group "
-                          f"{s.group_size} instead of {_groups_text(s)}")),
-    Feature("split_group_sizes", "K and V group sizes apart",
-            lambda s: s.split_groups,
-            lambda s, e: (f"{e} takes one group size per layer for K and V: the values are stored in the keys' "
-                          f"groups ({min(s.k_groups)}–{max(s.k_groups)}) instead of their own "
-                          f"({min(s.v_groups)}–{max(s.v_groups)})"),
-            covered_by="layer_group_sizes"),
-    Feature("per_head_rotations", "one rotation per KV head",
-            lambda s: s.per_head,
-            lambda s, e: (f"{e} loads one rotation per layer: it serves the artifact's shared per-layer rotations, "
-                          f"not its {s.num_kv_heads} per-KV-head ones")),
-    Feature("key_centering", "key centering",
-            lambda s: s.key_centering,
-            lambda s, e: (f"{e} does not subtract the mean key (k_mean) this artifact was calibrated with: it serves "
-                          "the rotations and clips on uncentered keys, whose INT2 groups span a wider range than "
-                          "the clips were fitted for")),
-    Feature("windows", "BF16 sink and recent window",
-            lambda s: s.sink_tokens + s.recent_tokens > 0,
-            lambda s, e: (f"{e} keeps no BF16 sink or recent window: the {s.sink_tokens} sink and "
-                          f"{s.recent_tokens} recent tokens are stored in INT2 like the rest")),
-    Feature("attention_sinks", "attention-sink logits",
-            lambda s: s.model_type in SINK_MODEL_TYPES,
-            lambda s, e: (f"the model ({s.model_type}) adds a learned attention-sink logit per query head to its "
-                          f"softmax, and {e}'s OSCAR decode path was not read for attention sinks, so oscar does not "
-                          "write for it"),
-            refused=True),
-)}
-
-
-def feature_lines(settings: ArtifactSettings, serves, engine: str,
-                  wording: Callable[[str], str | None] | None = None) -> tuple[list[str], list[str]]:
-    """``(warnings, refusals)`` for an engine that serves the features named in ``serves``:
-    one line per active feature it does not serve (see :class:`Feature`). ``wording(name)``: the
-    engine's own line for a dropped feature, when it has a more precise one (None: the feature's)."""
-    served = set(serves)
-    unknown = served - set(FEATURES)
-    if unknown:
-        raise InputError(f"unknown artifact feature(s) {', '.join(sorted(unknown))}; known: {', '.join(FEATURES)}")
-    warnings, refusals = [], []
-    for f in FEATURES.values():
-        if f.name in served or not f.active(settings):
+def _layer_problems(v: dict) -> list[str]:
+    """The per-layer mapping and head geometry: ``layer_ids`` increasing from 0 and below
+    :data:`MAX_LAYERS`; ``layer_head_dims`` / ``layer_kv_heads`` one per layer, within the bounds of
+    ``head_dim`` / ``num_kv_heads``, and starting with them (layer 0's)."""
+    problems, n = [], v.get("num_layers")
+    for key in (LAYER_IDS_METADATA, LAYER_HEAD_DIMS_METADATA, LAYER_KV_HEADS_METADATA):
+        values = tuple(v.get(key) or ())
+        if values and n is not None and len(values) != n:
+            problems.append(f"metadata {key!r} has {len(values)} {'ids' if key == LAYER_IDS_METADATA else 'sizes'} "
+                            f"for {n} layers")
             continue
-        if f.covered_by and f.covered_by not in served and FEATURES[f.covered_by].active(settings):
+        if not values:
             continue
-        line = (wording(f.name) if wording else None) or f.dropped(settings, engine)
-        (refusals if f.refused else warnings).append(line)
-    return warnings, refusals
+        if key == LAYER_IDS_METADATA:
+            if values[0] < 0 or any(b <= a for a, b in zip(values, values[1:])):
+                problems.append(f"metadata {key!r} must be increasing decoder-layer indices, got "
+                                f"{','.join(map(str, values))[:60]}")
+            elif values[-1] >= MAX_LAYERS:
+                problems.append(f"metadata {key!r} names layer {values[-1]}, above the toolkit's limit of "
+                                f"{MAX_LAYERS - 1}")
+            continue
+        name, cap = ("head_dim", MAX_HEAD_DIM) if key == LAYER_HEAD_DIMS_METADATA else ("num_kv_heads", MAX_HEADS)
+        if any(x <= 0 or x > cap for x in values):
+            problems.append(f"metadata {key!r} must hold values in 1..{cap}, got {','.join(map(str, values))[:60]}")
+        elif v.get(name) is not None and values[0] != v[name]:
+            problems.append(f"metadata {key!r} starts with {values[0]} but {name} (layer 0's) is {v[name]}")
+    return problems

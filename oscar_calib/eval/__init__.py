@@ -4,6 +4,10 @@ Methods: ``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``, ``fork-lloyd``,
 ``quanto``; what the KV cache holds in each, and which group size and windows it uses, is in
 :mod:`.methods`.
 
+The package holds the measurements of an artifact on held-out data: this evaluation, and
+:mod:`.verify` (``oscar verify``: the INT2 kernels on held-out activations against a Hadamard
+baseline, the pass/fail gate recorded in ``verify.json``).
+
 Settings are one typed :class:`~oscar_calib.eval.options.EvalOptions`, validated once.
 
 Perplexity (``task="ppl"``) is teacher-forced on held-out text (the embedded corpus' ``heldout``
@@ -15,7 +19,10 @@ transformers' ``AttentionInterface`` (:class:`SimulatedKV`) that computes the sc
 versions and picks per (i, j), and splits the probabilities into their BF16 and INT2 parts for
 ``P·V``; the model's causal and sliding-window masks and GQA are honoured, math is float32. With
 nothing quantised it equals plain attention (tested). ``quanto`` has no such simulation: it
-decodes the text token by token through a real ``QuantizedCache``.
+decodes the text token by token through a real ``QuantizedCache``. At long contexts
+(``contexts``) the last predictions of long windows are scored after a full-precision prefill, by
+the simulation or through the real :class:`~oscar_calib.runtime.OscarCache` (``real_cache``):
+:mod:`.context`.
 
 Needle in a haystack (``task="niah"``, RULER's ``niah_single`` style): a needle "One of the
 special magic numbers for {key} is: {value}." (a random word pair and a 7-digit number) is placed
@@ -34,6 +41,7 @@ from pathlib import Path
 
 from ..errors import EvalError
 from ..progress import ProgressFn
+from .context import context_windows, evaluate_context
 from .methods import (
     DEFAULT_METHODS,
     METHODS,
@@ -45,8 +53,9 @@ from .methods import (
     resolve_methods,
 )
 from .niah import evaluate_niah, make_niah, score_niah
+from .nll import cache_nll, quanto_sequence_nll, real_cache_nll, sequence_nll
 from .options import TASKS, EvalOptions, options_for
-from .ppl import evaluate_ppl, heldout_sequences, quanto_sequence_nll, sequence_nll
+from .ppl import evaluate_ppl, heldout_sequences
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 
@@ -58,8 +67,8 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     and disk, :class:`~oscar_calib.model.placement.Placement`), run ``options.task`` and write the plot. Without
     an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
     None: the defaults (perplexity). Used by ``oscar eval``."""
-    from ..calibrate.corpus import check_data_path
     from ..contract.artifact import load_artifact, require_compatible
+    from ..data.corpus import check_data_path
     from ..model.load import load_model
 
     opts = options_for(options)
@@ -76,7 +85,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah
     result = fn(lm, opts, artifact=art, progress=progress)
     if notes:
-        result.settings["notes"] = notes
+        result.settings["notes"] = notes + result.settings.get("notes", [])
     if plot is not None:
         write_plot(Path(plot), result)
         result.settings["plot"] = str(plot)
@@ -84,6 +93,6 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
 
 
 __all__ = ["DEFAULT_METHODS", "EvalError", "EvalOptions", "EvalResult", "METHODS", "QUANTO_DEFAULTS", "TASKS", "bits_of", "build_schemes",
-           "eval_headline", "eval_text", "evaluate_niah", "evaluate_ppl", "heldout_sequences", "make_niah",
-           "parse_methods", "quanto_cache", "quanto_sequence_nll", "record_eval", "run_eval", "score_niah",
-           "sequence_nll", "write_plot"]
+           "cache_nll", "context_windows", "eval_headline", "eval_text", "evaluate_context", "evaluate_niah",
+           "evaluate_ppl", "heldout_sequences", "make_niah", "parse_methods", "quanto_cache", "quanto_sequence_nll",
+           "real_cache_nll", "record_eval", "run_eval", "score_niah", "sequence_nll", "write_plot"]

@@ -115,15 +115,16 @@ def build_schemes(methods: list[str], geo, *, artifact=None, group_size: int | N
     if real_cache and engines:
         raise InputError(f"method(s) {', '.join(engines)} run only in the perplexity simulation (--task ppl): oscar's "
                          "real INT2 cache stores oscar's own quantiser")
-    g = group_size or (artifact.group_size if artifact is not None else default_group_size(geo.head_dim))
-    check_group_size(geo.head_dim, g)
+    g = group_size or (artifact.group_size if artifact is not None else default_group_size(min(geo.head_dims)))
+    for d in sorted(set(geo.head_dims)):
+        check_group_size(d, g)
     out = {}
     for m in methods:
         if m == "bf16":
             out[m] = KVScheme.full_precision(geo.num_layers, sink=sink, recent=recent)
         elif m in ("naive", "hadamard"):
             rot, clips = ("identity", (1.0, 1.0)) if m == "naive" else ("hadamard", tuple(hadamard_clips))
-            out[m] = KVScheme.uniform(m, geo.num_layers, geo.num_kv_heads, geo.head_dim, g, rotation=rot,
+            out[m] = KVScheme.uniform(m, geo.num_layers, geo.kv_heads, geo.head_dims, g, rotation=rot,
                                       clips=clips, sink=sink, recent=recent)
         elif m == "oscar":
             out[m] = KVScheme.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
@@ -180,8 +181,49 @@ def quanto_cache(config):
         raise InputError("method 'quanto' needs optimum-quanto: pip install 'oscar-calib[quanto]'") from None
     from transformers.cache_utils import Cache, QuantizedCache, QuantoQuantizedLayer
 
+    from ..runtime.compat import cache_slots
+
     cfg = config.get_text_config(decoder=True)
+    if any(slot.state is not None for slot in cache_slots(cfg)):
+        raise InputError(f"method 'quanto': transformers' QuantizedCache holds no recurrent state, which "
+                         f"{cfg.model_type}'s linear-attention or state-space layers keep (leave it out of --methods)")
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     if all(t == "full_attention" for t in types):
         return QuantizedCache(backend="quanto", config=cfg, nbits=QUANTO_DEFAULTS["nbits"])
     return Cache(layers=[QuantoQuantizedLayer(nbits=QUANTO_DEFAULTS["nbits"]) for _ in types])
+
+
+def method_fields(method: str, sch: KVScheme | None, sink: int, recent: int) -> dict:
+    """A perplexity row's description of what ``method`` stored: bits per history element, group
+    size, per-layer sizes of a bit budget, the correction's gain, and windows other than ``sink`` /
+    ``recent`` (the fork methods take the artifact's)."""
+    row = {"bits_per_element": bits_of(method, sch),
+           "group_size": QUANTO_DEFAULTS["q_group_size"] if method == "quanto" else (sch.group_size if sch else None)}
+    if sch is not None and sch.quantized and not sch.uniform_groups:
+        row["layer_group_sizes"] = [list(sch.groups(i)) for i in range(sch.num_layers)]   # a bit budget
+    if sch is not None and sch.logit_correction:
+        row["logit_correction"] = sch.logit_correction
+    if sch is not None and (sch.sink, sch.recent) != (sink, recent):
+        row.update(sink=sch.sink, recent=sch.recent)
+    return row
+
+
+def gap_closed(rows: list[dict]) -> None:
+    """Set each row's share of the Hadamard → BF16 perplexity gap it closes
+    (``gap_closed_vs_hadamard``), where both ran (rows of one length)."""
+    by = {r["method"]: r["ppl"] for r in rows}
+    for r in rows:
+        if "bf16" in by and "hadamard" in by and by["hadamard"] != by["bf16"]:
+            r["gap_closed_vs_hadamard"] = (by["hadamard"] - r["ppl"]) / (by["hadamard"] - by["bf16"])
+
+
+def scheme_settings(schemes: dict, artifact) -> dict:
+    """What a perplexity result's settings say about the fork's and other engines' schemes."""
+    out = {}
+    fork = fork_settings(schemes, artifact)
+    if fork:
+        out["fork"] = fork
+    engines = engine_settings(schemes)
+    if engines:
+        out["engines"] = engines
+    return out

@@ -68,7 +68,7 @@ class NiahSample:
 _SENTENCES: dict = {}
 
 
-def _filler_text(haystack: str) -> str:
+def filler_text(haystack: str) -> str:
     """The text filler sentences come from: RULER's noise, generated prose (:mod:`.haystack`), or the
     embedded corpus' held-out half."""
     if haystack == "noise":
@@ -78,7 +78,7 @@ def _filler_text(haystack: str) -> str:
 
         return prose_text()
     if haystack == "corpus":
-        from ..calibrate.corpus import embedded_texts
+        from ..data.corpus import embedded_texts
 
         text = "\n".join(embedded_texts())
         return text[len(text) // 2:]
@@ -89,7 +89,7 @@ def _filler_sentences(tokenizer, haystack: str) -> tuple[list[str], list[int]]:
     """Sentences of the embedded corpus' held-out half (or RULER's noise), with token counts."""
     key = (id(tokenizer), haystack)
     if key not in _SENTENCES:
-        text = _filler_text(haystack)
+        text = filler_text(haystack)
         if haystack == "noise":
             sents = [s + "." for s in text.rstrip(".").split(". ")]
         else:
@@ -103,7 +103,7 @@ def haystack_fingerprint(haystack: str) -> str:
     """sha256 (first 16 hex digits) of the filler text: the ``corpus`` haystack is the running
     Python's ``pydoc_data`` topics, so two machines' prompts agree only when this does (``prose``
     is the same everywhere)."""
-    return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(filler_text(haystack).encode("utf-8")).hexdigest()[:16]
 
 
 def make_niah(tokenizer, length: int, depth: float, seed: int, *, haystack: str = "corpus") -> NiahSample:
@@ -153,11 +153,15 @@ def score_niah(answer: str, value: str) -> int:
 
 
 def _prefill(model, ids: torch.Tensor, chunk: int):
-    """Full-precision prefill of ``ids`` [1, T] into a config-less ``DynamicCache`` (every layer
-    keeps every token, so any method's cache can be built from it)."""
+    """Full-precision prefill of ``ids`` [1, T] into a cache whose attention layers keep every token
+    (a config-less ``DynamicCache``; a hybrid's keeps its recurrent states beside them:
+    :func:`~oscar_calib.runtime.compat.full_cache`), so any method's cache can be built from it."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    from ..runtime.compat import cache_slots, full_cache
+
+    hybrid = any(slot.state is not None for slot in cache_slots(model.config))
+    cache = full_cache(model.config) if hybrid else DynamicCache()
     for a in range(0, ids.shape[1], chunk):
         model(input_ids=ids[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache

@@ -14,6 +14,13 @@ field              task    meaning (default)
 ``sequences``      ppl     held-out sequences (1: the default set runs in about a minute on a CPU)
 ``seq_len``        ppl     tokens per sequence (2048)
 ``data``           ppl     ``embedded`` / ``embedded-code`` (a corpus' held-out half) or a file or directory
+``contexts``       ppl     long contexts, a tuple or comma-separated text (none): ``sequences`` windows of
+                           each length, the last ``scored`` predictions of each scored
+                           (:mod:`.context`); none: windows of ``seq_len``, every prediction scored
+``scored``         ppl     predictions scored at the end of each window (None:
+                           :func:`scored_predictions`)
+``real_cache``     ppl     score through :class:`~oscar_calib.runtime.OscarCache` itself (prefill, then
+                           one decode step per scored prediction) instead of the simulation (False)
 ``lengths``        niah    context lengths, a tuple or comma-separated text (1024 … 8192)
 ``depths``         niah    needle depths in [0, 1] (0, 0.25, 0.5, 0.75, 1)
 ``samples``        niah    prompts per (length, depth) (1)
@@ -45,6 +52,9 @@ from ..errors import InputError
 from .methods import DEFAULT_METHODS, parse_methods
 
 TASKS = ("ppl", "niah")
+# predictions scored at the end of a long-context window (--context): the last 1,024, or the second half
+# of a window shorter than 2,048 tokens
+CONTEXT_SCORED = 1024
 # NIAH filler: held-out corpus sentences, RULER's repeated noise, or prose generated from a committed grammar
 # (the same text on every Python; eval.haystack)
 HAYSTACKS = ("corpus", "noise", "prose")
@@ -85,6 +95,9 @@ class EvalOptions:
     haystack: str = "corpus"
     max_new_tokens: int = 12
     prefill_chunk: int = 2048
+    contexts: tuple[int, ...] = ()
+    scored: int | None = None
+    real_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -117,9 +130,38 @@ class EvalOptions:
             set_("samples", -(-self.prompts // len(self.depths)))
         if self.haystack not in HAYSTACKS:
             raise InputError(f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}")
+        set_("contexts", parse_numbers(self.contexts, int, "--context"))
+        if any(n < 2 for n in self.contexts):
+            raise InputError(f"--context lengths must be at least 2 tokens, got {list(self.contexts)}")
+        if self.scored is not None:
+            _positive("--scored", self.scored)
+            for n in self.contexts or (self.seq_len,):
+                if self.scored > n - 1:
+                    raise InputError(f"--scored {self.scored} is more than the {n - 1} predictions a window of {n} "
+                                     "tokens makes")
+        if not isinstance(self.real_cache, bool):
+            raise InputError(f"real_cache must be True or False, got {self.real_cache!r}")
+        if self.task == "niah" and (self.contexts or self.scored is not None or self.real_cache):
+            raise InputError("--context, --scored and --real-cache are for --task ppl (niah always decodes through "
+                             "the real cache)")
+
+    def scored_at(self, length: int) -> int:
+        """Predictions scored in a window of ``length`` tokens: ``scored`` when given, else
+        :func:`scored_predictions`."""
+        return self.scored if self.scored is not None else scored_predictions(length, bool(self.contexts))
 
     def replace(self, **changes) -> "EvalOptions":
         return dataclasses.replace(self, **changes)
+
+
+def scored_predictions(length: int, long: bool = True) -> int:
+    """Predictions scored by default in a window of ``length`` tokens: at a long context the last
+    :data:`CONTEXT_SCORED` (half the window below ``2 × CONTEXT_SCORED`` tokens), so every scored
+    token reads a history nearly as long as the window; otherwise (``long`` False: the held-out
+    windows of ``seq_len``) all ``length − 1``."""
+    if not long:
+        return length - 1
+    return min(CONTEXT_SCORED, max(1, length // 2))
 
 
 def options_for(options: EvalOptions | None, task: str | None = None) -> EvalOptions:

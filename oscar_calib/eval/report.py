@@ -61,6 +61,11 @@ def eval_text(results: dict) -> str:
                      "QuantizedCache (2 bits, residual 128, group 64)")
         if s.get("fork"):
             lines.append(fork_note(s["fork"]))
+    long = results.get("long")
+    if long:
+        if lines:
+            lines.append("")
+        lines += context_text(long)
     niah = results.get("niah")
     if niah:
         s = niah["settings"]
@@ -77,6 +82,52 @@ def eval_text(results: dict) -> str:
         if s.get("fork"):
             lines.append(fork_note(s["fork"]))
     return "\n".join(lines)
+
+
+def context_caption(result: dict) -> str:
+    """What a long-context perplexity result (``oscar eval --context``, its JSON) measured, in one
+    sentence."""
+    s = result["settings"]
+    scored = s.get("scored") or {}
+    counts = sorted(set(scored.values())) if isinstance(scored, dict) else [scored]
+    paths = sorted(set((s.get("paths") or {}).values()))
+    return (f"held-out perplexity at long contexts: the last {' / '.join(f'{n:,}' for n in counts)} predictions of "
+            f"{s['sequences']} window(s) of each length of {s['data']}, the rest of each window prefilled at full "
+            f"precision; BF16 sink {s['sink']} + recent {s['recent']}, INT2 history"
+            + (f"; scored through {', '.join(paths)}" if paths else ""))
+
+
+def context_cells(result: dict) -> tuple[list[str], list[list[str]]]:
+    """The long-context table of a result's JSON: headers and one row per method (its history's
+    bits per element, then per length its perplexity, its distance to BF16 and the bits the real
+    cache holds at that length with its windows counted)."""
+    lengths = result["settings"]["contexts"]
+    by = {(r["method"], r["context"]): r for r in result["rows"]}
+    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
+    headers = ["method", "bits/elem"] + [f"ppl at {n:,} (vs BF16; bits with windows)" for n in lengths]
+    rows = []
+    for m in methods:
+        first = next(r for r in result["rows"] if r["method"] == m)
+        cells = [m, f"{first['bits_per_element']:.3f}"]
+        for n in lengths:
+            r = by.get((m, n))
+            if r is None:
+                cells.append("-")
+                continue
+            rel = f"{r['vs_bf16']:+.2%}" if "vs_bf16" in r and m != "bf16" else ""
+            bits = f"{r['bits_at_context']:.2f} b" if "bits_at_context" in r and m != "bf16" else ""
+            extra = "; ".join(x for x in (rel, bits) if x)
+            cells.append(f"{r['ppl']:.3f}" + (f" ({extra})" if extra else ""))
+        rows.append(cells)
+    return headers, rows
+
+
+def context_text(result: dict) -> list[str]:
+    """Plain-text lines of a long-context result (for model cards)."""
+    headers, rows = context_cells(result)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(headers)]
+    fmt = lambda cells: "".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return [context_caption(result), fmt(headers).rstrip(), *(fmt(r).rstrip() for r in rows)]
 
 
 def _rate(row: dict, length: str | None = None) -> str:
@@ -117,6 +168,10 @@ def eval_headline(results: dict) -> dict:
             out[f"{r['method']}_ppl"] = round(r["ppl"], 3)
             if r["method"] in ("oscar", "fork"):
                 out[f"{r['method']}_bits_per_element"] = r["bits_per_element"]
+    long = results.get("long")
+    if long:
+        out["long_ppl"] = {str(n): {r["method"]: round(r["ppl"], 3) for r in long["rows"] if r["context"] == n}
+                           for n in long["settings"]["contexts"]}
     niah = results.get("niah")
     if niah:
         out["niah"] = {r["method"]: round(r["accuracy"], 3) for r in niah["summary"]}
@@ -134,16 +189,23 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     numbers under ``eval`` (what the model card and ``oscar zoo`` show); then rewrite the model
     card. The rotations file is not touched.
 
+    A long-context perplexity result (``oscar eval --context``) is its own table, stored under
+    ``eval_results["long"]`` (headline ``long_ppl``: perplexity per length and method); it never
+    replaces the main one.
+
     A perplexity result that includes another engine's method (``vllm``, ``llamacpp``) is the
     card's "what each engine costs" table: it is stored under ``eval_results["engines"]``. Its
     other methods (``bf16``, ``naive``, ``hadamard``, ``oscar``, ``fork``...) also replace the main
     ``ppl`` table when they include ``bf16`` and every method that table has (so one run can fill
     both); otherwise the main table stays as it was. ``serving``
-    (:func:`oscar_calib.tools.export.serving_table`) is stored beside it as ``engine_serving``."""
+    (:func:`oscar_calib.tools.export.serving_table`) is stored beside it as ``engine_serving``.
+
+    A long-context or NIAH result is also drawn beside the card (``CARD_PLOTS``: perplexity or
+    needle retrieval against context length), and the card shows that picture."""
     import json
 
-    from ..contract.artifact import CARD_NAME, REPORT_NAME
     from ..contract.card import model_card
+    from ..contract.layout import CARD_NAME, CARD_PLOTS, REPORT_NAME
     from ..fsutil import atomic_write_text
 
     directory = Path(artifact_dir)
@@ -155,8 +217,12 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
     from .methods import ENGINE_METHODS
 
     results = report.setdefault("eval_results", {})
-    engines = result.task == "ppl" and any(r["method"] in ENGINE_METHODS for r in result.rows)
-    results["engines" if engines else result.task] = result.to_json()
+    long = result.task == "ppl" and bool(result.settings.get("contexts"))
+    engines = result.task == "ppl" and not long and any(r["method"] in ENGINE_METHODS for r in result.rows)
+    key = "long" if long else "engines" if engines else result.task
+    results[key] = result.to_json()
+    if key in CARD_PLOTS:                   # the card shows it: drawn from the result it stores
+        write_plot(directory / CARD_PLOTS[key], result)
     if engines:
         own = [r for r in result.rows if r["method"] not in ENGINE_METHODS]
         names = {r["method"] for r in own}
@@ -169,8 +235,11 @@ def record_eval(artifact_dir: Path, result: EvalResult, *, serving: list[dict] |
         report["engine_serving"] = serving
     results["text"] = eval_text(results)
     report["eval"] = eval_headline(results)
-    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
-    atomic_write_text(directory / CARD_NAME, model_card(report))
+    stored = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    atomic_write_text(path, stored)
+    # the card is drawn from the report as stored (sorted keys), so it is the card that
+    # calibration.json generates and `oscar validate` recognises it as unedited
+    atomic_write_text(directory / CARD_NAME, model_card(json.loads(stored)))
 
 
 PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#eb7", "vllm": "#5a8",
@@ -187,7 +256,20 @@ def write_plot(path: Path, result: EvalResult) -> None:
 
     from ..fsutil import atomic_write_bytes
 
-    if result.task == "ppl":
+    if result.task == "ppl" and result.settings.get("contexts"):
+        fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
+        lengths = result.settings["contexts"]
+        for m in dict.fromkeys(r["method"] for r in result.rows):
+            pts = sorted((r["context"], r["ppl"]) for r in result.rows if r["method"] == m)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=m, color=PLOT_COLORS.get(m))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("perplexity of the last tokens")
+        ax.set_title(f"{result.model_id}\nthe last predictions of long windows; BF16 sink {result.settings['sink']} + "
+                     f"recent {result.settings['recent']}", fontsize=9)
+        ax.legend()
+    elif result.task == "ppl":
         fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
         rows = result.rows
         names = [f"{r['method']}\n{r['bits_per_element']:.2f} b" for r in rows]

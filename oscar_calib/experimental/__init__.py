@@ -8,6 +8,9 @@ module                         what it holds
 :mod:`.codebook`               calibrated 4-level codebooks for the 2-bit history (quantisers
                                ``codebook`` / ``codebook-std`` of :class:`.codebook.CodebookScheme`,
                                read by the perplexity simulation only)
+:mod:`.channel`                keys quantised per channel in blocks of tokens as they leave the
+                               window, KIVI's and OScaR's key axis (quantiser ``channel`` of
+                               :class:`.channel.ChannelScheme`, perplexity simulation only)
 =============================  ===================================================================
 
 Importing a module registers what it adds with the product's one extension point

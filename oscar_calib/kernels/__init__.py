@@ -28,7 +28,13 @@ use. Storage format and packing order: :mod:`oscar_calib.kernels.pack`; cache la
 """
 
 from ..contract.defaults import DEFAULT_RECENT, DEFAULT_SINK
-from ._common import BACKENDS, ENV_VAR, triton_available
+from ._common import (
+    BACKENDS,
+    ENV_VAR,
+    interpreter_problem,
+    interpreting,
+    triton_available,
+)
 from .append import append_token, append_token_reference
 from .cache import Int2KVCache, build_cache, split_lengths, to_paged
 from .decode import decode_attention, decode_attention_reference
@@ -55,6 +61,8 @@ __all__ = [
     "decode_attention",
     "decode_attention_reference",
     "dequantize_packed",
+    "interpreter_problem",
+    "interpreting",
     "pack_codes",
     "quantize_kv",
     "quantize_kv_reference",

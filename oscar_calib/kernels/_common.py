@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from ..contract.defaults import check_group_size
+from ..contract.defaults import check_group_size, is_power_of_two
 from ..errors import InputError
 from ..versions import version_tuple
 
@@ -58,6 +58,21 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+# head_dim each Triton kernel takes: powers of two in these ranges (the torch references take any multiple of 4); the
+# decode-step write (append) takes the write kernel's. A layer outside them (Gemma 4's 512-wide global layers) runs
+# the torch reference under backend "auto"; "triton" refuses it
+KERNEL_HEAD_DIMS = {"write": (16, 256), "decode": (64, 256)}
+
+
+def head_dim_problem(d: int, kernel: str) -> str | None:
+    """Why the Triton ``kernel`` (``"write"`` or ``"decode"``) does not take head_dim ``d`` (None: it
+    does): the one rule :func:`resolve_backend`'s callers and the real cache ask."""
+    lo, hi = KERNEL_HEAD_DIMS[kernel]
+    if not is_power_of_two(d) or not lo <= d <= hi:
+        return f"head_dim {d} (the {kernel} kernel needs a power of two in {lo}..{hi})"
+    return None
 
 
 def resolve_backend(backend: str, tensors: list[torch.Tensor], supported: str | None = None) -> str:

@@ -556,13 +556,18 @@ def _int2_block(start, hi, kc_ptr, vcw_ptr, ks_ptr, ko_ptr, vs_ptr, vo_ptr,
                 sc = tl.load(ks_ptr + pbase + g).to(tl.float32)
                 of = tl.load(ko_ptr + pbase + g).to(tl.float32)
             qs = _sel8(g, qs0, qs1, qs2, qs3, qs4, qs5, qs6, qs7)
-            sc = tl.broadcast_to(sc[:, None, :], [BN, M2, HP]).reshape(BN, NK)
             of = tl.broadcast_to(of[:, None, :], [BN, M2, HP]).reshape(BN, NK)
             if CORR:  # with the logit-noise correction of this key group
                 cn = _sel8(g, cn0, cn1, cn2, cn3, cn4, cn5, cn6, cn7)
-                s += (t * TWO24 - sc * cn[None, :]) * sc + of * qs[None, :]
+                sc = tl.broadcast_to(sc[:, None, :], [BN, M2, HP]).reshape(BN, NK)
+                term = (t * TWO24 - sc * cn[None, :]) * sc + of * qs[None, :]
+            else:  # (the power-of-two factor applied per token, before the broadcast: exact)
+                sc = tl.broadcast_to((sc * TWO24)[:, None, :], [BN, M2, HP]).reshape(BN, NK)
+                term = t * sc + of * qs[None, :]
+            if g == 0:  # the first group's term is the score (no add to zeros: one instruction less per score)
+                s = term
             else:
-                s += t * (sc * TWO24) + of * qs[None, :]
+                s += term
             t = tl.zeros([BN, NK], dtype=tl.float32)
     if MASKED:
         s = tl.where(nm[:, None], s, float("-inf"))

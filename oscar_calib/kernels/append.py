@@ -55,6 +55,7 @@ from ..contract.defaults import group_pair
 from ..errors import InputError
 from ._common import (
     check_tensor,
+    head_dim_problem,
     interpreting,
     load_triton_module,
     next_pow2,
@@ -195,9 +196,9 @@ def append_token(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, codes: 
         if query.shape[1] % h:
             raise InputError(f"query has {query.shape[1]} heads, not a multiple of the {h} KV heads")
     (ks, vs), (ko, vo) = kv_params(scale, "scale"), kv_params(offset, "offset")
-    supported = None if window.stride(-1) == 1 and codes.stride(-1) == 1 and all(
-        t.stride(-1) == 1 for t in (ks, vs, ko, vo)) and ks.stride() == ko.stride() and vs.stride() == vo.stride() \
-        else "the cache tensors must be contiguous in their last dimension"
+    supported = head_dim_problem(d, "write") or (None if window.stride(-1) == 1 and codes.stride(-1) == 1 and all(
+        t.stride(-1) == 1 for t in (ks, vs, ko, vo)) and ks.stride() == ko.stride() and vs.stride() == vo.stride()
+        else "the cache tensors must be contiguous in their last dimension")
     if resolve_backend(backend, [k, v, window, codes, counts], supported) == "torch":
         return append_token_reference(k, v, window, codes, scale, offset, counts, sink=sink, recent=recent,
                                       group_size=group_size, rotation=rotation, clip=clip, ring=ring, real=real,

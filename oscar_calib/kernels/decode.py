@@ -77,7 +77,8 @@ host (pass ``check_lengths=False`` inside CUDA graphs). Tuning knobs (``config``
 ``heads_per_program``, ``programs_per_sm``, ``min_chunk``, ``split_tokens``, ``split_tokens16``,
 ``num_stages``, ``num_stages_long`` and ``long_chunk`` (the history loop's stages for programs of
 at least ``long_chunk`` tokens; 0 = ``num_stages``), ``prefetch``, ``maxnreg``, ``pdl``,
-``l2_prefetch``, ``window_stages``, ``merge_two_pass`` (the merge's two-pass loop even when all
+``l2_prefetch``, ``l2_head`` (tokens a longer chunk's program prefetches into L2 before the
+wait; default 0, off), ``window_stages``, ``merge_two_pass`` (the merge's two-pass loop even when all
 partials fit one block; for comparison), ``rotate_batched`` (False: one sequence per rotation
 program; for comparison), ``rotate_cols`` (columns of ``R`` per rotation program, default 32),
 ``value_pairs`` (False: value codes loaded as 32-bit words instead of 16-bit pairs; for
@@ -103,12 +104,13 @@ import math
 
 import torch
 
-from ..contract.defaults import check_logit_correction, is_power_of_two
+from ..contract.defaults import check_logit_correction
 from ..errors import InputError
 from ..numerics.quant import logit_noise, logit_noise_coefficient
 from ._common import (
     check_tensor,
     derived,
+    head_dim_problem,
     interpreting,
     load_triton_module,
     next_pow2,
@@ -244,8 +246,9 @@ def decode_attention_reference(
 
 def _triton_support(cache: Int2KVCache, q: torch.Tensor) -> str | None:
     d, g = cache.head_dim, min(cache.group_size, cache.v_group_size)
-    if not is_power_of_two(d) or not 64 <= d <= 256:
-        return f"head_dim {d} (the decode kernel needs 64, 128 or 256)"
+    why = head_dim_problem(d, "decode")
+    if why:
+        return why
     if g < 32:
         return f"group size {g} (the decode kernel needs groups of at least 32 channels)"
     if q.shape[1] // cache.num_kv_heads > 64:
@@ -364,6 +367,9 @@ def decode_attention(
 #   l2_prefetch       with PDL, programs of at most this many history tokens prefetch all of them into
 #                     L2 while the query rotation runs: 8K x 1 17.3 against 18.3 us; longer chunks lose
 #                     (their prefetches queue in front of the rotation's own loads)
+#   l2_head           off (0): prefetching only the first 64-128 tokens of longer chunks gained 1-2% at
+#                     128K x 1 and under 1% at 32K x 1 (H200, two runs; 256 tokens lost 5%), less than
+#                     the 3% a default must win by
 #   window_stages     pipeline stages of the 16-bit window loop, or "auto" (see _window_stages): 2
 _LARGE = {"mode": 1, "BLOCK_N": 64, "BLOCK16": 32, "num_stages": 2, "heads_per_program": "fill",
           "programs_per_sm": 40, "min_chunk": 320, "prefetch": True, "maxnreg": 0, "pdl": True,
@@ -437,15 +443,19 @@ def _l2_warm_args(cfg: dict, chunk: int, d: int, g: int, page: int, paged: bool,
     """Constexprs of the L2 warm-up: with PDL and history chunks of at most ``l2_prefetch``
     tokens, each program prefetches its whole chunk into L2 before it waits for the query
     rotation; one prefetch per 128-byte line of code rows (``d/4`` bytes per token) and of
-    parameters (2 bytes per group and token; at most a page apart)."""
+    parameters (2 bytes per group and token; at most a page apart). ``l2_head`` (default 0: off):
+    programs of longer chunks prefetch their first ``l2_head`` tokens (rounded up to a power of
+    two), so their first steps' loads need not wait for DRAM after the rotation ends."""
     limit = int(cfg.get("l2_prefetch", 0))
-    if not pdl or chunk > limit:
+    head = int(cfg.get("l2_head", 0))
+    if not pdl or (chunk > limit and not head):
         return {}
     cs = max(1, 512 // d)
     ps = max(1, 64 // (d // g))
     if paged:
         cs, ps = min(cs, page), min(ps, page)
-    return {"L2T": next_pow2(max(chunk, cs, ps)), "L2CS": cs, "L2PS": ps}
+    n = chunk if chunk <= limit else min(chunk, head)
+    return {"L2T": next_pow2(max(n, cs, ps)), "L2CS": cs, "L2PS": ps}
 
 
 def _rotate_query_triton(mod, q, r, h: int, cfg: dict, pdl: bool) -> torch.Tensor:

@@ -5,6 +5,8 @@ Nothing here is used at run time by the kernels.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..contract.defaults import group_pair
@@ -107,3 +109,50 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (NaN if ``out`` has a NaN)."""
     o, r = out.double(), ref.double()
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+# the Triton kernels a benchmark or a SASS dump compiles on its own: name -> (module, kernel)
+JIT_KERNELS = {"decode": ("_decode_triton", "decode_kernel"), "write": ("_write_triton", "quantize_kv_planes_kernel")}
+
+
+def jit_kernel(name: str):
+    """The ``@triton.jit`` function of the ``decode`` or ``write`` kernel (what
+    ``scripts/dev/kernel_sass.py`` compiles for a GPU architecture); needs triton."""
+    from ._common import load_triton_module
+
+    if name not in JIT_KERNELS:
+        raise KeyError(f"no kernel {name!r}; choose from {', '.join(JIT_KERNELS)}")
+    module, kernel = JIT_KERNELS[name]
+    return getattr(load_triton_module(module), kernel)
+
+
+def rotate_query_triton(q: torch.Tensor, k_rotation: torch.Tensor, num_kv_heads: int,
+                        config: dict | None = None) -> torch.Tensor:
+    """The decode kernel's query rotation alone, ``q [B, Hq, d] @ R_k[h]`` in float32 through its
+    Triton kernel with the decode's tuning for this batch (what the decode benchmark times as
+    ``rotation_only``); :func:`~oscar_calib.kernels.decode.rotate_query` is its torch reference."""
+    from . import decode
+    from ._common import load_triton_module
+
+    cfg = decode.tuning(q.shape[0], num_kv_heads, config)
+    return decode._rotate_query_triton(load_triton_module("_decode_triton"), q, k_rotation, num_kv_heads, cfg, False)
+
+
+@contextlib.contextmanager
+def merge_left_out():
+    """Benchmarks only: decode calls without their merge kernel (its launch a no-op) inside the
+    block, to time what the merge adds to a call; the outputs are then not the attention."""
+    from ._common import load_triton_module
+
+    mod = load_triton_module("_decode_triton")
+    real = mod.decode_merge_kernel
+
+    class _Skip:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    mod.decode_merge_kernel = _Skip()
+    try:
+        yield
+    finally:
+        mod.decode_merge_kernel = real

@@ -75,13 +75,14 @@ import math
 
 import torch
 
-from ..contract.defaults import default_group_size, is_power_of_two
+from ..contract.defaults import default_group_size
 from ..errors import InputError
 from ..numerics import quant
 from ._common import (
     check_group,
     check_tensor,
     derived,
+    head_dim_problem,
     interpreting,
     load_triton_module,
     resolve_backend,
@@ -150,9 +151,7 @@ def quantize_kv_reference(
 
 
 def _triton_support(d: int, group_size: int) -> str | None:
-    if not is_power_of_two(d) or not 16 <= d <= 256:
-        return f"head_dim {d} (the kernel needs a power of two in 16..256)"
-    return None
+    return head_dim_problem(d, "write")
 
 
 def quantize_kv(

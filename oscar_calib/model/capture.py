@@ -9,8 +9,10 @@ hands its inputs and output to an observer, and returns the output unchanged, so
 logits do not change. It is the single owner of this registration: entering switches every
 config of the model to ``oscar_capture`` and exiting restores what was there, also on error.
 
-Observers receive ``(layer_idx, module, q, k, v, o, kwargs)`` with ``q`` [B, Hq, T, d],
-``k``/``v`` [B, Hkv, T, d], ``o`` [B, T, Hq, d].
+Observers receive ``(layer, module, q, k, v, o, kwargs)`` with ``q`` [B, Hq, T, d],
+``k``/``v`` [B, Hkv, T, d], ``o`` [B, T, Hq, d]; ``layer`` is the artifact's layer: the module's
+position among the model's attention layers (:func:`attention_slots`; its ``layer_idx`` for a model
+whose every layer is attention, not for a hybrid model's).
 """
 
 from __future__ import annotations
@@ -50,13 +52,32 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     cap = _ACTIVE[-1]
     fn = attention_function(cap.base, module)
     out, weights = fn(module, query, key, value, attention_mask, **kwargs)
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx; cannot attribute captures")
+    layer = attention_slot(cap.slots, module)
     cap.calls += 1
     for obs in cap.observers:
         obs(layer, module, query, key, value, out, kwargs)
     return out, weights
+
+
+def attention_slots(model) -> dict[int, int]:
+    """``{layer_idx: artifact layer}`` of ``model``'s attention layers
+    (:func:`~oscar_calib.model.geometry.attention_layer_ids`: a hybrid model's linear-attention and
+    state-space layers have none)."""
+    from .geometry import attention_layer_ids
+
+    return {lid: j for j, lid in enumerate(attention_layer_ids(model.config))}
+
+
+def attention_slot(slots: dict[int, int], module) -> int:
+    """The artifact layer of the attention ``module`` (its ``layer_idx`` through ``slots``), or one
+    :class:`UnsupportedModelError` line."""
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx; cannot attribute captures")
+    if layer not in slots:
+        raise UnsupportedModelError(f"{type(module).__name__} (layer_idx {layer}) runs attention in a layer the "
+                                    "model's config gives no KV cache")
+    return slots[layer]
 
 
 def _register() -> None:
@@ -136,12 +157,14 @@ class Capture(AttentionRoute):
         self.observers = list(observers)
         self.calls = 0
         self.base = "sdpa"
+        self.slots: dict[int, int] = {}
 
     def __enter__(self) -> "Capture":
         _register()
         if _configs(self.model)[0]._attn_implementation == CAPTURE_NAME:
             raise RuntimeError("capture is already active on this model")
         self.base = model_attention(self.model)
+        self.slots = attention_slots(self.model)
         return self._route(self.base)
 
 

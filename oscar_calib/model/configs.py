@@ -45,6 +45,7 @@ SECTIONS = ("geometry", "calibration", "rotationzoo")
 ROTATIONZOO_REPO = "Zhongzhu/OSCAR-RotationZoo"      # OSCAR's published rotations on the Hugging Face hub
 FORK_WINDOW_MULTIPLE = 8                             # the fork's page size: sink and recent are multiples of it
 QK_NORMS = (None, "head", "layer")    # RMSNorm over each head's q/k, over the whole projection, or none
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")   # what a layer_pattern may name
 
 # the random-init test model: narrow, short, small vocabulary; heads and head_dim stay real
 TINY_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256,
@@ -67,6 +68,11 @@ class GeometrySpec:
     max_position_embeddings: int | None = None
     layer_pattern: tuple[str, ...] | None = None   # repeated over the layers; None: all full attention
     sliding_window: int | None = None
+    # a hybrid's linear-attention layers are ``linear_attention`` in the pattern (no KV cache: no artifact layer);
+    # full-attention layers whose head geometry differs from the others' (Gemma 4: global_head_dim and
+    # num_global_key_value_heads, the latter with attention_k_eq_v)
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
     attention_bias: bool = False
     qk_norm: str | None = None                     # see QK_NORMS
     partial_rotary_factor: float = 1.0             # share of head_dim that RoPE rotates
@@ -86,8 +92,18 @@ class GeometrySpec:
         if not 0 < float(self.partial_rotary_factor) <= 1:
             raise InputError(f"{where}: partial_rotary_factor must be in (0, 1]")
         for lt in self.layer_pattern or ():
-            if lt not in ("full_attention", "sliding_attention"):
-                raise InputError(f"{where}: unknown layer type {lt!r} in layer_pattern")
+            if lt not in LAYER_TYPES:
+                raise InputError(f"{where}: unknown layer type {lt!r} in layer_pattern (one of "
+                                 f"{', '.join(LAYER_TYPES)})")
+        if self.layer_pattern and not set(self.layer_pattern) - {"linear_attention"}:
+            raise InputError(f"{where}: layer_pattern has no attention layer")
+        for name in ("full_head_dim", "full_kv_heads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise InputError(f"{where}: {name} must be a positive integer, got {v!r}")
+        if self.full_kv_heads and self.num_attention_heads % self.full_kv_heads:
+            raise InputError(f"{where}: {self.num_attention_heads} query heads do not split over {self.full_kv_heads} "
+                             "KV heads of the full-attention layers")
         if self.layer_pattern and "sliding_attention" in self.layer_pattern and not self.sliding_window:
             raise InputError(f"{where}: sliding layers need sliding_window")
         unknown = set(self.tiny) - set(TINY_DEFAULTS) - {"layer_types", "hf_config"}
@@ -105,12 +121,26 @@ class GeometrySpec:
         pattern = self.layer_pattern or ("full_attention",)
         return tuple(pattern[i % len(pattern)] for i in range(n))
 
+    def layer_heads(self, kind: str) -> tuple[int, int]:
+        """``(KV heads, head_dim)`` of a layer of ``kind``."""
+        if kind == "full_attention":
+            return self.full_kv_heads or self.num_kv_heads, self.full_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
+
     def to_geometry(self):
-        """The :class:`oscar_calib.model.load.Geometry` that ``geometry_of`` reports for the real model."""
+        """The :class:`oscar_calib.model.load.Geometry` that ``geometry_of`` reports for the real model
+        (a hybrid's attention layers only; per-layer heads where the full-attention layers differ)."""
         from .geometry import Geometry
 
-        return Geometry(self.model_type, self.num_layers, self.num_attention_heads, self.num_kv_heads,
-                        self.head_dim, self.layer_types(), self.sliding_window if self.layer_pattern else None)
+        types = self.layer_types()
+        ids = tuple(i for i, t in enumerate(types) if t != "linear_attention")
+        heads = [self.layer_heads(types[i]) for i in ids]
+        mixed = len(set(heads)) > 1
+        return Geometry(self.model_type, len(ids), self.num_attention_heads, heads[0][0], heads[0][1],
+                        tuple(types[i] for i in ids), self.sliding_window if self.layer_pattern else None,
+                        layer_ids=None if ids == tuple(range(len(ids))) else ids,
+                        layer_head_dims=tuple(d for _, d in heads) if mixed else None,
+                        layer_kv_heads=tuple(h for h, _ in heads) if mixed else None)
 
     def config_kwargs(self, *, tiny: bool = False) -> dict:
         """Keyword arguments for ``transformers.AutoConfig.for_model(model_type, **kwargs)``."""
@@ -129,7 +159,12 @@ class GeometrySpec:
         kw.update({k: v for k, v in sizes.items() if v is not None})
         if self.layer_pattern:
             kw["layer_types"] = layer_types
-            kw["sliding_window"] = self.sliding_window
+            if self.sliding_window is not None:
+                kw["sliding_window"] = self.sliding_window
+        if self.full_head_dim is not None:            # Gemma 4's names (transformers' Gemma4TextConfig)
+            kw["global_head_dim"] = self.full_head_dim
+        if self.full_kv_heads is not None:
+            kw.update(num_global_key_value_heads=self.full_kv_heads, attention_k_eq_v=True)
         kw.update(extra)
         return kw
 
@@ -147,7 +182,7 @@ class GeometrySpec:
         """A random-init causal LM with this geometry at tiny width (float32, eval mode)."""
         import torch
 
-        from .load import model_class
+        from .registry import model_class
 
         torch.manual_seed(seed)
         config = self.to_hf_config(tiny=True)

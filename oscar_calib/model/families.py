@@ -16,7 +16,11 @@ field              meaning
 
 The stand-ins keep what matters to a KV cache: GQA (4 query heads over 2 KV heads), head_dim 16,
 the family's layer pattern (sliding, chunked or NoPE layers, attention sinks, q/k norms, biases,
-scaling multipliers) and, for mixtures of experts, a routed MLP of 4 experts.
+scaling multipliers) and, for mixtures of experts, a routed MLP of 4 experts. A hybrid's stand-in
+interleaves its recurrent layers with attention layers so that the artifact's layers map to
+decoder layers other than 0..n-1 (Qwen3.5's 3:1 pattern as ``linear, full, linear, full``);
+Gemma 4's has global layers of twice the sliding layers' head_dim (and, in the wrapper, fewer KV
+heads, as ``attention_k_eq_v`` gives them).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ TWO_KINDS = ["sliding_attention", "full_attention"]
 VISION = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)
 QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+# hybrids: Gated DeltaNet layers (Qwen3-Next, Qwen3.5) between attention layers
+LINEAR = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=2,
+              linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+SHARED_MOE = dict(MOE, shared_expert_intermediate_size=32)
+MAMBA = dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+             mamba_expand=1, mamba_chunk_size=16)
+# Gemma 4: sliding layers of head_dim 16, global (full) layers of 32; no per-layer input embeddings
+GEMMA4 = dict(BASE, num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+              sliding_window=8, global_head_dim=32, hidden_size_per_layer_input=0, vocab_size_per_layer_input=128)
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,7 @@ class Family:
         """The random-init stand-in: float32, eval mode, no gradients."""
         import torch
 
-        from .load import model_class
+        from .registry import model_class
 
         config = self.config()
         torch.manual_seed(seed)
@@ -73,7 +86,7 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    # dense families registered before (their stand-ins make the support table; tests/test_models.py
+    # dense families registered before (their stand-ins make the support table; tests/model/test_models.py
     # checks their fingerprints against the registry-based rule)
     Family("llama", "meta-llama/Llama-3.1-8B", dict(BASE)),
     Family("mistral", "mistralai/Mistral-7B-v0.1", dict(BASE, sliding_window=16)),
@@ -124,4 +137,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 vision_config=dict(QWEN_VISION, fullatt_block_indexes=[0]))),
     Family("qwen3_vl", "Qwen/Qwen3-VL-8B-Instruct",
            dict(text_config=dict(BASE), vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0]))),
+    # hybrids: only the attention layers have artifact layers (the others keep a recurrent state)
+    Family("qwen3_next", "Qwen/Qwen3-Next-80B-A3B-Instruct", dict(BASE, **LINEAR, **SHARED_MOE)),
+    Family("qwen3_5_text", "Qwen/Qwen3.5-4B", dict(BASE, **LINEAR)),
+    Family("qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B", dict(BASE, **LINEAR, **SHARED_MOE)),
+    Family("qwen3_5", "Qwen/Qwen3.5-27B", dict(text_config=dict(BASE, **LINEAR), vision_config=QWEN_VISION)),
+    Family("qwen3_5_moe", "Qwen/Qwen3.5-397B-A17B",
+           dict(text_config=dict(BASE, **LINEAR, **SHARED_MOE), vision_config=QWEN_VISION)),
+    Family("falcon_h1", "tiiuae/Falcon-H1-7B-Instruct", dict(BASE, **MAMBA)),
+    Family("lfm2", "LiquidAI/LFM2-1.2B", dict(BASE, num_hidden_layers=4, full_attn_idxs=[1, 3], conv_L_cache=3)),
+    # mixed head sizes per layer
+    Family("gemma4_text", "google/gemma-4-31B-it", dict(GEMMA4)),
+    Family("gemma4", "google/gemma-4-26B-A4B-it",
+           dict(text_config=dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
+                vision_config=dict(VISION, head_dim=16))),
+    Family("gemma4_unified", "google/gemma-4-12B-it",
+           dict(text_config=dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
+                vision_config=dict(VISION, head_dim=16))),
 )}

@@ -4,7 +4,7 @@
 0=70GiB,cpu=200GiB`` go to ``from_pretrained``, i.e. accelerate's big-model dispatch: layers spread
 over GPUs, CPU RAM and disk (safetensors checkpoints are disk-offloaded in place, read from their own
 files). Under data parallelism each rank gets its own slice of the GPUs
-(:func:`oscar_calib.calibrate.parallel.placement_for_rank`).
+(:func:`oscar_calib.jobs.session.placement_for_rank`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Architecture knowledge as data: where each family keeps the projections that weight folding
-rewrites, and the families that do not fit with the reason.
+"""Architecture knowledge as data: which transformers class builds a family's model with its
+language-model head (:func:`model_class`), where each family keeps the projections that weight
+folding rewrites, and the families that do not fit with the reason.
 
 Calibration, verify, eval and the runtime cache need no entry here: they read post-RoPE Q/K/V
 through transformers' attention interface and find the attention modules by structure
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.settings import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
+from ..contract.features import SINK_MODEL_TYPES  # noqa: F401 - the families with attention sinks, beside the others
 from ..errors import UnsupportedModelError
 
 
@@ -31,9 +32,13 @@ class ArchSpec:
     k_norm: str | None = None
     sliding_window: bool = False           # some layers attend to a window only
     bias: bool = False                     # q/k/v projections may carry a bias
+    fold_refusal: str | None = None        # why the value rotation cannot be folded into this family's weights
+    values_from_keys: str | None = None    # a config flag under which some layers take their values from k_proj
 
 
 _QK = dict(q_norm="q_norm", k_norm="k_norm")
+_GATED = ("its attention output is multiplied elementwise by a gate before o_proj, so R_v cannot move into o_proj "
+          "(caches rotate V online instead)")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
@@ -64,14 +69,26 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "granite": ArchSpec(),
     "exaone4": ArchSpec(**_QK, sliding_window=True),
     "ernie4_5": ArchSpec(bias=True),
+    # hybrids (oscar_calib.model.geometry: their attention layers only). Qwen3-Next and Qwen3.5 multiply the
+    # attention output elementwise by a sigmoid gate (the second half of q_proj) before o_proj: o_proj then reads
+    # (o ⊙ g), and folding R_v would hand it (o R_v) ⊙ g, which is not (o ⊙ g) R_v
+    "qwen3_next": ArchSpec(**_QK, fold_refusal=_GATED),
+    "qwen3_5_text": ArchSpec(**_QK, fold_refusal=_GATED),
+    "qwen3_5_moe_text": ArchSpec(**_QK, fold_refusal=_GATED),
+    # Falcon-H1: attention beside a Mamba-2 mixer in every layer; keys scaled by key_multiplier
+    "falcon_h1": ArchSpec(bias=True),
+    # LFM2: attention layers between short convolutions; the output projection is out_proj
+    "lfm2": ArchSpec(o_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
+    # Gemma 4: sliding layers of one head size, global layers of another; a scale-free RMSNorm over each value head
+    # (rotation-invariant); with attention_k_eq_v the global layers have no v_proj (their values are k_proj's)
+    "gemma4_text": ArchSpec(**_QK, sliding_window=True, values_from_keys="attention_k_eq_v"),
+    "gemma4_unified_text": ArchSpec(**_QK, sliding_window=True, values_from_keys="attention_k_eq_v"),
     # the language models of multimodal wrappers (gemma3 and mistral3 wrap gemma3_text and mistral)
     "qwen2_5_vl_text": ArchSpec(bias=True),
     "qwen3_vl_text": ArchSpec(**_QK),
 }
 
 _MLA = "multi-head latent attention (MLA) caches a compressed latent, not per-head K/V"
-_HYBRID = ("a hybrid model: its {kinds} layers keep a recurrent state, not a KV cache, and the artifact describes "
-           "every layer as softmax attention")
 
 # Families known not to fit: the reason is shown to the user.
 UNSUPPORTED: dict[str, str] = {
@@ -81,17 +98,6 @@ UNSUPPORTED: dict[str, str] = {
     "kimi_k2": _MLA,
     "glm_moe_dsa": _MLA,
     "minicpm3": _MLA,
-    "qwen3_next": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
-    "qwen3_5": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
-    "qwen3_5_text": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
-    "qwen3_5_moe": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
-    "qwen3_5_moe_text": _HYBRID.format(kinds="linear-attention (Gated DeltaNet)"),
-    "falcon_h1": _HYBRID.format(kinds="Mamba-2 (beside attention in every layer)"),
-    "lfm2": _HYBRID.format(kinds="short-convolution"),
-    "gemma4": "sliding and global layers differ in head_dim (and KV heads), and the artifact holds one head "
-              "geometry for every layer",
-    "gemma4_text": "sliding and global layers differ in head_dim (and KV heads), and the artifact holds one head "
-                   "geometry for every layer",
     "mamba": "state-space model without a KV cache",
     "mamba2": "state-space model without a KV cache",
     "rwkv": "recurrent model without a KV cache",
@@ -103,9 +109,10 @@ def refusal_for(model_type: str) -> str | None:
     return UNSUPPORTED.get(model_type)
 
 
-def arch_for(model_type: str) -> ArchSpec:
-    """The registry entry for ``config.model_type`` (the text model's), or one line saying what
-    is missing: what weight folding needs it for."""
+def arch_for(model_type: str, config=None) -> ArchSpec:
+    """The registry entry for ``config.model_type`` (the text model's), or one line saying why weight
+    folding cannot use it: no entry (it names the projections folding rewrites), a family whose value
+    rotation cannot be folded, or (given the text ``config``) layers without a value projection."""
     if model_type in UNSUPPORTED:
         raise UnsupportedModelError(f"unsupported architecture {model_type!r}: {UNSUPPORTED[model_type]}")
     if model_type not in ARCHITECTURES:
@@ -113,4 +120,28 @@ def arch_for(model_type: str) -> ArchSpec:
             f"architecture {model_type!r} has no entry in oscar's registry (oscar_calib/model/registry.py), which "
             "names the value and output projections that fold-weights rewrites; registered: "
             f"{', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[model_type]
+    spec = ARCHITECTURES[model_type]
+    if spec.fold_refusal:
+        raise UnsupportedModelError(f"{model_type}: {spec.fold_refusal}")
+    if spec.values_from_keys and config is not None and getattr(config, spec.values_from_keys, False):
+        raise UnsupportedModelError(f"{model_type}: with {spec.values_from_keys} its global layers take their values "
+                                    f"from k_proj (no {spec.v_proj}), so folding R_v would rotate the keys too")
+    return spec
+
+
+def model_class(config):
+    """The transformers auto class that builds the model of ``config`` (None: a GGUF file's) with its
+    language-model head:
+    ``AutoModelForCausalLM``, or for a multimodal wrapper that transformers maps only as image-text
+    to text (Mistral 3, Qwen2.5-VL, Qwen3-VL) ``AutoModelForImageTextToText``. oscar runs the
+    wrapper on text alone; its language model is what gets calibrated."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

@@ -1,7 +1,7 @@
 """Clip fitting and held-out error measurement.
 
 Held-out rows are whole causal prefixes of sequences that the statistics never saw (see
-:class:`oscar_calib.calibrate.stats.Reservoir`). For KV head ``h`` with rotation ``R`` and clip ratio ``c``,
+:class:`oscar_calib.calibration.stats.Reservoir`). For KV head ``h`` with rotation ``R`` and clip ratio ``c``,
 ``x̂ = Q_int2(clip_c(x R))`` (every held-out token quantised, no BF16 sink/window: the harshest case).
 With key centering (a layer's ``k_mean`` μ) the keys are quantised as the cache stores them,
 ``k̂ = Q_int2(clip_c((k − μ) R)) Rᵀ + μ``: every figure below compares keys in the model's basis, so
@@ -21,7 +21,7 @@ The report's held-out figures are relative RMS errors: logits (``k``), attention
 quantised (``v``), and attention output with both quantised (``attn``). A layer given ``serving =
 (sink, recent)`` measures them as a serving cache reads its rows: query ``i`` reads key ``j`` in
 full precision when ``j < sink`` or ``i − j < recent``, INT2 otherwise (the bit budget's objective
-on held-out sequences longer than the sliding window, :mod:`oscar_calib.calibrate.budget`).
+on held-out sequences longer than the sliding window, :mod:`oscar_calib.calibration.budget`).
 """
 
 from __future__ import annotations

@@ -59,8 +59,12 @@ Q2_0_THRESHOLD = 0.6745
 Q8_0_BLOCK = 32
 
 
-def boundary_layers(num_layers: int, n: int = VLLM_BOUNDARY_LAYERS) -> list[int]:
-    """The layers vLLM's OSCAR backend keeps in the model's dtype: the first and last ``min(n, L // 2)``."""
+def boundary_layers(num_layers: int, n: int = VLLM_BOUNDARY_LAYERS, *, hybrid: bool = False) -> list[int]:
+    """The layers vLLM's OSCAR backend keeps in the model's dtype: the first and last ``min(n, L // 2)``,
+    none on a hybrid model (``OscarConfig.get_boundary_skip_layers`` at 9195dd08f3 returns none when
+    ``model_config.is_hybrid``: too few attention layers to spare)."""
+    if hybrid:
+        return []
     n = min(n, num_layers // 2)
     return sorted(set(range(n)) | set(range(num_layers - n, num_layers))) if n > 0 else []
 

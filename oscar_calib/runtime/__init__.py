@@ -5,9 +5,10 @@ name                        module                 what it is
 ==========================  =====================  ==============================================
 :class:`OscarCache`         :mod:`.cache`          **the real cache**: packed INT2 history written by
                                                    the write kernel, decode steps through the INT2
-                                                   decode kernel (``with cache.attach(model):``);
-                                                   ``cache.generate(model, ids, ...)`` decodes on
-                                                   the fastest path that applies
+                                                   decode kernel (``with cache.attach(model):``)
+:func:`generate`            :mod:`.generation`     ``generate(model, ids, cache, ...)``: the model's
+                                                   ``generate`` with the cache attached, on the
+                                                   fastest path that applies
 :class:`OscarAttention`     :mod:`.attention`      the registered attention function's route
 :class:`DecodeGraph`        :mod:`.graph`          a decode step of the real cache replayed from a
                                                    CUDA graph (no per-kernel host cost)
@@ -17,8 +18,6 @@ name                        module                 what it is
                                                    the history for the model's own attention)
 :class:`SimulatedKV`        :mod:`.simulate`       accuracy simulation per query position (ppl)
 :class:`KVScheme`           :mod:`.scheme`         how a method stores K/V (rotations, clips, G, window)
-:class:`LayerScheme`        :mod:`.scheme`         one layer of a scheme (rotations, clips, groups,
-                                                   k_mean, correction, windows), passed whole
 ==========================  =====================  ==============================================
 
 The INT2 kernels themselves live in :mod:`oscar_calib.kernels`. Importing this package does not
@@ -27,8 +26,8 @@ import transformers; its names load on first use.
 
 from __future__ import annotations
 
-_EXPORTS = {"KVScheme": ".scheme", "LayerScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
-            "DecodeGraph": ".graph", "graph_decoding": ".graph",
+_EXPORTS = {"KVScheme": ".scheme", "OscarCache": ".cache", "OscarLayer": ".cache", "OscarAttention": ".attention",
+            "DecodeGraph": ".graph", "graph_decoding": ".graph", "generate": ".generation",
             "SimulatedCache": ".simulated", "SimulatedLayer": ".simulated", "SimulatedKV": ".simulate",
             "SUPPORTED_TRANSFORMERS": ".compat", "check_transformers": ".compat"}
 

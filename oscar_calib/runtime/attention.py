@@ -53,7 +53,7 @@ def registered_attention(module, query, key, value, attention_mask, **kwargs):
     layer_idx = getattr(module, "layer_idx", None)
     for route in reversed(_ACTIVE):
         layers = route.cache.layers
-        if layer_idx is None or layer_idx >= len(layers) or layers[layer_idx].pending is None:
+        if layer_idx is None or layer_idx >= len(layers) or getattr(layers[layer_idx], "pending", None) is None:
             continue
         if not layers[layer_idx].takes(key):
             raise CacheError(f"layer {layer_idx}: the model changed K/V between cache.update and attention; "
@@ -182,11 +182,11 @@ class OscarAttention(AttentionRoute):
         AttentionInterface.register(ATTENTION_NAME, registered_attention)
         self.base = model_attention(self.model)
         self._route(self.base)
-        for layer in self.cache.layers:
+        for layer in self.cache.oscar_layers:
             layer.attached += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer in self.cache.layers:
+        for layer in self.cache.oscar_layers:
             layer.attached -= 1
         super().__exit__(*exc)

@@ -29,17 +29,24 @@ against (same numbers within the tolerances stated in ``tests/runtime``).
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..contract.artifact import checked_artifact
 from ..errors import ArtifactError, CacheError, InputError
-from ..progress import ProgressFn, report
-from .compat import SUPPORTED_TRANSFORMERS, check_transformers, layer_windows
+from ..model.geometry import model_identity
+from .compat import (
+    SUPPORTED_TRANSFORMERS,
+    cache_slots,
+    check_transformers,
+    copy_state,
+    state_layer,
+    with_state,
+)
 from .plan import LayerPlan
-from .scheme import KVScheme, LayerScheme
-from .storage import LayerStore, write_step, write_tokens
+from .scheme import KVScheme, SchemeLayer
+from .storage import LayerStore, held_slots, write_step, write_tokens
 
 
 class _BatchOps:
@@ -82,14 +89,10 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer: LayerScheme, *, sliding_window: int | None, backend: str = "auto",
-                 chunk: int | None = None):
-        """``layer``: one quantised layer of the cache's scheme (:meth:`KVScheme.layer`);
-        ``sliding_window``/``chunk``: the model layer's window."""
+    def __init__(self, scheme: SchemeLayer, *, sliding_window: int | None = None, chunk: int | None = None,
+                 backend: str = "auto", layer_id: int | None = None):
         super().__init__()
-        if not layer.quantized:
-            raise InputError("OscarLayer stores an INT2 history: its layer scheme needs group sizes")
-        self.layer, self.backend = layer, backend
+        self.scheme, self.layer_id, self.backend = scheme, layer_id, backend     # layer_id: the decoder layer
         self.sliding_window, self.chunk = sliding_window, chunk
         self.is_sliding = sliding_window is not None          # a window (sliding or chunked): a ring, no kernel
         self.attached = 0            # > 0 while an OscarAttention route serves this cache
@@ -98,9 +101,16 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
+        if self.backend == "triton":      # (auto: a head_dim the kernels do not take runs the torch path)
+            from ..kernels._common import head_dim_problem
+
+            why = head_dim_problem(d, "write") or head_dim_problem(d, "decode")
+            if why:
+                raise InputError(f"OscarCache(backend='triton'): layer {self.layer_id} has {why}; use backend='auto', "
+                                 "which runs that layer on the torch path")
         self.dtype, self.device = key_states.dtype, key_states.device
-        plan = LayerPlan.build(self.layer, heads=h, d=d, sliding_window=self.sliding_window, device=self.device,
-                               backend=self.backend, window_dtype=key_states.dtype, chunk=self.chunk)
+        plan = LayerPlan.build(self.scheme, heads=h, d=d, device=self.device, dtype=key_states.dtype,
+                               sliding_window=self.sliding_window, chunk=self.chunk, backend=self.backend)
         self.store = LayerStore(plan, b, h, d, self.device, reserve=self.reserved)
         self.is_initialized = True
 
@@ -152,18 +162,19 @@ class OscarLayer(_BatchOps, CacheLayerMixin):
         return None
 
 
-def checked_artifact(artifact, model):
-    """``artifact`` (a path or an :class:`~oscar_calib.contract.artifact.Artifact`) refused, before any
-    cache is built, when it is invalid or was calibrated for another model
-    (:func:`~oscar_calib.contract.artifact.valid_artifact`, then
-    :func:`~oscar_calib.contract.artifact.require_compatible` with ``model``'s geometry and, given a
-    model rather than a config, its fingerprint)."""
-    from ..contract.artifact import require_compatible, valid_artifact
-    from ..model.geometry import geometry_of, model_fingerprint
-
-    art = valid_artifact(artifact)                 # before anything of the model is read
-    require_compatible(art, geometry_of(model), model_fingerprint(model) if hasattr(model, "config") else None)
-    return art
+def not_storable(scheme: KVScheme) -> str | None:
+    """Why :class:`OscarCache` cannot store ``scheme`` (one line), or None: it stores oscar's
+    uniform INT2 history, nothing else (no full-precision scheme, no engine's or experimental
+    quantiser, no output-side V rotation)."""
+    if not scheme.quantized:
+        return f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache"
+    if scheme.quantizer != "oscar":
+        return (f"{scheme.name}: OscarCache stores oscar's uniform INT2; the {scheme.quantizer!r} quantiser exists "
+                "only in the perplexity simulation (SimulatedKV)")
+    if any(r is not None for r in scheme.v_output):
+        return (f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is simulated by "
+                "SimulatedKV only")
+    return None
 
 
 class OscarCache(Cache):
@@ -174,20 +185,38 @@ class OscarCache(Cache):
 
     def __init__(self, config, scheme: KVScheme, *, backend: str = "auto"):
         check_transformers()
-        if not scheme.quantized:
-            raise InputError(f"{scheme.name}: OscarCache stores an INT2 history; for full precision use DynamicCache")
-        scheme.require_oscar_quantizer("OscarCache")
-        if any(r is not None for r in scheme.v_output):
-            raise InputError(f"{scheme.name}: an output-side V rotation (an engine that absorbs R_v at load) is "
-                             "simulated by SimulatedKV only")
-        windows = layer_windows(config)
-        if len(windows) != scheme.num_layers:
+        why = not_storable(scheme)
+        if why:
+            raise InputError(why)
+        slots = cache_slots(config)
+        attention = [slot for slot in slots if slot.attention]
+        if len(attention) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(windows)} layers")
+                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        super().__init__(layers=[
-            OscarLayer(scheme.layer(i), sliding_window=w, backend=backend, chunk=c)
-            for i, (w, c) in enumerate(windows)])
+        layers, j = [], 0
+        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
+            if not slot.attention:
+                layers.append(state_layer(slot.state))
+                continue
+            cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
+            layers.append(cls(scheme.layer(j), sliding_window=slot.window, chunk=slot.chunk, backend=backend,
+                              layer_id=len(layers), **extra))
+            j += 1
+        super().__init__(layers=layers)
+
+    @property
+    def oscar_layers(self) -> list[OscarLayer]:
+        """The INT2 layers (a hybrid model's attention layers; its other layers keep transformers' own state)."""
+        return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+    @property
+    def recurrent(self) -> str | None:
+        """Why a decode step is not recorded as a CUDA graph for this cache (None: it can be): some
+        layers keep a recurrent state beside or instead of the KV cache (a hybrid model), which
+        transformers updates outside the cache's attention function."""
+        n = sum(not isinstance(layer, OscarLayer) or type(layer) is not OscarLayer for layer in self.layers)
+        return f"{n} of the model's {len(self.layers)} layers keep a recurrent state (a hybrid model)" if n else None
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
@@ -195,9 +224,10 @@ class OscarCache(Cache):
                       logit_correction: float | None = None) -> "OscarCache":
         """A cache for ``model`` (or its config: then the fingerprint is not checked) with an artifact
         (directory, ``oscar.safetensors`` or :class:`~oscar_calib.contract.artifact.Artifact`), refused
-        first if invalid or made for another model (:func:`checked_artifact`); ``logit_correction``:
+        first if invalid or made for another model
+        (:func:`~oscar_calib.contract.artifact.checked_artifact`); ``logit_correction``:
         another gain than the artifact's."""
-        art = checked_artifact(artifact, model)
+        art = checked_artifact(artifact, lambda: model_identity(model))
         scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
                                         logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme, backend=backend)
@@ -208,66 +238,24 @@ class OscarCache(Cache):
 
         return OscarAttention(model, self)
 
-    def generate(self, model, input_ids: torch.Tensor, *, fast: bool | str = "auto", compile: bool = False,
-                 progress: ProgressFn | None = None, **generate_kwargs):
-        """``model.generate(input_ids, past_key_values=self, **generate_kwargs)`` with the cache
-        attached, on the fastest path that applies: on one GPU every new token replays a CUDA graph
-        (:func:`~oscar_calib.runtime.graph.graph_decoding`; ~6x the tokens/s of eager steps on
-        an 8B model), elsewhere eager steps.
-
-        ``fast``: ``"auto"`` takes the graph where it applies and eager steps otherwise (a CPU model,
-        one spread over several GPUs or offloaded, beam search, attentions or hidden states in the
-        output); ``True`` refuses with one line where the graph does not apply; ``False`` always
-        runs eager steps. ``compile=True`` records the graph through ``torch.compile`` (about 30%
-        more tokens/s at 1 x 16K-128K on an H100, for 25-40 s of compiling at the first call of
-        each batch size): worth it for long generations; it needs the graph.
-
-        ``progress`` (:mod:`oscar_calib.progress`; :func:`oscar_calib.display.show_progress` draws
-        it) hears a ``prefill`` stage, then ``decode`` with one report per new token (counted
-        against ``max_new_tokens`` when given), from a logits processor: nothing is read back from
-        the device for it.
-
-        >>> cache = OscarCache.from_artifact("zoo/smollm2-135m", model)
-        >>> out = cache.generate(model, ids, max_new_tokens=256)          # graph on a GPU, eager on a CPU
-        """
-        from .graph import graph_decoding, graph_refusal
-
-        if fast not in ("auto", True, False):
-            raise InputError(f"OscarCache.generate: fast must be 'auto', True or False, not {fast!r}")
-        why = graph_refusal(model, **generate_kwargs) if fast is not False else "fast=False"
-        if why and fast is True:
-            raise InputError(f"OscarCache.generate(fast=True): no graph decoding here: {why} "
-                             "(fast='auto' falls back to eager steps)")
-        if compile and why:
-            raise InputError(f"OscarCache.generate(compile=True) compiles the graph step, which does not apply: {why}")
-        if not why:
-            generate_kwargs["custom_generate"] = (functools.partial(graph_decoding, compile=True) if compile
-                                                  else graph_decoding)
-        if progress is not None:
-            from transformers import LogitsProcessorList
-
-            counter = _TokenProgress(progress, input_ids.shape[-1], generate_kwargs.get("max_new_tokens"))
-            theirs = generate_kwargs.get("logits_processor") or ()
-            generate_kwargs["logits_processor"] = LogitsProcessorList([*theirs, counter])
-            report(progress, f"prefill: {input_ids.shape[-1]} tokens", 0, None)
-        with attached(self, model):
-            out = model.generate(input_ids, past_key_values=self, **generate_kwargs)
-        if progress is not None:
-            counter.finish()
-        return out
-
     def reserve(self, tokens: int) -> None:
         """Preallocate room for ``tokens`` tokens per sequence (no growth copies up to there)."""
-        for layer in self.layers:
+        for layer in self.oscar_layers:
             layer.reserved = max(layer.reserved, int(tokens))
             if layer.store is not None:
                 layer.store.reserve(int(tokens))
 
     def prefill_from(self, cache) -> "OscarCache":
         """Fill the cache with the K/V of another cache's layers (e.g. a ``DynamicCache`` after a
-        full-precision prefill); returns self."""
+        full-precision prefill; a hybrid's: :func:`~oscar_calib.runtime.compat.full_cache`, whose
+        recurrent states are copied as they are); returns self."""
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
         for layer, src in zip(self.layers, cache.layers):
-            layer.write_prefix(src.keys, src.values)
+            if isinstance(layer, LinearAttentionCacheLayerMixin):       # a hybrid's recurrent state, as it is
+                copy_state(layer, src)
+            if isinstance(layer, OscarLayer):
+                layer.write_prefix(src.keys, src.values)
         return self
 
     def memory(self) -> dict:
@@ -275,7 +263,7 @@ class OscarCache(Cache):
         (the slots that hold tokens: window, sink, INT2 history with its scales), and the BF16
         bytes a full-precision cache would hold for the same tokens."""
         used = alloc = bf16 = 0
-        for layer in self.layers:
+        for layer in self.oscar_layers:
             st = layer.store
             if st is None:
                 continue
@@ -283,32 +271,14 @@ class OscarCache(Cache):
             per_slot = [t.element_size() * t[0, :, :, 0].numel() for t in (st.window.kv,) + st.hist.tensors()]
             hist_per_slot = sum(per_slot[1:])
             for c in st.exact_counts():
-                kept = min(c, st.hist.cap + st.plan.sink) if st.hist.ring else c
-                used += min(c, st.plan.sink + st.plan.recent) * per_slot[0] + max(0, kept - st.plan.sink) * hist_per_slot
+                w, h, kept = held_slots(c, st.plan.sink, st.plan.recent, st.hist.cap if st.hist.ring else None)
+                used += w * per_slot[0] + h * hist_per_slot
                 bf16 += 2 * 2 * st.heads * st.d * kept
-        first = self.layers[0].store
+        first = self.oscar_layers[0].store
         n = sum(first.exact_counts()) if first is not None else 0
         return {"bytes": used, "allocated_bytes": alloc, "tokens": n, "bytes_per_token": used / n if n else 0.0,
                 "bf16_bytes": bf16, "compression": bf16 / used if used else 0.0,
                 "history_bits_per_element": self.scheme.bits_per_element}
-
-
-class _TokenProgress:
-    """A logits processor that reports decoding progress and leaves the scores as they are: it is
-    called once per new token, before that token is chosen, with the sequences so far."""
-
-    def __init__(self, progress: ProgressFn, prompt: int, total: int | None):
-        self.progress, self.prompt, self.total, self.done = progress, prompt, total, 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.done = input_ids.shape[-1] - self.prompt
-        report(self.progress, "decode", self.done, self.total, "tokens")
-        return scores
-
-    def finish(self) -> None:
-        """The stage ends with the last token (sooner than ``total`` when generation stopped)."""
-        n = self.done + 1
-        report(self.progress, "decode", n, n, "tokens")
 
 
 def attached(cache, model):
@@ -316,4 +286,5 @@ def attached(cache, model):
     return cache.attach(model) if isinstance(cache, OscarCache) else contextlib.nullcontext()
 
 
-__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers", "checked_artifact"]
+__all__ = ["OscarCache", "OscarLayer", "SUPPORTED_TRANSFORMERS", "attached", "check_transformers",
+           "not_storable"]

@@ -70,6 +70,9 @@ class DecodeGraph:
         if device is None:
             where = ", ".join(sorted({str(p.device) for p in model.parameters()}))
             raise InputError(f"DecodeGraph needs a CUDA model on one GPU (CUDA graphs); its parameters are on {where}")
+        if cache.recurrent:
+            raise InputError(f"DecodeGraph records the KV cache's attention only; {cache.recurrent}: decode it "
+                             "with eager steps (runtime.generate does)")
         layers = cache.layers
         if not layers or any(layer.store is None for layer in layers):
             raise CacheError("DecodeGraph needs a prefilled cache: run the prompt through the model first")
@@ -316,8 +319,8 @@ def graph_decoding(model, input_ids: torch.Tensor, logits_processor, stopping_cr
     limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
     host_stop = limits and len(limits) == len(stopping_criteria)          # no other stop
     ids = input_ids
-    on_cuda = graph_device(model) is not None       # (else eager steps: CPU, spread or offloaded models)
-    ctx = cache.attach(model) if not cache.layers[0].attached else contextlib.nullcontext()
+    on_cuda = graph_device(model) is not None and not cache.recurrent   # (else eager steps: CPU, spread, hybrid)
+    ctx = cache.attach(model) if not cache.oscar_layers[0].attached else contextlib.nullcontext()
     with ctx, torch.no_grad():
         out = model(input_ids=input_ids[:, cached:], attention_mask=mask, position_ids=positions[:, cached:],
                     past_key_values=cache, use_cache=True, **keep)

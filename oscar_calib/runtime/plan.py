@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from ..contract.defaults import group_pair
+from ..errors import InputError
 from ..kernels import QuantizedKV, quantize_kv
 from ..kernels.append import rotate_kv
-from .scheme import LayerScheme
+from .scheme import SchemeLayer
 
 
 @dataclass
@@ -55,16 +56,15 @@ class LayerPlan:
         return self.group_size != self.v_group_size
 
     @classmethod
-    def build(cls, layer: LayerScheme, *, heads: int, d: int, sliding_window: int | None, device,
-              backend: str = "auto", window_dtype: torch.dtype | None = None,
-              chunk: int | None = None) -> "LayerPlan":
-        """From one quantised layer of a scheme (:meth:`~oscar_calib.runtime.scheme.KVScheme.layer`);
-        ``window_dtype``: the window's dtype when the layer leaves it to the model (its
-        ``window_dtype`` None); ``sliding_window``/``chunk``: the model layer's window."""
-        ls = layer.to(device)
-        rk, ck, rv, cv = (None if t is None else t.contiguous() for t in (ls.k_rotation, ls.k_clip, ls.v_rotation,
-                                                                           ls.v_clip))
-        shift = ls.k_shift()
+    def build(cls, layer: SchemeLayer, *, heads: int, d: int, device, dtype: torch.dtype,
+              sliding_window: int | None = None, chunk: int | None = None, backend: str = "auto") -> "LayerPlan":
+        """From one quantised layer of a scheme (:meth:`~.scheme.KVScheme.layer`) for ``heads`` KV
+        heads of ``d`` on ``device``; ``dtype``: the model's, the window's where the scheme keeps the
+        model's dtype."""
+        if layer.groups is None:
+            raise InputError("a LayerPlan stores an INT2 history: the scheme's layer quantises nothing")
+        rk, ck, rv, cv = layer.on(device)
+        shift = layer.k_shift(device)                              # key centering: μ @ R_k (None: off)
         center2 = None if shift is None else torch.cat([shift, torch.zeros_like(shift)]).contiguous()
         rot2 = clip2 = None
         if rk is not None or rv is not None:
@@ -73,9 +73,9 @@ class LayerPlan:
         if ck is not None or cv is not None:
             one = torch.ones(heads, device=device)
             clip2 = torch.cat([one if ck is None else ck.reshape(heads), one if cv is None else cv.reshape(heads)])
-        gk, gv = ls.groups
-        return cls(rk, rv, rot2, clip2, gk, ls.sink, ls.recent, sliding_window, ls.window_dtype or window_dtype,
-                   backend, gv, ls.logit_correction, chunk, shift, center2)
+        return cls(rk, rv, rot2, clip2, layer.groups[0], layer.sink, layer.recent, sliding_window,
+                   layer.window_dtype or dtype, backend, layer.groups[1], layer.logit_correction, chunk, shift,
+                   center2)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2, H, d]`` (K, V) -> float32 ``x @ R − center2`` per head (the rows as the window

@@ -1,5 +1,5 @@
 """``KVScheme``: how one method stores K/V (rotations, clips, INT2 group size, BF16 sink and window),
-and ``LayerScheme``: one layer of it, the object every cache and simulation builds a layer from.
+and ``SchemeLayer``: one layer of it, the object every cache and simulation builds a layer from.
 
 Shared by the real cache (:mod:`oscar_calib.runtime.cache`), the two accuracy simulations
 (:mod:`oscar_calib.runtime.simulated`, a ``Cache``; :mod:`oscar_calib.runtime.simulate`, per query
@@ -13,13 +13,12 @@ is unchanged; a logit soft-cap (``tanh(s / c)``) is not shift-invariant, so the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from ..contract.settings import GroupPair
 from ..contract.defaults import (
     DEFAULT_RECENT,
     DEFAULT_SINK,
@@ -37,44 +36,6 @@ ENGINE_QUANTIZERS = ("vllm", "llamacpp")
 UNCENTERED_QUANTIZERS = ("fork", "fork-lloyd", *ENGINE_QUANTIZERS)
 
 
-@dataclass(frozen=True)
-class LayerScheme:
-    """Everything one layer of a :class:`KVScheme` stores K/V by, passed whole to the caches and the
-    simulations (:meth:`KVScheme.layer`).
-
-    ``k_rotation``/``v_rotation`` ``[H, d, d]`` (None: identity), ``k_clip``/``v_clip`` ``[H]`` (None:
-    no clip), ``groups`` the keys' and the values' INT2 group sizes (None: nothing quantised),
-    ``k_mean`` ``[H, d]`` the mean key every stored key is centered on (None: no centering; see the
-    module docstring), ``logit_correction`` the gain of the logit-noise correction of the INT2 keys,
-    ``sink``/``recent`` the BF16 windows and ``window_dtype`` their dtype (None: the model's)."""
-
-    k_rotation: torch.Tensor | None = None
-    k_clip: torch.Tensor | None = None
-    v_rotation: torch.Tensor | None = None
-    v_clip: torch.Tensor | None = None
-    groups: GroupPair | None = None
-    k_mean: torch.Tensor | None = None
-    logit_correction: float = 0.0
-    sink: int = DEFAULT_SINK
-    recent: int = DEFAULT_RECENT
-    window_dtype: torch.dtype | None = torch.bfloat16
-
-    TENSORS: ClassVar[tuple[str, ...]] = ("k_rotation", "k_clip", "v_rotation", "v_clip", "k_mean")
-
-    @property
-    def quantized(self) -> bool:
-        return self.groups is not None
-
-    def to(self, device) -> "LayerScheme":
-        """The same layer with its tensors float32 on ``device``."""
-        return replace(self, **{n: None if getattr(self, n) is None else getattr(self, n).to(device, torch.float32)
-                                for n in self.TENSORS})
-
-    def k_shift(self) -> torch.Tensor | None:
-        """The layer's :func:`key_shift` (None without centering)."""
-        return key_shift(self.k_mean, self.k_rotation)
-
-
 def key_shift(k_mean: torch.Tensor | None, k_rotation: torch.Tensor | None) -> torch.Tensor | None:
     """``[H, d]`` float32: the shift every stored key carries in the keys' rotated basis, ``μ @ R_k``
     per KV head (``μ`` without a rotation; computed in float64), or None without a mean ``k_mean``.
@@ -85,6 +46,44 @@ def key_shift(k_mean: torch.Tensor | None, k_rotation: torch.Tensor | None) -> t
     if k_rotation is None:
         return mu.float()
     return torch.einsum("hd,hde->he", mu, k_rotation.to(mu.device, torch.float64)).float()
+
+
+@dataclass(frozen=True)
+class SchemeLayer:
+    """One layer of a :class:`KVScheme` (:meth:`KVScheme.layer`): everything a cache layer stores
+    K/V by, passed whole to :class:`~oscar_calib.runtime.cache.OscarLayer` and its
+    :class:`~oscar_calib.runtime.plan.LayerPlan`, to
+    :class:`~oscar_calib.runtime.simulated.SimulatedLayer` and to the simulations of
+    :mod:`oscar_calib.runtime.simulate`. A missing rotation is the identity, a missing clip none."""
+
+    k_rotation: torch.Tensor | None = None     # [H, d, d]: keys stored as k @ R_k, queries rotated alike
+    k_clip: torch.Tensor | None = None         # [H]: the keys' clip ratios
+    v_rotation: torch.Tensor | None = None     # [H, d, d]
+    v_clip: torch.Tensor | None = None         # [H]
+    groups: tuple[int, int] | None = None      # the keys' and the values' INT2 group sizes (None: not quantised)
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    window_dtype: torch.dtype | None = torch.bfloat16      # None: the model's dtype
+    logit_correction: float = 0.0
+    k_mean: torch.Tensor | None = None         # [H, d]: every stored key centered on it (None: not centered)
+
+    @property
+    def rotations(self) -> tuple:
+        """``(k_rotation, k_clip, v_rotation, v_clip)`` as stored."""
+        return self.k_rotation, self.k_clip, self.v_rotation, self.v_clip
+
+    def on(self, device) -> tuple:
+        """:attr:`rotations` in float32 on ``device`` (None stays None)."""
+        return tuple(None if t is None else t.to(device, torch.float32).contiguous() for t in self.rotations)
+
+    def k_shift(self, device=None) -> torch.Tensor | None:
+        """The layer's :func:`key_shift` (float32, on ``device`` when given; None without centering)."""
+        shift = key_shift(self.k_mean, self.k_rotation)
+        return shift if shift is None or device is None else shift.to(device)
+
+    def mean_on(self, device) -> torch.Tensor | None:
+        """``k_mean`` in float32 on ``device`` (None without centering)."""
+        return None if self.k_mean is None else self.k_mean.to(device, torch.float32)
 
 
 @dataclass
@@ -110,7 +109,7 @@ class KVScheme:
     history is not quantised at all (vLLM keeps its first and last two in the model's dtype).
 
     ``k_groups[i]``/``v_groups[i]``: the INT2 group size of layer ``i``'s keys and values (a bit
-    budget spent unevenly, :mod:`oscar_calib.calibrate.budget`); empty = ``group_size`` everywhere.
+    budget spent unevenly, :mod:`oscar_calib.calibration.budget`); empty = ``group_size`` everywhere.
     ``group_size`` stays the scheme's nominal size (an artifact's uniform ``group_size``). Every
     cache and simulation reads any split (the kernels take a K and a V size per layer).
 
@@ -122,7 +121,7 @@ class KVScheme:
     ``k_mean[i]``: layer ``i``'s mean key ``[kv_heads, d]`` (``None``: no key centering); not with
     the other engines' quantisers (:data:`UNCENTERED_QUANTIZERS`). Every cache and simulation of
     oscar stores the keys centered on it (the module docstring). :meth:`layer` gives one layer as a
-    :class:`LayerScheme`.
+    :class:`SchemeLayer`.
     """
 
     name: str
@@ -237,11 +236,20 @@ class KVScheme:
             raise InputError(f"{self.name}: {cache} stores oscar's uniform INT2; the {self.quantizer!r} quantiser "
                              "exists only in the perplexity simulation (SimulatedKV)")
 
-    def layer(self, i: int) -> LayerScheme:
-        """Layer ``i`` as one :class:`LayerScheme` (its tensors as the scheme holds them)."""
-        return LayerScheme(self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i],
-                           GroupPair.of(*self.groups(i)) if self.quantizes(i) else None, self.k_mean[i],
-                           self.logit_correction, self.sink, self.recent, self.window_dtype)
+    def layer(self, i: int) -> SchemeLayer:
+        """Layer ``i``, whole: its rotations and clips, group sizes, windows, correction and mean key."""
+        return SchemeLayer(self.k_rotation[i], self.k_clip[i], self.v_rotation[i], self.v_clip[i],
+                           groups=self.groups(i) if self.quantized else None, sink=self.sink, recent=self.recent,
+                           window_dtype=self.window_dtype, logit_correction=self.logit_correction,
+                           k_mean=self.k_mean[i])
+
+    def reads_window(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """Whether the query at position ``qpos`` reads the key at ``kpos`` from the 16-bit window
+        (broadcast, bool): the sink (``kpos < sink``) and its recent window (``qpos − kpos <
+        recent``); every older key comes from the quantised history. The perplexity simulation
+        asks this for every (query, key) pair; a scheme that lets keys leave the window otherwise
+        (e.g. in blocks of tokens) overrides it."""
+        return (kpos < self.sink) | (qpos - kpos < self.recent)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -251,23 +259,29 @@ class KVScheme:
         return cls(name, num_layers, None, sink=sink, recent=recent, window_dtype=window_dtype)
 
     @classmethod
-    def uniform(cls, name: str, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int, *,
+    def uniform(cls, name: str, num_layers: int, num_kv_heads, head_dim, group_size: int, *,
                 rotation: str = "identity", clips: tuple[float, float] = (1.0, 1.0), sink: int = DEFAULT_SINK,
                 recent: int = DEFAULT_RECENT, window_dtype=torch.bfloat16) -> "KVScheme":
         """One data-free rotation for every layer: ``identity`` (naive INT2) or ``hadamard``
-        (QuaRot-style), with global clip ratios ``(k, v)``."""
+        (QuaRot-style), with global clip ratios ``(k, v)``. ``num_kv_heads`` / ``head_dim``: one
+        number for every layer, or one per layer (layers that differ, e.g. Gemma 4's)."""
         from ..numerics.hadamard import hadamard
 
-        if rotation == "identity":
-            r = None
-        elif rotation == "hadamard":
-            r = hadamard(head_dim, warn=False).float().expand(num_kv_heads, -1, -1).contiguous()
-        else:
+        if rotation not in ("identity", "hadamard"):
             raise InputError(f"unknown rotation {rotation!r}; choose identity or hadamard")
-        ck = None if clips[0] >= 1 else torch.full((num_kv_heads,), float(clips[0]))
-        cv = None if clips[1] >= 1 else torch.full((num_kv_heads,), float(clips[1]))
-        return cls(name, num_layers, group_size, [r] * num_layers, [r] * num_layers, [ck] * num_layers,
-                   [cv] * num_layers, sink=sink, recent=recent, window_dtype=window_dtype)
+        heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
+        cache: dict = {}
+
+        def per_layer(h: int, d: int) -> tuple:
+            if (h, d) not in cache:
+                r = hadamard(d, warn=False).float().expand(h, -1, -1).contiguous() if rotation == "hadamard" else None
+                cache[h, d] = (r, *(None if c >= 1 else torch.full((h,), float(c)) for c in clips))
+            return cache[h, d]
+
+        r, ck, cv = zip(*(per_layer(h, d) for h, d in zip(heads, dims))) if num_layers else ((), (), ())
+        return cls(name, num_layers, group_size, list(r), list(r), list(ck), list(cv), sink=sink, recent=recent,
+                   window_dtype=window_dtype)
 
     @classmethod
     def from_artifact(cls, artifact, *, name: str = "oscar", group_size: int | None = None, sink: int | None = None,
@@ -320,21 +334,20 @@ class KVScheme:
         if why:
             raise ArtifactError(why)
         clips = clips or art.shared_clips()
-        h = art.num_kv_heads
+        st = art.settings
+        heads = st.layer_kv_heads
         rot = {}
         for which in ("k", "v"):
             rs = [art.shared_rotation(i, which)[0].float() for i in range(art.num_layers)]
             if bf16_rotations:
                 rs = [r.to(torch.bfloat16).float() for r in rs]
-            rot[which] = [r.expand(h, -1, -1).contiguous() for r in rs]
-        st = art.settings
-        ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in clips)
+            rot[which] = [r.expand(h, -1, -1).contiguous() for r, h in zip(rs, heads)]
+        ck, cv = ([None if c >= 1 else torch.full((h,), float(c)) for h in heads] for c in clips)
         n, g = art.num_layers, int(group_size or st.group_size)
         if quantizer == "fork-lloyd" and g != art.head_dim:
             raise InputError(f"{name}: the fork's Lloyd-Max mode needs group size = head_dim ({art.head_dim}), this "
                              f"scheme has {g}; the fork ignores SGLANG_LLOYD_MAX for grouped scales")
-        return cls(name, n, g, rot["k"], [None] * n if absorb_v else rot["v"],
-                   [ck] * n, [cv] * n,
+        return cls(name, n, g, rot["k"], [None] * n if absorb_v else rot["v"], ck, cv,
                    sink=st.sink_tokens if sink is None else sink, recent=st.recent_tokens if recent is None else recent,
                    window_dtype=window_dtype, v_output=rot["v"] if absorb_v else [], quantizer=quantizer)
 
@@ -360,6 +373,10 @@ class KVScheme:
         if why:
             raise ArtifactError(why.replace("for the fork", f"for {engine}"))
         k_clip, v_clip = clips or art.shared_clips()
+        if art.settings.mixed_heads:
+            from ..contract.features import FEATURES
+
+            raise InputError(FEATURES["layer_head_dims"].dropped(art.settings, engine))
         h, n, d = art.num_kv_heads, art.num_layers, art.head_dim
         rot = {w: [art.shared_rotation(i, w)[0].float().expand(h, -1, -1).contiguous() for i in range(n)]
                for w in ("k", "v")}
@@ -367,7 +384,7 @@ class KVScheme:
         if engine == "vllm":
             ck, cv = (None if c >= 1 else torch.full((h,), float(c)) for c in (k_clip, v_clip))
             return cls(engine, n, d, rot["k"], rot["v"], [ck] * n, [cv] * n, sink=0, recent=0,
-                       quantizer="vllm", native_layers=tuple(boundary_layers(n)))
+                       quantizer="vllm", native_layers=tuple(boundary_layers(n, hybrid=st.hybrid)))
         if engine == "llamacpp":
             if d % Q2_0_BLOCK:
                 raise InputError(f"{engine}: head_dim {d} is not a whole number of q2_0 blocks of {Q2_0_BLOCK}")

@@ -3,7 +3,13 @@ stores them, per query position (an accuracy tool, not a cache).
 
 For every query position ``i``, key/value ``j`` is read in BF16 when ``j < sink`` or
 ``i − j < recent`` and as INT2 (rotated, clipped, quantised, stored with fp16 scale/offset
-exactly as :mod:`oscar_calib.kernels` stores it) otherwise. One forward pass per sequence through
+exactly as :mod:`oscar_calib.kernels` stores it) otherwise. The BF16 rows are read as
+:class:`~oscar_calib.runtime.cache.OscarCache`'s window holds them: it stores them in the rotated
+basis, rounded to BF16 a second time after the rotation (:func:`window_rows`); a simulation
+that read them as the model computed them scored Gemma-3-270M's zoo artifact 0.08% better than the
+real cache at 512 tokens (20.606 against 20.623, CPU, float32 weights), and tiny models' logits
+differed by up to 3e-2. Positions below ``prefill`` attend at full precision (a serving engine's
+prefill of a prompt; the first token always: a cache starts empty). One forward pass per sequence through
 an attention function registered with transformers' ``AttentionInterface``; the model's causal and
 sliding-window masks and GQA are honoured, math is float32. With nothing quantised it equals
 plain attention (tested). It de-quantises every key for every layer: memory and time grow with
@@ -37,9 +43,9 @@ import math
 import torch
 
 from ..errors import EvalError
-from ..model.capture import AttentionRoute, call_window
+from ..model.capture import AttentionRoute, attention_slot, attention_slots, call_window
 from .attend import allowed_mask
-from .scheme import QUANTIZERS, KVScheme
+from .scheme import QUANTIZERS, KVScheme, key_shift
 
 SIM_NAME = "oscar_kv_sim"
 
@@ -50,9 +56,7 @@ _ACTIVE: list["SimulatedKV"] = []
 def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, s_aux=None,
                    **kwargs):
     sim = _ACTIVE[-1]
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise EvalError(f"{type(module).__name__} has no layer_idx")
+    layer = attention_slot(sim.slots, module)          # the scheme's layer (a hybrid model's attention layers)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = sim.attend(layer, query, key, value, attention_mask, scale, call_window(module, kwargs), softcap,
                      **({} if s_aux is None else {"sinks": s_aux}))
@@ -62,7 +66,10 @@ def _sim_attention(module, query, key, value, attention_mask, dropout=0.0, scali
 class SimulatedKV(AttentionRoute):
     """Route a model's attention through :meth:`attend`, which reads K/V as ``scheme`` stores
     them (per query position: sink and recent window in BF16, the rest INT2). Sets and restores
-    the attention implementation of every config of the model, also on error.
+    the attention implementation of every config of the model, also on error. ``prefill``: the
+    query positions below it attend at full precision to the keys as the model computed them,
+    as :class:`~oscar_calib.runtime.cache.OscarCache` attends during a prefill; the later ones
+    read the cache as a decode step does.
 
     >>> with SimulatedKV(model, scheme):
     ...     logits = model(ids).logits
@@ -71,13 +78,17 @@ class SimulatedKV(AttentionRoute):
     name = SIM_NAME
     active = _ACTIVE
 
-    def __init__(self, model, scheme: KVScheme):
-        self.model, self.scheme = model, scheme
+    def __init__(self, model, scheme: KVScheme, *, prefill: int = 0):
+        if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
+            raise ValueError(f"prefill must be a non-negative integer, got {prefill!r}")
+        self.model, self.scheme, self.prefill = model, scheme, prefill
+        self.row_elements = ROW_BLOCK_ELEMENTS        # scores per block of query rows (see attend)
 
     def __enter__(self) -> "SimulatedKV":
         from transformers import AttentionInterface
 
         AttentionInterface.register(SIM_NAME, _sim_attention)
+        self.slots = attention_slots(self.model)
         return self._route("sdpa")
 
     @staticmethod
@@ -99,13 +110,18 @@ class SimulatedKV(AttentionRoute):
         the last ``T``), with ``mask`` None: row ``i`` reads the keys up to its position.
         ``sinks [Hq]``: attention-sink logits, one more key per query head of value zero (gpt-oss).
 
-        Exact per-(i, j) selection with one attention call: the keys are the INT2 version
-        followed by the BF16 version (oscar's quantiser: the INT2 keys rotated back, ``K̂Rᵀ``, so
-        ``q·(K̂Rᵀ)ᵀ = (qR)·K̂ᵀ``; the fork's: everything in the rotated basis, see
+        Exact per-(i, j) selection with one attention call per block of query rows: the keys are
+        the INT2 version followed by the window version (oscar's quantiser: the INT2 keys rotated
+        back, ``K̂Rᵀ``, so ``q·(K̂Rᵀ)ᵀ = (qR)·K̂ᵀ``, and the window rows as the real cache's window
+        holds them, :func:`window_rows`; the fork's: everything in the rotated basis, see
         :func:`fork_rows`), values likewise, and the mask lets row ``i`` read column ``j`` of the
-        BF16 half when ``j < sink`` or ``i − j < recent`` and of the INT2 half otherwise (both
-        within the model's own mask). The softmax over the ``2S`` columns is then the softmax over
-        the ``S`` keys each read in the right precision, and ``P·V`` sums each part."""
+        window half when :meth:`~oscar_calib.runtime.scheme.KVScheme.reads_window` says so
+        (``j < sink`` or ``i − j < recent``) and of the INT2 half otherwise (both within the
+        model's own mask). The softmax over the ``2S`` columns is then the softmax over the ``S``
+        keys each read in the right precision, and ``P·V`` sums each part. Rows at positions below
+        ``prefill`` read every key as the model computed it (plain attention). Query rows are taken
+        ``row_elements`` scores at a time (:data:`ROW_BLOCK_ELEMENTS`), so the temporaries stay
+        bounded at long contexts."""
         sch = self.scheme
         b, hq, t, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
@@ -119,63 +135,110 @@ class SimulatedKV(AttentionRoute):
         if rows is None:
             raise EvalError(f"{sch.name}: no simulation of the {sch.quantizer!r} quantiser; registered: "
                             f"{', '.join(ROWS)}")
+        pre = (qpos[:, 0] < self.prefill).nonzero().squeeze(1)
+        post = (qpos[:, 0] >= self.prefill).nonzero().squeeze(1)
+        out = torch.empty(b, hq, t, d, device=q.device)
+        step = max(1, self.row_elements // max(1, b * hq * 2 * s))
+        if len(pre):                        # a full-precision prefill: the model's own K/V
+            qf, kf, vf = q.float(), k.float().repeat_interleave(grp, 1), v.float().repeat_interleave(grp, 1)
+            for a in range(0, len(pre), step):
+                r = pre[a:a + step]
+                out[:, :, r] = _scores_softmax(qf[:, :, r], kf, vf, allowed[..., r, :], scaling, softcap, sinks=sinks)
+        if not len(post):
+            return out.transpose(1, 2)
         qf, keys, values, k_lo, v_lo, back, *engine = rows(sch, layer, q, k, v)
         q_lo, hp_weights = engine if engine else (None, None)
         if k_lo is not None and layer in sch.native_layers:
             k_lo = v_lo = None
         if k_lo is not None:
-            kpos = torch.arange(s, device=q.device).unsqueeze(0)
-            hi = (kpos < sch.sink) | (qpos - kpos < sch.recent)                             # [T, S]
             keys = torch.cat([k_lo, keys], dim=2)
             values = torch.cat([v_lo, values], dim=2)
-            allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)                     # [B|1, 1, T, 2S]
         keys, values = keys.repeat_interleave(grp, 1), values.repeat_interleave(grp, 1)
-        noise = None
-        if sch.logit_correction and k_lo is not None:              # over the INT2 half only
-            noise = logit_noise_rows(sch, layer, q, k, scaling)
-            noise = torch.cat([noise, torch.zeros_like(noise)], dim=-1)                     # [B, Hq, T, 2S]
-        if not softcap and q_lo is None and sinks is None:
-            mask = allowed if noise is None else (-noise).masked_fill(~allowed, -math.inf)
-            o = torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
-        else:
-            if q_lo is not None and k_lo is not None:   # the INT2 half scored with its own query rounding
-                sc = torch.cat([q_lo @ keys[:, :, :s].transpose(-1, -2), qf @ keys[:, :, s:].transpose(-1, -2)], -1)
-            else:
-                sc = qf @ keys.transpose(-1, -2)
-            sc = sc * scaling
-            if softcap:
-                sc = torch.tanh(sc / softcap) * softcap
-            if noise is not None:
-                sc = sc - noise
-            sc = sc.masked_fill(~allowed, -math.inf)
-            if sinks is not None:       # the sink column joins the softmax, then leaves (its value is zero)
-                sc = torch.cat([sc, sinks.float().view(1, hq, 1, 1).expand(*sc.shape[:-1], 1)], dim=-1)
-            p = torch.softmax(sc, dim=-1)
-            if sinks is not None:
-                p = p[..., :-1]
-            if hp_weights is not None and k_lo is not None:   # weights of the window half rounded as the engine does
-                p = torch.cat([p[..., :s], _round(p[..., s:], hp_weights)], -1)
-            o = p @ values
-        if back is not None:
-            o = back(o)
-        return o.transpose(1, 2)
+        scales = key_scales(sch, layer, k) if sch.logit_correction and k_lo is not None else None
+        kpos = torch.arange(s, device=q.device).unsqueeze(0)
+        for a in range(0, len(post), step):
+            r = post[a:a + step]
+            ok = allowed[..., r, :]
+            noise = None
+            if k_lo is not None:
+                hi = sch.reads_window(qpos[r], kpos)                                           # [Tb, S]
+                ok = torch.cat([ok & ~hi, ok & hi], dim=-1)                                    # [B|1, 1, Tb, 2S]
+                if scales is not None:                               # over the INT2 half only
+                    noise = logit_noise_of(sch, layer, q[:, :, r], scales, scaling)
+                    noise = torch.cat([noise, torch.zeros_like(noise)], dim=-1)                # [B, Hq, Tb, 2S]
+            o = _scores_softmax(qf[:, :, r], keys, values, ok, scaling, softcap, noise,
+                                None if q_lo is None or k_lo is None else q_lo[:, :, r],
+                                hp_weights if k_lo is not None else None, sinks)
+            out[:, :, r] = back(o) if back is not None else o
+        return out.transpose(1, 2)
+
+
+# query rows x keys scored at once by SimulatedKV.attend (64 Mi scores: 256 MiB of float32 per temporary)
+ROW_BLOCK_ELEMENTS = 1 << 26
+
+
+def _scores_softmax(qf, keys, values, allowed, scaling: float, softcap, noise=None, q_lo=None, hp_weights=None,
+                    sinks=None):
+    """``softmax(q·kᵀ · scaling − noise) · v`` over the keys ``allowed`` lets each row read:
+    ``qf [B, Hq, T, d]``, ``keys``/``values`` ``[B, Hq, K, d]``, ``allowed [B|1, 1, T, K]`` bool,
+    ``noise`` None or ``[B, Hq, T, K]``. With ``q_lo`` (an engine's low-precision query) the first
+    ``K/2`` keys (the INT2 half) are scored with it; ``hp_weights``: the dtype the weights of the
+    second half are rounded to before they meet its values (see :func:`llamacpp_rows`); ``sinks
+    [Hq]``: attention-sink logits, one more column per query head whose value is zero (gpt-oss)."""
+    hq = qf.shape[1]
+    if not softcap and q_lo is None and sinks is None:
+        mask = allowed if noise is None else (-noise).masked_fill(~allowed, -math.inf)
+        return torch.nn.functional.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
+    half = keys.shape[2] // 2
+    if q_lo is not None:
+        sc = torch.cat([q_lo @ keys[:, :, :half].transpose(-1, -2), qf @ keys[:, :, half:].transpose(-1, -2)], -1)
+    else:
+        sc = qf @ keys.transpose(-1, -2)
+    sc = sc * scaling
+    if softcap:
+        sc = torch.tanh(sc / softcap) * softcap
+    if noise is not None:
+        sc = sc - noise
+    sc = sc.masked_fill(~allowed, -math.inf)
+    if sinks is not None:           # the sink column joins the softmax, then leaves (its value is zero)
+        sc = torch.cat([sc, sinks.float().view(1, hq, 1, 1).expand(*sc.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(sc, dim=-1)
+    if sinks is not None:
+        p = p[..., :-1]
+    if hp_weights is not None:
+        p = torch.cat([p[..., :half], _round(p[..., half:], hp_weights)], -1)
+    return p @ values
+
+
+def key_scales(sch: KVScheme, layer: int, k) -> torch.Tensor:
+    """The fp16 group scales ``[B, Hkv, S, d/G_K]`` oscar stores for every key of ``k [B, Hkv, S, d]``
+    (rounded to the window dtype first, as the cache quantises it; centered with key centering)."""
+    from ..kernels import quantize_kv
+
+    ls = sch.layer(layer)
+    rk, ck = ls.on(k.device)[:2]
+    k_in = k.to(sch.window_dtype) if sch.window_dtype is not None else k
+    return quantize_kv(k_in.transpose(1, 2), rk, ck, sch.groups(layer)[0],
+                       center=ls.k_shift(k.device)).scale.permute(0, 2, 1, 3)
+
+
+def logit_noise_of(sch: KVScheme, layer: int, q, scales: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The logit-noise correction ``[B, Hq, T, S]`` of queries ``q [B, Hq, T, d]`` against keys with
+    stored scales ``scales`` (:func:`key_scales`): :func:`~oscar_calib.numerics.quant.logit_noise` with
+    the query in the keys' rotated basis."""
+    from ..numerics.quant import logit_noise
+
+    rk = sch.layer(layer).k_rotation
+    grp = q.shape[1] // scales.shape[1]
+    qr = q.float() if rk is None else torch.einsum("bhtd,hde->bhte", q.float(),
+                                                   rk.to(q.device, torch.float32).repeat_interleave(grp, 0))
+    return logit_noise(qr, scales.repeat_interleave(grp, 1), sch.groups(layer)[0], sch.logit_correction, scaling)
 
 
 def logit_noise_rows(sch: KVScheme, layer: int, q, k, scaling: float) -> torch.Tensor:
     """The logit-noise correction ``[B, Hq, T, S]`` of every query and every key of ``k`` as oscar
-    stores it in INT2 (:func:`~oscar_calib.numerics.quant.logit_noise` with the stored keys' fp16
-    scales and the query in the keys' rotated basis)."""
-    from ..kernels import quantize_kv
-    from ..numerics.quant import logit_noise
-
-    ls = sch.layer(layer).to(q.device)
-    rk, gk = ls.k_rotation, ls.groups.k
-    k_in = k.to(sch.window_dtype) if sch.window_dtype is not None else k
-    grp = q.shape[1] // k.shape[1]
-    ks = quantize_kv(k_in.transpose(1, 2), rk, ls.k_clip, gk, center=ls.k_shift()).scale   # [B, S, Hkv, d/G]
-    ks = ks.permute(0, 2, 1, 3).repeat_interleave(grp, 1)                           # [B, Hq, S, d/G]
-    qr = q.float() if rk is None else torch.einsum("bhtd,hde->bhte", q.float(), rk.repeat_interleave(grp, 0))
-    return logit_noise(qr, ks, gk, sch.logit_correction, scaling)
+    stores it in INT2 (:func:`key_scales`, then :func:`logit_noise_of`)."""
+    return logit_noise_of(sch, layer, q, key_scales(sch, layer, k), scaling)
 
 
 def output_unrotation(r: torch.Tensor, grp: int, dtype=None):
@@ -214,21 +277,47 @@ def oscar_rows(sch: KVScheme, layer: int, q, k, v, store=kernel_store):
     wd = sch.window_dtype
     k_in = k.to(wd) if wd is not None else k
     v_in = v.to(wd) if wd is not None else v
+    ls = sch.layer(layer)
+    rk, ck, rv, cv = ls.on(q.device)
+    mean = ls.mean_on(q.device)                                         # [Hkv, d] or None
     k_lo = v_lo = None
     if sch.quantized:
-        ls = sch.layer(layer).to(q.device)
-        rk, rv = ls.k_rotation, ls.v_rotation
         gk, gv = sch.groups(layer)
-        kq = store(k_in.transpose(1, 2), rk, ls.k_clip, gk, "k", center=ls.k_shift())   # [B, S, Hkv, d] rotated
-        vq = store(v_in.transpose(1, 2), rv, ls.v_clip, gv, "v")
+        kq = store(k_in.transpose(1, 2), rk, ck, gk, "k", center=ls.k_shift(q.device))   # [B, S, Hkv, d] rotated
+        vq = store(v_in.transpose(1, 2), rv, cv, gv, "v")
         k_lo = torch.einsum("bshe,hde->bhsd", kq, rk) if rk is not None else kq.transpose(1, 2)
         v_lo = torch.einsum("bshe,hde->bhsd", vq, rv) if rv is not None else vq.transpose(1, 2)
-        if ls.k_mean is not None:            # back in the model's basis: the shift every stored key carries
-            k_lo = k_lo + ls.k_mean[:, None]
+        if mean is not None:                 # back in the model's basis: the shift every stored key carries
+            k_lo = k_lo + mean[:, None]
     out_rot = sch.v_output[layer]        # absorbed R_v: map the output back, o @ Rᵀ per KV head
     back = output_unrotation(out_rot.to(q.device, torch.float32), q.shape[1] // k.shape[1]) \
         if out_rot is not None else None
-    return q.float(), k_in.float(), v_in.float(), k_lo, v_lo, back
+    hold = wd or k.dtype                 # what the real cache's window holds (its window dtype, else the model's)
+    if not sch.quantized:                # nothing is rotated: the rows as the dtype holds them
+        rk = rv = None
+    return q.float(), window_rows(k, rk, hold, mean), window_rows(v, rv, hold), k_lo, v_lo, back
+
+
+def window_rows(x: torch.Tensor, rotation: torch.Tensor | None, dtype, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``x [B, H, S, d]`` as :class:`~oscar_calib.runtime.cache.OscarCache`'s 16-bit window
+    holds them, back in the model's basis (float32): the cache stores ``dtype(dtype(x) @ R)``, in
+    the rotated basis, and reads them with the query rotated alike (``(qR)·(xR)ᵀ``), so the
+    simulation reads ``dtype(dtype(x) @ R) @ Rᵀ``. Without a rotation, or with a 32-bit ``dtype``,
+    the second rounding is none: ``dtype(x)``. Keys centered on ``mean [H, d]`` (key centering) are
+    stored ``dtype(dtype(x) @ R − μR)`` and read back as ``… @ Rᵀ + μ`` (without a rotation
+    ``dtype(dtype(x) − μ) + μ``)."""
+    xb = x.to(dtype).float()
+    if torch.finfo(dtype).bits >= 32 or (rotation is None and mean is None):
+        return xb
+    mu = None if mean is None else mean.to(x.device, torch.float32)
+    if rotation is None:
+        return _round(xb - mu[:, None], dtype) + mu[:, None]
+    r = rotation.to(x.device, torch.float32)
+    y = torch.einsum("bhsd,hde->bhse", xb, r)
+    if mu is None:
+        return torch.einsum("bhse,hde->bhsd", _round(y, dtype), r)
+    shift = key_shift(mean, rotation).to(x.device)
+    return torch.einsum("bhse,hde->bhsd", _round(y - shift[:, None], dtype), r) + mu[:, None]
 
 
 def fork_rows(sch: KVScheme, layer: int, q, k, v):
@@ -249,8 +338,7 @@ def fork_rows(sch: KVScheme, layer: int, q, k, v):
 
     hp = sch.window_dtype
     grp = q.shape[1] // k.shape[1]
-    ls = sch.layer(layer).to(q.device)
-    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
+    rk, ck, rv, cv = sch.layer(layer).on(q.device)
 
     def rotate(x, r):                      # x [B, H, S, d], r [H, d, d] or None
         xb = _round(x, hp)
@@ -286,8 +374,7 @@ def vllm_rows(sch: KVScheme, layer: int, q, k, v):
     if not sch.quantizes(layer):              # a native layer: vLLM's own attention, K/V in the model's dtype
         return q.float(), _round(k, wd), _round(v, wd), None, None, None
     grp = q.shape[1] // k.shape[1]
-    ls = sch.layer(layer).to(q.device)
-    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
+    rk, ck, rv, cv = sch.layer(layer).on(q.device)
 
     def rotate(x, r):
         return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)
@@ -315,8 +402,7 @@ def llamacpp_rows(sch: KVScheme, layer: int, q, k, v):
 
     b, hkv, s, d = k.shape
     grp = q.shape[1] // hkv
-    ls = sch.layer(layer).to(q.device)
-    rk, ck, rv = ls.k_rotation, ls.k_clip, ls.v_rotation
+    rk, ck, rv, _ = sch.layer(layer).on(q.device)
 
     def rotate(x, r):
         return x.float() if r is None else torch.einsum("bhsd,hde->bhse", x.float(), r)

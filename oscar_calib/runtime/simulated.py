@@ -17,11 +17,12 @@ recent      ``[n - recent, n)``           BF16, un-rotated; a token that leaves 
 ==========  ===========================  ===================================================
 
 ``update`` returns everything cached *before* the call in its stored form (history as
-``Q(clip(xR))·Rᵀ``, with key centering ``Q(clip(xR − μR))·Rᵀ + μ``: the model's attention reads
-every key in the model's basis, so the shift the real cache gives every key is taken back
-here; a token this call pushed out of the window already INT2), then the call's
-new tokens exactly as the model computed them. A decode step therefore reads what a kernel reads
-with the query rotated online; a multi-token call (the prefill) attends in full precision.
+``Q(clip(xR))·Rᵀ``, with key centering ``Q(clip(xR − μR))·Rᵀ + μ``; a token this call pushed out
+of the window already INT2; sink and window as the real cache's rotated window holds them,
+``bf16(bf16(x)R)·Rᵀ``, centered keys ``bf16(bf16(x)R − μR)·Rᵀ + μ``), then the call's new tokens
+exactly as the model computed them; a decode step (one new token) reads its own token from the
+window too, as the real cache does. A decode step therefore reads what a kernel reads with the
+query rotated online; a multi-token call (the prefill) attends in full precision.
 Sliding-window layers keep their last ``window - 1`` tokens like ``DynamicSlidingWindowLayer``, and
 so do chunked-attention layers with the chunk as the window (as transformers' ``DynamicCache`` keeps
 them; the model's chunked mask picks the query's chunk).
@@ -33,9 +34,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..contract.artifact import checked_artifact
 from ..errors import ArtifactError, CacheError, InputError
-from .compat import check_transformers, layer_windows
-from .scheme import KVScheme, LayerScheme
+from ..model.geometry import model_identity
+from .compat import cache_slots, check_transformers, state_layer, with_state
+from .scheme import KVScheme, SchemeLayer
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
@@ -85,15 +88,12 @@ class _Int2Rows:
 class _Segments:
     """Sink, history and recent segments of one simulated layer (see the module docstring)."""
 
-    def __init__(self, layer: LayerScheme):
-        """``layer``: the scheme's layer, its tensors on the cache's device."""
-        self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = (layer.k_rotation, layer.k_clip,
-                                                                      layer.v_rotation, layer.v_clip)
-        self.k_mean, self.k_shift = layer.k_mean, layer.k_shift()
-        groups, self.sink, self.recent = layer.groups, layer.sink, layer.recent
-        self.groups = None if groups is None else tuple(groups)
+    def __init__(self, layer: SchemeLayer, device):
+        self.k_rotation, self.k_clip, self.v_rotation, self.v_clip = layer.on(device)
+        self.groups, self.sink, self.recent = layer.groups, layer.sink, layer.recent
+        self.k_mean, self.k_shift = layer.mean_on(device), layer.k_shift(device)   # key centering (None: off)
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None       # [B, H, n, d]
-        self.hist = _Int2Rows() if groups is not None else None
+        self.hist = _Int2Rows() if self.groups is not None else None
         self.hist_k = self.hist_v = None        # history kept as it is when quantisation is off
 
     def n_hist(self) -> int:
@@ -142,16 +142,24 @@ class _Segments:
 
     def materialize(self, which: str, dtype, skip_last: int = 0) -> torch.Tensor:
         """Stored keys (``k``) or values (``v``) ``[B, H, n - skip_last, d]`` in ``dtype``: the history
-        de-quantised and rotated back."""
-        parts = [getattr(self, f"sink_{which}")]
+        de-quantised and rotated back, the sink and the window as the real cache's window holds
+        them (:func:`~oscar_calib.runtime.simulate.window_rows`: rounded again after the rotation)."""
+        from .simulate import window_rows
+
+        rot = getattr(self, f"{which}_rotation") if self.hist is not None else None
+        mean = self.k_mean if which == "k" and self.hist is not None else None       # key centering
+
+        def window(x):
+            return x if not _n(x) else window_rows(x, rot, x.dtype, mean)
+
+        parts = [window(getattr(self, f"sink_{which}"))]
         if self.hist is None:
             parts.append(getattr(self, f"hist_{which}"))
         elif len(self.hist):
             x = getattr(self.hist, which).dequantize()                          # [B, T, H, d] rotated
-            rot = getattr(self, f"{which}_rotation")
             x = torch.einsum("bthe,hde->bhtd", x, rot) if rot is not None else x.transpose(1, 2)
-            parts.append(x if which == "v" or self.k_mean is None else x + self.k_mean[:, None])
-        parts.append(getattr(self, f"recent_{which}"))
+            parts.append(x if mean is None else x + mean[:, None])
+        parts.append(window(getattr(self, f"recent_{which}")))
         out = torch.cat([p.to(dtype) for p in parts if _n(p)], dim=-2)
         return out[..., :out.shape[-2] - skip_last, :]
 
@@ -173,19 +181,18 @@ class SimulatedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer: LayerScheme, *, sliding_window: int | None = None):
-        """``layer``: one layer of the scheme (:meth:`KVScheme.layer`; ``groups`` None: nothing quantised)."""
+    def __init__(self, scheme: SchemeLayer, *, sliding_window: int | None = None):
         super().__init__()
-        self.layer = layer
-        self.window_dtype = layer.window_dtype
+        self.scheme = scheme
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.is_sliding = self.sliding_window is not None
         self.reset()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store_dtype = self.window_dtype or key_states.dtype
-        self.seg = _Segments(self.layer.to(self.device))
+        s = self.scheme
+        self.store_dtype = s.window_dtype or key_states.dtype
+        self.seg = _Segments(s, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -194,7 +201,9 @@ class SimulatedLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         self.seg.append(key_states.to(self.store_dtype), value_states.to(self.store_dtype), self.cumulative_length)
         self.cumulative_length += n
-        if self.seg.stored() > n:
+        if self.seg.stored() > n and n == 1 and self.seg.recent:     # a decode step reads its token from the window
+            keys, values = self.seg.materialize("k", self.dtype), self.seg.materialize("v", self.dtype)
+        elif self.seg.stored() > n:
             keys = torch.cat([self.seg.materialize("k", self.dtype, skip_last=n), key_states], dim=-2)
             values = torch.cat([self.seg.materialize("v", self.dtype, skip_last=n), value_states], dim=-2)
         else:
@@ -253,13 +262,21 @@ class SimulatedCache(Cache):
         if scheme.logit_correction:
             raise InputError(f"{scheme.name}: SimulatedCache hands K/V to the model's own attention, which cannot "
                              "subtract the logit-noise correction; use OscarCache (or SimulatedKV for perplexity)")
-        windows = layer_windows(config)
-        if len(windows) != scheme.num_layers:
+        slots = cache_slots(config)
+        attention = [slot for slot in slots if slot.attention]
+        if len(attention) != scheme.num_layers:
             raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(windows)} layers")
+                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        super().__init__(layers=[SimulatedLayer(scheme.layer(i), sliding_window=w)
-                                 for i, (w, _) in enumerate(windows)])
+        layers, j = [], 0
+        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
+            if not slot.attention:
+                layers.append(state_layer(slot.state))
+                continue
+            cls, extra = (SimulatedLayer, {}) if slot.state is None else (with_state(SimulatedLayer), slot.state)
+            layers.append(cls(scheme.layer(j), sliding_window=slot.window, **extra))
+            j += 1
+        super().__init__(layers=layers)
 
     @classmethod
     def from_artifact(cls, artifact, model, *, group_size: int | None = None, sink: int | None = None,
@@ -268,9 +285,7 @@ class SimulatedCache(Cache):
         """The artifact's rotations and clips (the same checks as :meth:`OscarCache.from_artifact`).
         An artifact with a logit-noise correction is refused unless ``logit_correction=0`` asks for
         its cache without it (this simulation cannot subtract it)."""
-        from .cache import checked_artifact
-
-        art = checked_artifact(artifact, model)
+        art = checked_artifact(artifact, lambda: model_identity(model))
         scheme = KVScheme.from_artifact(art, group_size=group_size, sink=sink, recent=recent, window_dtype=window_dtype,
                                         logit_correction=logit_correction)
         return cls(getattr(model, "config", model), scheme)
@@ -278,7 +293,7 @@ class SimulatedCache(Cache):
     def memory(self) -> dict:
         """Bytes the simulation stores (sink, window, packed history; rotations not counted)."""
         total = sum(sum(t.numel() * t.element_size() for t in layer.seg.tensors())
-                    for layer in self.layers if layer.seg is not None)
+                    for layer in self.layers if getattr(layer, "seg", None) is not None)
         n = self.get_seq_length()
         return {"bytes": total, "tokens": n, "bytes_per_token": total / n if n else 0.0,
                 "history_bits_per_element": self.scheme.bits_per_element}

@@ -65,6 +65,36 @@ def _round_up(n: int, m: int = 256) -> int:
     return -(-n // m) * m
 
 
+def held_slots(n: int, sink: int, recent: int, ring: int | None) -> tuple[int, int, int]:
+    """For a sequence of ``n`` tokens in one layer: ``(window slots, history slots, tokens)`` that
+    hold tokens, and the tokens a 16-bit cache would hold for it. Every token from the sink on has
+    a history slot from its arrival (the recent window's tokens are held twice); a sliding layer's
+    history is a ring of ``ring`` slots, so it holds the sink and the last ``ring`` tokens."""
+    kept = n if ring is None else min(n, ring + sink)
+    return min(n, sink + recent), max(0, kept - sink), kept
+
+
+def context_bits(scheme, windows: list, tokens: int, window_bits: int | None = None) -> float:
+    """Bits per K/V element :class:`~oscar_calib.runtime.cache.OscarCache` holds for a sequence of
+    ``tokens`` tokens stored with ``scheme`` in a model whose layers have ``windows`` (per layer
+    :func:`~oscar_calib.runtime.compat.layer_windows`'s ``(window, chunk)``, or the window alone;
+    None: full attention, else a history ring of the window's size): its window slots
+    in the window dtype (``window_bits``, default the scheme's window dtype), its history slots at
+    ``scheme.layer_bits`` (codes and fp16 parameters), over the elements a 16-bit cache would hold
+    for the same tokens (:func:`held_slots`; ``16 / compression`` of :meth:`OscarCache.memory`).
+    Windows included, so it falls towards the history's bits as the context grows."""
+    if not scheme.quantized:
+        return scheme.bits_per_element
+    wb = window_bits or (torch.finfo(scheme.window_dtype).bits if scheme.window_dtype else 16)
+    held = elements = 0.0
+    for i, win in enumerate(windows):
+        ring = win[0] if isinstance(win, tuple) else win
+        w, h, kept = held_slots(tokens, scheme.sink, scheme.recent, ring)
+        held += w * wb + h * scheme.layer_bits(i)
+        elements += kept
+    return held / elements if elements else float(wb)
+
+
 class Window:
     """The 16-bit window of one layer: ``S`` sink slots, a ring of ``R`` recent slots, one scratch
     slot, all rotated (see the module docstring)."""

@@ -180,13 +180,13 @@ def _target(cfg, model: str | None, trust_remote_code: bool):
 
     if model is None:
         g = cfg.geometry
-        return ModelTarget(g.model_id, g.model_type, config_fingerprint(g.to_hf_config()), g.num_layers,
-                           g.num_attention_heads, g.num_kv_heads, g.head_dim, list(g.layer_types()),
-                           note=f"fingerprint from configs/{cfg.name}.yaml geometry, not the model's own config: "
-                                "pull with --model to match a checkpoint")
+        return ModelTarget.from_geometry(g.model_id, g.to_geometry(), config_fingerprint(g.to_hf_config()),
+                                         note=f"fingerprint from configs/{cfg.name}.yaml geometry, not the model's own "
+                                              "config: pull with --model to match a checkpoint")
     from transformers import AutoConfig
 
-    from ..model.load import ALIASES, load_model, resolve_model
+    from ..model.load import load_model
+    from ..model.source import ALIASES, resolve_model
 
     if model in ALIASES or resolve_model(model).gguf_file:
         return ModelTarget.from_loaded(load_model(model, device="cpu"))
@@ -194,10 +194,8 @@ def _target(cfg, model: str | None, trust_remote_code: bool):
         config = AutoConfig.from_pretrained(resolve_model(model).path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot read the config of {model!r}: {str(e).strip().splitlines()[0]}") from None
-    g = geometry_of(config)
-    return ModelTarget(resolve_model(model).model_id, g.model_type, config_fingerprint(config), g.num_layers,
-                       g.num_attention_heads, g.num_kv_heads, g.head_dim, list(g.layer_types),
-                       note=f"fingerprint from the config.json of {model} (no weights read)")
+    return ModelTarget.from_geometry(resolve_model(model).model_id, geometry_of(config), config_fingerprint(config),
+                                     note=f"fingerprint from the config.json of {model} (no weights read)")
 
 
 def pull_rotationzoo(spec: str, *, out: Path | None = None, tag: str | None = None, model: str | None = None,

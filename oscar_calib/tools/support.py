@@ -9,12 +9,13 @@ column                asked
 ====================  =========================================================================
 calibrate             :func:`~oscar_calib.model.geometry.geometry_of` (calibrate, verify and eval
                       need nothing more: they read Q/K/V through transformers' attention interface)
-cache                 :func:`~oscar_calib.runtime.compat.layer_windows` (the real ``OscarCache``
-                      and the simulation)
+cache                 :func:`~oscar_calib.runtime.compat.cache_slots` (the real ``OscarCache``
+                      and the simulation; a hybrid's recurrent-state layers beside them)
 decode kernel         the layer kinds: the Triton INT2 decode kernel serves full-attention layers
                       (:func:`~oscar_calib.runtime.attention.kernel_decodes`), sliding-window layers
                       read through the torch path
-fold-weights          the registry (:func:`~oscar_calib.model.registry.arch_for`)
+fold-weights          the registry (:func:`~oscar_calib.model.registry.arch_for`, given the text
+                      config: Gemma 4's layers without a value projection)
 one per export target :func:`~oscar_calib.tools.export.serving_table` on an artifact of the family's
                       geometry (head_dim 64, per-head and shared rotations, default windows): each
                       target's own refusals, run for real
@@ -22,7 +23,7 @@ one per export target :func:`~oscar_calib.tools.export.serving_table` on an arti
 
 and every family the registry refuses (:data:`~oscar_calib.model.registry.UNSUPPORTED`) gets a row
 with its reason. :func:`render` writes the Markdown that ``docs/reference/models.md`` holds between
-its markers; ``tests/test_support_table.py`` checks that the page is what :func:`render` gives, so
+its markers; ``tests/tools/test_support_table.py`` checks that the page is what :func:`render` gives, so
 the table cannot drift from the code. ``python scripts/dev/support_table.py`` rewrites the page.
 """
 
@@ -61,42 +62,42 @@ def _cell(fn) -> Cell:
 
 
 def _synthetic_artifact(directory: Path, geo, model_id: str) -> Path:
-    """An artifact of ``geo``'s layers and kinds at head_dim :data:`HEAD_DIM` (identity rotations,
-    per head and shared, the default windows): what the export targets decide on."""
+    """An artifact of ``geo``'s layers, kinds and decoder-layer ids, at head_dim :data:`HEAD_DIM` (a
+    model whose layers differ in head_dim keeps their ratios: 64 and 128 for a stand-in's 16 and 32;
+    identity rotations, per head and shared, the default windows): what the export targets decide on."""
     import torch
 
     from .. import FORMAT_VERSION, __version__
     from ..contract.artifact import Artifact, LayerRotations, write_artifact_files
     from ..contract.defaults import DEFAULT_RECENT, DEFAULT_SINK, default_group_size
-    from ..contract.layout import (
-        FORMAT_NAME,
-        SHARED_CLIP_METADATA,
-        TEXT_CONFIG_METADATA,
-    )
+    from ..contract.layout import FORMAT_NAME, TEXT_CONFIG_METADATA
+    from ..contract.settings import ArtifactSettings
 
-    h, d = geo.num_kv_heads, HEAD_DIM
-    eye, eig = torch.eye(d).expand(h, d, d).clone(), torch.linspace(1, 0, d).expand(h, d).clone()
-    layers = [LayerRotations(eye, eye.clone(), torch.full((h,), 0.96), torch.full((h,), 0.92), eig, eig.clone(),
-                             torch.eye(d), torch.eye(d), eig[0].clone(), eig[0].clone())
-              for _ in range(geo.num_layers)]
+    dims = tuple(HEAD_DIM * d // min(geo.head_dims) for d in geo.head_dims)
+    layers = []
+    for h, d in zip(geo.kv_heads, dims):
+        eye, eig = torch.eye(d).expand(h, d, d).clone(), torch.linspace(1, 0, d).expand(h, d).clone()
+        layers.append(LayerRotations(eye, eye.clone(), torch.full((h,), 0.96), torch.full((h,), 0.92), eig,
+                                     eig.clone(), torch.eye(d), torch.eye(d), eig[0].clone(), eig[0].clone()))
+    settings = ArtifactSettings(**(geo.settings_fields() | {"head_dim": dims[0], "layer_head_dims": dims}),
+                                group_size=default_group_size(HEAD_DIM), sink_tokens=DEFAULT_SINK,
+                                recent_tokens=DEFAULT_RECENT, k_objective="qqt", v_objective="sst",
+                                composition="u_h_pbr", shared_clips=(0.96, 0.92), model_type=geo.model_type)
     md = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": model_id,
-          "model_fingerprint": "0" * 64, "num_layers": str(geo.num_layers),
-          "num_attention_heads": str(geo.num_attention_heads), "num_kv_heads": str(h), "head_dim": str(d),
-          "group_size": str(default_group_size(d)), "bits": "2", "sink_tokens": str(DEFAULT_SINK),
-          "recent_tokens": str(DEFAULT_RECENT), "k_objective": "qqt", "v_objective": "sst", "composition": "u_h_pbr",
-          "granularity": "head", "calibration": json.dumps({"data": "support table"}), "toolkit_version": __version__,
-          "model_type": geo.model_type, **dict(zip(SHARED_CLIP_METADATA, ("0.96", "0.92"))),
+          "model_fingerprint": "0" * 64, "calibration": json.dumps({"data": "support table"}),
+          "toolkit_version": __version__, **settings.metadata(),
           **({TEXT_CONFIG_METADATA: geo.text_config} if geo.text_config else {})}
     report = {"geometry": {"layer_types": list(geo.layer_types)}}
-    write_artifact_files(directory, Artifact(layers=layers, metadata=md), "# support table\n", report)
+    write_artifact_files(directory, Artifact(layers=layers, metadata=md, settings=settings), "# support table\n",
+                         report)
     return directory
 
 
 def family_support(family) -> dict[str, Cell]:
     """The cells of one family (see the module docstring), keyed by column."""
-    from ..model.geometry import geometry_of
+    from ..model.geometry import geometry_of, text_config
     from ..model.registry import SINK_MODEL_TYPES, arch_for
-    from ..runtime.compat import layer_windows
+    from ..runtime.compat import cache_slots
     from .export import TARGETS, serving_table
 
     config = family.config()
@@ -107,7 +108,22 @@ def family_support(family) -> dict[str, Cell]:
         cells["calibrate"] = Cell(False, str(e))
         return cells | {c: Cell(False, "not calibrated") for c in (*CORE[1:], *TARGETS)}
     sinks = geo.model_type in SINK_MODEL_TYPES
-    cells["cache"] = _cell(lambda: layer_windows(config) and ("with attention sinks" if sinks else None))
+    notes = []
+    if geo.layer_ids is not None:
+        notes.append("its attention layers only, mapped to the model's layer ids (layer_ids); the others keep a "
+                     "recurrent state")
+    if geo.mixed_heads:
+        notes.append("each layer with its own head_dim and KV heads (layer_head_dims, layer_kv_heads)")
+    cells["calibrate"] = Cell(True, "; ".join(notes))
+
+    def cache():
+        slots = cache_slots(config)
+        parts = ["with attention sinks"] if sinks else []
+        if any(slot.state is not None for slot in slots):
+            parts.append("the recurrent states as transformers keeps them; eager decode steps (no CUDA graph)")
+        return "; ".join(parts) or None
+
+    cells["cache"] = _cell(cache)
 
     def kernel():
         kinds = set(geo.layer_types)
@@ -115,10 +131,13 @@ def family_support(family) -> dict[str, Cell]:
                     if kind in kinds]
         parts = (["with attention sinks"] if sinks else []) + \
             ([f"{' and '.join(windowed)} layers read through the torch path"] if windowed else [])
+        if geo.mixed_heads:
+            parts.append("layers of a head_dim it does not take (it takes 64, 128 or 256; Gemma 4's global layers "
+                         "have 512) read through the torch path")
         return "full-attention layers; " + "; ".join(parts) if parts else None
 
     cells["decode kernel"] = _cell(kernel) if cells["cache"].ok else Cell(False, "no cache")
-    cells["fold-weights"] = _cell(lambda: arch_for(geo.model_type) and None)
+    cells["fold-weights"] = _cell(lambda: arch_for(geo.model_type, text_config(config)) and None)
     with tempfile.TemporaryDirectory(prefix=".oscar-support-") as tmp:
         rows = serving_table(_synthetic_artifact(Path(tmp), geo, "the model"))
     for row in rows:
@@ -154,6 +173,10 @@ def render() -> str:
             return OK if cell.ok else NO
         # the stand-ins' layer counts are not the published models': a note says what, not how many
         note = re.sub(r"has \d+ (sliding-window|chunked)", r"has \1", cell.note)
+        note = re.sub(r"head geometry \(.*? of \d+\)\)", "head geometry", note)
+        note = re.sub(r"^[a-z][a-z0-9_]*: ", "", note)          # the stand-in's model type, which its row names
+        note = re.sub(r"the artifact's \d+ layers are the model's attention layers [\d, …]+ \(a hybrid model\)",
+                      "the artifact's layers are a hybrid model's attention layers", note)
         if note not in notes:
             notes.append(note)
         return f"{OK if cell.ok else NO} [{notes.index(note) + 1}](#note-{notes.index(note) + 1})"

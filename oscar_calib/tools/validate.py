@@ -59,11 +59,16 @@ from pathlib import Path
 from ..contract import stfile
 from ..contract.artifact import compatibility_problems
 from ..contract.checks import ValidationReport, inspect_bytes, read_file
-from ..contract.layout import CARD_NAME, DIGEST_KEY, REPORT_NAME, WEIGHTS_NAME
+from ..contract.layout import (
+    CARD_NAME,
+    DIGEST_KEY,
+    REPORT_NAME,
+    WEIGHTS_NAME,
+    is_zoo_index,
+)
 from ..contract.verification import verification_of
 from ..errors import ArtifactError
 from ..fsutil import atomic_write_bytes, atomic_write_files
-from .zoo import is_zoo_index
 
 
 @dataclass
@@ -77,6 +82,9 @@ class ModelReference:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
+    ids: tuple[int, ...] | None = None           # the attention layers' decoder-layer ids (a hybrid's)
+    head_dims: tuple[int, ...] | None = None     # every attention layer's head_dim and KV heads
+    kv_heads: tuple[int, ...] | None = None
 
     @classmethod
     def from_model(cls, model, spec: str = "", model_id: str = "") -> "ModelReference":
@@ -84,7 +92,7 @@ class ModelReference:
 
         g = geometry_of(model)
         return cls(spec, model_id or spec, model_fingerprint(model), g.num_layers, g.num_attention_heads,
-                   g.num_kv_heads, g.head_dim)
+                   g.num_kv_heads, g.head_dim, g.ids, g.head_dims, g.kv_heads)
 
 
 def model_reference(spec: str, *, trust_remote_code: bool = False) -> ModelReference:

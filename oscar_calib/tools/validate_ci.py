@@ -36,9 +36,10 @@ import tempfile
 from pathlib import Path
 
 from ..contract.artifact import WEIGHTS_NAME
+from ..contract.layout import ZOO_INDEX_NAME, is_zoo_index
 from ..errors import InputError, PublishError
-from .validate import ModelReference, ValidationReport, is_zoo_index, validate_paths
-from .zoo import INDEX_NAME, index_is_current, scan
+from .validate import ModelReference, ValidationReport, validate_paths
+from .zoo import index_is_current, scan
 
 _HUB_PREFIX = re.compile(r"(hf|huggingface|modelscope|ms):", re.IGNORECASE)
 
@@ -84,7 +85,7 @@ def expand_changed_files(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     for p in map(Path, paths):
         if p.suffix == ".safetensors":
             targets.append(p)
-        elif p.name == INDEX_NAME and is_zoo_index(p):
+        elif p.name == ZOO_INDEX_NAME and is_zoo_index(p):
             targets.append(p.parent)
             indexes.append(p)
     return targets, indexes
@@ -147,8 +148,8 @@ def validate_sources(sources: list[str], *, model: ModelReference | None = None,
             # a zoo given as a directory: its index is checked as the pre-commit hook checks it
             # (`oscar validate zoo` and `make test` agree on what is stale)
             invalid = {r.path if r.path.is_dir() else r.path.parent for r in found if not r.ok}
-            reports.extend(check_index(p / INDEX_NAME, invalid) for p in local
-                           if p.is_dir() and is_zoo_index(p / INDEX_NAME))
+            reports.extend(check_index(p / ZOO_INDEX_NAME, invalid) for p in local
+                           if p.is_dir() and is_zoo_index(p / ZOO_INDEX_NAME))
         local.clear()
 
     for s in sources:

@@ -35,14 +35,15 @@ from ..contract.layout import (
     REPORT_NAME,
     VERIFY_NAME,
     WEIGHTS_NAME,
+    ZOO_INDEX_FORMAT,
+    ZOO_INDEX_NAME,
+    ZOO_INDEX_VERSION,
+    is_zoo_index,
 )
 from ..contract.verification import verification_of
 from ..errors import InputError, OscarError
 from ..fsutil import atomic_write_text
 
-INDEX_NAME = "index.json"
-INDEX_FORMAT = "oscar-zoo-index"
-INDEX_VERSION = 1
 EVAL_NAME = "eval.json"
 SUMMARY_KEYS = ("mean_attn_error_oscar", "mean_attn_error_hadamard", "layers_better_than_hadamard", "num_layers")
 
@@ -201,7 +202,7 @@ def build_index(zoo_dir: Path) -> dict:
 
     zoo_dir = Path(zoo_dir)
     entries = scan(zoo_dir, source="zoo", with_hash=True)
-    return {"format": INDEX_FORMAT, "format_version": INDEX_VERSION,
+    return {"format": ZOO_INDEX_FORMAT, "format_version": ZOO_INDEX_VERSION,
             "entries": [e.to_dict(relative_to=zoo_dir) for e in entries], "upstream": upstream_entries()}
 
 
@@ -214,20 +215,9 @@ def write_index(zoo_dir: Path) -> tuple[Path, dict]:
     if not zoo_dir.is_dir():
         raise InputError(f"zoo directory {zoo_dir} does not exist")
     index = build_index(zoo_dir)
-    path = zoo_dir / INDEX_NAME
+    path = zoo_dir / ZOO_INDEX_NAME
     atomic_write_text(path, render_index(index))
     return path, index
-
-
-def is_zoo_index(path: Path) -> bool:
-    """Whether ``path`` is a zoo's ``index.json`` (its ``format`` says so)."""
-    path = Path(path)
-    if path.name != INDEX_NAME:
-        return False
-    try:
-        return json.loads(path.read_text()).get("format") == INDEX_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def zoo_of(directory: Path) -> Path | None:
@@ -236,7 +226,7 @@ def zoo_of(directory: Path) -> Path | None:
     entry writes into it only when told to (``--record``), and then refreshes the index
     (:func:`refresh_index`), so the index never goes stale behind the user's back."""
     for parent in Path(directory).absolute().parents:
-        if is_zoo_index(parent / INDEX_NAME):
+        if is_zoo_index(parent / ZOO_INDEX_NAME):
             return parent
     return None
 
@@ -259,7 +249,7 @@ def refresh_index(directory: Path) -> Path | None:
 
 
 def index_is_current(zoo_dir: Path) -> bool:
-    path = Path(zoo_dir) / INDEX_NAME
+    path = Path(zoo_dir) / ZOO_INDEX_NAME
     try:
         return path.read_text() == render_index(build_index(zoo_dir))
     except OSError:
@@ -267,9 +257,9 @@ def index_is_current(zoo_dir: Path) -> bool:
 
 
 def load_index(zoo_dir: Path) -> dict:
-    path = Path(zoo_dir) / INDEX_NAME
+    path = Path(zoo_dir) / ZOO_INDEX_NAME
     doc = _read_json(path)
-    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or not isinstance(doc.get("entries"), list):
+    if not isinstance(doc, dict) or doc.get("format") != ZOO_INDEX_FORMAT or not isinstance(doc.get("entries"), list):
         raise InputError(f"{path}: missing or not an oscar zoo index; run `oscar zoo index`")
     return doc
 

@@ -47,9 +47,10 @@ from harness import add_output_args, describe_device, new_result, out_dir, write
 def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: int, device: str) -> dict:
     import torch
 
-    from oscar_calib.calibrate.corpus import plan_tokens
-    from oscar_calib.calibrate.pipeline import collect_statistics, prepare_model
+    from oscar_calib.calibration.collect import collect_statistics
+    from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     cfg = CalibrationConfig(model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
                             dtype="float32" if device == "cpu" else "bfloat16")
@@ -75,7 +76,7 @@ def one_budget(model: str, tokens: int, seq_len: int, batch_size: int, repeats: 
                 _forward(lm.model, b.to(dev))
         sync()
 
-    from oscar_calib.calibrate.corpus import TokenPlan
+    from oscar_calib.data.corpus import TokenPlan
 
     stream_only = TokenPlan(plan.calibration, [], plan.source)   # the fixed held-out capture is not streaming
 
@@ -213,7 +214,8 @@ def qwen3_8b_geometry(device: str):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from oscar_calib.model.geometry import geometry_of, model_fingerprint
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     geo = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
@@ -234,7 +236,7 @@ def qwen3_8b_geometry(device: str):
 
 
 def gpu_plan(tokens: int, seq_len: int):
-    from oscar_calib.calibrate.corpus import plan_tokens
+    from oscar_calib.data.corpus import plan_tokens
 
     plan = plan_tokens(ByteTokenizer(), data="embedded", tokens=tokens, seq_len=seq_len, heldout_tokens=512,
                        heldout_seqs=1, seed=0)
@@ -253,7 +255,7 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
     """Plain forwards vs collect_statistics over the same 30K tokens, alternating; medians."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import collect_statistics
+    from oscar_calib.calibration.collect import collect_statistics
     from oscar_calib.model.capture import capture_forward as _forward
 
     plan, cfg = gpu_plan(GPU_TOKENS, seq_len), gpu_cfg(GPU_TOKENS, seq_len, batch_size)
@@ -293,7 +295,7 @@ def time_shape(lm, seq_len: int, batch_size: int, repeats: int) -> tuple[dict, o
 def peak_memory(lm, weights: int, seq_len: int, batch_size: int) -> list[dict]:
     import torch
 
-    from oscar_calib.calibrate.pipeline import collect_statistics
+    from oscar_calib.calibration.collect import collect_statistics
     from oscar_calib.model.capture import capture_forward as _forward
 
     rows = []
@@ -323,7 +325,7 @@ def update_microbench(lm, seq_len: int, batch_size: int, plain_per_batch_s: floa
     in float64), and the finiteness check."""
     import torch
 
-    from oscar_calib.calibrate.stats import ACCUMULATORS, LayerStats, check_finite
+    from oscar_calib.calibration.stats import ACCUMULATORS, LayerStats, check_finite
 
     geo = lm.geometry
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -372,9 +374,9 @@ def dp_worker(job: dict) -> None:
     """One rank of the data-parallel measurement (started by gpu_main through oscar's launcher)."""
     import torch
 
-    from oscar_calib.calibrate.parallel import data_parallel
-    from oscar_calib.calibrate.pipeline import collect_statistics
-    from oscar_calib.calibrate.stats import ACCUMULATORS
+    from oscar_calib.calibration.collect import collect_statistics
+    from oscar_calib.calibration.parallel import data_parallel
+    from oscar_calib.calibration.stats import ACCUMULATORS
     from oscar_calib.model.capture import capture_forward as _forward
 
     global DEV, SMALL
@@ -429,7 +431,7 @@ def gpu_main(args, argv=None) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.launch import launch
+    from oscar_calib.jobs.launch import launch
 
     _small(args)
     if _cuda() and not torch.cuda.is_available():

@@ -21,7 +21,7 @@ Parts:
 * ``eval``: ``oscar eval smollm2-135m zoo/smollm2-135m`` with its defaults (the first ``next:``
   after a calibration), wall and CPU time.
 * ``snippet``: the README's Python snippet as a script (wall and CPU time), and in one process
-  ``cache.generate`` against plain ``model.generate`` on its prompt (32 new tokens, alternating,
+  ``generate`` through ``OscarCache`` against plain ``model.generate`` on its prompt (32 new tokens, alternating,
   ``--repeats`` each, medians and their ratio).
 
 Every command's output is read as it comes: ``first_output_s`` (when its first line came) and
@@ -99,11 +99,11 @@ def readme_snippet(readme: Path) -> str:
     return text[start:text.index("```", start)]
 
 
-# cache.generate against model.generate on the snippet's prompt, in one process, alternating
+# generate through OscarCache against model.generate on the snippet's prompt, in one process, alternating
 GENERATE_RATIO = """
 import json, sys, time
 from oscar_calib.model.load import load_model    # first, as the snippet: the package sets OMP_WAIT_POLICY before torch loads
-from oscar_calib.runtime import OscarCache
+from oscar_calib.runtime import OscarCache, generate
 import torch
 from pydoc_data.topics import topics
 lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16")
@@ -117,7 +117,7 @@ for r in range(int(sys.argv[1])):
         if cache is None:
             model.generate(ids, max_new_tokens=32, do_sample=False)
         else:
-            cache.generate(model, ids, max_new_tokens=32, do_sample=False)
+            generate(model, ids, cache, max_new_tokens=32, do_sample=False)
         rows.append({"name": name, "repeat": r, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0})
 print(json.dumps({"prompt_tokens": ids.shape[1], "threads": torch.get_num_threads(), "rows": rows}))
 """
@@ -143,7 +143,7 @@ def snippet(repeats: int) -> list[dict]:
     doc = json.loads(res["stdout"].strip().splitlines()[-1])
     med = {(n, k): statistics.median(x[k] for x in doc["rows"] if x["name"] == n)
            for n in ("oscar", "plain") for k in ("wall_s", "cpu_s")}
-    rows.append({"part": "snippet", "what": "cache.generate vs model.generate", "load_1min": res["load_1min"],
+    rows.append({"part": "snippet", "what": "generate (OscarCache) vs model.generate", "load_1min": res["load_1min"],
                  "prompt_tokens": doc["prompt_tokens"], "threads": doc["threads"], "runs": doc["rows"],
                  "median_wall_s": {n: med[n, "wall_s"] for n in ("oscar", "plain")},
                  "median_cpu_s": {n: med[n, "cpu_s"] for n in ("oscar", "plain")},

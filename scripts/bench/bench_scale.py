@@ -114,7 +114,8 @@ def build(geo: dict, where, device: str):
     from bench_calibrate import ByteTokenizer
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from oscar_calib.model.load import LoadedModel, ModelSource
+    from oscar_calib.model.load import LoadedModel
+    from oscar_calib.model.source import ModelSource
 
     cfg = Qwen3Config(**geo, max_position_embeddings=40960, rope_theta=1_000_000, tie_word_embeddings=False)
     with torch.device("meta"):
@@ -172,8 +173,8 @@ def cfg_and_plan(s: dict):
     """The calibration settings and token plan of a scenario's settings ``s``."""
     from bench_calibrate import ByteTokenizer
 
-    from oscar_calib.calibrate.corpus import plan_tokens
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     heldout = min(s["heldout_tokens"], s["seq_len"])
     cfg = CalibrationConfig(model="random-init", tokens=s["tokens"], seq_len=s["seq_len"], batch_size=1,
@@ -218,7 +219,8 @@ def measure(lm, cfg, plan, repeats: int, gpus: list[int], *, ranks=None, placeme
 
     import torch
 
-    from oscar_calib.calibrate.pipeline import calibrate, collect_statistics
+    from oscar_calib.calibration.collect import collect_statistics
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.model.capture import capture_forward
     from oscar_calib.model.placement import input_device
 
@@ -278,7 +280,7 @@ def save_accumulators(stats: list, path: Path) -> None:
 
 def verify_on(lm, artifact: Path, s: dict, gpus: list[int]) -> dict:
     """``oscar verify`` of ``artifact`` on the model in memory (spread or not), once, untimed rounds."""
-    from oscar_calib.tools.verify import verify_artifact
+    from oscar_calib.eval.verify import verify_artifact
 
     base = reset_peaks(gpus)
     t0 = time.perf_counter()
@@ -300,8 +302,8 @@ def job_worker(job: dict) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.parallel import data_parallel
-    from oscar_calib.calibrate.ranks import launched
+    from oscar_calib.calibration.parallel import data_parallel
+    from oscar_calib.jobs.env import launched
     from oscar_calib.model.placement import Placement
 
     s, layout = job["settings"], job["layout"]
@@ -361,7 +363,7 @@ def device_name(gpus: list[int]) -> str:
 
 def run_job(layout: str, ranks: int, shape: str, s: dict, work: Path, *, verify: bool = False) -> dict:
     """A layout's job through oscar's launcher (``ranks`` processes; 1 is a plain process)."""
-    from oscar_calib.calibrate.launch import launch
+    from oscar_calib.jobs.launch import launch
 
     name = f"{shape}-{layout}-{ranks}"
     job = {"layout": layout, "shape": shape, "settings": s, "verify": verify, "keep": str(work / name),

@@ -168,7 +168,7 @@ def quick_interpreter() -> None:
     """Refuse, in one line, a ``--quick`` run in a process that does not run Triton under its CPU
     interpreter (``main()`` called from a process the caller made: set ``TRITON_INTERPRET=1``
     before it imports any kernel), or whose interpreter cannot run the kernels."""
-    from oscar_calib.kernels._common import interpreter_problem, interpreting
+    from oscar_calib.kernels import interpreter_problem, interpreting
 
     if not interpreting():
         raise SystemExit("error: --quick runs the kernels under Triton's CPU interpreter, chosen when the process "

@@ -19,13 +19,14 @@ from oscar_calib.kernels import (
     quantize_kv_reference,
 )
 from oscar_calib.kernels import decode as decode_mod
-from oscar_calib.kernels._common import load_triton_module
 from oscar_calib.kernels.testing import (
     code_agreement,
     kv_rows,
+    merge_left_out,
     random_int2_cache,
     random_rotation,
     relative_error,
+    rotate_query_triton,
 )
 
 # the first tuning of the decode kernel, per regime, timed in the same run for comparison
@@ -347,24 +348,6 @@ def profile_decode(ctx: Ctx, shape: dict, best: dict) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def merge_left_out():
-    """Bench only: the decode call without its merge kernel (the launch becomes a no-op), to
-    time what the merge adds to the call."""
-    mod = load_triton_module("_decode_triton")
-    real = mod.decode_merge_kernel
-
-    class _Skip:
-        def __getitem__(self, grid):
-            return lambda *a, **k: None
-
-    mod.decode_merge_kernel = _Skip()
-    try:
-        yield
-    finally:
-        mod.decode_merge_kernel = real
-
-
 def breakdown_decode(ctx: Ctx, shape: dict, contexts: list[int]) -> list[dict]:
     """Batch 1, where a call is short: the library default's call time with parts left out
     (``prerotated``: the query given rotated, no rotation kernel; ``no_merge``; ``decode_only``:
@@ -386,9 +369,7 @@ def breakdown_decode(ctx: Ctx, shape: dict, contexts: list[int]) -> list[dict]:
         for part in BREAKDOWN_PARTS:
             kr = None if part in ("prerotated", "decode_only") else rk
             if part == "rotation_only":
-                cfg = decode_mod.tuning(1, h)
-                mod = load_triton_module("_decode_triton")
-                fns = [lambda: decode_mod._rotate_query_triton(mod, q, rk, h, cfg, False)]
+                fns = [lambda: rotate_query_triton(q, rk, h)]
             elif part == "floor":
                 fns = [lambda: out.fill_(1.0)]
             else:

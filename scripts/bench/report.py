@@ -533,7 +533,7 @@ def first_run(doc: dict) -> list[str]:
                         _f(r["load_1min"])] for r in timed])
         out.append("")
     for r in (r for r in doc.get("snippet", []) if "ratio_wall" in r):
-        out += [f"The snippet's 2-bit `cache.generate` against plain `model.generate` ({r['prompt_tokens']}-token "
+        out += [f"The snippet's 2-bit `generate` (OscarCache) against plain `model.generate` ({r['prompt_tokens']}-token "
                 f"prompt, 32 new tokens, {len(r['runs']) // 2} runs each, alternating, {r['threads']} threads): "
                 f"median {r['median_wall_s']['oscar']:.1f} s against {r['median_wall_s']['plain']:.1f} s, "
                 f"**{r['ratio_wall']:.2f}×** the time ({r['ratio_cpu']:.2f}× the CPU time), load "

@@ -76,14 +76,9 @@ def compile_kernel(kernel: str, const: dict, opts: dict, arch: int):
 
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (the default; silences a notice of Triton 3.9)
-    if kernel == "decode":
-        from oscar_calib.kernels import _decode_triton as mod
+    from oscar_calib.kernels.testing import jit_kernel
 
-        fn = mod.decode_kernel
-    else:
-        from oscar_calib.kernels import _write_triton as mod
-
-        fn = mod.quantize_kv_planes_kernel
+    fn = jit_kernel(kernel)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

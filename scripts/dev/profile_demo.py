@@ -91,10 +91,10 @@ def top_functions(prof: cProfile.Profile, n: int) -> str:
 def run_part(part: str, artifact: Path, quick: bool, out: Path, top: int) -> dict:
     """One part in this process: returns its stage table, totals and top functions."""
     sys.path.insert(0, str(ROOT))
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import config_from_options
+    from oscar_calib.eval.verify import QUICK_VERIFY, verify_artifact
     from oscar_calib.model.load import load_model
-    from oscar_calib.tools.verify import QUICK_VERIFY, verify_artifact
 
     rec = StageRecorder()
     prof = cProfile.Profile()

@@ -1,6 +1,6 @@
 """Rewrite the support table in docs/reference/models.md from the code that decides each cell
 (:mod:`oscar_calib.tools.support`); ``--check`` exits 1 when the page is not what it would write
-(what ``tests/test_support_table.py`` checks). About 15 s on 2 CPU cores.
+(what ``tests/tools/test_support_table.py`` checks). About 15 s on 2 CPU cores.
 
     python scripts/dev/support_table.py            # rewrite the page
     python scripts/dev/support_table.py --check    # exit 1 when it is stale

@@ -11,8 +11,8 @@
 
 One set of statistics is collected (``oscar calibrate``'s defaults: 8192 tokens of the embedded
 corpus' calibration half, sequences of 1024, seed 0) and cached in ``runs/ablation/MODEL.stats.pt``;
-every variant re-runs only the rotation and clip step (``pipeline.build_rotations``) with its
-options changed, and is scored by ``oscar eval``'s perplexity (``eval.ppl.sequence_nll``: 2 × 2048
+every variant re-runs only the rotation and clip step (``calibration.fit.build_rotations``) with its
+options changed, and is scored by ``oscar eval``'s perplexity (``eval.nll.sequence_nll``: 2 × 2048
 held-out tokens, BF16 sink 64 + recent 256 per query position, INT2 history) on every text of
 ``--texts``: by default the embedded corpus' held-out half (``embedded``, CPython's documentation
 topics) and the embedded code corpus' held-out half (``embedded-code``, stdlib source: a second
@@ -52,7 +52,7 @@ variant            options
 ``k/2``, ``v/2``    keys (values) in half the default group size, the other cache unchanged
 ``global/2``,      the full-attention layers' groups halved (quartered), sliding-window layers
 ``global/4``       unchanged; ``sliding/2`` the reverse
-``budget``         per-layer group sizes (K = V) chosen by ``calibrate.budget`` on the held-out
+``budget``         per-layer group sizes (K = V) chosen by ``calibration.budget`` on the held-out
                    tables within 2.5 bits, mean and long-context bounds (``--bit-budget 2.5``)
 ``budget-split``   the same with K and V sizes chosen apart (simulation only)
 ``budget-mean``,   the same bounded by the mean over layers only (over budget at long contexts
@@ -153,10 +153,10 @@ def stats_run(lm, cfg, cache: Path):
     accumulators do not depend on it)."""
     import torch
 
-    from oscar_calib.calibrate.corpus import plan_tokens
-    from oscar_calib.calibrate.pipeline import StatsRun, collect_statistics
-    from oscar_calib.calibrate.stats import LayerStats, Reservoir
+    from oscar_calib.calibration.collect import StatsRun, collect_statistics
+    from oscar_calib.calibration.stats import LayerStats, Reservoir
     from oscar_calib.contract.config import CalibrationConfig
+    from oscar_calib.data.corpus import plan_tokens
 
     plan = plan_tokens(lm.tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field, tokens=cfg.tokens,
                        seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens, heldout_seqs=cfg.heldout_seqs,
@@ -225,11 +225,10 @@ def main(argv=None) -> None:
 
     import torch
 
-    from oscar_calib.calibrate.pipeline import prepare_model
+    from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.contract.defaults import default_group_size
-    from oscar_calib.eval import EvalOptions
-    from oscar_calib.eval.ppl import heldout_sequences
+    from oscar_calib.eval import EvalOptions, heldout_sequences
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -349,9 +348,10 @@ def attach_niah(results: dict, specs: list[str]) -> None:
 
 
 def real_storable(scheme) -> bool:
-    """Whether oscar's real cache (OscarCache) can store ``scheme``."""
-    return scheme.quantized and scheme.quantizer == "oscar" and not is_lever(scheme) \
-        and not any(r is not None for r in scheme.v_output)
+    """Whether oscar's real cache (OscarCache) can store ``scheme`` (a lever's is simulated only)."""
+    from oscar_calib.runtime.cache import not_storable
+
+    return not is_lever(scheme) and not_storable(scheme) is None
 
 
 def is_lever(scheme) -> bool:
@@ -361,38 +361,18 @@ def is_lever(scheme) -> bool:
     return isinstance(scheme, levers.LeverScheme)
 
 
-def real_cache_nll(model, ids, scheme, chunk: int) -> tuple[float, int]:
-    """Teacher-forced NLL of ``ids`` [1, T] through the real cache (:class:`OscarCache`): the text in
-    chunks of ``chunk`` tokens, each chunk reading the cache as stored (BF16 sink and window, INT2
-    history) and its own tokens at full precision, then written (``chunk`` = 1: decode steps)."""
-    import torch
-
-    from oscar_calib.eval.ppl import _decoder_and_head, _nll_from_hidden
-    from oscar_calib.model.placement import input_device
-    from oscar_calib.runtime.cache import OscarCache
-
-    ids = ids.to(input_device(model))
-    cache = OscarCache(model.config, scheme)
-    cache.reserve(ids.shape[1])
-    dec, _, _ = _decoder_and_head(model)
-    total, n = 0.0, ids.shape[1] - 1
-    with cache.attach(model), torch.no_grad():
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            h = dec(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True).last_hidden_state
-            total += _nll_from_hidden(model, h, ids[:, a + 1:b + 1])
-    return total, n
-
-
 def perplexity(model, seqs, scheme, real_chunk: int = 0) -> float:
-    from oscar_calib.eval.ppl import sequence_nll
+    """Perplexity of ``seqs`` read as ``scheme`` stores K/V: the simulation (``oscar eval``'s,
+    a lever's own), or with ``real_chunk`` through OscarCache itself
+    (:func:`oscar_calib.eval.real_cache_nll`, ``real_chunk`` tokens per call; 1: decode steps)."""
+    from oscar_calib.eval import real_cache_nll, sequence_nll
 
     if is_lever(scheme):                           # its own simulation
         import levers
 
         sequence_nll = levers.sequence_nll  # noqa: F811
     if real_chunk:
-        sequence_nll = lambda m, ids, sch: real_cache_nll(m, ids, sch, real_chunk)  # noqa: E731, F811
+        sequence_nll = lambda m, ids, sch: real_cache_nll(m, ids, sch, chunk=real_chunk)  # noqa: E731, F811
     nll = n = 0
     for s in seqs:
         a, b = sequence_nll(model, s.unsqueeze(0), scheme)
@@ -425,7 +405,7 @@ def variant_scheme(name, run, base, geo, g, opts):
     and the row's extra fields."""
     import dataclasses
 
-    from oscar_calib.calibrate.pipeline import build_rotations
+    from oscar_calib.calibration.fit import build_rotations
     from oscar_calib.contract.artifact import Artifact
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.runtime.scheme import KVScheme
@@ -496,7 +476,7 @@ def full_layers(run) -> list[int]:
 
 
 def long_bits(scheme, run) -> float:
-    """Bits per element at long contexts: the full-attention layers' mean (``calibrate.budget``)."""
+    """Bits per element at long contexts: the full-attention layers' mean (``calibration.budget``)."""
     longs = full_layers(run) or list(range(scheme.num_layers))
     return sum(scheme.layer_bits(i) for i in longs) / len(longs)
 
@@ -504,8 +484,8 @@ def long_bits(scheme, run) -> float:
 def variant_groups(spec, run, layers, cfg, geo, g0):
     """Per layer ``(G_K, G_V)`` of a bit-budget variant (None for the others) and, for the greedy
     ones, what the allocation saw."""
-    from oscar_calib.calibrate.budget import allocate, budget_tables, candidate_sizes
-    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.calibration.budget import allocate, budget_tables, candidate_sizes
+    from oscar_calib.calibration.fit import heldout_layer
 
     if spec is None:
         return None, None
@@ -537,7 +517,7 @@ def with_codebooks(scheme, run, layers, g, quantizer, fixed_ends=False):
     layers and KV heads."""
     import torch
 
-    from oscar_calib.calibrate.pipeline import heldout_layer
+    from oscar_calib.calibration.fit import heldout_layer
     from oscar_calib.experimental.codebook import (
         CodebookScheme,
         fake_quant_codebook,

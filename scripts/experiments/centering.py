@@ -16,7 +16,7 @@ variant                   artifact (everything else the recipe's)
 ``center``                ``center_keys: true``: keys stored centered on the calibration's mean key,
                           the ``ktk`` objective and the clips fitted on the centered keys
 ``center-raw-ktk``        ``center_keys: true`` with the ``ktk`` objective of the raw keys
-                          (``calibrate.shared.CENTER_KEY_OBJECTIVE`` off): the clips still fitted centered
+                          (``calibration.shared.CENTER_KEY_OBJECTIVE`` off): the clips still fitted centered
 ``center noclip``         ``center`` with every key clip ratio 1 (``--clip k=1``: the values' clips fitted)
 ``center plain-groups``   ``center`` with ``plain``'s per-layer group sizes instead of a bit budget
                           spent on centered keys (recipes with ``bit_budget``; needs ``plain``)
@@ -92,11 +92,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import torch
 
-    from oscar_calib.calibrate import pipeline, shared
+    from oscar_calib.calibration import pipeline, shared
     from oscar_calib.contract.artifact import load_artifact
     from oscar_calib.contract.config import config_from_options
+    from oscar_calib.eval.verify import verify_artifact
     from oscar_calib.model.load import load_model
-    from oscar_calib.tools.verify import verify_artifact
 
     torch.manual_seed(0)
     base = config_from_options(args.config, {"device": "cpu"})
@@ -199,7 +199,7 @@ def score(row: dict, art, lm, texts: list[str], args, bf16: dict, over: dict | N
 def groups_of(artifact: Path | None):
     """Within: the bit budget's allocation replaced by ``artifact``'s per-layer group sizes (None:
     unchanged), its bits and held-out figures counted from the same tables."""
-    from oscar_calib.calibrate import budget
+    from oscar_calib.calibration import budget
     from oscar_calib.contract.artifact import load_artifact
 
     if artifact is None:

@@ -23,11 +23,8 @@ def main() -> None:
     import ablation
     import torch
 
-    from oscar_calib.calibrate.pipeline import (
-        build_rotations,
-        heldout_layer,
-        prepare_model,
-    )
+    from oscar_calib.calibration.fit import build_rotations, heldout_layer
+    from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.experimental.codebook import fake_quant_codebook, fit_layer_levels
     from oscar_calib.numerics.quant import clip_rows, fake_quant_int2

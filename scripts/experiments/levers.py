@@ -40,7 +40,7 @@ import torch
 
 from oscar_calib.numerics.quant import clip_rows, logit_noise
 from oscar_calib.runtime.scheme import KVScheme
-from oscar_calib.runtime.simulate import SimulatedKV
+from oscar_calib.runtime.simulate import SimulatedKV, window_rows
 
 FP8 = torch.float8_e4m3fn
 
@@ -105,15 +105,18 @@ def _sparse_fix(y: torch.Tensor, yq: torch.Tensor, n: int) -> torch.Tensor:
 
 class LeverKV(SimulatedKV):
     """:class:`SimulatedKV` with the history stored the :class:`LeverScheme`'s way (oscar's
-    quantiser only; explicit softmax, float32)."""
+    quantiser only; explicit softmax, float32). Rows below ``prefill`` read every key from the
+    window half (16-bit, as the window holds it) where :class:`SimulatedKV` reads them as computed:
+    the scored rows are exact, the prefill rows off by one 16-bit rounding."""
 
     def _int2(self, layer: int, which: str, x: torch.Tensor):
         """``x [B, H, S, d]`` -> (dequantised rows in the model's basis [B, H, S, d], scales [B, S, H, NG])."""
         sch = self.scheme
-        ls = sch.layer(layer).to(x.device)
-        r, c = (ls.k_rotation, ls.k_clip) if which == "k" else (ls.v_rotation, ls.v_clip)
-        g = ls.groups.k if which == "k" else ls.groups.v
-        shift = ls.k_shift() if which == "k" else None           # key centering: y = (x - mu) @ R
+        ls = sch.layer(layer)
+        rk, ck, rv, cv = ls.on(x.device)
+        r, c = (rk, ck) if which == "k" else (rv, cv)
+        g = sch.groups(layer)[0 if which == "k" else 1]
+        shift = ls.k_shift(x.device) if which == "k" else None      # key centering: y = (x - mu) @ R
         y = x.float().transpose(1, 2)                                           # [B, S, H, d]
         if r is not None:
             y = torch.einsum("bshd,hde->bshe", y, r)
@@ -126,7 +129,7 @@ class LeverKV(SimulatedKV):
             yq = _sparse_fix(y, yq, sch.sparse)
         back = torch.einsum("bshe,hde->bhsd", yq, r) if r is not None else yq.transpose(1, 2)
         if shift is not None:
-            back = back + ls.k_mean[:, None]
+            back = back + ls.mean_on(x.device)[:, None]
         return back, s
 
     def attend(self, layer, q, k, v, mask, scaling, window, softcap, positions=None):
@@ -142,9 +145,11 @@ class LeverKV(SimulatedKV):
         k_lo, k_scales = self._int2(layer, "k", k_in)
         v_lo, _ = self._int2(layer, "v", v_in)
         kpos = torch.arange(s, device=q.device).unsqueeze(0)
-        hi = (kpos < sch.sink) | (qpos - kpos < sch.recent)
-        keys = torch.cat([k_lo, k_in.float()], 2).repeat_interleave(grp, 1)
-        values = torch.cat([v_lo, v_in.float()], 2).repeat_interleave(grp, 1)
+        hi = sch.reads_window(qpos, kpos) | (qpos < self.prefill)     # prefill rows: the window half, every key
+        rk, _, rv, _ = sch.layer(layer).rotations
+        mean = sch.layer(layer).k_mean                                   # key centering: the window's keys too
+        keys = torch.cat([k_lo, window_rows(k, rk, wd or k.dtype, mean)], 2).repeat_interleave(grp, 1)
+        values = torch.cat([v_lo, window_rows(v, rv, wd or v.dtype)], 2).repeat_interleave(grp, 1)
         allowed = torch.cat([allowed & ~hi, allowed & hi], dim=-1)
         qf = q.float()
         sc = (qf @ keys.transpose(-1, -2)) * scaling
@@ -167,17 +172,11 @@ def lever_scheme(base: KVScheme, head_dim: int, **options) -> LeverScheme:
     return LeverScheme(**{**fields, **options}, head_dim=head_dim)
 
 
-@torch.no_grad()
-def sequence_nll(model, ids: torch.Tensor, scheme: LeverScheme) -> tuple[float, int]:
-    """:func:`oscar_calib.eval.ppl.sequence_nll` through :class:`LeverKV`."""
-    from oscar_calib.eval.ppl import _decoder_and_head, _nll_from_hidden
-    from oscar_calib.model.placement import input_device
+def sequence_nll(model, ids: torch.Tensor, scheme: LeverScheme, *, scored: int | None = None) -> tuple[float, int]:
+    """:func:`oscar_calib.eval.sequence_nll` through :class:`LeverKV`."""
+    from oscar_calib.eval import sequence_nll as nll
 
-    ids = ids.to(input_device(model))
-    dec, _, _ = _decoder_and_head(model)
-    with LeverKV(model, scheme):
-        hidden = dec(input_ids=ids, use_cache=False).last_hidden_state
-    return _nll_from_hidden(model, hidden[:, :-1], ids[:, 1:]), ids.shape[1] - 1
+    return nll(model, ids, scheme, scored=scored, simulation=LeverKV)
 
 
 def self_check(scheme: KVScheme, head_dim: int, seed: int = 0) -> float:

@@ -19,6 +19,7 @@ prompts moved between machines). The result records the filler's full sha256.
         --lengths 1024,2048,4096,8192 --prompts 50 --out $OUT/niah_smollm2-135m_h100.json
     python scripts/experiments/niah_gpu.py --quick                     # CPU check of the whole script (tiny lengths)
     python scripts/experiments/niah_gpu.py --merge OUT.json A.json B.json      # lengths run in separate calls
+    python scripts/experiments/niah_gpu.py --merge NEW.json --baselines OLD.json --out OUT.json   # reuse bf16/hadamard
     python scripts/experiments/niah_gpu.py --record scripts/experiments/results/niah_smollm2-135m_h100.json zoo/smollm2-135m
 
 Getting the models there: a run carries at most 64 MiB of working tree and the GPU machine has no
@@ -62,7 +63,8 @@ def load(alias: str, gguf: str | None, device: str, dtype: str):
     model id, so the result belongs to the same model as the artifact)."""
     import dataclasses
 
-    from oscar_calib.model.load import ALIASES, load_model
+    from oscar_calib.model.load import load_model
+    from oscar_calib.model.source import ALIASES
 
     if gguf is None:
         return load_model(alias, device=device, dtype=dtype)
@@ -106,6 +108,38 @@ def merge(results: list[dict]) -> dict:
     timings = {"total_s": sum(r["timings"].get("total_s", 0.0) for r in results),
                "per_length_s": {k: v for r in results for k, v in r["timings"].get("per_length_s", {}).items()}}
     return EvalResult("niah", results[0]["model_id"], settings, rows, timings).to_json()
+
+
+# the methods whose answers do not depend on an artifact: an earlier run's rows of them, on the same
+# prompts, stand for a new run's (``--baselines``)
+BASELINE_METHODS = ("bf16", "naive", "hadamard")
+
+
+def with_baselines(result: dict, base: dict, base_path: str = "") -> dict:
+    """``result`` (a run of the artifact's methods only) completed with ``base``'s rows of
+    :data:`BASELINE_METHODS` at the same lengths: the prompts must be the same (model, depths,
+    samples, seed, filler and its hash, windows), or this refuses in one line. The settings name
+    where the baselines came from (file, device, command)."""
+    from oscar_calib.eval import EvalResult
+
+    mine, theirs = result["settings"], base["settings"]
+    same = ("depths", "samples", "seed", "haystack", "haystack_sha256", "sink", "recent")
+    diff = [k for k in same if mine.get(k) != theirs.get(k)]
+    if diff or result["model_id"] != base["model_id"]:
+        raise SystemExit(f"error: {base_path or 'the baselines'} ran other prompts ({', '.join(diff) or 'model'} "
+                         "differ): its baselines cannot stand for this run's")
+    lengths = sorted({r["length"] for r in result["rows"]})
+    have = {m for m in BASELINE_METHODS if any(r["method"] == m for r in result["rows"])}
+    rows = [r for r in base["rows"] if r["method"] in BASELINE_METHODS and r["method"] not in have
+            and r["length"] in lengths]
+    missing = [n for n in lengths if not any(r["length"] == n for r in rows)] if rows else lengths
+    if missing:
+        raise SystemExit(f"error: {base_path or 'the baselines'} has no baseline rows at length(s) {missing}")
+    taken = sorted({r["method"] for r in rows}, key=BASELINE_METHODS.index)
+    settings = dict(mine, methods=[*taken, *mine.get("methods", [])],
+                    baselines_from={"file": base_path, "methods": taken, "device": theirs.get("device"),
+                                    "command": theirs.get("command")})
+    return EvalResult("niah", result["model_id"], settings, rows + result["rows"], result["timings"]).to_json()
 
 
 def table(result: dict) -> str:
@@ -208,16 +242,18 @@ def run(args) -> None:
 
 def _text_sha256(haystack: str) -> str:
     """Full sha256 of the filler text the prompts were cut from."""
-    from oscar_calib.eval.niah import _filler_text
+    from oscar_calib.eval.niah import filler_text
 
-    return hashlib.sha256(_filler_text(haystack).encode("utf-8")).hexdigest()
+    return hashlib.sha256(filler_text(haystack).encode("utf-8")).hexdigest()
 
 
-def record(paths: list[str], artifact: str, force: bool) -> None:
-    from oscar_calib.eval import EvalResult, record_eval, write_plot
+def record(paths: list[str], artifact: str, force: bool, baselines: str | None = None) -> None:
+    from oscar_calib.eval import EvalResult, record_eval
 
     results = [json.loads(Path(p).read_text()) for p in paths]
     merged = merge(results) if len(results) > 1 else results[0]
+    if baselines:
+        merged = with_baselines(merged, json.loads(Path(baselines).read_text()), baselines)
     settings, rows = merged["settings"], merged["rows"]
     want, have = settings.get("artifact_sha256"), artifact_sha256(Path(artifact))
     if settings.get("logit_correction_override") is not None and have == settings.get("new_artifact_sha256") \
@@ -235,10 +271,7 @@ def record(paths: list[str], artifact: str, force: bool) -> None:
         raise SystemExit(f"error: {artifact}/oscar.safetensors (sha256 {have[:12]}…) is not the artifact the run used "
                          f"({str(want)[:12]}…); re-run the NIAH with this artifact, or pass --force to record anyway")
     result = EvalResult("niah", merged["model_id"], settings, rows, merged["timings"])
-    plot = Path(artifact) / "eval-niah.png"             # the card's needle plot, with the intervals
-    write_plot(plot, result)
-    result.settings["plot"] = str(plot)
-    record_eval(Path(artifact), result)
+    record_eval(Path(artifact), result)                 # draws the card's needle plot too
     print(table(result.to_json()))
     print(f"recorded in {artifact}/calibration.json and its README.md")
 
@@ -268,16 +301,20 @@ def main(argv=None) -> None:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="write OUT (--out) merged from these results")
     p.add_argument("--record", nargs="+", metavar="JSON", help="record these results (merged) into ARTIFACT")
     p.add_argument("--force", action="store_true", help="--record even if the artifact differs from the run's")
+    p.add_argument("--baselines", metavar="JSON", help="with --merge/--record: take bf16/naive/hadamard rows from an "
+                   "earlier run of the same prompts (a run of the artifact's methods only)")
     args = p.parse_args(argv)
     if args.record:
         if len(args.record) < 2:
             raise SystemExit("error: --record JSON [JSON ...] ARTIFACT")
         *jsons, artifact = args.record
-        return record(jsons, artifact, args.force)
+        return record(jsons, artifact, args.force, args.baselines)
     if args.merge:
         from oscar_calib.fsutil import atomic_write_text
 
         merged = merge([json.loads(Path(x).read_text()) for x in args.merge])
+        if args.baselines:
+            merged = with_baselines(merged, json.loads(Path(args.baselines).read_text()), args.baselines)
         atomic_write_text(Path(args.out), json.dumps(merged, indent=1) + "\n")
         print(table(merged))
         return print(f"wrote {args.out}")

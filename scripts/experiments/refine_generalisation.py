@@ -35,11 +35,8 @@ def main() -> None:
     import torch
     from ablation import stats_run
 
-    from oscar_calib.calibrate.pipeline import (
-        build_rotations,
-        heldout_layer,
-        prepare_model,
-    )
+    from oscar_calib.calibration.fit import build_rotations, heldout_layer
+    from oscar_calib.calibration.pipeline import prepare_model
     from oscar_calib.contract.config import CalibrationConfig
     from oscar_calib.numerics.refine import (
         HeadRows,

@@ -111,20 +111,20 @@ def test_calibrate_verify_eval_fold_each_say_what_comes_next(monkeypatch, capsys
 def test_validate_zoo_names_a_model_that_is_installed_and_the_pip_line_of_one_that_is_not(monkeypatch, tmp_path):
     """A zoo: verify the entry of the default model (make setup installs it); a pip-shipped model
     that is not installed is named with its install line, first when nothing else can run."""
-    import oscar_calib.model.load as load
+    import oscar_calib.model.source as source
 
     zoo = Path(shutil.copytree(ZOO.parent, tmp_path / "zoo"))
-    gemma, smol = load.ALIASES["gemma3-270m"]["pip"], load.ALIASES["smollm2-135m"]["pip"]
+    gemma, smol = source.ALIASES["gemma3-270m"]["pip"], source.ALIASES["smollm2-135m"]["pip"]
     only = (" (about 1 min on 2 CPU cores); a zoo entry is only measured, --record rewrites its verify.json and the "
             "zoo's index")
-    monkeypatch.setattr(load, "wheel_missing", lambda spec: None)
+    monkeypatch.setattr(source, "wheel_missing", lambda spec: None)
     assert next_lines(oscar("validate", str(zoo))[2]) == [f"next: oscar verify {zoo / 'smollm2-135m'} measures it on "
                                                           f"its model with the INT2 kernels{only}"]
-    monkeypatch.setattr(load, "wheel_missing", lambda spec: gemma if spec == "gemma3-270m" else None)
+    monkeypatch.setattr(source, "wheel_missing", lambda spec: gemma if spec == "gemma3-270m" else None)
     assert next_lines(oscar("validate", str(zoo))[2]) == [f"next: oscar verify {zoo / 'smollm2-135m'} measures it on "
                                                           f"its model with the INT2 kernels{only}; "
                                                           f"{zoo / 'gemma3-270m'} needs its model first: {gemma}"]
-    monkeypatch.setattr(load, "wheel_missing", lambda spec: {"gemma3-270m": gemma, "smollm2-135m": smol}[spec])
+    monkeypatch.setattr(source, "wheel_missing", lambda spec: {"gemma3-270m": gemma, "smollm2-135m": smol}[spec])
     (line,) = next_lines(oscar("validate", str(zoo / "gemma3-270m"))[2])
     assert line.startswith(f"next: {gemma} installs its model, then oscar verify {zoo / 'gemma3-270m'} measures it")
 

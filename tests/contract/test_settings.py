@@ -16,13 +16,9 @@ from oscar_calib.contract.defaults import (
     group_pair,
     group_size_problem,
 )
+from oscar_calib.contract.features import FEATURES, feature_lines
 from oscar_calib.contract.layout import LAYER_GROUPS_METADATA, LAYER_V_GROUPS_METADATA
-from oscar_calib.contract.settings import (
-    FEATURES,
-    ArtifactSettings,
-    GroupPair,
-    feature_lines,
-)
+from oscar_calib.contract.settings import ArtifactSettings, GroupPair
 from oscar_calib.errors import ArtifactError, InputError
 
 BASE = dict(num_layers=3, num_attention_heads=4, num_kv_heads=2, head_dim=16, group_size=8, sink_tokens=64,

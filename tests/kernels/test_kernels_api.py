@@ -77,3 +77,28 @@ def test_interpreter_problem_names_the_versions(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.7.0+git1234")
     monkeypatch.setattr(numpy, "__version__", "2.4.6")
     assert _common.interpreter_problem() is None
+
+
+def test_a_head_dim_outside_the_kernels_is_refused_by_backend_triton_and_served_by_auto():
+    """The Triton kernels take head_dim per call: powers of two 16..256 for the writes (the decode-step
+    append too), 64..256 for the decode kernel. Gemma 4's 512-wide global layers: ``backend="triton"``
+    refuses them in one line before anything runs, ``"auto"`` serves them with the torch references."""
+    from oscar_calib.kernels import append_token, quantize_kv
+    from oscar_calib.kernels._common import head_dim_problem
+
+    assert head_dim_problem(256, "write") is head_dim_problem(64, "decode") is None
+    assert head_dim_problem(512, "decode") == "head_dim 512 (the decode kernel needs a power of two in 64..256)"
+    assert head_dim_problem(32, "decode") and head_dim_problem(96, "write") and not head_dim_problem(16, "write")
+    x = kv_rows((2, 1, 512), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(InputError, match=r"does not support this input: head_dim 512 \(the write kernel"):
+        quantize_kv(x, None, None, 128, backend="triton")
+    assert torch.equal(quantize_kv(x, None, None, 128, backend="auto").codes,
+                       quantize_kv_reference(x, None, None, 128).codes)
+    b, h, d, cap = 1, 1, 512, 4
+    window = torch.zeros(b, 2, h, 4, d, dtype=torch.bfloat16)
+    codes = torch.zeros(b, 2, h, cap + 1, d // 4, dtype=torch.uint8)
+    params = [torch.zeros(b, 2, h, cap + 1, d // 128, dtype=torch.float16) for _ in range(2)]
+    k = torch.randn(b, h, d, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="head_dim 512 \\(the write kernel"):
+        append_token(k, k, window, codes, *params, torch.zeros(b, dtype=torch.int64), sink=1, recent=2,
+                     group_size=128, backend="triton")

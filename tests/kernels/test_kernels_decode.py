@@ -206,6 +206,17 @@ def test_l2_warm_up_covers_short_chunks_only():
     assert warm({"l2_prefetch": 0}, 64, 128, 128, 1, False, True) == {}
 
 
+def test_l2_warm_up_of_a_longer_chunk_takes_its_head_only():
+    # l2_head: chunks past l2_prefetch prefetch their first l2_head tokens (a power of two), under PDL only
+    warm = decode_mod._l2_warm_args
+    cfg = {"l2_prefetch": 192, "l2_head": 100}
+    assert warm(cfg, 1024, 128, 128, 1, False, True) == {"L2T": 128, "L2CS": 4, "L2PS": 64}
+    assert warm(cfg, 160, 128, 128, 1, False, True) == {"L2T": 256, "L2CS": 4, "L2PS": 64}  # short: whole
+    assert warm({"l2_prefetch": 0, "l2_head": 512}, 320, 128, 128, 1, False, True)["L2T"] == 512  # the chunk, rounded up
+    assert warm(cfg, 1024, 128, 128, 1, False, False) == {}
+    assert warm({"l2_prefetch": 192, "l2_head": 0}, 1024, 128, 128, 1, False, True) == {}
+
+
 def test_window_stages_auto_follows_history_share():
     # "auto": one window stage once the INT2 history holds 8x the window's bytes (Qwen3-8B shapes:
     # 72 history bytes per token against 512 per bf16 window token)

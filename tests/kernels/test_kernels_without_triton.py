@@ -112,7 +112,7 @@ def test_dispatch_falls_back_without_triton(kernels, monkeypatch):
 def test_verify_refuses_the_triton_backend_before_loading_anything(kernels, tmp_path):
     """``oscar verify --backend triton`` without triton: one InputError before the artifact or the
     model is read (tmp_path holds no artifact, so any later check would fail differently)."""
-    from oscar_calib.tools.verify import verify_artifact
+    from oscar_calib.eval.verify import verify_artifact
 
     with pytest.raises(InputError, match="--backend triton needs the triton package.*use --backend auto or torch"):
         verify_artifact(tmp_path, model="no-such-model", backend="triton")

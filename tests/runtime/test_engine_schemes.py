@@ -100,7 +100,9 @@ def tiny_artifact(layers: int, kv: int, d: int) -> Artifact:
 def test_engine_schemes_and_methods():
     art = tiny_artifact(4, 2, 32)
     assert parse_methods("oscar,vllm,llamacpp") == ["oscar", "vllm", "llamacpp"]
-    geo = type("G", (), {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32})()
+    from oscar_calib.model.geometry import Geometry
+
+    geo = Geometry("llama", 4, 4, 2, 32, ("full_attention",) * 4, None)
     s = build_schemes(["vllm", "llamacpp"], geo, artifact=art)
     assert s["vllm"].quantizer == "vllm" and s["vllm"].native_layers == (0, 1, 2, 3)    # L = 4: 2 + 2 native
     assert s["llamacpp"].window_dtype == torch.float16 and (s["llamacpp"].sink, s["llamacpp"].recent) == (4, 4)

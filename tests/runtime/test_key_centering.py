@@ -12,7 +12,8 @@ from factories import tiny_model
 
 from oscar_calib.errors import InputError
 from oscar_calib.model.geometry import geometry_of
-from oscar_calib.runtime import KVScheme, LayerScheme, OscarCache, SimulatedCache
+from oscar_calib.runtime import KVScheme, OscarCache, SimulatedCache
+from oscar_calib.runtime.scheme import SchemeLayer
 from oscar_calib.runtime.simulate import SimulatedKV
 
 
@@ -45,7 +46,7 @@ def test_the_layer_scheme_carries_the_shift_in_the_rotated_basis():
     m = tiny_model("llama", layers=2)
     sch = centered(hadamard(m), m)
     ls = sch.layer(1)
-    assert isinstance(ls, LayerScheme) and ls.groups == (8, 8) and ls.sink == 2 and ls.recent == 3
+    assert isinstance(ls, SchemeLayer) and ls.groups == (8, 8) and ls.sink == 2 and ls.recent == 3
     want = torch.einsum("hd,hde->he", sch.k_mean[1].double(), sch.k_rotation[1].double()).float()
     assert torch.equal(ls.k_shift(), want) and hadamard(m).layer(1).k_shift() is None
     k = torch.randn(5, 2, 16)
@@ -88,3 +89,49 @@ def test_centered_real_cache_equals_both_simulations(kind):
     assert (real - ppl_sim).abs().max() < 1e-4
     assert (cache_sim - ppl_sim).abs().max() < 1e-4
     assert (ppl_sim - uncentered).abs().max() > 1e-2          # centering changed what INT2 stores
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "qwen3_5_text"])
+def test_hybrid_layers_center_with_their_own_heads(name):
+    """Layers of their own head geometry (Gemma 4: 256/512-style head sizes and KV heads per layer)
+    or mapped to the model's layer ids (Qwen3.5: attention beside linear-attention layers): every
+    layer's ``k_mean`` is ``[h_kv_i, d_i]``, the artifact validates, and the real cache reads what
+    the simulation reads, which centering changed."""
+    from factories import build_artifact, family_model
+
+    from oscar_calib.contract.artifact import valid_artifact
+    from oscar_calib.runtime import generate
+
+    model = family_model(name)
+    art = valid_artifact(build_artifact(model, seed=3, centered=True))
+    st = art.settings
+    assert art.key_centering and (st.mixed_heads or st.mapped_layers)
+    assert [tuple(lr.k_mean.shape) for lr in art.layers] == [st.layer_heads(i) for i in range(st.num_layers)]
+    windows = dict(sink=4, recent=8, window_dtype=None)
+    ids = torch.randint(1, 120, (1, 20), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    real = generate(model, ids, OscarCache.from_artifact(art, model, backend="torch", **windows), **kw)
+    sim = model.generate(ids, past_key_values=SimulatedCache.from_artifact(art, model, **windows), **kw)
+    assert max(float((a - b).abs().max()) for a, b in zip(real.scores, sim.scores)) < 1e-4
+    raw = model.generate(ids, past_key_values=SimulatedCache.from_artifact(build_artifact(model, seed=3), model,
+                                                                             **windows), **kw)
+    assert max(float((a - b).abs().max()) for a, b in zip(raw.scores, sim.scores)) > 1e-3
+
+
+def test_a_calibration_of_layers_of_their_own_heads_stores_each_layers_mean(tmp_path):
+    """``center_keys`` on Gemma 4's stand-in (its global layer has another head_dim): every layer's
+    mean key comes from its own statistics, ``[h_kv_i, d_i]``."""
+    from factories import CharTokenizer, calibrate_tiny, family_model
+
+    from oscar_calib.model.families import FAMILIES
+    from oscar_calib.model.load import LoadedModel, ModelSource
+
+    fam = FAMILIES["gemma4_text"]
+    lm = LoadedModel.wrap(family_model("gemma4_text"), CharTokenizer(),
+                          ModelSource("tiny-gemma4_text", "tiny-gemma4_text", "", kind="local"), fam.config())
+    res = calibrate_tiny(tmp_path / "c", loaded=lm, center_keys=True)
+    st = res.artifact.settings
+    assert st.key_centering and st.mixed_heads
+    for i, lr in enumerate(res.artifact.layers):
+        assert tuple(lr.k_mean.shape) == st.layer_heads(i)
+        assert torch.equal(lr.k_mean, res.stats.stats[i].key_mean().float())

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from factories import load_script, tiny_model
+from factories import load_script, sharpen, tiny_model
 
 from oscar_calib.errors import InputError
 from oscar_calib.model.geometry import geometry_of
@@ -24,16 +24,6 @@ def corrected(model, gain, *, group_size=8, window_dtype=None, sink=2, recent=3)
                             rotation="hadamard", clips=(0.96, 0.92), sink=sink, recent=recent,
                             window_dtype=window_dtype)
     return dataclasses.replace(base, logit_correction=gain)
-
-
-def sharpen(m):
-    """``m`` with queries and keys 6x larger: sharp attention and wide INT2 steps, so the
-    correction moves the logits measurably."""
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
-    return m
 
 
 def sharp(kind):

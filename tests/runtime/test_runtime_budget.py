@@ -29,12 +29,12 @@ def _int2_fp16(x: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def _reference(q, k, v, sch, layer, scaling):
-    """Per query head, per (i, j): BF16 inside sink/window, else K/V rotated, clipped, quantised in
+    """Per query head, per (i, j): BF16 inside sink/window (as OscarCache's window holds them:
+    rotated and rounded to BF16 again, read rotated back), else K/V rotated, clipped, quantised in
     groups of the layer's own K and V sizes, rotated back."""
     bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
-    ls = sch.layer(layer)
-    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
-    gk, gv = ls.groups
+    rk, ck, rv, cv = sch.layer(layer).rotations
+    gk, gv = sch.groups(layer)
     hq, t = q.shape[1], q.shape[2]
     grp = hq // k.shape[1]
     i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
@@ -45,9 +45,10 @@ def _reference(q, k, v, sch, layer, scaling):
         kb, vb = bf(k[0, kv]), bf(v[0, kv])
         kq = _int2_fp16(clip_rows(kb @ rk[kv], float(ck[kv])), gk) @ rk[kv].T
         vq = _int2_fp16(clip_rows(vb @ rv[kv], float(cv[kv])), gv) @ rv[kv].T
-        s = torch.where(hi, q[0, h] @ kb.T, q[0, h] @ kq.T) * scaling
+        kw, vw = bf(kb @ rk[kv]) @ rk[kv].T, bf(vb @ rv[kv]) @ rv[kv].T
+        s = torch.where(hi, q[0, h] @ kw.T, q[0, h] @ kq.T) * scaling
         p = torch.softmax(s.masked_fill(j > i, -math.inf), -1)
-        out[0, :, h] = (p * hi) @ vb + (p * ~hi) @ vq
+        out[0, :, h] = (p * hi) @ vw + (p * ~hi) @ vq
     return out
 
 

@@ -9,6 +9,7 @@ from factories import tiny_model
 from oscar_calib.errors import UnsupportedModelError
 from oscar_calib.runtime.compat import (
     SUPPORTED_TRANSFORMERS,
+    cache_slots,
     check_transformers,
     layer_windows,
 )
@@ -47,7 +48,16 @@ def test_layer_windows_reads_the_517_dict_form(monkeypatch):
     assert layer_windows(tiny_model("gemma3").config) == [(512, None), (None, None)]
     monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["chunked_attention"] * 2, {"sliding_window": 4}))
     assert layer_windows(tiny_model("llama").config) == [(4, 4), (4, 4)]
+    # a hybrid's linear-attention layers keep their state beside the attention layers; a layer that reuses another's
+    # KV cache (transformers' "dummy") is refused, and so is a model without attention layers
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
+                        lambda cfg: (["linear_attention", "full_attention"], {"number_of_states": 1}))
+    assert layer_windows(tiny_model("llama").config) == [(None, None)]
+    assert [s.state for s in cache_slots(tiny_model("llama").config)] == [{"number_of_states": 1}, None]
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["dummy"] * 2, {}))
+    with pytest.raises(UnsupportedModelError, match="'dummy' layer; the OSCAR caches support full"):
+        layer_windows(tiny_model("llama").config)
     monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda cfg: (["linear_attention"] * 2, {}))
-    with pytest.raises(UnsupportedModelError, match="'linear_attention' layer; the OSCAR caches support full"):
+    with pytest.raises(UnsupportedModelError, match="names no attention layers"):
         layer_windows(tiny_model("llama").config)
     assert version_tuple(transformers.__version__) >= (5, 17)

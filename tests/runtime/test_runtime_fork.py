@@ -60,8 +60,7 @@ def _reference(q, k, v, sch, scaling):
     """The fork's data path written out per (query i, key j): rotate in BF16, the window BF16, the
     history clipped and quantised with float32 scale/zero, the output mapped back with R_vᵀ in BF16."""
     bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
-    ls = sch.layer(0)
-    rk, ck, rv, cv = ls.k_rotation, ls.k_clip, ls.v_rotation, ls.v_clip
+    rk, ck, rv, cv = sch.layer(0).rotations
     hq, t, d = q.shape[1], q.shape[2], q.shape[3]
     grp = hq // k.shape[1]
     lloyd = sch.quantizer == "fork-lloyd"

@@ -14,7 +14,7 @@ import torch
 from factories import tiny_model
 
 from oscar_calib.errors import CacheError, InputError
-from oscar_calib.runtime import DecodeGraph
+from oscar_calib.runtime import DecodeGraph, generate
 
 PROMPT = 500                                         # past sink + window: the INT2 history is in use
 
@@ -341,23 +341,28 @@ def test_compiled_layers_follow_eager_steps_on_cpu():
 
 
 def test_cache_generate_takes_the_fastest_path_that_applies():
-    """``OscarCache.generate``: on the CPU ``fast="auto"`` runs eager steps and gives ``generate()``'s
+    """``generate``: on the CPU ``fast="auto"`` runs eager steps and gives ``generate()``'s
     own tokens; ``fast=True`` and ``compile=True`` say in one line why the graph does not apply;
-    beam search falls back to eager steps under ``"auto"``."""
+    beam search falls back to eager steps under ``"auto"``; a cache other than OscarCache is one
+    line."""
+    from transformers import DynamicCache
+
     from oscar_calib.runtime.graph import graph_refusal
 
     model = _model("cpu")
     ids, mask = _padded_prompt("cpu")
     want = _generate(model, _cache(model, 600), ids, mask, False, do_sample=False)
     with torch.no_grad():
-        got = _cache(model, 600).generate(model, ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                          do_sample=False)
+        got = generate(model, ids, _cache(model, 600), attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                       do_sample=False)
         assert torch.equal(got, want)
         for kw, match in ((dict(fast=True), r"fast=True\): no graph decoding here: the model is on cpu"),
                           (dict(compile=True), "compile=True"), (dict(fast="yes"), "fast must be")):
             with pytest.raises(InputError, match=match):
-                _cache(model, 600).generate(model, ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **kw)
+                generate(model, ids, _cache(model, 600), attention_mask=mask, max_new_tokens=2, pad_token_id=0, **kw)
     assert graph_refusal(model) == "the model is on cpu, not a GPU"
+    with pytest.raises(InputError, match="generate needs an OscarCache, got DynamicCache"):
+        generate(model, ids, DynamicCache(), max_new_tokens=2)
 
 
 def test_graph_refusal_names_what_the_graph_does_not_run(monkeypatch):
@@ -378,7 +383,7 @@ def test_graph_refusal_names_what_the_graph_does_not_run(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_cache_generate_on_the_gpu_decodes_from_the_graph(compile, monkeypatch):
-    """On one GPU ``OscarCache.generate`` runs ``graph_decoding`` (and its ``compile`` option): the
+    """On one GPU ``generate`` runs ``graph_decoding`` (and its ``compile`` option): the
     tokens of ``custom_generate=graph_decoding``."""
     from oscar_calib.runtime import graph as graph_mod
 
@@ -390,8 +395,8 @@ def test_cache_generate_on_the_gpu_decodes_from_the_graph(compile, monkeypatch):
     want = _generate(model, _cache(model, 600), ids, mask, "compile" if compile else True, do_sample=False)
     calls.clear()
     with torch.no_grad():
-        got = _cache(model, 600).generate(model, ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                          do_sample=False, compile=compile)
+        got = generate(model, ids, _cache(model, 600), attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                       do_sample=False, compile=compile)
     assert calls == [{"compile": compile}]
     assert torch.equal(got, want)
 
@@ -412,9 +417,9 @@ def test_cache_generate_reports_prefill_and_every_token():
         return scores
 
     with torch.no_grad():
-        want = _cache(model, 600).generate(model, ids, **kw)
-        got = _cache(model, 600).generate(model, ids, progress=lambda *r: reports.append(r),
-                                          logits_processor=LogitsProcessorList([mine]), **kw)
+        want = generate(model, ids, _cache(model, 600), **kw)
+        got = generate(model, ids, _cache(model, 600), progress=lambda *r: reports.append(r),
+                       logits_processor=LogitsProcessorList([mine]), **kw)
     assert torch.equal(got, want)
     n = got.shape[1] - ids.shape[1]
     assert reports[0] == (f"prefill: {PROMPT} tokens", 0, None, "")

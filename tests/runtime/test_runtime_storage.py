@@ -14,9 +14,8 @@ from oscar_calib.kernels import (
 from oscar_calib.kernels.testing import random_rotation
 from oscar_calib.runtime import attend
 from oscar_calib.runtime.attend import attend_cached
-from oscar_calib.contract.settings import GroupPair
 from oscar_calib.runtime.plan import LayerPlan
-from oscar_calib.runtime.scheme import LayerScheme
+from oscar_calib.runtime.scheme import SchemeLayer
 from oscar_calib.runtime.storage import GROW_MIN, LayerStore, write_step, write_tokens
 
 H, G, D = 2, 2, 64
@@ -26,9 +25,11 @@ def make_store(batch=2, sink=2, recent=3, window=None, reserve=0, seed=0, group_
                v_group_size=None, backend="torch", k_mean=None):
     g = torch.Generator().manual_seed(seed)
     rk, rv = random_rotation(H, D, generator=g), random_rotation(H, D, generator=g)
-    layer = LayerScheme(rk, torch.full((H,), 0.95), rv, torch.full((H,), 0.9), GroupPair.of(group_size, v_group_size),
-                        k_mean=k_mean, sink=sink, recent=recent, window_dtype=torch.bfloat16)
-    plan = LayerPlan.build(layer, heads=H, d=D, sliding_window=window, device=device, backend=backend)
+    layer = SchemeLayer(rk, torch.full((H,), 0.95), rv, torch.full((H,), 0.9),
+                        groups=(group_size, v_group_size or group_size), sink=sink, recent=recent,
+                        k_mean=k_mean)
+    plan = LayerPlan.build(layer, heads=H, d=D, device=device, dtype=torch.float32, sliding_window=window,
+                           backend=backend)
     return LayerStore(plan, batch, H, D, device, reserve=reserve), g
 
 
@@ -221,3 +222,25 @@ def test_triton_writes_fill_a_split_store_as_the_torch_writes_do():
         worst, frac = code_agreement(a, b)
         assert worst <= 1 and frac < 1e-2
     torch.testing.assert_close(tri.window.kv.float(), ref.window.kv.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_scheme_layer_carries_everything_its_plan_is_built_from():
+    """``KVScheme.layer(i)`` is one object: layer ``i``'s rotations, its K and V group sizes, the
+    windows, the window dtype (None: the model's) and the correction reach the plan unchanged."""
+    from oscar_calib.errors import InputError
+    from oscar_calib.runtime.scheme import KVScheme
+
+    g = torch.Generator().manual_seed(3)
+    rots = [random_rotation(H, D, generator=g) for _ in range(2)]
+    sch = KVScheme("x", 2, 32, k_rotation=rots, k_groups=[32, 16], v_groups=[64, 16], sink=2, recent=5,
+                   logit_correction=0.5)
+    for i, (gk, gv) in enumerate([(32, 64), (16, 16)]):
+        layer = sch.layer(i)
+        assert layer.k_rotation is rots[i] and layer.v_rotation is None
+        plan = LayerPlan.build(layer, heads=H, d=D, device="cpu", dtype=torch.float16)
+        assert (plan.groups, plan.sink, plan.recent, plan.logit_correction) == ((gk, gv), 2, 5, 0.5)
+        assert plan.window_dtype == torch.bfloat16 and torch.equal(plan.rot2[:H], rots[i])
+    lossless = KVScheme("y", 2, 32, window_dtype=None).layer(0)
+    assert LayerPlan.build(lossless, heads=H, d=D, device="cpu", dtype=torch.float16).window_dtype == torch.float16
+    with pytest.raises(InputError, match="quantises nothing"):
+        LayerPlan.build(KVScheme.full_precision(2).layer(0), heads=H, d=D, device="cpu", dtype=torch.float16)

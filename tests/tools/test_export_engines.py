@@ -32,8 +32,8 @@ from oscar_calib.tools.export.llamacpp import (
     rot_name,
     to_gguf,
 )
-from oscar_calib.tools.export.sglang import fork_load_problems, payload
-from oscar_calib.tools.export.sglang.fileformat import save_bytes
+from oscar_calib.tools.export.ptfile import payload, save_bytes
+from oscar_calib.tools.export.sglang import fork_load_problems
 from oscar_calib.tools.export.vllm import parse_checkpoint, vllm_load_problems
 from oscar_calib.tools.validate import validate_artifact
 
@@ -278,7 +278,7 @@ def test_llamacpp_folded_checkpoint_bakes_k_only(tmp_path):
 
 @pytest.mark.slow
 def test_llamacpp_refuses_the_real_smollm2_gguf(tmp_path):
-    from oscar_calib.model.load import resolve_model
+    from oscar_calib.model.source import resolve_model
 
     src = resolve_model("smollm2-135m")
     gguf = Path(src.path) / src.gguf_file
@@ -540,6 +540,9 @@ def test_serving_table_and_the_engine_cost_section(tmp_path):
     assert "refused: its GGUF architecture is 'llama'" in section
     assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --kv-cache-dtype oscar_int2" in section
     assert "FutureMLS-Lab/OSCAR (branch zhongzhu/llamacpp) @ 4570ea609" in section
+    from oscar_calib.contract.card import model_card
+
+    assert card == model_card(report)          # the card of the stored report: validate sees it unedited
     # a run with every method of the main table as well fills both tables
     main = {r["method"]: r for r in before["rows"]}
     both = EvalResult("ppl", "HuggingFaceTB/SmolLM2-135M-Instruct", dict(before["settings"], methods=[*main, "vllm"]),
@@ -551,3 +554,73 @@ def test_serving_table_and_the_engine_cost_section(tmp_path):
     assert report["eval_results"]["ppl"]["rows"][0]["ppl"] == main["bf16"]["ppl"] + 1.0
     assert report["eval_results"]["engines"]["rows"][-1]["method"] == "vllm"
     assert "vllm" not in report["eval_results"]["ppl"]["settings"]["methods"]
+
+
+# ----------------------------------------------------------------------------- hybrids and mixed head sizes
+
+def _stand_in_artifact(tmp_path: Path, family: str, granularity: str = "head") -> tuple[object, Path]:
+    from factories import family_model, make_artifact
+
+    model = family_model(family)
+    return model, make_artifact(tmp_path / family, model, granularity=granularity,
+                                metadata={"fork_k_clip": "0.96", "fork_v_clip": "0.92"})
+
+
+def test_a_hybrids_rotations_keep_the_models_layer_ids(tmp_path):
+    """A Qwen3.5 stand-in (linear, full, linear, full): the engines that number layers globally get
+    its rotations at decoder layers 1 and 3, as the fork's Qwen3.5 recipe keys them (its branch
+    zhongzhu/hybrid-model at 797e39c7c) and vLLM looks them up (layer_index_from_name at 40fa486ee);
+    the same file read at 0..1 would leave those layers unrotated. ``oscar import`` reads them back
+    by the same ids; the engines that cannot map them refuse in one line."""
+    from oscar_calib.model.geometry import geometry_of, model_fingerprint
+
+    model, path = _stand_in_artifact(tmp_path, "qwen3_5_text", "layer")
+    art = load_artifact(path)
+    geo = Geometry.of(art)
+    assert geo.layer_ids == (1, 3)
+    v2 = export_artifact(path, tmp_path / "v2", "sglang-fork-v2")
+    k_file = tmp_path / "v2" / v2.files[0]
+    k = torch.load(k_file, weights_only=True)
+    assert sorted(k["layers"]) == [1, 3] and [e["layer_id"] for e in k["layers"].values()] == [1, 3]
+    assert torch.equal(k["layers"][3]["rotation"], art.layers[1].k_rotation)
+    assert fork_load_problems(k_file, num_layers=2, head_dim=16, target="sglang-fork-v2", num_kv_heads=2,
+                              layer_ids=(1, 3)) == []
+    assert "no rotation for layer(s) 0" in fork_load_problems(k_file, num_layers=2, head_dim=16,
+                                                              target="sglang-fork-v2", num_kv_heads=2)[0]
+    vl = export_artifact(path, tmp_path / "vllm", "vllm")
+    table = parse_checkpoint(torch.load(tmp_path / "vllm" / vl.files[0], weights_only=True))
+    assert sorted(table) == [1, 3] and vl.settings["native_layers"] == []       # none on a hybrid (9195dd08f3)
+    assert vllm_load_problems(tmp_path / "vllm" / vl.files[0], geo) == []
+    assert "no rotation for layer(s) [0]" in vllm_load_problems(tmp_path / "vllm" / vl.files[0],
+                                                                Geometry(2, 2, 16))[0]
+    target = ModelTarget.from_geometry("tiny-qwen3_5", geometry_of(model), model_fingerprint(model))
+    back = import_files("vllm", [tmp_path / "vllm" / f for f in vl.files[:2]], target, tmp_path / "back").artifact
+    assert back.settings.layer_ids == (1, 3)
+    assert all(torch.equal(back.layers[i].k_rotation[0], art.shared_rotation(i, "k")[0]) for i in range(2))
+    onnx = export_artifact(path, tmp_path / "onnx", "onnxruntime")
+    nodes = json.loads((tmp_path / "onnx" / onnx.files[1]).read_text())["nodes"]
+    assert [(n["layer"], n["model_layer"]) for n in nodes] == [(0, 1), (1, 3)]
+    for name, why in (("sglang-fork", "HybridLinearKVPool"), ("sglang", "contiguous layer range"),
+                      ("mlx-lm", "load_rotations numbers layer_<i>")):
+        with pytest.raises(ArtifactError, match=why) as e:
+            export_artifact(path, tmp_path / name, name)
+        assert "\n" not in str(e.value) and not (tmp_path / name).exists()
+
+
+def test_per_layer_head_sizes_reach_the_engines_that_load_them(tmp_path):
+    """A Gemma 4 stand-in (sliding layers 2 KV heads of 16, a global layer 1 KV head of 32): the
+    fork's newer loader takes one head_dim per layer (load_oscar_rotations at 8dbf789065), mlx-lm
+    each layer's own square rotation; engines of one head geometry refuse in one line."""
+    _, path = _stand_in_artifact(tmp_path, "gemma4")
+    v2 = export_artifact(path, tmp_path / "v2", "sglang-fork-v2")
+    k = torch.load(tmp_path / "v2" / v2.files[0], weights_only=True)
+    assert [tuple(k["layers"][i]["rotation"].shape) for i in range(3)] == [(2, 16, 16), (2, 16, 16), (1, 32, 32)]
+    assert "layer 2 rotation has shape [1, 32, 32]" in fork_load_problems(
+        tmp_path / "v2" / v2.files[0], num_layers=3, head_dim=16, target="sglang-fork-v2", num_kv_heads=2)[0]
+    export_artifact(path, tmp_path / "mlx", "mlx-lm")
+    from safetensors.torch import load_file
+
+    assert tuple(load_file(str(tmp_path / "mlx" / "k_rotation.safetensors"))["layer_2"].shape) == (1, 32, 32)
+    for name in ("sglang-fork", "vllm", "onnxruntime"):
+        with pytest.raises(ArtifactError, match="layers differ in head geometry"):
+            export_artifact(path, tmp_path / name, name)

@@ -11,7 +11,7 @@ from factories import make_artifact
 from test_export_engines import write_gguf
 
 from oscar_calib.contract.artifact import load_artifact
-from oscar_calib.contract.settings import FEATURES, feature_lines
+from oscar_calib.contract.features import FEATURES, feature_lines
 from oscar_calib.tools.export import TARGETS, ExportSettings, export_artifact
 from oscar_calib.tools.export.base import ExportTarget
 

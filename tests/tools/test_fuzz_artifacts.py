@@ -20,7 +20,7 @@ from oscar_calib.contract import stfile
 from oscar_calib.contract.artifact import load_artifact, stamp
 from oscar_calib.contract.layout import CARD_NAME, DIGEST_KEY, VERIFY_NAME, WEIGHTS_NAME
 from oscar_calib.errors import ArtifactError, OscarError, OscarWarning
-from oscar_calib.tools.export.sglang.export import export_sglang
+from oscar_calib.tools.export.sglang import export_sglang
 from oscar_calib.tools.publish import plan_push
 from oscar_calib.tools.validate import validate_artifact
 

@@ -4,7 +4,7 @@ clients retry for half a minute). Only loopback addresses are contacted."""
 from __future__ import annotations
 
 import socket
-import time
+import threading
 
 import pytest
 from factories import oscar
@@ -61,13 +61,20 @@ def test_a_failed_name_lookup_and_a_silent_resolver(monkeypatch, online):
     with pytest.raises(PublishError, match=r"at huggingface.co:443 \(name lookup failed: Name or service not known\)"):
         publish.pull("hf:org/name")
 
-    def hangs(*args, **kwargs):
-        time.sleep(3)
+    asked, answer = threading.Event(), threading.Event()
+
+    def hangs(*args, **kwargs):                    # a resolver that answers only once the test lets it
+        asked.set()
+        answer.wait(60)
         raise socket.gaierror(-3, "Temporary failure in name resolution")
 
     monkeypatch.setattr(hub.socket, "getaddrinfo", hangs)
-    with pytest.raises(PublishError, match=r"no answer to the name lookup within 0.2 s"):
-        hub.require_online("hf", timeout=0.2)
+    try:
+        with pytest.raises(PublishError, match=r"no answer to the name lookup within 0.2 s"):
+            hub.require_online("hf", timeout=0.2)
+        assert asked.is_set() and not answer.is_set()      # asked, and given up on before any answer
+    finally:
+        answer.set()                                       # the lookup thread ends now
     assert online == []
 
 

@@ -14,8 +14,7 @@ from factories import assert_one_line_error, oscar
 
 from oscar_calib.errors import InputError, PublishError
 from oscar_calib.tools import rotationzoo
-from oscar_calib.tools.export.sglang import payload
-from oscar_calib.tools.export.sglang.fileformat import save_bytes
+from oscar_calib.tools.export.ptfile import payload, save_bytes
 
 TAG_8B = "seq20000_prompt83_group128"
 

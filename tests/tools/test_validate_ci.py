@@ -1,7 +1,7 @@
 """Validation in the user's CI: the pre-commit hook's entry and the GitHub Action's validate step
 run (offline) on the committed zoo and on broken copies of it, `--format github` annotations and
 their escaping, hub repositories validated in place against a patched snapshot download (no
-network: the download functions of tools/publish.py are monkeypatched, as in test_publish.py)."""
+network: the download functions of tools/publish.py are monkeypatched, as in tests/tools/test_publish.py)."""
 
 from __future__ import annotations
 

@@ -42,9 +42,9 @@ CHANGED = "content changed after it was written"
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     """A tiny Llama's calibrated artifact and ``oscar verify``'s verify.json for it (read-only)."""
-    from oscar_calib.calibrate.pipeline import calibrate
+    from oscar_calib.calibration.pipeline import calibrate
     from oscar_calib.contract.config import CalibrationConfig
-    from oscar_calib.tools.verify import verify_artifact
+    from oscar_calib.eval.verify import verify_artifact
 
     lm = loaded_tiny("llama")
     out = tmp_path_factory.mktemp("gate") / "a"
@@ -100,11 +100,11 @@ def test_verify_json_records_what_it_verified(verified):
 @pytest.mark.parametrize("change", [swap_layers, flip_low_bit], ids=["swapped layers", "orthogonal bit flip"])
 def test_changed_content_is_refused_by_every_reader(verified, tmp_path, change):
     from oscar_calib.eval import EvalOptions, run_eval
+    from oscar_calib.eval.verify import verify_artifact
     from oscar_calib.runtime import OscarCache, SimulatedCache
     from oscar_calib.runtime.scheme import KVScheme
-    from oscar_calib.tools.export.sglang.export import export_sglang
+    from oscar_calib.tools.export.sglang import export_sglang
     from oscar_calib.tools.fold import fold_checkpoint
-    from oscar_calib.tools.verify import verify_artifact
     from oscar_calib.tools.zoo import describe
 
     art, lm = verified

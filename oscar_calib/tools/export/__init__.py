@@ -63,7 +63,7 @@ def target_rows() -> list[dict]:
     """What ``oscar export --target list`` prints: every target, its engine, the revision its rules
     were checked against, the status, and which artifact settings its engine serves (``serves``) or
     not (``drops``: the export names each one it meets, or refuses)."""
-    from ...contract.settings import FEATURES
+    from ...contract.features import FEATURES
 
     return [{"target": t.name, "engine": t.engine, "summary": t.summary, "repo": t.checked.repo,
              "revision": t.checked.revision, "status": t.checked.status, "where": list(t.checked.where),

@@ -5,7 +5,7 @@ the files with the engine's restated loader checks before anything is installed.
 A target (one module per engine) subclasses :class:`ExportTarget` and supplies
 
 * :attr:`~ExportTarget.serves`: the artifact settings its engine honours, as data (names of
-  :data:`oscar_calib.contract.settings.FEATURES`); for every other setting the artifact uses,
+  :data:`oscar_calib.contract.features.FEATURES`); for every other setting the artifact uses,
   :meth:`ExportTarget.export` prints the setting's one line (the engine serves the artifact without
   it) or refuses, for every target alike (:meth:`~ExportTarget.setting_lines`);
 * :meth:`~ExportTarget.feature_wording` (optional): the engine's own, more precise line for a
@@ -32,7 +32,7 @@ import torch
 
 from ... import __version__
 from ...contract.artifact import Artifact, load_artifact
-from ...contract.settings import feature_lines
+from ...contract.features import feature_lines
 from ...errors import ArtifactError, InputError
 from ...fsutil import atomic_write_text, staged_dir
 from ...numerics.rotation import orthogonality_error
@@ -42,7 +42,8 @@ ENV_FILE = "serve.env"
 LAUNCH_FILE = "launch.sh"
 
 # transformers model types with sliding-window attention layers (their KV cache is windowed per layer)
-SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4")
+SLIDING_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gemma4_unified_text", "gpt_oss",
+                       "llama4")
 
 STATUSES = {
     "checked": "loader code read at the cited revision; its rules are restated in oscar's checks and tests",
@@ -136,21 +137,32 @@ class ExportResult:
 
 @dataclass(frozen=True)
 class Geometry:
-    """What a loader check needs to know about the model: its decoder layers (global ids of the
-    layers that hold a KV cache), KV heads and head_dim."""
+    """What a loader check needs to know about the model: its attention layers (``layer_ids``: the
+    decoder-layer ids of the layers that hold a KV cache, None for ``0..num_layers-1``), KV heads and
+    head_dim (layer 0's, and every layer's in ``layer_kv_heads`` / ``layer_head_dims`` when they
+    differ)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     layer_ids: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    layer_head_dims: tuple[int, ...] | None = None
 
     @property
     def ids(self) -> tuple[int, ...]:
         return self.layer_ids if self.layer_ids is not None else tuple(range(self.num_layers))
 
+    def heads(self, i: int) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of layer ``i`` (an index among the attention layers)."""
+        return ((self.layer_kv_heads or (self.num_kv_heads,) * self.num_layers)[i],
+                (self.layer_head_dims or (self.head_dim,) * self.num_layers)[i])
+
     @classmethod
     def of(cls, art: Artifact) -> "Geometry":
-        return cls(art.num_layers, art.num_kv_heads, art.head_dim)
+        st = art.settings
+        return cls(art.num_layers, art.num_kv_heads, art.head_dim, st.layer_ids if st.mapped_layers else None,
+                   *((st.layer_kv_heads, st.layer_head_dims) if st.mixed_heads else ()))
 
 
 @dataclass
@@ -184,7 +196,7 @@ class ExportTarget:
     summary: str = ""
     checked: Checked
     reads: str = ""            # what `oscar import --from NAME` takes, for --help and errors
-    serves: frozenset[str] = frozenset()    # the artifact settings (contract.settings.FEATURES) it honours
+    serves: frozenset[str] = frozenset()    # the artifact settings (contract.features.FEATURES) it honours
 
     # -- to implement -----------------------------------------------------------------------
     def refusals(self, art: Artifact, s: ExportSettings) -> list[str]:
@@ -206,7 +218,7 @@ class ExportTarget:
     # -- shared -----------------------------------------------------------------------------
     def setting_lines(self, art: Artifact, s: ExportSettings) -> tuple[list[str], list[str]]:
         """``(warnings, refusals)`` from :attr:`serves`: one line per setting the artifact uses and
-        the engine does not serve (:func:`~oscar_calib.contract.settings.feature_lines`)."""
+        the engine does not serve (:func:`~oscar_calib.contract.features.feature_lines`)."""
         return feature_lines(art.settings, self.serves, self.engine, lambda n: self.feature_wording(n, art, s))
 
     def export(self, artifact_path: Path, out: Path, s: ExportSettings, *, overwrite: bool = False) -> ExportResult:

@@ -53,7 +53,7 @@ from ...contract.layout import (
     WEIGHTS_NAME,
 )
 from ...contract.settings import ArtifactSettings
-from ...errors import OutputExistsError
+from ...errors import OutputExistsError, UnsupportedModelError
 from ...fsutil import staged_dir
 from ..validate import require_valid
 from .base import Geometry, ReadRotations
@@ -73,17 +73,24 @@ class ModelTarget:
     layer_types: list[str] = field(default_factory=list)
     note: str = ""                     # e.g. "fingerprint from configs/qwen3-8b.yaml geometry"
     source: dict | None = None         # where a loaded model came from (ModelSource.record)
+    layer_ids: tuple[int, ...] | None = None     # a hybrid model's attention layers (None: 0..num_layers-1)
+    mixed_heads: bool = False          # its layers differ in head_dim or KV heads
+
+    @classmethod
+    def from_geometry(cls, model_id: str, g, fingerprint: str, **kw) -> "ModelTarget":
+        """From a :class:`~oscar_calib.model.geometry.Geometry` (``kw``: ``note``, ``source``)."""
+        return cls(model_id, g.model_type, fingerprint, g.num_layers, g.num_attention_heads, g.num_kv_heads,
+                   g.head_dim, list(g.layer_types), layer_ids=g.layer_ids, mixed_heads=g.mixed_heads, **kw)
 
     @classmethod
     def from_loaded(cls, lm) -> "ModelTarget":
-        g = lm.geometry
-        return cls(lm.source.model_id, g.model_type, lm.fingerprint, g.num_layers, g.num_attention_heads,
-                   g.num_kv_heads, g.head_dim, list(g.layer_types), source=lm.source.record())
+        return cls.from_geometry(lm.source.model_id, lm.geometry, lm.fingerprint, source=lm.source.record())
 
     def geometry(self) -> dict:
         return {"model_type": self.model_type, "num_layers": self.num_layers,
                 "num_attention_heads": self.num_attention_heads, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "layer_types": self.layer_types}
+                "head_dim": self.head_dim, "layer_types": self.layer_types,
+                **({"layer_ids": list(self.layer_ids)} if self.layer_ids is not None else {})}
 
 
 @dataclass
@@ -131,10 +138,13 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
     if out.is_dir() and (out / WEIGHTS_NAME).exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds an artifact; pass --overwrite to replace it")
     target = model_target(model, trust_remote_code=trust_remote_code)
+    if target.mixed_heads:
+        raise UnsupportedModelError(f"{target.model_id}: its layers differ in head_dim or KV heads; oscar import reads "
+                                    "engines' files of one head geometry (calibrate it with `oscar calibrate`)")
     n, h, d = target.num_layers, target.num_kv_heads, target.head_dim
     group_size = group_size or default_group_size(d)
     check_group_size(d, group_size)
-    kf, vf = read(Geometry(n, h, d))
+    kf, vf = read(Geometry(n, h, d, target.layer_ids))        # a hybrid's files by the model's layer ids
     if vf.k_means is not None:                 # the fork reads k_mean from the K file only
         vf.notes.append("k_mean in the V file ignored (the fork reads the key mean from the K file only)")
     granularity = "head" if kf.per_head or vf.per_head else "layer"
@@ -160,7 +170,8 @@ def import_rotations(read, model, out: Path, *, engine: str, clip: tuple[float |
     settings = ArtifactSettings(num_layers=n, num_attention_heads=target.num_attention_heads, num_kv_heads=h,
                                 head_dim=d, group_size=group_size, sink_tokens=sink_tokens,
                                 recent_tokens=recent_tokens, granularity=granularity, shared_clips=(k_clip, v_clip),
-                                key_centering=kf.k_means is not None, model_type=target.model_type)
+                                key_centering=kf.k_means is not None, model_type=target.model_type,
+                                layer_ids=target.layer_ids or ())
     metadata = {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": target.model_id,
         "model_fingerprint": target.fingerprint, "calibration": json.dumps(calibration, sort_keys=True),

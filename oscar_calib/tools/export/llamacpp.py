@@ -58,7 +58,7 @@ from .base import (
     sliding_window_note,
     wrong_paths,
 )
-from .sglang.export import serving_clips
+from .uniform import serving_clips
 
 ARCHITECTURES = ("qwen3",)           # the architectures whose loader creates attn_k_rot / attn_v_rot
 # transformers model_type -> llama.cpp architecture, for saying what a GGUF of the model would be
@@ -218,7 +218,7 @@ class LlamaCppTarget(ExportTarget):
             writer.write_tensor_data(a, tensor_endianess=reader.endianess)
         writer.close()
 
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
+        k_clip, v_clip, source = serving_clips(art, s.clip)
         sink = st.sink_tokens if s.sink is None else s.sink
         recent = st.recent_tokens if s.recent is None else s.recent
         warnings = []

@@ -46,7 +46,7 @@ from .base import (
     rotation_problem,
     wrong_paths,
 )
-from .sglang.export import serving_clips, uniform_group_note
+from .uniform import serving_clips, uniform_group_note
 
 FILES = {"k": "k_rotation.safetensors", "v": "v_rotation.safetensors"}
 CONFIG_FILE = "oscar_config.json"
@@ -69,10 +69,15 @@ class MlxTarget(ExportTarget):
         status="partial", note="the pull request was closed without being merged: no mlx-lm release loads these "
                                "files; its settings are Python arguments, not a command line")
 
-    # layer_<i> [D, D] or [H, D, D] (per KV head); OscarConfig: one group_size, sink and recent windows
-    serves = frozenset({"per_head_rotations", "windows"})
+    # layer_<i> [D, D] or [H, D, D] (per KV head), each layer's own D and H (_rotation_matrix checks squareness only,
+    # OscarKVCache._rotate the layer's head_dim); OscarConfig: one group_size, sink and recent windows
+    serves = frozenset({"per_head_rotations", "windows", "layer_head_dims"})
 
     def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
+        if name == "layer_ids":
+            return ("the artifact's layers are a hybrid model's attention layers, and mlx-lm's load_rotations numbers "
+                    "layer_<i> over the cache layers its caller passes (117afde2c6); which of a hybrid model's layers "
+                    "get an OSCAR cache was not read, so it could put the rotations on the wrong layers")
         return uniform_group_note(art, self.engine) if name == "layer_group_sizes" else None
 
     def write(self, art, tmp: Path, final: Path, s: ExportSettings) -> Written:
@@ -84,10 +89,10 @@ class MlxTarget(ExportTarget):
             for i, lr in enumerate(art.layers):
                 r = getattr(lr, f"{which}_rotation").float()
                 if which == "v" and folded:
-                    r = torch.eye(art.head_dim).expand_as(r)
+                    r = torch.eye(r.shape[-1]).expand_as(r)
                 tensors[f"layer_{i}"] = to_mlx(r if per_head else r[0])
             atomic_write_bytes(tmp / FILES[which], stfile.serialize(tensor_entries(tensors), {"format": "mlx-lm-oscar"}))
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
+        k_clip, v_clip, source = serving_clips(art, s.clip)
         group = s.group_size or art.group_size
         config = {"group_size": group, "sink_tokens": st.sink_tokens if s.sink is None else s.sink,
                   "recent_tokens": st.recent_tokens if s.recent is None else s.recent,
@@ -127,8 +132,8 @@ def read_mlx_file(path: Path, geo: Geometry) -> ReadRotations:
     keys = [k for _, k in numbered] if len(numbered) == geo.num_layers else [f"layer_{i}" for i in
                                                                              range(geo.num_layers)]
     rots = []
-    d, h = geo.head_dim, geo.num_kv_heads
-    for key in keys:
+    for i, key in enumerate(keys):
+        h, d = geo.heads(i)
         t = tensors.get(key)
         if t is None:
             raise ArtifactError(f"{path.name}: no {key} (mlx-lm needs layer_0..layer_{geo.num_layers - 1})")

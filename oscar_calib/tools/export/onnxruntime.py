@@ -50,7 +50,7 @@ from .base import (
     rotation_problem,
     wrong_paths,
 )
-from .sglang.export import serving_clips
+from .uniform import serving_clips
 
 ROTATIONS_FILE = "oscar_rotations.safetensors"
 NODES_FILE = "mpgqa_nodes.json"
@@ -74,7 +74,8 @@ class OnnxRuntimeTarget(ExportTarget):
                "node attributes (no rotation file; a graph patch)")
     reads = f"{ROTATIONS_FILE} (written by this export: (H_kv, D, D) per layer)"
     # (H_kv, D, D) initializers; one node per layer, each with ONE kv_quant_group_size for K and V; sink_size/recent_size
-    serves = frozenset({"per_head_rotations", "layer_group_sizes", "windows"})
+    # a hybrid model's attention layers: the i-th GQA node of the graph is its i-th attention layer
+    serves = frozenset({"per_head_rotations", "layer_group_sizes", "windows", "layer_ids"})
     checked = Checked(
         "microsoft/onnxruntime (PR #31726)", "88330957a3",
         ("docs/oscar_onboarding_guide.md: Steps 1b-5 (node, attributes, packed layout, window I/O, rotations)",
@@ -83,6 +84,14 @@ class OnnxRuntimeTarget(ExportTarget):
         status="partial",
         note="the operator's C++ kernel was not read; its rules are the PR's guide and its tests' references, and "
              "no patched graph is written (the initializers and attributes are)")
+
+    def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
+        if name == "layer_head_dims":
+            from ...contract.features import heads_text
+
+            return (f"the model's layers differ in head geometry ({heads_text(art.settings)}), and ONNX Runtime's "
+                    f"{OP_TYPE} kernel was not read for nodes of different head sizes (the guide's graphs have one)")
+        return None
 
     def refusals(self, art, s: ExportSettings) -> list[str]:
         st = art.settings
@@ -100,15 +109,15 @@ class OnnxRuntimeTarget(ExportTarget):
         md, st = art.metadata, art.settings
         sink = st.sink_tokens if s.sink is None else s.sink
         recent = st.recent_tokens if s.recent is None else s.recent
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip) if art.shared_clips() or s.clip != (
+        k_clip, v_clip, source = serving_clips(art, s.clip) if art.shared_clips() or s.clip != (
             None, None) else (*_uniform_clips(art), "the artifact's (equal for every layer and KV head)")
         tensors, nodes = {}, []
         for i, lr in enumerate(art.layers):
             tensors[rot_key("k", i)] = lr.k_rotation.float().contiguous()
-            tensors[rot_key("v", i)] = (torch.eye(art.head_dim).expand(art.num_kv_heads, -1, -1).contiguous()
+            tensors[rot_key("v", i)] = (torch.eye(lr.v_rotation.shape[-1]).expand_as(lr.v_rotation).contiguous()
                                         if st.v_folded else lr.v_rotation.float().contiguous())
             g = st.layer_groups[i].k          # one size per node for K and V (the values' own: split_group_sizes)
-            nodes.append({"layer": i, "op_type": OP_TYPE, "domain": "com.microsoft",
+            nodes.append({"layer": i, "model_layer": st.layer_ids[i], "op_type": OP_TYPE, "domain": "com.microsoft",
                           "attributes": {"kv_quant_group_size": g, "k_quant_rho": k_clip, "v_quant_rho": v_clip,
                                          "metadata_type": "fp32", "sink_size": sink, "recent_size": recent,
                                          "cache_format_version": 1},
@@ -120,7 +129,8 @@ class OnnxRuntimeTarget(ExportTarget):
                 "num_kv_heads": str(art.num_kv_heads), "head_dim": str(art.head_dim)}
         atomic_write_bytes(tmp / ROTATIONS_FILE, stfile.serialize(tensor_entries(tensors), meta))
         doc = {"op_type": OP_TYPE, "domain": "com.microsoft", "checked": self.checked.line(),
-               "patch": ["replace the i-th com.microsoft.GroupQueryAttention node (decoder layer i, graph order) with "
+               "patch": ["replace the i-th com.microsoft.GroupQueryAttention node (graph order: the model's i-th "
+                         "attention layer, decoder layer nodes[i].model_layer) with "
                          f"{OP_TYPE}, keeping its attributes (num_heads, kv_num_heads, scale, do_rotary, "
                          "local_window_size, ...) and adding nodes[i].attributes",
                          "add layers.{i}.oscar_rotation_k / _v from oscar_rotations.safetensors as FLOAT constant "

@@ -62,8 +62,8 @@ from .base import (
     sliding_window_note,
     wrong_paths,
 )
-from .sglang.export import serving_clips
-from .sglang.fileformat import identity_payload, load_plain, payload, save_bytes
+from .ptfile import identity_payload, load_plain, payload, save_bytes
+from .uniform import serving_clips
 
 K_FILE = "k_rotation.pt"
 V_FILE = "v_rotation.pt"
@@ -130,9 +130,10 @@ class VLLMTarget(ExportTarget):
              "(justzhanghong/vllm 79b359bec4) add BF16 windows and restrict head_dim to 128; the torch.quantile "
              "clip revision was not found")
 
-    # one [D, D] rotation per layer id; one scale/zero pair per head vector (group = head_dim) in every layer;
-    # no high-precision window at the revision read (its first and last two layers stay native instead)
-    serves = frozenset()
+    # one [D, D] rotation per GLOBAL layer id (a hybrid model's attention layers keep theirs); one scale/zero pair
+    # per head vector (group = head_dim) in every layer; no high-precision window at the revision read (its first
+    # and last two layers stay native instead, none on a hybrid model)
+    serves = frozenset({"layer_ids"})
 
     def feature_wording(self, name: str, art, s: ExportSettings) -> str | None:
         st = art.settings
@@ -169,11 +170,12 @@ class VLLMTarget(ExportTarget):
         md, st, d = art.metadata, art.settings, art.head_dim
         folded = st.v_folded if s.folded is None else s.folded
         k_rots, k_eigs = shared_rotations(art, "k", self.engine)
-        atomic_write_bytes(tmp / K_FILE, save_bytes(payload(k_rots, k_eigs, objective="vllm")))
-        v_obj = identity_payload(art.num_layers, d) if folded else payload(*shared_rotations(art, "v", self.engine),
-                                                                            objective="vllm")
+        ids = st.layer_ids                 # vLLM numbers layers globally (layer_index_from_name): a hybrid's own ids
+        atomic_write_bytes(tmp / K_FILE, save_bytes(payload(k_rots, k_eigs, objective="vllm", layer_ids=ids)))
+        v_obj = identity_payload(art.num_layers, d, ids) if folded else \
+            payload(*shared_rotations(art, "v", self.engine), objective="vllm", layer_ids=ids)
         atomic_write_bytes(tmp / V_FILE, save_bytes(v_obj))
-        k_clip, v_clip, source = serving_clips(art, "sglang-fork", s.clip)
+        k_clip, v_clip, source = serving_clips(art, s.clip)
         sink = st.sink_tokens if s.sink is None else s.sink
         recent = st.recent_tokens if s.recent is None else s.recent
         group = max(d, s.group_size or d)
@@ -182,7 +184,7 @@ class VLLMTarget(ExportTarget):
                "VLLM_OSCAR_K_CLIP_RATIO": f"{k_clip:g}", "VLLM_OSCAR_V_CLIP_RATIO": f"{v_clip:g}",
                "VLLM_OSCAR_GROUP_SIZE": str(group), "VLLM_OSCAR_PREFIX_TOKENS": str(sink),
                "VLLM_OSCAR_RECENT_TOKENS": str(recent), "VLLM_OSCAR_ABSORB_V_ROTATION": "0"}
-        native = boundary_layers(art.num_layers)
+        native = [st.layer_ids[i] for i in boundary_layers(art.num_layers, hybrid=st.hybrid)]
         warnings = []
         if st.uniform_groups and st.group_size < group:      # per-layer sizes: the dropped setting's line says it
             warnings.append(f"vLLM stores one scale/zero pair per head vector: group {group} where the artifact was "

@@ -125,7 +125,8 @@ def reload_check(directory: Path, input_ids: torch.Tensor, logits0: torch.Tensor
     original logits; raise :class:`NumericalError` beyond :data:`RELOAD_TOLERANCE`."""
     from transformers import AutoConfig
 
-    from ...model.load import model_class, quiet_loading
+    from ...model.load import quiet_loading
+    from ...model.registry import model_class
 
     with quiet_loading():
         m = model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, dtype=dtype)
@@ -153,7 +154,8 @@ class FoldResult:
 def _load(model_spec: str, artifact: Artifact, out: Path, overwrite: bool, loaded: LoadedModel | None, device: str,
           trust_remote_code: bool, progress: ProgressFn | None = None) -> LoadedModel:
     """Check the output against every input, then load the model (unless ``loaded``)."""
-    from ...model.load import load_model, resolve_model
+    from ...model.load import load_model
+    from ...model.source import resolve_model
 
     if loaded is not None and not isinstance(loaded, LoadedModel):
         raise TypeError("fold_checkpoint(loaded=...) takes a LoadedModel (LoadedModel.wrap(model, tokenizer, source))")

@@ -103,7 +103,7 @@ def fp8_strategy(config: dict) -> str | None:
 def fp8_checkpoint(model_spec: str) -> FP8Checkpoint | None:
     """The local FP8 checkpoint ``model_spec`` names (a directory, or a hub id fetched whole once its
     ``config.json`` says FP8), else None."""
-    from ...model.load import ALIASES, resolve_model
+    from ...model.source import ALIASES, resolve_model
 
     if model_spec in ALIASES:                 # the pip-shipped GGUF models
         return None
@@ -172,10 +172,11 @@ def refold_fp8(tensors: dict[str, torch.Tensor], artifact, geo, spec, paths: lis
     from .weights import FoldTarget, fold_layer
 
     out = {}
-    hq, hkv, d = geo.num_attention_heads, geo.num_kv_heads, geo.head_dim
+    hq = geo.num_attention_heads
     v_proj = spec.fused_qkv or spec.v_proj
-    offset = (hq + hkv) * d if spec.fused_qkv else 0
     for i, layer in enumerate(artifact.layers):
+        hkv, d = geo.kv_heads[i], geo.head_dims[i]
+        offset = (hq + hkv) * d if spec.fused_qkv else 0
         lins = []
         for proj in (v_proj, spec.o_proj):
             wname, sname, bname = _names(paths[i], proj)

@@ -38,7 +38,7 @@ def sample_input_ids(tokenizer, vocab_size: int, shape: tuple[int, int] = SAMPLE
     """``shape`` token ids from the embedded corpus, or seeded random ids without a tokenizer."""
     n = shape[0] * shape[1]
     if tokenizer is not None:
-        from ...calibrate.corpus import embedded_texts, token_stream
+        from ...data.corpus import embedded_texts, token_stream
 
         texts, ids = embedded_texts(), torch.empty(0, dtype=torch.long)
         for start in range(0, len(texts), 8):

@@ -116,14 +116,15 @@ class FoldTarget:
 def fold_targets(model, geo: Geometry | None = None) -> list[FoldTarget]:
     """Every layer's fold target, validated before anything changes."""
     geo = geo or geometry_of(model)
-    spec: ArchSpec = arch_for(geo.model_type)
+    spec: ArchSpec = arch_for(geo.model_type, text_config(model.config))
     if not spec.o_proj or not (spec.v_proj or spec.fused_qkv):
         raise UnsupportedModelError(f"{geo.model_type}: the architecture registry names no value/output projection "
                                     "for it, so the value rotation cannot be folded")
-    hq, hkv, d = geo.num_attention_heads, geo.num_kv_heads, geo.head_dim
+    hq = geo.num_attention_heads
     targets = []
     for i, attn in enumerate(attention_modules(model)):
-        where = f"layer {i} ({type(attn).__name__})"
+        hkv, d = geo.kv_heads[i], geo.head_dims[i]
+        where = f"layer {geo.ids[i]} ({type(attn).__name__})"
         if spec.fused_qkv:
             v = _plain_linear(getattr(attn, spec.fused_qkv, None), f"{where}.{spec.fused_qkv}",
                               rows=(hq + 2 * hkv) * d)

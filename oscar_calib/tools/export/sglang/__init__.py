@@ -17,24 +17,21 @@ from ..base import (
     per_head_note,
     wrong_paths,
 )
+from ..uniform import uniform_group_note
 from .export import (
     CLIPS_FILE,
     ENV_FILE,
     LAUNCH_FILE,
     ServeSettings,
     SGLangExport,
-    export_sglang,
-    serving_clips,
-    uniform_group_note,
     write_sglang,
 )
 from .fileformat import (
     PER_HEAD_TARGETS,
     TARGETS,
+    check_target,
     file_name,
     fork_load_problems,
-    identity_payload,
-    payload,
     read_rotation_file,
 )
 
@@ -45,8 +42,9 @@ FORK_MAIN = Checked(
      "rotation/compute_kv_rotation.py: the V1 writer"))
 FORK_V2 = Checked(
     "FutureMLS-Lab/OSCAR (newer code; PR #20)", "8dbf789065",
-    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations, load_oscar_rotation_field (k_mean: [d] "
-     "or [h_kv, d] per layer, every layer or none)",
+    ("python/sglang/srt/mem_cache/memory_pool.py: load_oscar_rotations (by global layer id, a hybrid's attention "
+     "layers only; head_dim one per layer for gemma4_unified's 256/512 layers), load_oscar_rotation_field (k_mean: "
+     "[d] or [h_kv, d] per layer, every layer or none)",
      "rotation/tests/test_oscar2_transforms.py @ 2911dd3f9a: the pool subtracts k_mean from every key before "
      "the key rotation"),
     status="partial",
@@ -63,6 +61,19 @@ UPSTREAM = Checked(
 # the fork's main refuses attention sinks on its INT2 path (read at 473ff3f9d)
 FORK_MAIN_SINKS = ("the fork's Triton decode raises NotImplementedError for sinks with its INT2 windows "
                    "(sglang-research/python/sglang/srt/layers/attention/triton_backend.py: forward_decode)")
+# how each loader treats a hybrid model (layers with a recurrent state beside the attention layers)
+HYBRID = {
+    # 473ff3f9d, model_runner_kv_cache_mixin.py _init_pools: a "mambaish" model gets HybridLinearKVPool with a plain
+    # MHATokenToKVPool inside, never UnifiedInt2HPKVPool (the branch zhongzhu/hybrid-model, 797e39c7c, adds that and
+    # keys its rotation files by the attention layers' global ids, as its Qwen3.5 recipes do)
+    "sglang-fork": ("the fork's main backs a hybrid model's attention layers with its plain BF16 pool "
+                    "(HybridLinearKVPool in sglang-research/python/sglang/srt/model_executor/"
+                    "model_runner_kv_cache_mixin.py: _init_pools), so it would not load these rotations; its newer "
+                    "code keys them by global layer id: --target sglang-fork-v2"),
+    "sglang": ("upstream SGLang's pull request loads rotations for a contiguous layer range "
+               "(UnifiedInt2HPKVPool.__init__ at 166afca4bc); how it serves a hybrid model's attention layers was "
+               "not read"),
+}
 
 
 class SGLangTarget(ExportTarget):
@@ -96,7 +107,16 @@ class SGLangTarget(ExportTarget):
         if name == "attention_sinks" and self.name == "sglang-fork":
             return (f"the model ({art.settings.model_type}) adds a learned attention-sink logit per query head to its "
                     f"softmax, and {FORK_MAIN_SINKS}")
+        if name == "layer_ids" and self.name in HYBRID:
+            return f"the artifact's layers are a hybrid model's attention layers, and {HYBRID[self.name]}"
         return None
+
+    def refusals(self, art, s: ExportSettings) -> list[str]:
+        # a hybrid whose attention layers are all its layers (Falcon-H1) maps no ids, and still has the recurrent states
+        if art.settings.hybrid and not art.settings.mapped_layers and self.name in HYBRID:
+            return [f"{art.settings.model_type} is a hybrid model (a recurrent state beside attention), and "
+                    f"{HYBRID[self.name]}"]
+        return []
 
     def load_problems(self, out: Path, geo: Geometry) -> list[str]:
         names = sorted(p.name for p in Path(out).glob("*_rotation_*.pt"))
@@ -108,7 +128,8 @@ class SGLangTarget(ExportTarget):
                 continue
             problems += [f"{files[0]}: {p}" for p in fork_load_problems(
                 Path(out) / files[0], num_layers=geo.num_layers, head_dim=geo.head_dim, target=self.name,
-                num_kv_heads=geo.num_kv_heads, layer_ids=geo.layer_ids)]
+                num_kv_heads=geo.num_kv_heads, layer_ids=geo.layer_ids,
+                layer_heads=[geo.heads(i) for i in range(geo.num_layers)])]
         return problems
 
     def read(self, paths: list[Path], geo: Geometry):
@@ -122,9 +143,27 @@ class SGLangTarget(ExportTarget):
 # ONE K and ONE V clip ratio, BF16 sink and recent windows, no logit-noise correction; the fork's newer code
 # also subtracts a per-layer key mean, k_mean)
 TARGET_LIST = [SGLangTarget("sglang-fork", FORK_MAIN, frozenset({"windows"})),
-               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations", "key_centering"})),
+               SGLangTarget("sglang-fork-v2", FORK_V2, frozenset({"windows", "per_head_rotations", "key_centering",
+                                                                  "layer_ids", "layer_head_dims"})),
                SGLangTarget("sglang", UPSTREAM, frozenset({"windows"}))]
 
+
+def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork", model_path: str | None = None,
+                  clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
+                  recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
+                  overwrite: bool = False) -> SGLangExport:
+    """Write the fork's files for the artifact at ``artifact_path`` into ``out`` (see the module
+    docstring of :mod:`.export`) through the target's :meth:`~oscar_calib.tools.export.base.ExportTarget.export`
+    (its checks, then :func:`write_sglang`). ``folded`` (default: the artifact's ``v_folded``) serves
+    a checkpoint made by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else
+    the base model id."""
+    check_target(target)
+    s = ExportSettings(model_path=model_path, clip=clip, sink=sink, recent=recent, folded=folded,
+                       prefill_backend=prefill_backend)
+    chosen = next(t for t in TARGET_LIST if t.name == target)
+    return chosen.export(artifact_path, out, s, overwrite=overwrite).detail
+
+
 __all__ = ["CLIPS_FILE", "ENV_FILE", "LAUNCH_FILE", "PER_HEAD_TARGETS", "TARGETS", "TARGET_LIST", "SGLangExport",
-           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems", "identity_payload",
-           "payload", "read_rotation_file", "serving_clips"]
+           "SGLangTarget", "ServeSettings", "export_sglang", "file_name", "fork_load_problems",
+           "read_rotation_file"]

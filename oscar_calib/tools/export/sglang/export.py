@@ -43,21 +43,17 @@ from pathlib import Path
 
 from .... import __version__
 from ....contract.artifact import Artifact
-from ....contract.defaults import check_clip, is_power_of_two
+from ....contract.defaults import is_power_of_two
 from ....errors import ArtifactError, InputError
 from ....fsutil import atomic_write_bytes, atomic_write_text, staged_dir
-from ....kernels.pack import bits_per_element
-from ....numerics.clip import choose_global_clips
 from ..base import SLIDING_MODEL_TYPES, WINDOWED_KINDS
+from ..ptfile import identity_payload, payload, save_bytes
+from ..uniform import serving_clips
 from .fileformat import (
     PER_HEAD_TARGETS,
     TARGETS,
-    check_target,
     file_name,
     fork_load_problems,
-    identity_payload,
-    payload,
-    save_bytes,
 )
 
 ENV_FILE = "serve.env"
@@ -135,24 +131,6 @@ class SGLangExport:
                 "settings": asdict(self.settings), "clip_source": self.clip_source, "warnings": self.warnings}
 
 
-def export_sglang(artifact_path: Path, out: Path, *, target: str = "sglang-fork", model_path: str | None = None,
-                  clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
-                  recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
-                  overwrite: bool = False) -> SGLangExport:
-    """Write the fork's files for the artifact at ``artifact_path`` into ``out`` (see the module
-    docstring) through the target's :meth:`~oscar_calib.tools.export.base.ExportTarget.export`
-    (its checks, then :func:`write_sglang`). ``folded`` (default: the artifact's ``v_folded``) serves
-    a checkpoint made by ``oscar fold-weights``; ``model_path`` defaults to that checkpoint, else
-    the base model id."""
-    from .. import get_target
-    from ..base import ExportSettings
-
-    check_target(target)
-    s = ExportSettings(model_path=model_path, clip=clip, sink=sink, recent=recent, folded=folded,
-                       prefill_backend=prefill_backend)
-    return get_target(target).export(artifact_path, out, s, overwrite=overwrite).detail
-
-
 def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, model_path: str | None = None,
                  clip: tuple[float | None, float | None] = (None, None), sink: int | None = None,
                  recent: int | None = None, folded: bool | None = None, prefill_backend: str = "fa3",
@@ -162,11 +140,12 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
     if prefill_backend not in PREFILL_BACKENDS:
         raise InputError(f"unknown --prefill-backend {prefill_backend!r}; choose from {', '.join(PREFILL_BACKENDS)}")
     st, d, g = art.settings, art.head_dim, art.group_size
-    _check_shapes(artifact_path, d, g)
+    for hd in sorted(set(st.layer_head_dims)):
+        _check_shapes(artifact_path, hd, g)
     sink = st.sink_tokens if sink is None else sink
     recent = st.recent_tokens if recent is None else recent
     _check_windows(sink, recent)
-    k_clip, v_clip, clip_source = serving_clips(art, target, clip)
+    k_clip, v_clip, clip_source = serving_clips(art, clip, per_head=target in PER_HEAD_TARGETS)
     folded = st.v_folded if folded is None else folded
     warnings = [*warnings, *sliding_warnings(art, target)]
     k_rots, k_eigs = _rotations(art, "k", target, artifact_path)
@@ -178,18 +157,20 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
                              v_identity=folded, prefill_backend=prefill_backend)
     k_name = file_name("k", _objective(art, "k"))
     v_name = file_name("v", "identity" if folded else _objective(art, "v"))
-    v_obj = identity_payload(art.num_layers, d) if folded else payload(*_rotations(art, "v", target, artifact_path),
-                                                                      objective=_objective(art, "v"))
+    ids = st.layer_ids           # the model's layer ids: a hybrid's attention layers keep their global id
+    v_obj = identity_payload(art.num_layers, st.layer_head_dims, ids) if folded else \
+        payload(*_rotations(art, "v", target, artifact_path), objective=_objective(art, "v"), layer_ids=ids)
     out = Path(out)
     # key centering: the fork's newer code subtracts each layer's k_mean before the key rotation
     k_means = [lr.k_mean for lr in art.layers] if art.key_centering and target in PER_HEAD_TARGETS else None
     with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
         atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"),
-                                                            k_means=k_means)))
+                                                            layer_ids=ids, k_means=k_means)))
         atomic_write_bytes(tmp / v_name, save_bytes(v_obj))
         for name in (k_name, v_name):     # the files must load in the fork: check them as it would
             problems = fork_load_problems(tmp / name, num_layers=art.num_layers, head_dim=d, target=target,
-                                          num_kv_heads=art.num_kv_heads)
+                                          num_kv_heads=art.num_kv_heads, layer_ids=ids,
+                                          layer_heads=list(zip(st.layer_kv_heads, st.layer_head_dims)))
             if problems:
                 raise ArtifactError(f"{name} would not load in {target}: {problems[0]}")
         final = out.resolve()
@@ -224,34 +205,6 @@ def _check_windows(sink: int, recent: int) -> None:
     if recent < WINDOW_MULTIPLE:
         raise InputError(f"--recent {recent}: the fork needs a recent window of at least {WINDOW_MULTIPLE} tokens "
                          "(with 0 its decode ring is never flushed)")
-
-
-def serving_clips(art: Artifact, target: str, clip=(None, None)) -> tuple[float, float, str]:
-    """The ONE K and ONE V clip ratio the fork applies to the whole model, and where they come from:
-    ``--clip``, else the ratios fitted for the shared rotations (``sglang-fork``, ``sglang``) or chosen
-    from the per-head clip tables in ``calibration.json`` by the same rule (``sglang-fork-v2``), else the artifact's
-    clips when every layer and head has the same."""
-    if clip[0] is not None and clip[1] is not None:
-        return check_clip("k", clip[0]), check_clip("v", clip[1]), "--clip"
-    rows = (art.report or {}).get("layers") or []
-    tables = [r.get("clip_tables") or {} for r in rows]
-    found, source = None, None
-    if target in PER_HEAD_TARGETS and rows and all(t.get("k") is not None and t.get("v") is not None for t in tables):
-        found = choose_global_clips([t["k"] for t in tables], [t["v"] for t in tables])
-        source = "chosen from the per-head clip tables for per-KV-head rotations"
-    elif art.shared_clips() is not None:
-        found, source = art.shared_clips(), "fitted for the shared per-layer rotations at calibration"
-    else:
-        ks = {round(float(c), 6) for lr in art.layers for c in lr.k_clip}
-        vs = {round(float(c), 6) for lr in art.layers for c in lr.v_clip}
-        if len(ks) == 1 and len(vs) == 1:
-            found, source = (ks.pop(), vs.pop()), "the artifact's (equal for every layer and KV head)"
-    if found is None:
-        raise ArtifactError(f"{art.path}: no global clip ratios recorded (artifact made before oscar 0.2?); "
-                            "re-run `oscar calibrate`, or pass --clip k=RATIO,v=RATIO")
-    k = check_clip("k", clip[0]) if clip[0] is not None else found[0]
-    v = check_clip("v", clip[1]) if clip[1] is not None else found[1]
-    return k, v, source if clip == (None, None) else f"{source}, with --clip"
 
 
 def _rotations(art: Artifact, which: str, target: str, where) -> tuple[list, list]:
@@ -310,30 +263,6 @@ def sliding_warnings(art: Artifact, target: str) -> list[str]:
         out.append(f"{art.metadata.get('model_id')} has sliding-window attention layers: whether upstream SGLang's "
                    "pull request runs its OSCAR path on them was not checked (docs/guides/engines.md)")
     return out
-
-
-def uniform_group_note(art: Artifact, engine: str = "the fork") -> str | None:
-    """One line when the artifact has per-layer group sizes (a bit budget), or keys and values in
-    groups of different sizes, which ``engine`` cannot serve (one group size for every layer and
-    both caches, the fork's ``--kv-cache-quant-group-size``): the export serves the artifact's
-    ``group_size``, the closest uniform size within the budget, and the line says what that costs on
-    the calibration's held-out rows (its report's ``bit_budget`` record). None for one size."""
-    st = art.settings
-    sizes, v_sizes = st.k_groups, st.v_groups
-    if st.uniform_groups:
-        return None
-    g = st.group_size
-    b = (art.report or {}).get("bit_budget") or {}
-    err = b.get("heldout_attn") or {}
-    cost = (f"held-out attention error {err['uniform']:.4f} with group {g} vs {err['per_layer']:.4f} with the "
-            f"per-layer sizes ({err['uniform'] / err['per_layer'] - 1:+.1%})" if {"uniform", "per_layer"} <= set(err)
-            else "cost not recorded in calibration.json")
-    budget = f"the bit budget of {b['bits']:g}" if "bits" in b else "the artifact's budget"
-    given = (f"the keys' per-layer sizes {min(sizes)}–{max(sizes)} and the values' {min(v_sizes)}–{max(v_sizes)}"
-             if v_sizes != sizes else f"the per-layer sizes {min(sizes)}–{max(sizes)}")
-    return (f"{engine} takes one group size for every layer and both caches: exporting group {g} "
-            f"({bits_per_element(g):g} bits per element) instead of {given}, the closest uniform scheme within "
-            f"{budget}; {cost}")
 
 
 def _clips_doc(art: Artifact, k: float, v: float, source: str) -> dict:

@@ -35,7 +35,7 @@ Three loaders, read for this module (nothing copied):
   ``N_Q = 4 × itemsize(hp)`` (8 for bf16). Checked as the fork's main.
 
 =====================  =====================================================================
-target                 what :func:`payload` writes per layer
+target                 what :func:`~oscar_calib.tools.export.ptfile.payload` writes per layer
 =====================  =====================================================================
 ``sglang-fork``        format_version 1: the layer's shared rotation fp32 ``[d, d]`` and its
                        eigenvalues fp32 ``[d]`` ascending (what the fork's main loads)
@@ -53,16 +53,15 @@ the K file; the attention output is mapped back with ``o @ R_vᵀ``.
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
-import re
 from pathlib import Path
 
 import torch
 
 from ....contract.defaults import ORTHOGONALITY_TOL
+from ....contract.features import layer_span
 from ....errors import ArtifactError, InputError
 from ....numerics.rotation import orthogonality_error
+from ..ptfile import load_plain
 
 TARGETS = {
     "sglang-fork": "the OSCAR SGLang fork's main branch: one rotation per layer (format_version 1)",
@@ -87,72 +86,6 @@ def file_name(which: str, objective: str) -> str:
     return f"{which}_rotation_{objective}.pt"
 
 
-def payload(rotations: list[torch.Tensor], eigenvalues: list[torch.Tensor | None], *, objective: str,
-            k_means: list[torch.Tensor] | None = None) -> dict:
-    """The fork's dict for one cache: ``rotations[i]`` ``[d, d]`` (format_version 1) or ``[h, d, d]``
-    (format_version 2), ``eigenvalues[i]`` descending (oscar's order; written ascending, the
-    fork's, and only in format_version 1, as its writers do) or None, ``k_means[i]`` ``[h, d]`` (the
-    K file of a centered artifact: every layer's ``k_mean``) or None. Tensors are cloned, fp32 and
-    contiguous (a saved view would carry its whole storage)."""
-    dims = {r.dim() for r in rotations}
-    if len(dims) != 1 or dims.pop() not in (2, 3):
-        raise ArtifactError("every layer needs a [d, d] rotation (format_version 1) or an [h, d, d] one (2)")
-    version = 1 if rotations[0].dim() == 2 else 2
-    layers = {}
-    for i, (r, e) in enumerate(zip(rotations, eigenvalues)):
-        entry = {"layer_id": i, "rotation": r.detach().to("cpu", torch.float32).contiguous().clone()}
-        if e is not None and version == 1:
-            entry["eigenvalues"] = e.detach().to("cpu", torch.float32).flip(-1).contiguous().clone()
-        if k_means is not None:
-            entry["k_mean"] = k_means[i].detach().to("cpu", torch.float32).contiguous().clone()
-        layers[i] = entry
-    return {"format_version": version, "objective": objective,
-            "source_grouping": "layer" if version == 1 else "per_kv_head", "layers": layers}
-
-
-def identity_payload(num_layers: int, head_dim: int) -> dict:
-    """Identity rotations for every layer (the V file of a checkpoint whose V rotation is already
-    folded into its weights: the fork then quantises V as the weights produce it and maps the output
-    back with ``o @ I``)."""
-    eye = torch.eye(head_dim, dtype=torch.float32)
-    return {"format_version": 1, "objective": "identity", "source_grouping": "layer",
-            "layers": {i: {"layer_id": i, "rotation": eye.clone()} for i in range(num_layers)}}
-
-
-def save_bytes(obj: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-# ----------------------------------------------------------------------------- loading
-
-def _load_reason(e: Exception) -> str:
-    """One short line from torch.load's (long, multi-line, ANSI-coloured) refusal."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-    m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-    if m:
-        return f"it pickles the Python object {m.group(1)}"
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")[:120]
-    if isinstance(e, pickle.UnpicklingError):
-        return f"unpickling refused: {first}"
-    return f"not a readable torch.save file: {type(e).__name__}: {first}"
-
-
-def load_plain(path: Path) -> tuple[object, bytes]:
-    """``torch.load(weights_only=True)`` of ``path`` (what the fork does, and the only way oscar
-    opens a pickle), with one clear error."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    raw = path.read_bytes()
-    try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True), raw
-    except Exception as e:  # noqa: BLE001 - unpickling raises many types; all mean "refused"
-        raise ArtifactError(f"{path}: not a plain tensor dict that torch.load(weights_only=True) accepts "
-                            f"({_load_reason(e)}); oscar never unpickles anything else") from None
-
-
 def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, object], list[int]]:
     """The entries of the model's layers (``layer_ids``, default ``0..num_layers-1``: global ids)
     keyed by int (the fork's lookup: int key first, then its decimal string), and the ids present
@@ -173,21 +106,18 @@ def _layer_entries(obj, num_layers: int, layer_ids=None) -> tuple[dict[int, obje
             found[lid] = layers[key]
     missing = [i for i in wanted if i not in found]
     if missing:
-        raise ArtifactError(f"has no rotation for layer(s) {_span(missing)} (the model's layers: {_span(wanted)})")
+        raise ArtifactError(f"has no rotation for layer(s) {layer_span(missing)} (the model's layers: "
+                            f"{layer_span(wanted)})")
     return found, sorted(set(extra))
 
 
-def _span(ids: list[int]) -> str:
-    if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2:
-        return f"{ids[0]}..{ids[-1]}"
-    return ", ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
-
-
 def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: str = "sglang-fork",
-                       num_kv_heads: int | None = None, layer_ids=None) -> list[str]:
+                       num_kv_heads: int | None = None, layer_ids=None, layer_heads=None) -> list[str]:
     """Would SGLang (``target``) load this file? Its loader's acceptance rules (module docstring),
     encoded as oscar's own checks, plus what the loader does not check but serving needs (finite,
-    orthogonal in float64 to 1e-5, a per-head tensor with the model's KV head count)."""
+    orthogonal in float64 to 1e-5, a per-head tensor with the model's KV head count). ``layer_heads``:
+    ``(num_kv_heads, head_dim)`` of every layer where they differ (the newer loader's per-layer
+    ``head_dim``), in the order of ``layer_ids``."""
     check_target(target)
     try:
         obj, _ = load_plain(path)
@@ -195,9 +125,12 @@ def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: st
     except (ArtifactError, InputError) as e:
         return [str(e)]
     per_head = target in PER_HEAD_TARGETS
-    shapes = [(head_dim, head_dim)] + ([(num_kv_heads, head_dim, head_dim)] if per_head else [])
+    ids = list(layer_ids) if layer_ids is not None else list(range(num_layers))
+    heads = dict(zip(ids, layer_heads or [(num_kv_heads, head_dim)] * num_layers))
     problems = []
     for i, entry in sorted(entries.items()):
+        h, d = heads[i]
+        shapes = [(d, d)] + ([(h, d, d)] if per_head else [])
         r = entry.get("rotation") if isinstance(entry, dict) else None
         if not isinstance(r, torch.Tensor):
             problems.append(f"layer {i} has no 'rotation' tensor")
@@ -215,27 +148,30 @@ def fork_load_problems(path: Path, *, num_layers: int, head_dim: int, target: st
         if err >= ORTHOGONALITY_TOL:
             problems.append(f"layer {i} rotation is not orthogonal (‖RRᵀ − I‖∞ = {err:.2e})")
     if per_head:
-        problems += optional_field_problems(entries, head_dim, num_kv_heads)
+        problems += optional_field_problems(entries, head_dim, num_kv_heads, heads)
     return problems
 
 
-def optional_field_problems(entries: dict[int, object], d: int, h: int | None) -> list[str]:
+def optional_field_problems(entries: dict[int, object], d: int, h: int | None,
+                            heads: dict | None = None) -> list[str]:
     """The fork's newer loader's rules for ``q_rotation`` / ``o_rotation`` / ``k_mean``: on every
-    layer or on none, each ``[d, d]`` (``[d]`` for the mean) or with a leading KV-head axis."""
+    layer or on none, each ``[d, d]`` (``[d]`` for the mean) or with a leading KV-head axis;
+    ``heads[i]``: layer ``i``'s ``(h, d)`` where layers differ (default ``(h, d)`` everywhere)."""
     problems = []
     for name, rank in OPTIONAL_FIELDS.items():
         present = [i for i, e in entries.items() if isinstance(e, dict) and e.get(name) is not None]
         if present and len(present) != len(entries):
             problems.append(f"'{name}' is on {len(present)} of {len(entries)} layers; the loader needs it on all or "
                             "none")
-        tail = (d,) * rank
         for i in present:
+            hi, di = (heads or {}).get(i, (h, d))
+            tail = (di,) * rank
             t = entries[i][name]
             ok = isinstance(t, torch.Tensor) and tuple(t.shape[-rank:]) == tail and t.dim() in (rank, rank + 1) \
-                and (t.dim() == rank or h is None or t.shape[0] == h)
+                and (t.dim() == rank or hi is None or t.shape[0] == hi)
             if not ok:
                 shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                problems.append(f"layer {i} '{name}' has shape {shape}, expected {list(tail)} or [{h}, *{list(tail)}]")
+                problems.append(f"layer {i} '{name}' has shape {shape}, expected {list(tail)} or [{hi}, *{list(tail)}]")
                 break
             if not t.is_floating_point() or not torch.isfinite(t).all():
                 problems.append(f"layer {i} '{name}' is not a finite floating-point tensor")
@@ -276,7 +212,7 @@ def read_rotation_file(path: Path, *, num_layers: int, num_kv_heads: int, head_d
         means = _key_means({i: entries[i] for i in ids}, num_kv_heads, head_dim)
     except ArtifactError as e:
         raise ArtifactError(f"{path}: {e}") from None
-    notes = [f"layer(s) {_span(extra)} ignored (not among the model's layers)"] if extra else []
+    notes = [f"layer(s) {layer_span(extra)} ignored (not among the model's layers)"] if extra else []
     if fixed:
         notes.append(f"16-bit rotations re-orthogonalised (‖RRᵀ − I‖∞ was {fixed:.1e})")
     if means is not None:
