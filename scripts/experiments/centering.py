@@ -45,7 +45,8 @@ runs at its default depths on the corpus' other held-out half. ``rows`` (with ``
 KV head: the share of the keys' energy in the calibration's mean key, how evenly ``plain``'s key
 rotation spreads that mean over the channels (the largest ``|μR|`` over ``|μ|/√d``; 1 = evenly), and
 the median range (max − min) of a stored row rotated by ``plain``'s rotation, raw and centered:
-what centering takes out of each INT2 group's range. Artifacts go to ``runs/centering/MODEL/VARIANT``.
+what centering takes out of each INT2 group's range. A row of a bit-budget recipe records the budget's
+bits (mean and long-context) and held-out figure. Artifacts go to ``runs/centering/MODEL/VARIANT``.
 Runs on the CPU (nice it on a shared machine); the time of every stage is recorded.
 """
 
@@ -157,6 +158,11 @@ def main(argv=None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     rows.sort(key=lambda r: list(VARIANTS).index(r["variant"]))
+    for r in rows:                  # a bit budget's choice, from the artifact's report
+        rep = runs / r["variant"] / "calibration.json"
+        budget = json.loads(rep.read_text()).get("bit_budget") if rep.exists() else None
+        if budget:
+            r["bit_budget"] = {k: budget[k] for k in ("mean_bits", "long_bits", "heldout_attn")}
     result = {"model_id": lm.source.model_id, "config": str(args.config), "bf16": bf16, "rows": rows,
               "settings": {"sequences": args.sequences, "seq_len": args.seq_len, "texts": texts, "long": args.long,
                            "threads": torch.get_num_threads()},
