@@ -109,12 +109,14 @@ def channel_rows(sch: ChannelScheme, layer: int, q, k, v):
     """:func:`~oscar_calib.runtime.simulate.oscar_rows` with the keys' history stored per channel in
     blocks (:func:`channel_blocks`), values as oscar stores them."""
 
-    def store(x, rotation, clip, group_size, cache):            # x [B, S, H, d] -> rotated, dequantised
+    def store(x, rotation, clip, group_size, cache, center=None):   # x [B, S, H, d] -> rotated, dequantised
         if cache == "v":
             return kernel_store(x, rotation, clip, group_size, cache)
         y = x.float()
         if rotation is not None:
             y = torch.einsum("bshd,hde->bshe", y, rotation)
+        if center is not None:                                  # key centering: (x − μ) @ R
+            y = y - center
         if clip is not None and sch.k_row_clip:
             y = clip_rows(y, clip.to(torch.float64))
         return channel_blocks(y, sch.sink, sch.k_block)
