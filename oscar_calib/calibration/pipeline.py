@@ -26,13 +26,13 @@ from typing import Callable
 from .. import FORMAT_VERSION, __version__
 from ..contract.artifact import Artifact
 from ..contract.config import CalibrationConfig, stable_hash
-from ..contract.defaults import check_group_size, default_group_size
+from ..contract.defaults import centering_problem, check_group_size, default_group_size
 from ..contract.layout import (
     FORMAT_NAME,
     MODEL_SOURCE_METADATA,
     TEXT_CONFIG_METADATA,
 )
-from ..contract.settings import ArtifactSettings, GroupPair, centering_problem
+from ..contract.settings import ArtifactSettings, GroupPair
 from ..data.corpus import TokenPlan, load_texts, plan_tokens
 from ..errors import InputError, OscarWarning
 from ..jobs.env import launched

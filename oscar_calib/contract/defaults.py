@@ -129,3 +129,19 @@ def check_logit_correction(gain, name: str = "--logit-correction") -> float:
     if why:
         raise InputError(why)
     return float(gain)
+
+
+# transformers model types whose attention adds a learned sink logit per query head to its softmax
+# (gpt-oss's ``sinks``, passed to the attention function as ``s_aux``): an engine's INT2 decode must add it
+SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+def centering_problem(model_type: str | None) -> str | None:
+    """Why a model of ``model_type`` cannot store centered keys (None when it can): a learned
+    attention-sink logit is compared with every key's logit, so centered keys would need each
+    query's ``q·μ`` added back beside it, which the INT2 decode kernel (one sink logit per query
+    head) does not do. The one rule ``oscar calibrate --center-keys`` and every artifact reader ask."""
+    if model_type in SINK_MODEL_TYPES:
+        return (f"key centering is not served for {model_type}: its attention-sink logits are compared with every "
+                "key's logit, and the INT2 decode kernel cannot add each query's q·k_mean back beside them")
+    return None

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import InputError
-from .settings import SINK_MODEL_TYPES, ArtifactSettings
+from .defaults import SINK_MODEL_TYPES
+from .settings import ArtifactSettings
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ from .defaults import (
     MAX_LAYERS,
     MAX_WINDOW_TOKENS,
     V_OBJECTIVES,
+    centering_problem,
     group_pair,
     group_size_problem,
     logit_correction_problem,
@@ -265,22 +266,6 @@ class ArtifactSettings:
     def problems(self) -> list[str]:
         """Why these typed values are not a valid artifact's (empty when they are)."""
         return _problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-
-
-# transformers model types whose attention adds a learned sink logit per query head to its softmax
-# (gpt-oss's ``sinks``, passed to the attention function as ``s_aux``): an engine's INT2 decode must add it
-SINK_MODEL_TYPES = ("gpt_oss",)
-
-
-def centering_problem(model_type: str | None) -> str | None:
-    """Why a model of ``model_type`` cannot store centered keys (None when it can): a learned
-    attention-sink logit is compared with every key's logit, so centered keys would need each
-    query's ``q·μ`` added back beside it, which the INT2 decode kernel (one sink logit per query
-    head) does not do. The one rule ``oscar calibrate --center-keys`` and every artifact reader ask."""
-    if model_type in SINK_MODEL_TYPES:
-        return (f"key centering is not served for {model_type}: its attention-sink logits are compared with every "
-                "key's logit, and the INT2 decode kernel cannot add each query's q·k_mean back beside them")
-    return None
 
 
 # ----------------------------------------------------------------------------- parsing
