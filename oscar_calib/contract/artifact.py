@@ -66,6 +66,14 @@ class LayerRotations:
     k_mean: torch.Tensor | None = None
 
 
+def check_key_means(layers: list[LayerRotations], settings: ArtifactSettings) -> None:
+    """Key means (``k_mean``) on every layer exactly when ``settings`` say the keys are centered."""
+    having = sum(lr.k_mean is not None for lr in layers)
+    if having not in (0, len(layers)) or bool(having) != settings.key_centering:
+        raise ArtifactError(f"{having} of {len(layers)} layers hold a key mean (k_mean) but the settings say "
+                            f"key_centering={settings.key_centering}: every layer or none, as they say")
+
+
 @dataclass
 class Artifact:
     """An artifact in memory: per-layer tensors, string metadata and its typed
@@ -82,10 +90,7 @@ class Artifact:
     def __post_init__(self) -> None:
         if self.settings is None:
             self.settings = ArtifactSettings.from_metadata(self.metadata)
-        having = sum(lr.k_mean is not None for lr in self.layers)
-        if having not in (0, len(self.layers)) or bool(having) != self.settings.key_centering:
-            raise ArtifactError(f"{having} of {len(self.layers)} layers hold a key mean (k_mean) but the settings say "
-                                f"key_centering={self.settings.key_centering}: every layer or none, as they say")
+        check_key_means(self.layers, self.settings)
 
     @property
     def num_layers(self) -> int:
@@ -116,11 +121,6 @@ class Artifact:
     @property
     def granularity(self) -> str:
         return self.settings.granularity
-
-    @property
-    def key_centering(self) -> bool:
-        """Every layer stores its keys centered on ``k_mean`` (its ``[h, d]`` mean key)."""
-        return self.settings.key_centering
 
     def shared_rotation(self, layer: int, which: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's one rotation for all KV heads ``[d, d]`` and its eigenvalues ``[d]``

@@ -125,7 +125,7 @@ def test_key_centering_is_one_flag_written_only_when_on():
 
 def test_an_artifact_in_memory_holds_its_key_means_exactly_when_its_settings_say_so():
     art = build_artifact(centered=True)
-    assert art.key_centering and all(lr.k_mean.shape == (2, 8) for lr in art.layers)
+    assert art.settings.key_centering and all(lr.k_mean.shape == (2, 8) for lr in art.layers)
     assert set(art.tensors()) >= {"layers.0.k_mean", "layers.1.k_mean"}
     with pytest.raises(ArtifactError, match="2 of 2 layers hold a key mean .* key_centering=False"):
         dataclasses.replace(art, settings=None, metadata={k: v for k, v in art.metadata.items() if k != "k_centered"})

@@ -105,7 +105,7 @@ def test_hybrid_layers_center_with_their_own_heads(name):
     model = family_model(name)
     art = valid_artifact(build_artifact(model, seed=3, centered=True))
     st = art.settings
-    assert art.key_centering and (st.mixed_heads or st.mapped_layers)
+    assert st.key_centering and (st.mixed_heads or st.mapped_layers)
     assert [tuple(lr.k_mean.shape) for lr in art.layers] == [st.layer_heads(i) for i in range(st.num_layers)]
     windows = dict(sink=4, recent=8, window_dtype=None)
     ids = torch.randint(1, 120, (1, 20), generator=torch.Generator().manual_seed(5))

@@ -256,7 +256,7 @@ def test_checkpoint_sharded_reloads(tmp_path):
     copy_ = load_artifact(out / "oscar")
     assert all(torch.equal(a.v_rotation, b.v_rotation) and torch.equal(a.k_mean, b.k_mean)
                for a, b in zip(copy_.layers, load_artifact(art_dir).layers))
-    assert copy_.key_centering and "`k_mean`" in (out / "oscar" / "README.md").read_text()
+    assert copy_.settings.key_centering and "`k_mean`" in (out / "oscar" / "README.md").read_text()
 
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert reloaded.dtype == torch.float32

@@ -275,7 +275,7 @@ def test_key_centering_round_trips_through_the_forks_newer_files(tmp_path):
     got = import_files("sglang-fork-v2", [tmp_path / "v2" / res.files[0], tmp_path / "v2" / res.files[1]],
                        tiny_target(), tmp_path / "back")
     back = load_artifact(tmp_path / "back")
-    assert back.key_centering and all(torch.equal(a.k_mean, b.k_mean) for a, b in zip(back.layers, src.layers))
+    assert back.settings.key_centering and all(torch.equal(a.k_mean, b.k_mean) for a, b in zip(back.layers, src.layers))
     assert "key centering" in " ".join(got.report["imported"]["k"]["notes"])
     main = export_sglang(art, tmp_path / "v1", target="sglang-fork")
     assert any("does not subtract the mean key (k_mean)" in w for w in main.warnings)

@@ -59,7 +59,7 @@ def write_artifact_copy(directory: Path, artifact: Artifact, source_sha256: str)
     card = (src / CARD_NAME).read_text() if src is not None and (src / CARD_NAME).exists() else ""
     centered = (" With key centering every key is stored as `(k − k_mean) @ k_rotation`: `k_mean` is a mean of "
                 "post-RoPE keys, which no projection weight can subtract, so it stays in this copy and is applied "
-                "online too." if artifact.key_centering else "")
+                "online too." if artifact.settings.key_centering else "")
     card = card.rstrip("\n") + ("\n\n" if card else "") + (
         "## Folded\n\n"
         "This copy's `v_rotation` is already folded into the checkpoint one directory up (`v_proj` rows and "

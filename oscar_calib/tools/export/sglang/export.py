@@ -162,7 +162,7 @@ def write_sglang(art: Artifact, artifact_path: Path, out: Path, *, target: str, 
         payload(*_rotations(art, "v", target, artifact_path), objective=_objective(art, "v"), layer_ids=ids)
     out = Path(out)
     # key centering: the fork's newer code subtracts each layer's k_mean before the key rotation
-    k_means = [lr.k_mean for lr in art.layers] if art.key_centering and target in PER_HEAD_TARGETS else None
+    k_means = [lr.k_mean for lr in art.layers] if art.settings.key_centering and target in PER_HEAD_TARGETS else None
     with staged_dir(out, overwrite=overwrite, merge=True) as tmp:
         atomic_write_bytes(tmp / k_name, save_bytes(payload(k_rots, k_eigs, objective=_objective(art, "k"),
                                                             layer_ids=ids, k_means=k_means)))
