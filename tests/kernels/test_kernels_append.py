@@ -162,7 +162,7 @@ def test_append_token_centers_the_keys_in_the_window_and_the_history(device, rot
     ref, tri = run_steps(device, rotation=rotation, group_size=group_size, center=True, steps=5)
     for a, b in zip(ref.all(), tri.all()):
         assert torch.equal(a, b)
-    plain, _ = run_steps("cpu", rotation=rotation, group_size=group_size, steps=5)
+    plain, _ = run_steps(device, rotation=rotation, group_size=group_size, steps=5)  # the reference runs on the CPU
     assert not torch.equal(plain.window[:, 0], ref.window[:, 0])       # the keys moved ...
     assert torch.equal(plain.window[:, 1], ref.window[:, 1])           # ... the values did not
     assert not torch.equal(plain.codes[:, 0], ref.codes[:, 0])
