@@ -241,8 +241,15 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", help="weights' dtype (the simulation computes in float32)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--render", type=Path, nargs="+", default=[], metavar="JSON",
+                    help="measure nothing: write each result's table (.md beside it) and the docs' figures "
+                         f"({FIGURES.relative_to(ROOT)}/) again from the JSON (a run writes its figures beside --out)")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    if args.render:
+        for path in args.render:
+            render(json.loads(path.read_text()), path, FIGURES)
+        return
 
     import torch
     from harness import describe_device, git_commit, versions
@@ -333,8 +340,65 @@ def main(argv=None) -> None:
         del m, lm
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    atomic_write_text(out.with_suffix(".md"), table(result) + "\n")
+    render(result, out, out.parent)
     print(table(result))
+
+
+FIGURES = ROOT / "docs" / "img" / "levers"
+# the variants a figure draws (Hadamard is off their scale: the tables hold it), in this order
+FIGURE_VARIANTS = ("zoo", "gain=0", "gain=1", "long-cal", "window", "channel-kivi")
+
+
+def figure_name(result: dict, alias: str) -> str:
+    return f"{alias}-{result['device']}.svg"
+
+
+def render(result: dict, out: Path, figures: Path) -> list[Path]:
+    """Write ``out``'s table (``.md`` beside it) and, for every model measured at two lengths or
+    more, its figure (:func:`figure`) in ``figures`` (a run: beside ``out``; ``--render``: the
+    docs' :data:`FIGURES`); returns the figures written."""
+    from oscar_calib.fsutil import atomic_write_text
+
+    atomic_write_text(out.with_suffix(".md"), table(result) + "\n")
+    written = []
+    for alias in dict.fromkeys(r["model"] for r in result["rows"]):
+        svg = figure(result, alias)
+        if svg:
+            figures.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(figures / figure_name(result, alias), svg)
+            written.append(figures / figure_name(result, alias))
+    return written
+
+
+def figure(result: dict, alias: str) -> str | None:
+    """One model's perplexity over BF16 (%) against context length, one panel per text, a line per
+    variant of :data:`FIGURE_VARIANTS` (by name prefix; ``bits with windows`` in the legend where
+    the variant holds more than the zoo artifact); None below two lengths."""
+    from plots import CATEGORY_COLOURS, _legend, _panel, _svg
+
+    rows = [r for r in result["rows"] if r["model"] == alias and r["variant"] != "bf16" and "vs_bf16" in r]
+    lengths = sorted({r["length"] for r in rows})
+    if len(lengths) < 2:
+        return None
+    names = [v for p in FIGURE_VARIANTS for v in dict.fromkeys(r["variant"] for r in rows)
+             if v == p or v.startswith(p + "=") or (p == "long-cal" and v.startswith(p))]
+    zoo_bits = {r["length"]: r["bits_at_context"] for r in rows if r["variant"] == "zoo"}
+    texts = list(dict.fromkeys(r["text"] for r in rows))
+    width, panel_w, panel_h = 70 + 370 * len(texts) + 270, 280, 220
+    body, series = [], []
+    for i, text in enumerate(texts):
+        series = []
+        for j, v in enumerate(names):
+            sel = {r["length"]: r for r in rows if r["text"] == text and r["variant"] == v}
+            more = [f"{sel[n]['bits_at_context']:.1f}" for n in lengths
+                    if n in sel and sel[n]["bits_at_context"] > zoo_bits.get(n, 0) + 1e-6]
+            label = v + (f" ({'/'.join(more)} bits)" if more else "")
+            series.append({"name": label, "colour": CATEGORY_COLOURS[j % len(CATEGORY_COLOURS)],
+                           "dash": j >= len(CATEGORY_COLOURS),
+                           "ys": [100 * sel[n]["vs_bf16"] if n in sel else None for n in lengths]})
+        body += _panel(70 + 370 * i, 50, panel_w, panel_h, text, lengths, series, "% over BF16 perplexity")
+    body += _legend(40 + 370 * len(texts), 60, series)
+    return _svg(width, 310, f"{alias}: long-window levers, {result['device_name']}", body)
 
 
 def table(result: dict) -> str:

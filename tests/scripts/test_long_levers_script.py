@@ -57,10 +57,29 @@ def test_every_lever_at_two_lengths(tiny, tmp_path, capsys):
     assert "exists only in the perplexity simulation" in rows[("channel", 64)]["real_cache"]
     printed = capsys.readouterr().out
     assert out.with_suffix(".md").read_text() in printed
+    svg = (tmp_path / "tiny-cpu.svg").read_text()           # the figure beside the JSON: a line per variant (one text)
+    assert svg.count("<polyline") == len(mod.FIGURE_VARIANTS) and "window=8+24 (" in svg and "bits)" in svg
     assert "| zoo | 4.000 |" in printed and "best logit-correction gain: 64 (" in printed
     assert script_error(mod.main, ["--model", "tiny", "--variants", "zoo,int3"]) == (
         "error: unknown variant(s) int3; choose from bf16, hadamard, zoo, gain, window, long-cal, channel, channel-kivi, "
         "channel-clip")
+
+
+def test_docs_figures_are_rendered_from_the_committed_results(tmp_path):
+    """Every figure under docs/img/levers is what ``--render`` draws from its committed result; a model
+    measured at one length gets none."""
+    mod = load_script("experiments/long_levers.py")
+    results = sorted((mod.ROOT / "scripts" / "experiments" / "results").glob("long_levers_*.json"))
+    drawn = {}
+    for path in results:
+        doc = json.loads(path.read_text())
+        for alias in dict.fromkeys(r["model"] for r in doc["rows"]):
+            svg = mod.figure(doc, alias)
+            lengths = {r["length"] for r in doc["rows"] if r["model"] == alias}
+            assert (svg is None) == (len(lengths) < 2)
+            if svg:
+                drawn[mod.figure_name(doc, alias)] = svg
+    assert drawn and {p.name: p.read_text() for p in mod.FIGURES.glob("*.svg")} == drawn
 
 
 def test_save_tokenizer_writes_a_folder_once(tiny, tmp_path):
