@@ -193,12 +193,15 @@ def setup_flashinfer(ctx, shape: dict) -> dict:
     check = check_flashinfer(ctx, shape, ctx.flashinfer)
     if "skipped" in check:
         ctx.flashinfer = {"available": False, "skipped": check["skipped"]}
+    else:
+        ctx.flashinfer["forms"] = check["ok_forms"]
     rec = {"page": PAGE, "check": check} if ctx.flashinfer["available"] else {}
     rec.update({k: v for k, v in ctx.flashinfer.items() if k != "module"})
-    if ctx.flashinfer["available"]:
-        ctx.log(f"FlashInfer {rec['version']} ({check['backend']}, page {PAGE}): max |diff| against SDPA "
-                f"{check['max_abs_diff']:.2e}; first call (build or load) {check['first_call_s']:.1f} s")
-    else:
+    for form, r in check.get("forms", {}).items():
+        ctx.log(f"FlashInfer {check['version']} {form} (page {PAGE}): " + (
+            f"{r['backend']}, max |diff| against SDPA {r['max_abs_diff']:.2e}, first call (build or load) "
+            f"{r['first_call_s']:.1f} s" if r["ok"] else f"left out: {r['error']}"))
+    if not ctx.flashinfer["available"]:
         ctx.log(f"FlashInfer baseline not timed: {rec['skipped']}")
     return rec
 

@@ -57,17 +57,19 @@ def flashinfer_lines(report: dict, bw: float) -> list[str]:
         return []
     if not fi.get("available"):
         return [f"FlashInfer BF16 decode (second baseline): not timed: {fi.get('skipped')}"]
-    c = fi["check"]
-    out = [f"FlashInfer {fi['version']} BF16 decode, paged (page {fi['page']}, {c['backend']}), second baseline; "
-           f"max |diff| against SDPA {c['max_abs_diff']:.1e}:",
+    forms = fi["check"]["forms"]
+    out = [f"FlashInfer {fi['version']} BF16 decode, paged (page {fi['page']}), second baseline, the faster form; "
+           + "; ".join(f"{f} ({r['backend']}) max |diff| against SDPA {r['max_abs_diff']:.1e}" if r["ok"]
+                       else f"{f} left out: {r['error']}" for f, r in forms.items()) + ":",
            f"{'ctx':>7} {'B':>3} {'FI us':>9} {'%copy':>6} {'INT2 x':>7} {'SDPA/FI':>8} | in stream: {'FI us':>8} "
-           f"{'INT2 x':>7}"]
+           f"{'INT2 x':>7} | " + " ".join(f"{f + ' us':>17}" for f in fi["forms"])]
     for r in report["rows"]:
         if "flashinfer_ms" in r:
             out.append(f"{r['context']:>7} {r['batch']:>3} {r['flashinfer_ms'] * 1e3:>9.1f} "
                        f"{r['flashinfer_bytes_per_s'] / bw * 100:>5.0f}% {r['flashinfer_speedup']:>7.2f} "
                        f"{r['flashinfer_vs_sdpa']:>8.2f} |            {r['flashinfer_stream_ms'] * 1e3:>8.1f} "
-                       f"{r['flashinfer_stream_speedup']:>7.2f}")
+                       f"{r['flashinfer_stream_speedup']:>7.2f} | "
+                       + " ".join(f"{r[f'flashinfer_{f}_ms'] * 1e3:>17.1f}" for f in fi["forms"]))
         elif "int2_ms" in r:
             out.append(f"{r['context']:>7} {r['batch']:>3}  FlashInfer not timed: {r.get('flashinfer_skipped')}")
     return out

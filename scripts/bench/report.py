@@ -67,9 +67,10 @@ kernel: the breakdown's `floor`), a large share of a batch-1 call; the **in stre
 the same calls back to back in one CUDA graph over their rotating input copies (each call reads
 what the calls before it evicted from L2), as the layers of a decode step run them, for INT2 and
 SDPA alike. **Second baseline: FlashInfer's BF16 decode** (`BatchDecodeWithPagedKVCacheWrapper`
-on a paged cache of 16-token pages, the CUDA-core decode kernel that vLLM runs for a GQA group of
-4, planned outside the timed replays), checked against SDPA and timed the same way in the same
-run where it imports on the GPU machine; otherwise the page says why in one line. The runtime's
+on a paged cache of 16-token pages, planned outside the timed replays; the faster of its CUDA-core
+decode kernel, which vLLM runs for a GQA group of 4, and its tensor-core form), checked against
+SDPA and timed the same way in the same run where it imports on the GPU machine; otherwise the
+page says why in one line. The runtime's
 decode step gets its query already
 rotated from the cache write; its call is the batch-1 breakdown's `call` less what the rotation
 kernel adds.""",
@@ -205,6 +206,9 @@ def kernels(doc: dict) -> list[str]:
     return out + [""]
 
 
+FI_FORMS = {"cuda_cores": "CUDA-core decode kernel", "tensor_cores": "tensor cores (`use_tensor_cores=True`)"}
+
+
 def flashinfer_note(doc: dict) -> str:
     """The kernels page's line on the second baseline: what ran, or why it did not."""
     fi = doc.get("flashinfer")
@@ -212,11 +216,16 @@ def flashinfer_note(doc: dict) -> str:
         return "FlashInfer's BF16 decode (second baseline): not in this result (its run predates the baseline)"
     if not fi.get("available"):
         return f"FlashInfer's BF16 decode (second baseline): not timed in this run: {fi.get('skipped')}"
-    c = fi["check"]
+    forms = fi["check"]["forms"]
+    timed = [r for r in doc["rows"] if "flashinfer_ms" in r]
     missing = [f"{_ctx(r['context'])} × {r['batch']} ({r['flashinfer_skipped']})" for r in doc["rows"]
                if "int2_ms" in r and "flashinfer_ms" not in r]
+    won = {f: [f"{_ctx(r['context'])} × {r['batch']}" for r in timed if r["flashinfer_form"] == f] for f in forms}
     return (f"FlashInfer {fi['version']} BF16 decode: `BatchDecodeWithPagedKVCacheWrapper`, page {fi['page']}, "
-            f"backend `{c['backend']}`, max |diff| against float32 SDPA {c['max_abs_diff']:.1e}"
+            "the faster of its forms at each shape: "
+            + "; ".join(f"{FI_FORMS.get(f, f)} (`{r['backend']}`, max |diff| against float32 SDPA "
+                        f"{r['max_abs_diff']:.1e}): " + (", ".join(won[f]) or "none") if r["ok"]
+                        else f"{FI_FORMS.get(f, f)} left out ({r['error']})" for f, r in forms.items())
             + (f"; not timed at {', '.join(missing)}" if missing else ""))
 
 

@@ -169,12 +169,15 @@ def _fi_doc(timed: bool) -> dict:
              "bf16_bytes": 8e6, "int2_bytes_per_s": 1e6 / (i * 1e-3), "sdpa_bytes_per_s": 8e6 / (s * 1e-3)}
         if timed and c == 8192:
             r.update(flashinfer_ms=f, flashinfer_stream_ms=f * 0.8, flashinfer_bytes_per_s=8e6 / (f * 1e-3),
-                     flashinfer_speedup=f / i, flashinfer_stream_speedup=0.8 * f / i, flashinfer_vs_sdpa=s / f)
+                     flashinfer_speedup=f / i, flashinfer_stream_speedup=0.8 * f / i, flashinfer_vs_sdpa=s / f,
+                     flashinfer_form="tensor_cores", flashinfer_tensor_cores_ms=f, flashinfer_cuda_cores_ms=2 * f)
         else:
             r["flashinfer_skipped"] = "error OutOfMemoryError: test" if timed else "FlashInfer not importable here"
         rows.append(r)
-    fi = ({"available": True, "version": "0.7.4", "page": 16,
-           "check": {"backend": "fa2", "max_abs_diff": 0.0012}} if timed
+    forms = {"cuda_cores": {"ok": True, "backend": "fa2", "max_abs_diff": 0.0006},
+             "tensor_cores": {"ok": True, "backend": "fa2", "max_abs_diff": 0.0012}}
+    fi = ({"available": True, "version": "0.7.4", "page": 16, "forms": list(forms),
+           "check": {"forms": forms, "max_abs_diff": 0.0012}} if timed
           else {"available": False, "skipped": "FlashInfer not importable here (ModuleNotFoundError: x)"})
     return {"device_name": "GPU", "copy": {"bytes_per_s": 4e12}, "rows": rows, "flashinfer": fi,
             "correctness": {"decode": [{"rel_err": 1e-3}]}}
@@ -190,15 +193,20 @@ def test_flashinfer_rows_in_the_table_and_the_report(bench, timed):
     lines = kr.flashinfer_lines(doc, 4e12)
     page = "\n".join(report.kernels(doc))
     if timed:
-        assert lines[0].startswith("FlashInfer 0.7.4 BF16 decode, paged (page 16, fa2)") and "1.2e-03" in lines[0]
-        assert lines[2].split() == ["8192", "1", "16.0", "12%", "1.60", "1.25", "|", "12.8", "1.28"]
+        assert lines[0] == ("FlashInfer 0.7.4 BF16 decode, paged (page 16), second baseline, the faster form; "
+                            "cuda_cores (fa2) max |diff| against SDPA 6.0e-04; tensor_cores (fa2) max |diff| "
+                            "against SDPA 1.2e-03:")
+        assert lines[2].split() == ["8192", "1", "16.0", "12%", "1.60", "1.25", "|", "12.8", "1.28", "|", "32.0",
+                                    "16.0"]
         assert lines[3].split()[:2] == ["32768", "1"] and "not timed: error OutOfMemoryError" in lines[3]
         head = page.splitlines()[2]
         assert "FlashInfer BF16 µs (baseline 2)" in head and "speed-up vs FlashInfer" in head
         assert "| 8K | 1 | 10.0 | 20.0 | **2.00×** | 2% | 10% | 16.0 | **1.60×** | 12% |" in page
         assert "| 32K | 1 | 20.0 | 50.0 | **2.50×** | 1% | 4% | – | – | – |" in page
-        assert ("FlashInfer 0.7.4 BF16 decode: `BatchDecodeWithPagedKVCacheWrapper`, page 16, backend `fa2`, "
-                "max |diff| against float32 SDPA 1.2e-03; not timed at 32K × 1 (error OutOfMemoryError: test).") in page
+        assert ("FlashInfer 0.7.4 BF16 decode: `BatchDecodeWithPagedKVCacheWrapper`, page 16, the faster of its "
+                "forms at each shape: CUDA-core decode kernel (`fa2`, max |diff| against float32 SDPA 6.0e-04): "
+                "none; tensor cores (`use_tensor_cores=True`) (`fa2`, max |diff| against float32 SDPA 1.2e-03): "
+                "8K × 1; not timed at 32K × 1 (error OutOfMemoryError: test).") in page
     else:
         assert lines == ["FlashInfer BF16 decode (second baseline): not timed: FlashInfer not importable here "
                          "(ModuleNotFoundError: x)"]
