@@ -21,6 +21,7 @@ recorded per form). Read from flashinfer-python 0.7.4
 ``_auto_prefers_cudnn``; ``flashinfer/prefill.py``: ``get_batch_prefill_module``;
 ``flashinfer/jit/attention/modules.py``: ``gen_batch_decode_module``, which, like the prefill
 modules, JIT-compiles with nvcc at first use unless an AOT copy sits in ``flashinfer/data/aot``).
+A GPU machine without network gets the package from ``scripts/dev/flashinfer_bundle.py``.
 
 Where FlashInfer cannot run (not importable, no CUDA device, its decode module fails to build or
 to agree with SDPA), :func:`flashinfer_status` says why in one line; the result file records it
