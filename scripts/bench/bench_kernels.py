@@ -10,7 +10,9 @@ On the GPU (default), in this order:
    8 KV heads, head_dim 128, G=128, 64 sink + 256 recent BF16 tokens): INT2 kernel against BF16
    ``torch.nn.functional.scaled_dot_product_attention`` at the same context (GQA through
    ``enable_gqa``, and with the GQA group folded into 4 query rows per KV head; the faster
-   counts). A variant sweep runs first at the longest context per batch size (the library
+   counts) and FlashInfer's BF16 decode on a paged cache (``kernels_flashinfer.py``: checked
+   against SDPA first; where it does not import or run, the result and the table say why in one
+   line). A variant sweep runs first at the longest context per batch size (the library
    default, the first tuning with and without prefetch, register cap, PDL, tiles, stages,
    programs per SM); the best variant per batch size (the library default unless another is
    more than 3% faster) is then timed everywhere, plus the paged layout at two sizes (the median
@@ -48,7 +50,8 @@ false`` (``"clip_ratio"``: a number, or one per head, instead of the zoo's), in 
 ``--quick`` runs tiny shapes under the Triton interpreter on the CPU (a smoke test of the script).
 Usage: ``python scripts/bench/bench_kernels.py [--quick] [--ncu] [--out DIR] [--save]
 [--variants JSON | --write-variants JSON]``. The parts: ``kernels_decode.py``,
-``kernels_write.py``, ``kernels_sweep.py``, ``kernels_report.py`` (beside this file).
+``kernels_write.py``, ``kernels_sweep.py``, ``kernels_report.py``, ``kernels_flashinfer.py`` (beside this
+file).
 """
 
 from __future__ import annotations
@@ -181,6 +184,28 @@ def copy_bandwidth(ctx) -> dict:
     return {"bytes_moved": 2 * n * 4, "ms": ms, "bytes_per_s": 2 * x.numel() * 4 / (ms * 1e-3)}
 
 
+def setup_flashinfer(ctx, shape: dict) -> dict:
+    """FlashInfer's BF16 decode, the second baseline: importable here? agrees with SDPA? Sets
+    ``ctx.flashinfer`` (the module, or why not) and returns what the result file records."""
+    from kernels_flashinfer import PAGE, check_flashinfer, flashinfer_status
+
+    ctx.flashinfer = flashinfer_status(cuda=ctx.cuda)
+    check = check_flashinfer(ctx, shape, ctx.flashinfer)
+    if "skipped" in check:
+        ctx.flashinfer = {"available": False, "skipped": check["skipped"]}
+    else:
+        ctx.flashinfer["forms"] = check["ok_forms"]
+    rec = {"page": PAGE, "check": check} if ctx.flashinfer["available"] else {}
+    rec.update({k: v for k, v in ctx.flashinfer.items() if k != "module"})
+    for form, r in check.get("forms", {}).items():
+        ctx.log(f"FlashInfer {check['version']} {form} (page {PAGE}): " + (
+            f"{r['backend']}, max |diff| against SDPA {r['max_abs_diff']:.2e}, first call (build or load) "
+            f"{r['first_call_s']:.1f} s" if r["ok"] else f"left out: {r['error']}"))
+    if not ctx.flashinfer["available"]:
+        ctx.log(f"FlashInfer baseline not timed: {rec['skipped']}")
+    return rec
+
+
 def full_run(ctx, report: dict, shape: dict, contexts: list[int], batches: list[int], bw: float) -> None:
     """Correctness, the sweep, every shape against SDPA, paged, the breakdown, the profile, the write."""
     from kernels_decode import (
@@ -198,6 +223,7 @@ def full_run(ctx, report: dict, shape: dict, contexts: list[int], batches: list[
 
     variants = decode_variants(ctx)
     report["correctness"] = check_correctness(ctx, shape, variants)
+    report["flashinfer"] = setup_flashinfer(ctx, shape)
     ok_variants = [v for v, r in zip(variants, report["correctness"]["decode"]) if r["ok"]]
     if not ok_variants:
         ctx.log("no decode variant passed the correctness check; timing the default anyway")

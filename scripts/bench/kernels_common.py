@@ -23,6 +23,8 @@ class Ctx:
     clock: Clock
     quick: bool = False
     variants: list = field(default_factory=list)
+    # kernels_flashinfer.flashinfer_status(): the module, or why FlashInfer is not timed
+    flashinfer: dict = field(default_factory=lambda: {"available": False, "skipped": "FlashInfer not checked"})
 
     @property
     def sink(self) -> int:

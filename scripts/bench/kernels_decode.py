@@ -9,6 +9,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 from kernels_common import Ctx, int2_bytes, kernel_info
+from kernels_flashinfer import flashinfer_fields
 
 from oscar_calib.kernels import (
     Int2KVCache,
@@ -162,7 +163,8 @@ def random_paged(cache: Int2KVCache, page: int) -> Int2KVCache:
 
 def time_decode(ctx: Ctx, c: int, batch: int, shape: dict, cfg: dict, *, sdpa: bool, paged: int | None = None,
                 copies: int | None = None) -> dict:
-    """One decode shape: the INT2 call (rotating input copies) and, with ``sdpa``, BF16 SDPA."""
+    """One decode shape: the INT2 call (rotating input copies) and, with ``sdpa``, BF16 SDPA and
+    FlashInfer's BF16 paged decode (``kernels_flashinfer``; or the line saying why not)."""
     dev = ctx.dev
     h, qh, d, g = shape["kv_heads"], shape["q_heads"], shape["head_dim"], shape["group_size"]
     window = min(c, ctx.sink + ctx.recent)
@@ -214,6 +216,11 @@ def time_decode(ctx: Ctx, c: int, batch: int, shape: dict, cfg: dict, *, sdpa: b
         row.update(res, sdpa_ms=best, sdpa_copies=nb, sdpa_bytes_per_s=bf_bytes / (best * 1e-3), speedup=best / ms,
                    stream_speedup=res["sdpa_stream_ms"] / sms)
         del kv
+        ctx.empty_cache()
+        row.update(flashinfer_fields(ctx, c, batch, shape, q, bf_bytes, nb, best))
+        if "flashinfer_ms" in row:
+            row.update(flashinfer_speedup=row["flashinfer_ms"] / ms,
+                       flashinfer_stream_speedup=row["flashinfer_stream_ms"] / sms)
     ctx.empty_cache()
     return row
 
@@ -275,8 +282,10 @@ def time_shapes(ctx: Ctx, shape: dict, contexts: list[int], batches: list[int], 
             if "skipped" in row:
                 ctx.log(f"decode ctx={c} B={batch}: skipped ({row['skipped']})")
             else:
+                fi = (f", FlashInfer {row['flashinfer_ms'] * 1e3:.1f} us, x{row['flashinfer_speedup']:.2f}"
+                      if "flashinfer_ms" in row else f"; FlashInfer: {row.get('flashinfer_skipped')}")
                 ctx.log(f"decode ctx={c} B={batch}: INT2 {row['int2_ms'] * 1e3:.1f} us, "
-                        f"SDPA {row['sdpa_ms'] * 1e3:.1f} us, x{row['speedup']:.2f}")
+                        f"SDPA {row['sdpa_ms'] * 1e3:.1f} us, x{row['speedup']:.2f}" + fi)
     return rows
 
 

@@ -49,6 +49,32 @@ def _stream_cols(r: dict, bw: float) -> str:
     return f" |            {r['int2_stream_ms'] * 1e3:>8.1f} {r['int2_stream_bytes_per_s'] / bw * 100:>5.0f}%" + sdpa
 
 
+def flashinfer_lines(report: dict, bw: float) -> list[str]:
+    """FlashInfer's BF16 decode beside the rows: its time, % of copy and the INT2 speed-up over
+    it per shape, or the one line saying why it was not timed (results before it had neither)."""
+    fi = report.get("flashinfer")
+    if fi is None:
+        return []
+    if not fi.get("available"):
+        return [f"FlashInfer BF16 decode (second baseline): not timed: {fi.get('skipped')}"]
+    forms = fi["check"]["forms"]
+    out = [f"FlashInfer {fi['version']} BF16 decode, paged (page {fi['page']}), second baseline, the faster form; "
+           + "; ".join(f"{f} ({r['backend']}) max |diff| against SDPA {r['max_abs_diff']:.1e}" if r["ok"]
+                       else f"{f} left out: {r['error']}" for f, r in forms.items()) + ":",
+           f"{'ctx':>7} {'B':>3} {'FI us':>9} {'%copy':>6} {'INT2 x':>7} {'SDPA/FI':>8} | in stream: {'FI us':>8} "
+           f"{'INT2 x':>7} | " + " ".join(f"{f + ' us':>17}" for f in fi["forms"])]
+    for r in report["rows"]:
+        if "flashinfer_ms" in r:
+            out.append(f"{r['context']:>7} {r['batch']:>3} {r['flashinfer_ms'] * 1e3:>9.1f} "
+                       f"{r['flashinfer_bytes_per_s'] / bw * 100:>5.0f}% {r['flashinfer_speedup']:>7.2f} "
+                       f"{r['flashinfer_vs_sdpa']:>8.2f} |            {r['flashinfer_stream_ms'] * 1e3:>8.1f} "
+                       f"{r['flashinfer_stream_speedup']:>7.2f} | "
+                       + " ".join(f"{r[f'flashinfer_{f}_ms'] * 1e3:>17.1f}" for f in fi["forms"]))
+        elif "int2_ms" in r:
+            out.append(f"{r['context']:>7} {r['batch']:>3}  FlashInfer not timed: {r.get('flashinfer_skipped')}")
+    return out
+
+
 def table(report: dict) -> str:
     """The full run's table: decode against SDPA, paged, the batch-1 breakdown, write, sweep, bounds."""
     bw = report["copy"]["bytes_per_s"]
@@ -71,6 +97,7 @@ def table(report: dict) -> str:
             f"{r['speedup']:>7.2f} {r['int2_bytes_per_s'] / 1e9:>9.0f} {r['int2_bytes_per_s'] / bw * 100:>5.0f}% "
             f"{r['sdpa_bytes_per_s'] / bw * 100:>9.0f}%" + _stream_cols(r, bw)
             + (f"  {ref / (r['int2_ms'] * 1e3):.2f}x faster" if ref else ""))
+    lines += flashinfer_lines(report, bw)
     for p in report["paged"]:
         if p.get("rounds"):
             rs = p["rounds"]

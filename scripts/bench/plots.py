@@ -4,8 +4,9 @@ Plain SVG text, written here rather than through a plotting library, so that a r
 same bytes on every machine and version (``report.py --check`` and its test compare them, as they
 compare the page). Three kinds, each a pure function of one result file:
 
-* :func:`decode_time`: decode-attention time against context, INT2 and BF16 SDPA, one panel per
-  batch size (the one-call replay solid; in stream, the calls back to back, dashed);
+* :func:`decode_time`: decode-attention time against context, INT2, BF16 SDPA and (where the run
+  timed it) FlashInfer's BF16 decode, one panel per batch size (the one-call replay solid; in
+  stream, the calls back to back, dashed);
 * :func:`decode_bandwidth`: the same calls as a share of the measured copy bandwidth;
 * :func:`step_profile`: a decode step's kernel time by category, INT2 against BF16 (stacked bars).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-INT2, BF16 = "#1f5fa8", "#d9641e"
+INT2, BF16, FLASHINFER = "#1f5fa8", "#d9641e", "#7b3294"
 CATEGORY_COLOURS = ("#1f5fa8", "#d9641e", "#3a9a4b", "#8e44ad", "#b8860b", "#7f7f7f")
 FONT = 'font-family="sans-serif" font-size="11"'
 
@@ -107,10 +108,17 @@ def _decode_series(doc: dict, batch: int, value) -> tuple[list[int], list[dict]]
     stream = any("int2_stream_ms" in r for r in rows)
     series = [{"name": "INT2 (one call)", "colour": INT2, "ys": [value(r, "int2", False) for r in rows]},
               {"name": "BF16 SDPA (one call)", "colour": BF16, "ys": [value(r, "sdpa", False) for r in rows]}]
+    fi = any("flashinfer_ms" in r for r in rows)
+    if fi:
+        series.append({"name": "FlashInfer BF16 (one call)", "colour": FLASHINFER,
+                       "ys": [value(r, "flashinfer", False) for r in rows]})
     if stream:
         series += [{"name": "INT2 in stream", "colour": INT2, "dash": True, "ys": [value(r, "int2", True) for r in rows]},
                    {"name": "BF16 SDPA in stream", "colour": BF16, "dash": True,
                     "ys": [value(r, "sdpa", True) for r in rows]}]
+        if fi:
+            series.append({"name": "FlashInfer in stream", "colour": FLASHINFER, "dash": True,
+                           "ys": [value(r, "flashinfer", True) for r in rows]})
     return ctxs, series
 
 
@@ -132,7 +140,8 @@ def decode_time(doc: dict) -> str:
     body += _legend(width - 175, 60, legend)
     body.append(f'<text x="{_num(left + (width - left - 190) / 2)}" y="{50 + ph + 36}" text-anchor="middle">'
                 "context (tokens)</text>")
-    return _svg(width, 50 + ph + 50, f"Decode attention on {doc['device_name']}: INT2 against BF16 SDPA", body)
+    fi = " and FlashInfer" if any("flashinfer_ms" in r for r in doc["rows"]) else ""
+    return _svg(width, 50 + ph + 50, f"Decode attention on {doc['device_name']}: INT2 against BF16 SDPA{fi}", body)
 
 
 def decode_bandwidth(doc: dict) -> str:
@@ -155,6 +164,9 @@ def decode_bandwidth(doc: dict) -> str:
 
         series += [{"name": f"INT2, batch {b}", "colour": INT2, "dash": dash, "ys": pct("int2", False)},
                    {"name": f"BF16 SDPA, batch {b}", "colour": BF16, "dash": dash, "ys": pct("sdpa", False)}]
+        if any("flashinfer_ms" in r for r in rows.values()):
+            series.append({"name": f"FlashInfer BF16, batch {b}", "colour": FLASHINFER, "dash": dash,
+                           "ys": pct("flashinfer", False)})
         if any("int2_stream_ms" in r for r in rows.values()):
             series.append({"name": f"INT2 in stream, batch {b}", "colour": "#2a9d8f", "dash": dash,
                            "ys": pct("int2", True)})

@@ -66,10 +66,12 @@ bytes. Each timed call alone includes a floor of about 4.5 µs (the replay of a 
 kernel: the breakdown's `floor`), a large share of a batch-1 call; the **in stream** columns time
 the same calls back to back in one CUDA graph over their rotating input copies (each call reads
 what the calls before it evicted from L2), as the layers of a decode step run them, for INT2 and
-SDPA alike. FlashInfer's BF16 decode is not a baseline here yet: its wheel (62 MB) does not fit
-beside the tree in what a call to the GPU machine may carry (64 MiB), it needs packages that
-machine lacks (`nvidia-cutlass-dsl`, `cuda-tile`, `apache-tvm-ffi`) and it compiles each kernel
-with `nvcc` at first use. The runtime's decode step gets its query already
+SDPA alike. **Second baseline: FlashInfer's BF16 decode** (`BatchDecodeWithPagedKVCacheWrapper`
+on a paged cache of 16-token pages, planned outside the timed replays; the faster of its CUDA-core
+decode kernel, which vLLM runs for a GQA group of 4, and its tensor-core form), checked against
+SDPA and timed the same way in the same run where it imports on the GPU machine; otherwise the
+page says why in one line. The runtime's
+decode step gets its query already
 rotated from the cache write; its call is the batch-1 breakdown's `call` less what the rotation
 kernel adds.""",
     "append": """One decode step's cache write, `kernels.append_token`, 36 calls per CUDA graph (one per
@@ -150,18 +152,28 @@ def kernels(doc: dict) -> list[str]:
     out = [f"Copy bandwidth {bw / 1e12:.2f} TB/s (read + write).", ""]
     rows = []
     stream = any("int2_stream_ms" in r for r in doc["rows"])
+    fi = any("flashinfer_ms" in r for r in doc["rows"])
     for r in doc["rows"]:
         if "int2_ms" not in r:
             continue
         row = [_ctx(r["context"]), r["batch"], _f(r["int2_ms"] * 1e3), _f(r["sdpa_ms"] * 1e3),
                f"**{r['speedup']:.2f}×**", f"{r['int2_bytes_per_s'] / bw:.0%}", f"{r['sdpa_bytes_per_s'] / bw:.0%}"]
+        if fi:
+            row += [_f(r["flashinfer_ms"] * 1e3), f"**{r['flashinfer_speedup']:.2f}×**",
+                    f"{r['flashinfer_bytes_per_s'] / bw:.0%}"] if "flashinfer_ms" in r else ["–", "–", "–"]
         if stream:
             row += [_f(r["int2_stream_ms"] * 1e3), _f(r["sdpa_stream_ms"] * 1e3), f"**{r['stream_speedup']:.2f}×**",
                     f"{r['int2_stream_bytes_per_s'] / bw:.0%}"]
+            if fi:
+                row += ([_f(r["flashinfer_stream_ms"] * 1e3), f"**{r['flashinfer_stream_speedup']:.2f}×**"]
+                        if "flashinfer_ms" in r else ["–", "–"])
         rows.append(row)
     out += _table(["context", "batch", "INT2 µs", "SDPA BF16 µs (baseline)", "speed-up vs SDPA", "INT2 % of copy",
-                   "SDPA % of copy"] + (["INT2 µs in stream", "SDPA µs in stream", "speed-up in stream",
-                                         "INT2 % of copy in stream"] if stream else []), rows)
+                   "SDPA % of copy"]
+                  + (["FlashInfer BF16 µs (baseline 2)", "speed-up vs FlashInfer", "FlashInfer % of copy"] if fi else [])
+                  + (["INT2 µs in stream", "SDPA µs in stream", "speed-up in stream", "INT2 % of copy in stream"]
+                     + (["FlashInfer µs in stream", "speed-up vs FlashInfer in stream"] if fi else [])
+                     if stream else []), rows)
     sdpa = {(r["context"], r["batch"]): r["sdpa_ms"] for r in doc["rows"] if "sdpa_ms" in r}
     extra = []
     for b in doc.get("breakdown", []):
@@ -182,6 +194,7 @@ def kernels(doc: dict) -> list[str]:
                      f"{w['ms'] * 1e3:.1f} µs, {w['bytes_per_s'] / bw:.0%} of copy")
     errs = [r["rel_err"] for r in doc["correctness"]["decode"]]
     extra.append(f"relative error against the float32 reference: {max(errs):.1e}")
+    extra.append(flashinfer_note(doc))
     out += [""] + [f"- {e[0].upper()}{e[1:]}." for e in extra]
     ncu = [n for n in doc.get("ncu", []) if "first tuning" not in n["what"]]
     if ncu:
@@ -191,6 +204,29 @@ def kernels(doc: dict) -> list[str]:
                         f"{n['metrics'].get('dram_pct') or 0:.0f}%", f"{n['metrics'].get('issue_pct') or 0:.0f}%",
                         n["metrics"]["bound"]] for n in ncu])
     return out + [""]
+
+
+FI_FORMS = {"cuda_cores": "CUDA-core decode kernel", "tensor_cores": "tensor cores (`use_tensor_cores=True`)"}
+
+
+def flashinfer_note(doc: dict) -> str:
+    """The kernels page's line on the second baseline: what ran, or why it did not."""
+    fi = doc.get("flashinfer")
+    if fi is None:
+        return "FlashInfer's BF16 decode (second baseline): not in this result (its run predates the baseline)"
+    if not fi.get("available"):
+        return f"FlashInfer's BF16 decode (second baseline): not timed in this run: {fi.get('skipped')}"
+    forms = fi["check"]["forms"]
+    timed = [r for r in doc["rows"] if "flashinfer_ms" in r]
+    missing = [f"{_ctx(r['context'])} × {r['batch']} ({r['flashinfer_skipped']})" for r in doc["rows"]
+               if "int2_ms" in r and "flashinfer_ms" not in r]
+    won = {f: [f"{_ctx(r['context'])} × {r['batch']}" for r in timed if r["flashinfer_form"] == f] for f in forms}
+    return (f"FlashInfer {fi['version']} BF16 decode: `BatchDecodeWithPagedKVCacheWrapper`, page {fi['page']}, "
+            "the faster of its forms at each shape: "
+            + "; ".join(f"{FI_FORMS.get(f, f)} (`{r['backend']}`, max |diff| against float32 SDPA "
+                        f"{r['max_abs_diff']:.1e}): " + (", ".join(won[f]) or "none") if r["ok"]
+                        else f"{FI_FORMS.get(f, f)} left out ({r['error']})" for f, r in forms.items())
+            + (f"; not timed at {', '.join(missing)}" if missing else ""))
 
 
 def append(doc: dict) -> list[str]:

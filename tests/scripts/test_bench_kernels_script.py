@@ -115,6 +115,116 @@ def test_quick_run_writes_every_section_and_the_table(bench, tmp_path, capsys):
     assert [r["context"] for r in rep["breakdown"]] == [88]
     assert all(rep["breakdown"][0][p + "_ms"] > 0
                for p in ("call", "prerotated", "no_merge", "decode_only", "rotation_only", "floor"))
+    # FlashInfer, the second baseline, cannot run here: the result, each row and the table say why
+    assert not rep["flashinfer"]["available"] and rep["flashinfer"]["skipped"].startswith("FlashInfer ")
+    assert all(r["flashinfer_skipped"] == rep["flashinfer"]["skipped"] for r in rep["rows"])
     out = capsys.readouterr().out
+    assert f"FlashInfer BF16 decode (second baseline): not timed: {rep['flashinfer']['skipped']}" in out
     assert "L2 flushed by a write before each call" in out and "batch 1, what each part adds" in out
     assert "median of 1 rounds" in out and "write rot+clip" in out and "correctness: write codes differing" in out
+
+
+# ------------------------------------------------------------------------------ FlashInfer baseline
+@pytest.fixture(scope="module")
+def fi_mod(bench):  # bench_kernels puts scripts/bench on sys.path for its parts
+    return load_script("bench/kernels_flashinfer.py")
+
+
+def test_flashinfer_not_importable_is_one_line(fi_mod):
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named '{name}'")
+
+    st = fi_mod.flashinfer_status(cuda=True, importer=missing)
+    assert st == {"available": False,
+                  "skipped": "FlashInfer not importable here (ModuleNotFoundError: No module named 'flashinfer')"}
+    # importable but no GPU: also one line, with the version it found
+    st = fi_mod.flashinfer_status(cuda=False, importer=lambda name: type("M", (), {"__version__": "9.9"}))
+    assert not st["available"] and st["skipped"] == "FlashInfer 9.9 needs a CUDA device (this run is on the CPU)"
+    st = fi_mod.flashinfer_status(cuda=True, importer=lambda name: type("M", (), {"__version__": "9.9"}))
+    assert st["available"] and st["version"] == "9.9"
+
+
+def test_flashinfer_page_table_places_every_token_once(fi_mod):
+    # FlashInfer's paged layout (flashinfer-python 0.7.4, decode.py: indptr [B+1], indices of every
+    # page, last_page_len in 1..page; cache [pages, 2, page, H, D], keys at [:, 0], values at [:, 1])
+    lengths, page = [37, 16, 1], 16
+    gen = torch.Generator().manual_seed(0)
+    indptr, indices, last, total = fi_mod.page_table(lengths, page, "cpu", generator=gen)
+    assert indptr.tolist() == [0, 3, 4, 5] and last.tolist() == [5, 16, 1] and total == 5
+    assert sorted(indices.tolist()) == list(range(5)) and indices.dtype == torch.int32
+    k = torch.randn(3, 37, 2, 4, generator=gen)
+    v = torch.randn(3, 37, 2, 4, generator=gen)
+    cache = fi_mod.paged_from_dense(k, v, lengths, indptr, indices, page)
+    for b, n in enumerate(lengths):  # reading the pages back in table order gives each sequence
+        pages = indices[indptr[b]:indptr[b + 1]].long()
+        got_k = cache[pages, 0].reshape(-1, 2, 4)[:n]
+        got_v = cache[pages, 1].reshape(-1, 2, 4)[:n]
+        assert torch.equal(got_k, k[b, :n]) and torch.equal(got_v, v[b, :n])
+
+
+def _fi_doc(timed: bool) -> dict:
+    rows = []
+    for b, c, i, s, f in ((1, 8192, 0.010, 0.020, 0.016), (1, 32768, 0.020, 0.050, 0.040)):
+        r = {"context": c, "batch": b, "int2_ms": i, "sdpa_ms": s, "speedup": s / i, "int2_bytes": 1e6,
+             "bf16_bytes": 8e6, "int2_bytes_per_s": 1e6 / (i * 1e-3), "sdpa_bytes_per_s": 8e6 / (s * 1e-3)}
+        if timed and c == 8192:
+            r.update(flashinfer_ms=f, flashinfer_stream_ms=f * 0.8, flashinfer_bytes_per_s=8e6 / (f * 1e-3),
+                     flashinfer_speedup=f / i, flashinfer_stream_speedup=0.8 * f / i, flashinfer_vs_sdpa=s / f,
+                     flashinfer_form="tensor_cores", flashinfer_tensor_cores_ms=f, flashinfer_cuda_cores_ms=2 * f)
+        else:
+            r["flashinfer_skipped"] = "error OutOfMemoryError: test" if timed else "FlashInfer not importable here"
+        rows.append(r)
+    forms = {"cuda_cores": {"ok": True, "backend": "fa2", "max_abs_diff": 0.0006},
+             "tensor_cores": {"ok": True, "backend": "fa2", "max_abs_diff": 0.0012}}
+    fi = ({"available": True, "version": "0.7.4", "page": 16, "forms": list(forms),
+           "check": {"forms": forms, "max_abs_diff": 0.0012}} if timed
+          else {"available": False, "skipped": "FlashInfer not importable here (ModuleNotFoundError: x)"})
+    return {"device_name": "GPU", "copy": {"bytes_per_s": 4e12}, "rows": rows, "flashinfer": fi,
+            "correctness": {"decode": [{"rel_err": 1e-3}]}}
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_flashinfer_rows_in_the_table_and_the_report(bench, timed):
+    # the printed table, the page's table and its note carry FlashInfer's time and the INT2 speed-up
+    # over it per shape, or say in one line why not; a result that predates it says so too
+    kr = load_script("bench/kernels_report.py")
+    report = load_script("bench/report.py")
+    doc = _fi_doc(timed)
+    lines = kr.flashinfer_lines(doc, 4e12)
+    page = "\n".join(report.kernels(doc))
+    if timed:
+        assert lines[0] == ("FlashInfer 0.7.4 BF16 decode, paged (page 16), second baseline, the faster form; "
+                            "cuda_cores (fa2) max |diff| against SDPA 6.0e-04; tensor_cores (fa2) max |diff| "
+                            "against SDPA 1.2e-03:")
+        assert lines[2].split() == ["8192", "1", "16.0", "12%", "1.60", "1.25", "|", "12.8", "1.28", "|", "32.0",
+                                    "16.0"]
+        assert lines[3].split()[:2] == ["32768", "1"] and "not timed: error OutOfMemoryError" in lines[3]
+        head = page.splitlines()[2]
+        assert "FlashInfer BF16 µs (baseline 2)" in head and "speed-up vs FlashInfer" in head
+        assert "| 8K | 1 | 10.0 | 20.0 | **2.00×** | 2% | 10% | 16.0 | **1.60×** | 12% |" in page
+        assert "| 32K | 1 | 20.0 | 50.0 | **2.50×** | 1% | 4% | – | – | – |" in page
+        assert ("FlashInfer 0.7.4 BF16 decode: `BatchDecodeWithPagedKVCacheWrapper`, page 16, the faster of its "
+                "forms at each shape: CUDA-core decode kernel (`fa2`, max |diff| against float32 SDPA 6.0e-04): "
+                "none; tensor cores (`use_tensor_cores=True`) (`fa2`, max |diff| against float32 SDPA 1.2e-03): "
+                "8K × 1; not timed at 32K × 1 (error OutOfMemoryError: test).") in page
+    else:
+        assert lines == ["FlashInfer BF16 decode (second baseline): not timed: FlashInfer not importable here "
+                         "(ModuleNotFoundError: x)"]
+        assert "FlashInfer BF16 µs" not in page
+        assert ("- FlashInfer's BF16 decode (second baseline): not timed in this run: FlashInfer not importable "
+                "here (ModuleNotFoundError: x).") in page
+    del doc["flashinfer"]
+    assert kr.flashinfer_lines(doc, 4e12) == []
+    assert "not in this result (its run predates the baseline)" in "\n".join(report.kernels(doc))
+
+
+def test_flashinfer_series_in_the_decode_figures(bench):
+    plots = load_script("bench/plots.py")
+    doc = _fi_doc(True)
+    for r in doc["rows"]:
+        r.update(int2_stream_ms=r["int2_ms"], sdpa_stream_ms=r["sdpa_ms"])
+    svg = plots.decode_time(doc)
+    assert "FlashInfer BF16 (one call)" in svg and "FlashInfer in stream" in svg and "and FlashInfer" in svg
+    assert svg.count("<polyline") == 6                            # INT2, SDPA, FlashInfer x one call, in stream
+    assert "FlashInfer BF16, batch 1" in plots.decode_bandwidth(doc)
+    assert "FlashInfer" not in plots.decode_time(_fi_doc(False))
