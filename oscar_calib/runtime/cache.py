@@ -34,15 +34,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..contract.artifact import checked_artifact
-from ..errors import ArtifactError, CacheError, InputError
+from ..errors import CacheError, InputError
 from ..model.geometry import model_identity
 from .compat import (
     SUPPORTED_TRANSFORMERS,
-    cache_slots,
+    cache_layers,
     check_transformers,
     copy_state,
-    state_layer,
-    with_state,
 )
 from .plan import LayerPlan
 from .scheme import KVScheme, SchemeLayer
@@ -188,21 +186,9 @@ class OscarCache(Cache):
         why = not_storable(scheme)
         if why:
             raise InputError(why)
-        slots = cache_slots(config)
-        attention = [slot for slot in slots if slot.attention]
-        if len(attention) != scheme.num_layers:
-            raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        layers, j = [], 0
-        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
-            if not slot.attention:
-                layers.append(state_layer(slot.state))
-                continue
-            cls, extra = (OscarLayer, {}) if slot.state is None else (with_state(OscarLayer), slot.state)
-            layers.append(cls(scheme.layer(j), sliding_window=slot.window, chunk=slot.chunk, backend=backend,
-                              layer_id=len(layers), **extra))
-            j += 1
+        layers = cache_layers(config, scheme, OscarLayer,
+                              lambda slot, i: {"chunk": slot.chunk, "backend": backend, "layer_id": i})
         super().__init__(layers=layers)
 
     @property

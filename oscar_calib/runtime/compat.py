@@ -82,6 +82,31 @@ def layer_windows(config) -> list[tuple[int | None, int | None]]:
     return [(slot.window, slot.chunk) for slot in cache_slots(config) if slot.attention]
 
 
+def cache_layers(config, scheme, cls, options=None) -> list:
+    """The layers of an OSCAR cache for ``config``: per attention layer an instance of ``cls``
+    (``with_state(cls)`` where the layer also keeps a recurrent state), built from the scheme's
+    layers in order as ``cls(scheme.layer(j), sliding_window=W, **options(slot, i))`` (``i`` the
+    layer's index in the model; no options: none), and transformers' own state layer for every
+    other layer. Refuses a scheme whose layer count is not the model's attention layers'."""
+    from ..errors import ArtifactError
+
+    slots = cache_slots(config)
+    attention = [slot for slot in slots if slot.attention]
+    if len(attention) != scheme.num_layers:
+        raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
+                            f"{len(attention)} attention layers")
+    layers, j = [], 0
+    for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
+        if not slot.attention:
+            layers.append(state_layer(slot.state))
+            continue
+        kind, extra = (cls, {}) if slot.state is None else (with_state(cls), slot.state)
+        more = options(slot, len(layers)) if options else {}
+        layers.append(kind(scheme.layer(j), sliding_window=slot.window, **more, **extra))
+        j += 1
+    return layers
+
+
 def state_layer(state: dict):
     """transformers' linear-attention cache layer for a layer's recurrent state (``state``: its
     keyword arguments, :attr:`CacheSlot.state`), which the OSCAR caches hold as transformers does."""

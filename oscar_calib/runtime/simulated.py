@@ -35,9 +35,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..contract.artifact import checked_artifact
-from ..errors import ArtifactError, CacheError, InputError
+from ..errors import CacheError, InputError
 from ..model.geometry import model_identity
-from .compat import cache_slots, check_transformers, state_layer, with_state
+from .compat import cache_layers, check_transformers
 from .scheme import KVScheme, SchemeLayer
 
 
@@ -262,20 +262,8 @@ class SimulatedCache(Cache):
         if scheme.logit_correction:
             raise InputError(f"{scheme.name}: SimulatedCache hands K/V to the model's own attention, which cannot "
                              "subtract the logit-noise correction; use OscarCache (or SimulatedKV for perplexity)")
-        slots = cache_slots(config)
-        attention = [slot for slot in slots if slot.attention]
-        if len(attention) != scheme.num_layers:
-            raise ArtifactError(f"{scheme.name}: {scheme.num_layers} layers of rotations for a model with "
-                                f"{len(attention)} attention layers")
         self.scheme = scheme
-        layers, j = [], 0
-        for slot in slots:                 # the model's layers; a hybrid's recurrent states as transformers keeps them
-            if not slot.attention:
-                layers.append(state_layer(slot.state))
-                continue
-            cls, extra = (SimulatedLayer, {}) if slot.state is None else (with_state(SimulatedLayer), slot.state)
-            layers.append(cls(scheme.layer(j), sliding_window=slot.window, **extra))
-            j += 1
+        layers = cache_layers(config, scheme, SimulatedLayer)
         super().__init__(layers=layers)
 
     @classmethod
