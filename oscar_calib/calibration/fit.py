@@ -79,6 +79,9 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
                     rotations: list | None = None, fitted: list | None = None,
                     only: list[int] | None = None) -> tuple[list, list]:
     """Rotations, clips and per-layer report rows of the layers ``only`` (default: every layer).
+    With key centering the layers hold the statistics' mean key; the fit reads the keys centered on
+    it or raw as ``cfg.center_fit`` says, and the report's held-out errors are always those of the
+    keys as stored (centered).
     ``groups``: per layer ``(K, V)`` group sizes (a bit budget, :mod:`oscar_calib.calibration.budget`)
     the clips are fitted for; default ``group_size`` everywhere. ``rotations``: :func:`layer_rotations`
     already computed (for ``only``); ``fitted``: per layer of ``only`` the budget's
@@ -92,7 +95,7 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         s = run.stats[i]
         cq = s.covariance("q")
         k_rot, k_eig, v_rot, v_eig = rotations[j]
-        held = heldout_layer(run, i, cfg.center_keys)
+        held = heldout_layer(run, i, cfg.fits_centered_keys)
         gk, gv = groups[i] if groups else (group_size, group_size)
         if fitted is not None:
             k_clip, k_table, v_clip, v_table = fitted[j].clips(gk, gv)
@@ -105,7 +108,9 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
             k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
             k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.kv_heads[i], gk, gv)
-        if fitted is not None and refined is None:
+        if cfg.center_keys and not cfg.fits_centered_keys:      # fitted raw, stored centered: the stored keys' errors
+            ours = heldout_errors(heldout_layer(run, i, True), k_rot, k_clip, v_rot, v_clip, gk, gv)
+        elif fitted is not None and refined is None:
             ours = fitted[j].errors[(gk, gv)]
         else:
             ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
@@ -158,7 +163,7 @@ def fit_layers(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size:
         rotations = layer_rotations(run, cfg, mine)
         fitted: list = []
         with step(progress, "bit budget"):
-            tables = budget_tables(lambda j: heldout_layer(run, mine[j], cfg.center_keys),
+            tables = budget_tables(lambda j: heldout_layer(run, mine[j], cfg.fits_centered_keys),
                                    [(r[0], r[2]) for r in rotations],
                                    [run.stats[i].covariance("q") for i in mine], cfg, geo.num_kv_heads,
                                    candidate_sizes(geo.head_dim), keep=fitted)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from .defaults import (
+    CENTER_FITS,
     COMPOSITIONS,
     DEFAULT_RECENT,
     DEFAULT_REFINE_LR,
@@ -33,6 +34,14 @@ class CalibrationConfig:
     ``group_size`` of ``None`` means ``min(128, head_dim)``; ``bit_budget`` (bits per stored
     element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibration.budget`),
     and with ``split_kv`` one for the keys and one for the values of every layer.
+
+    ``center_keys`` stores every key centered on the calibration's mean key (``k_mean``): what the
+    artifact holds and every consumer must honour. ``center_fit`` (:data:`~.defaults.CENTER_FITS`)
+    says only what the calibration fits on, which no consumer needs to know, so it is a second field
+    rather than a third value of ``center_keys``: ``centered`` fits the key objective (``ktk``), the
+    clips and a bit budget's group sizes on the centered keys; ``raw`` fits all of them on the raw
+    keys, exactly as without centering, and adds the mean key alone (the accuracy guide's "Key
+    centering" measures both). ``raw`` without ``center_keys`` is refused: it would change nothing.
     """
 
     model: str = "smollm2-135m"
@@ -65,6 +74,7 @@ class CalibrationConfig:
     refine_lr: float = DEFAULT_REFINE_LR    # its Adam learning rate (numerics.refine)
     logit_correction: float = 0.0       # gain of the logit-noise correction the artifact asks for (0: off)
     center_keys: bool = False           # store every key centered on the calibration's mean key (k_mean)
+    center_fit: str = "centered"        # with center_keys: fit on the centered keys, or on the raw ones (CENTER_FITS)
     extra: dict = field(default_factory=dict)   # free-form notes carried into the report
 
     def validate(self) -> "CalibrationConfig":
@@ -104,7 +114,16 @@ class CalibrationConfig:
         self.logit_correction = check_logit_correction(self.logit_correction)
         if not isinstance(self.center_keys, bool):
             raise InputError(f"center_keys must be true or false, got {self.center_keys!r}")
+        choose("--center-fit", self.center_fit, CENTER_FITS)
+        if self.center_fit != "centered" and not self.center_keys:
+            raise InputError(f"--center-fit {self.center_fit} says what key centering fits on: it needs --center-keys")
         return self
+
+    @property
+    def fits_centered_keys(self) -> bool:
+        """The rotations, clips and bit budget are fitted on the keys centered on their mean (key
+        centering with ``center_fit: centered``); otherwise on the raw keys."""
+        return self.center_keys and self.center_fit == "centered"
 
     def fingerprint_fields(self) -> dict:
         """The fields that change the statistics (a checkpoint is only resumed when they match)."""

@@ -187,6 +187,8 @@ def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
     art, plain = load_artifact(tmp_path / "c"), load_artifact(tiny_calibrated)
     assert art.metadata["k_centered"] == "true" and "k_centered" not in plain.metadata
     assert "| key centering |" in (tmp_path / "c" / "README.md").read_text()
+    assert "fitted on the centered keys" in (tmp_path / "c" / "README.md").read_text()
+    assert art.settings.key_center_fit == "centered"
     assert "| key centering |" not in (tiny_calibrated / "README.md").read_text()
     ref = json.loads((tiny_calibrated / "calibration.json").read_text())["layers"]
     for i, (lr, lp) in enumerate(zip(art.layers, plain.layers)):
@@ -207,6 +209,34 @@ def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
     for lr, lp in zip(one.layers, one_plain.layers):
         assert torch.equal(lr.k_layer_rotation, lp.k_rotation[0]) and not torch.equal(lr.k_rotation, lp.k_rotation)
     assert one.metadata["fork_k_clip"] == one_plain.metadata["fork_k_clip"]
+
+
+def test_key_centering_fitted_on_raw_keys_adds_the_mean_alone(tmp_path, tiny_bit_budget):
+    """``center_fit: raw``: rotations, clips, the bit budget's group sizes and the engines' shared
+    clips are those of the same recipe without centering, bit for bit; every layer adds the streamed
+    statistics' mean key; the artifact and its card say so; the report's held-out errors are those of
+    the keys as stored (centered), Hadamard's the uncentered baseline's."""
+    from oscar_calib.contract.features import feature_lines
+
+    plain = tiny_bit_budget
+    lm = loaded_tiny("llama", head_dim=64, layers=3)
+    res = calibrate_tiny(tmp_path / "r", loaded=lm, bit_budget=2.7, center_keys=True, center_fit="raw")
+    art, ref = res.artifact, load_artifact(plain.out)
+    assert art.settings.key_centering and art.settings.key_center_fit == "raw"
+    assert art.metadata["k_centered"] == "true" and art.metadata["k_center_fit"] == "raw"
+    assert art.settings.layer_groups == ref.settings.layer_groups and len(set(art.settings.k_groups)) == 2
+    assert art.settings.group_size == ref.settings.group_size and art.settings.shared_clips == ref.settings.shared_clips
+    for i, (lr, lp) in enumerate(zip(art.layers, ref.layers)):
+        for kind in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues",
+                     "k_layer_rotation", "v_layer_rotation"):
+            assert torch.equal(getattr(lr, kind), getattr(lp, kind)), (i, kind)
+        assert torch.equal(lr.k_mean, res.stats.stats[i].key_mean().float()) and lr.k_mean.abs().max() > 0
+        row, prow = res.report["layers"][i], plain.report["layers"][i]
+        assert row["heldout"]["hadamard"] == prow["heldout"]["hadamard"]
+        assert row["heldout"]["oscar"] != prow["heldout"]["oscar"]          # the centered keys' error
+    assert "fitted on the raw keys" in (tmp_path / "r" / "README.md").read_text()
+    warnings, _ = feature_lines(art.settings, {"windows", "per_head_rotations", "layer_group_sizes"}, "engine W")
+    assert any("(center_fit raw)" in w for w in warnings)
 
 
 def test_resume_refuses_checkpoint_of_other_settings(tmp_path):
