@@ -36,7 +36,7 @@ def heldout_layer(run: StatsRun, layer: int, centered: bool = False) -> HeldoutL
     ``centered``: its keys quantised centered on the statistics' mean key (key centering)."""
     r, info = run.reservoir[layer], run.layer_info[layer]
     dev = run.fit_device
-    mean = run.stats[layer].key_mean().to(dev) if centered else None
+    mean = run.key_mean(layer).to(dev) if centered else None
     sinks = info.get("sinks")
     return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
                         info["sliding_window"], info["softcap"],
@@ -44,10 +44,11 @@ def heldout_layer(run: StatsRun, layer: int, centered: bool = False) -> HeldoutL
                         k_mean=mean)
 
 
-def mean_share(s) -> list[float]:
+def mean_share(s, mu: torch.Tensor | None = None) -> list[float]:
     """Per KV head, the share of the keys' energy in their mean, ``‖μ‖² / (Σ‖k‖² / n)`` (0: centered
-    already; what key centering takes out of the keys), from a layer's statistics."""
-    mu = s.key_mean()
+    already; what key centering takes out of the keys), from a layer's statistics (``mu``: the mean
+    key, default theirs)."""
+    mu = s.key_mean() if mu is None else mu
     energy = s.covariance("k").diagonal(dim1=-2, dim2=-1).sum(-1)
     return [round(float(x), 4) for x in (mu.pow(2).sum(-1) / energy.clamp(min=1e-300))]
 
@@ -119,11 +120,11 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
                               torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
         layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
                                      v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float(),
-                                     k_mean=s.key_mean().float() if cfg.center_keys else None))
+                                     k_mean=run.key_mean(i).float() if cfg.center_keys else None))
         rows.append({
             "layer": i, **({"model_layer": geo.ids[i]} if geo.layer_ids is not None else {}),
             "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
-            "k_spread": spread(k_eig), "v_spread": spread(v_eig), "k_mean_share": mean_share(s),
+            "k_spread": spread(k_eig), "v_spread": spread(v_eig), "k_mean_share": mean_share(s, run.key_mean(i)),
             **({"k_group_size": gk, "v_group_size": gv} if groups else {}),
             "k_clip": [round(float(c), 4) for c in k_clip], "v_clip": [round(float(c), 4) for c in v_clip],
             "heldout": {"oscar": ours, "hadamard": base},

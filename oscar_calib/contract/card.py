@@ -31,8 +31,8 @@ def model_card(report: dict) -> str:
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
         *([f"| key centering | every key stored as `(k − k_mean) @ k_rotation`, `k_mean` the calibration's mean "
-           f"post-RoPE key per layer and KV head; {_center_fit(s)}; `oscar export` names every engine that does not "
-           "subtract it |"] if s.get("center_keys") else []),
+           f"post-RoPE key per layer and KV head{_center_windows(cal)}; {_center_fit(s)}; `oscar export` names every "
+           "engine that does not subtract it |"] if s.get("center_keys") else []),
         f"| calibration data | {cal['data']}, {cal['tokens']} tokens in {cal['sequences']} sequences of ≤{cal['seq_len']}, seed {cal['seed']} |",
         *([f"| content digest | `{report['content_sha256']}` (sha256 of the tensors and metadata; `verify.json` records "
            "the digest it verified) |"] if report.get("content_sha256") else []),
@@ -65,6 +65,12 @@ def _center_fit(settings: dict) -> str:
     if settings.get("center_fit", "centered") == "raw":
         return "rotations, clips and group sizes fitted on the raw keys, as without centering (`center_fit: raw`)"
     return "rotations, clips and group sizes fitted on the centered keys (`center_fit: centered`)"
+
+
+def _center_windows(cal: dict) -> str:
+    """`` over N-token windows`` when the mean key came from a pass of its own (``center_seq_len``)."""
+    n = cal.get("center_seq_len")
+    return f" over {n:,}-token windows (`center_seq_len`)" if n else ""
 
 
 def hub_id(report: dict) -> str | None:

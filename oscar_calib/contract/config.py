@@ -42,6 +42,11 @@ class CalibrationConfig:
     clips and a bit budget's group sizes on the centered keys; ``raw`` fits all of them on the raw
     keys, exactly as without centering, and adds the mean key alone (the accuracy guide's "Key
     centering" measures both). ``raw`` without ``center_keys`` is refused: it would change nothing.
+    ``center_seq_len`` takes the mean key over windows of that many tokens (a second pass over the
+    same token budget) instead of the recipe's ``seq_len`` windows: RoPE turns the slow channels of
+    a post-RoPE key with its position, so the mean of the keys a cache holds depends on how long the
+    context is, and a mean over short windows misses what long contexts store. It needs ``center_fit:
+    raw`` (a centered fit reads the second moment about the statistics' own mean).
     """
 
     model: str = "smollm2-135m"
@@ -75,6 +80,7 @@ class CalibrationConfig:
     logit_correction: float = 0.0       # gain of the logit-noise correction the artifact asks for (0: off)
     center_keys: bool = False           # store every key centered on the calibration's mean key (k_mean)
     center_fit: str = "centered"        # with center_keys: fit on the centered keys, or on the raw ones (CENTER_FITS)
+    center_seq_len: int | None = None   # with center_keys: the windows the mean key is taken over (None: seq_len)
     extra: dict = field(default_factory=dict)   # free-form notes carried into the report
 
     def validate(self) -> "CalibrationConfig":
@@ -117,7 +123,19 @@ class CalibrationConfig:
         choose("--center-fit", self.center_fit, CENTER_FITS)
         if self.center_fit != "centered" and not self.center_keys:
             raise InputError(f"--center-fit {self.center_fit} says what key centering fits on: it needs --center-keys")
+        if self.center_seq_len is not None:
+            if isinstance(self.center_seq_len, bool) or not isinstance(self.center_seq_len, int) or self.center_seq_len < 16:
+                raise InputError(f"--center-seq-len must be a number of tokens of at least 16, got {self.center_seq_len!r}")
+            if not self.center_keys or self.center_fit != "raw":
+                raise InputError("--center-seq-len takes the mean key over other windows than the fit's: it needs "
+                                 "--center-keys --center-fit raw")
         return self
+
+    @property
+    def mean_seq_len(self) -> int | None:
+        """The window length of a separate pass for the mean key (``center_seq_len`` when it differs
+        from ``seq_len``), or None: the statistics' own mean."""
+        return self.center_seq_len if self.center_keys and self.center_seq_len not in (None, self.seq_len) else None
 
     @property
     def fits_centered_keys(self) -> bool:

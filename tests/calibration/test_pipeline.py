@@ -239,6 +239,29 @@ def test_key_centering_fitted_on_raw_keys_adds_the_mean_alone(tmp_path, tiny_bit
     assert any("(center_fit raw)" in w for w in warnings)
 
 
+def test_key_mean_over_longer_windows(tmp_path, tiny_calibrated):
+    """``center_seq_len``: the mean key comes from a pass of its own over the token budget cut into
+    windows of that length (the statistics' mean of a calibration at that ``seq_len``), everything
+    fitted stays the recipe's (``center_fit: raw``); the artifact's calibration record and card name
+    the windows."""
+    lm = loaded_tiny()
+    res = calibrate_tiny(tmp_path / "m", loaded=lm, center_keys=True, center_fit="raw", center_seq_len=128)
+    long = calibrate_tiny(tmp_path / "l", loaded=lm, center_keys=True, center_fit="raw", seq_len=128)
+    short = calibrate_tiny(tmp_path / "s", loaded=lm, center_keys=True, center_fit="raw")
+    plain = load_artifact(tiny_calibrated)
+    for i, (lr, lp) in enumerate(zip(res.artifact.layers, plain.layers)):
+        assert torch.equal(lr.k_mean, long.stats.stats[i].key_mean().float())
+        assert not torch.allclose(lr.k_mean, short.artifact.layers[i].k_mean)
+        assert torch.equal(lr.k_rotation, lp.k_rotation) and torch.equal(lr.k_clip, lp.k_clip)
+    assert json.loads(res.artifact.metadata["calibration"])["center_seq_len"] == 128
+    assert "center_seq_len" not in json.loads(short.artifact.metadata["calibration"])
+    assert "over 128-token windows" in (tmp_path / "m" / "README.md").read_text()
+    for bad, why in (({"center_seq_len": 128, "center_keys": True}, "needs --center-keys --center-fit raw"),
+                     ({"center_seq_len": 8, "center_keys": True, "center_fit": "raw"}, "at least 16")):
+        with pytest.raises(InputError, match=why):
+            CalibrationConfig(**{**TINY_FAST, **bad}).validate()
+
+
 def test_resume_refuses_checkpoint_of_other_settings(tmp_path):
     out = tmp_path / "run"
     lm = loaded_tiny()

@@ -116,6 +116,10 @@ def test_key_centering_from_the_command_line_and_the_config(tmp_path, tiny_llama
     code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "b"), "--center-keys",
                          "--center-fit", "mean")
     assert_one_line_error(code, err, "unknown --center-fit 'mean'; choose from centered, raw")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "b"), "--center-keys",
+                         "--center-seq-len", "128")
+    assert_one_line_error(code, err, "--center-seq-len takes the mean key over other windows than the fit's: it "
+                          "needs --center-keys --center-fit raw")
     assert not (tmp_path / "b").exists()
 
 
