@@ -55,8 +55,8 @@ depends on the positions it is taken over (RoPE's slow channels turn with positi
 from the recipe's 1,024-token windows is not the mean of the keys an 8K cache holds. These
 variants are made with the CLI and scored with ``oscar eval`` at 2 × 2048 tokens (``--sequences
 2``) and at ``--context 8192 --sequences 1``; this mode reads those ``--json`` outputs
-(``RUNS/P_VARIANT_2k.json``, ``RUNS/P_VARIANT_8k.json``; ``plain``'s with ``--methods bf16,oscar``,
-the others ``--methods oscar``) and each artifact's ``calibration.json``, and stores the table in
+(``RUNS/P_VARIANT_2k.json``, ``RUNS/P_VARIANT_8k.json``, ``RUNS/P_VARIANT_code8k.json`` with
+``--data embedded-code``; ``plain``'s with ``--methods bf16,oscar``, the others ``--methods oscar``) and each artifact's ``calibration.json``, and stores the table in
 ``--out`` under ``context`` (kept by later runs of the variants above):
 
 =====================  ==========================================================================
@@ -313,6 +313,10 @@ def with_means_of(base: Path, means: Path, out: Path) -> None:
     write_artifact_files(out, a, f"{base.name}'s artifact with the key means of {means.name}\n", a.report)
 
 
+# the context table's columns: eval file suffix -> column (text, tokens of context)
+CONTEXT_COLUMNS = {"2k": "embedded 2 × 2,048", "8k": "embedded 8,192", "code8k": "embedded-code 8,192"}
+
+
 def collect_context(args) -> None:
     """The mean-window table (module docstring) from ``oscar eval --json`` outputs, into ``--out``."""
     from oscar_calib.contract.config import load_yaml_section
@@ -323,25 +327,24 @@ def collect_context(args) -> None:
     bf16, rows = {}, []
     for name, (art, stem) in CONTEXT_VARIANTS.items():
         row = {"variant": name, "ppl": {}, "bits": None, "long_bits": None}
-        for key, length in (("2k", 2048), ("8k", 8192)):
-            f = runs / f"{p}{stem}_{key}.json"
-            if not f.exists():
+        for suffix, column in CONTEXT_COLUMNS.items():
+            f = runs / f"{p}{stem}_{suffix}.json"
+            if not f.exists() or not f.stat().st_size:      # not run, or still running
                 continue
             for r in json.loads(f.read_text())["rows"]:
                 if r["method"] == "bf16":
-                    bf16[length] = r["ppl"]
+                    bf16[column] = r["ppl"]
                 elif r["method"] == "oscar":
-                    row["ppl"][length] = r["ppl"]
+                    row["ppl"][column] = r["ppl"]
                     row["bits"] = r["bits_per_element"]
         rep = (runs / f"{p}{art}" if art else zoo) / "calibration.json"
         if rep.exists():
-            budget = json.loads(rep.read_text()).get("bit_budget") or {}
-            row["long_bits"] = budget.get("long_bits")
-            row["seq_len"] = json.loads(rep.read_text())["settings"]["seq_len"]
+            report = json.loads(rep.read_text())
+            row["long_bits"] = (report.get("bit_budget") or {}).get("long_bits")
+            row["seq_len"] = report["settings"]["seq_len"]
         if row["ppl"]:
             rows.append(row)
-    old["context"] = {"bf16": bf16, "rows": rows, "scored": {"2048": "2 x 2048 tokens, every position",
-                                                              "8192": "the last 1,024 predictions of 1 window"}}
+    old["context"] = {"bf16": bf16, "rows": rows, "columns": [c for c in CONTEXT_COLUMNS.values() if c in bf16]}
     args.out.write_text(json.dumps(old, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(render(old))
     print(render(old))
@@ -414,17 +417,15 @@ def render(result: dict) -> str:
                  f"raw {s['int2_logit_bias_raw']:+.3f}, centered {s['int2_logit_bias_centered']:+.3f}.\n")
     c = result.get("context")
     if c:
-        lengths = sorted(int(x) for x in c["bf16"])
-        head = ["variant", *[f"ppl at {n:,} (BF16 {c['bf16'][str(n)] if str(n) in c['bf16'] else c['bf16'][n]:.3f})"
-                             for n in lengths], "bits per element (full-attention layers)"]
+        cols = c["columns"]
+        head = ["variant", *[f"ppl {col} (BF16 {c['bf16'][col]:.3f})" for col in cols],
+                "bits per element (full-attention layers)"]
         text += ("\nWhere the mean is taken: `oscar eval`, 2 × 2048 tokens (every position) and the last 1,024 "
                  "predictions of one 8,192-token window (simulation = the real cache's arithmetic)\n\n"
                  + "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
         for r in c["rows"]:
-            cells = []
-            for n in lengths:
-                b, x = c["bf16"].get(str(n), c["bf16"].get(n)), r["ppl"].get(str(n), r["ppl"].get(n))
-                cells.append("–" if x is None else f"{x:.3f} ({100 * (x / b - 1):+.2f}%)")
+            cells = ["–" if col not in r["ppl"] else f"{r['ppl'][col]:.3f} ({100 * (r['ppl'][col] / c['bf16'][col] - 1):+.2f}%)"
+                     for col in cols]
             bits = "–" if r["bits"] is None else f"{r['bits']:.3f}" + (
                 "" if r.get("long_bits") is None else f" ({r['long_bits']:.3f})")
             text += f"| {r['variant']} | " + " | ".join(cells) + f" | {bits} |\n"
