@@ -80,7 +80,7 @@ def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips
     return ArtifactSettings(
         **geo.settings_fields(), group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
         layer_groups=groups, logit_correction=cfg.logit_correction, key_centering=cfg.center_keys,
-        key_center_fit=cfg.center_fit,
+        key_center_fit=cfg.center_fit if cfg.center_keys else "centered",
         granularity=cfg.granularity,
         composition=cfg.composition, k_objective=cfg.k_objective, v_objective=cfg.v_objective,
         shared_clips=shared_clips, model_type=geo.model_type)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, OscarWarning
 from .defaults import (
     CENTER_FITS,
     COMPOSITIONS,
@@ -41,7 +42,8 @@ class CalibrationConfig:
     rather than a third value of ``center_keys``: ``centered`` fits the key objective (``ktk``), the
     clips and a bit budget's group sizes on the centered keys; ``raw`` fits all of them on the raw
     keys, exactly as without centering, and adds the mean key alone (the accuracy guide's "Key
-    centering" measures both). ``raw`` without ``center_keys`` is refused: it would change nothing.
+    centering" measures both). Without ``center_keys`` both settings change nothing and a warning
+    names them (a recipe that centers, run with ``--raw-keys``).
     ``center_seq_len`` takes the mean key over windows of that many tokens (a second pass over the
     same token budget) instead of the recipe's ``seq_len`` windows: RoPE turns the slow channels of
     a post-RoPE key with its position, so the mean of the keys a cache holds depends on how long the
@@ -121,14 +123,17 @@ class CalibrationConfig:
         if not isinstance(self.center_keys, bool):
             raise InputError(f"center_keys must be true or false, got {self.center_keys!r}")
         choose("--center-fit", self.center_fit, CENTER_FITS)
-        if self.center_fit != "centered" and not self.center_keys:
-            raise InputError(f"--center-fit {self.center_fit} says what key centering fits on: it needs --center-keys")
         if self.center_seq_len is not None:
             if isinstance(self.center_seq_len, bool) or not isinstance(self.center_seq_len, int) or self.center_seq_len < 16:
                 raise InputError(f"--center-seq-len must be a number of tokens of at least 16, got {self.center_seq_len!r}")
-            if not self.center_keys or self.center_fit != "raw":
+            if self.center_keys and self.center_fit != "raw":
                 raise InputError("--center-seq-len takes the mean key over other windows than the fit's: it needs "
-                                 "--center-keys --center-fit raw")
+                                 "--center-fit raw")
+        unused = [f"--center-fit {self.center_fit}"] * (self.center_fit != "centered") + \
+            [f"--center-seq-len {self.center_seq_len}"] * (self.center_seq_len is not None)
+        if unused and not self.center_keys:
+            warnings.warn(f"{' and '.join(unused)} ignored: the keys are not centered (--center-keys)", OscarWarning,
+                          stacklevel=2)
         return self
 
     @property

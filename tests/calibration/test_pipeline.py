@@ -256,7 +256,7 @@ def test_key_mean_over_longer_windows(tmp_path, tiny_calibrated):
     assert json.loads(res.artifact.metadata["calibration"])["center_seq_len"] == 128
     assert "center_seq_len" not in json.loads(short.artifact.metadata["calibration"])
     assert "over 128-token windows" in (tmp_path / "m" / "README.md").read_text()
-    for bad, why in (({"center_seq_len": 128, "center_keys": True}, "needs --center-keys --center-fit raw"),
+    for bad, why in (({"center_seq_len": 128, "center_keys": True}, "needs --center-fit raw"),
                      ({"center_seq_len": 8, "center_keys": True, "center_fit": "raw"}, "at least 16")):
         with pytest.raises(InputError, match=why):
             CalibrationConfig(**{**TINY_FAST, **bad}).validate()
