@@ -37,6 +37,11 @@ class StatsRun:
     layer_info: dict = field(default_factory=dict)    # layer -> {"scaling", "sliding_window", "softcap", "sinks", "chunk"}
     fit_device: str = "cpu"      # where the clips and held-out errors are fitted (see fit_device)
     fitting: list[int] | None = None    # the layers whose held-out rows this process keeps (None: all)
+    key_means: list[torch.Tensor] | None = None   # per layer, a mean key from other windows (center_seq_len)
+
+    def key_mean(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s mean key ``[h, d]`` float64: :attr:`key_means`' when set, else its statistics'."""
+        return self.stats[layer].key_mean() if self.key_means is None else self.key_means[layer]
 
     def observer(self, collect: str):
         def observe(layer, module, q, k, v, o, kwargs):

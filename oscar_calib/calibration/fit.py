@@ -36,7 +36,7 @@ def heldout_layer(run: StatsRun, layer: int, centered: bool = False) -> HeldoutL
     ``centered``: its keys quantised centered on the statistics' mean key (key centering)."""
     r, info = run.reservoir[layer], run.layer_info[layer]
     dev = run.fit_device
-    mean = run.stats[layer].key_mean().to(dev) if centered else None
+    mean = run.key_mean(layer).to(dev) if centered else None
     sinks = info.get("sinks")
     return HeldoutLayer(rows_on(r.q, dev), rows_on(r.k, dev), rows_on(r.v, dev), rows_on(r.o, dev), info["scaling"],
                         info["sliding_window"], info["softcap"],
@@ -44,10 +44,11 @@ def heldout_layer(run: StatsRun, layer: int, centered: bool = False) -> HeldoutL
                         k_mean=mean)
 
 
-def mean_share(s) -> list[float]:
+def mean_share(s, mu: torch.Tensor | None = None) -> list[float]:
     """Per KV head, the share of the keys' energy in their mean, ``‖μ‖² / (Σ‖k‖² / n)`` (0: centered
-    already; what key centering takes out of the keys), from a layer's statistics."""
-    mu = s.key_mean()
+    already; what key centering takes out of the keys), from a layer's statistics (``mu``: the mean
+    key, default theirs)."""
+    mu = s.key_mean() if mu is None else mu
     energy = s.covariance("k").diagonal(dim1=-2, dim2=-1).sum(-1)
     return [round(float(x), 4) for x in (mu.pow(2).sum(-1) / energy.clamp(min=1e-300))]
 
@@ -79,6 +80,9 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
                     rotations: list | None = None, fitted: list | None = None,
                     only: list[int] | None = None) -> tuple[list, list]:
     """Rotations, clips and per-layer report rows of the layers ``only`` (default: every layer).
+    With key centering the layers hold the statistics' mean key; the fit reads the keys centered on
+    it or raw as ``cfg.center_fit`` says, and the report's held-out errors are always those of the
+    keys as stored (centered).
     ``groups``: per layer ``(K, V)`` group sizes (a bit budget, :mod:`oscar_calib.calibration.budget`)
     the clips are fitted for; default ``group_size`` everywhere. ``rotations``: :func:`layer_rotations`
     already computed (for ``only``); ``fitted``: per layer of ``only`` the budget's
@@ -92,7 +96,7 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
         s = run.stats[i]
         cq = s.covariance("q")
         k_rot, k_eig, v_rot, v_eig = rotations[j]
-        held = heldout_layer(run, i, cfg.center_keys)
+        held = heldout_layer(run, i, cfg.fits_centered_keys)
         gk, gv = groups[i] if groups else (group_size, group_size)
         if fitted is not None:
             k_clip, k_table, v_clip, v_table = fitted[j].clips(gk, gv)
@@ -105,7 +109,9 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
             settings = RefineSettings(steps=cfg.refine_steps, lr=cfg.refine_lr, sink=cfg.sink_tokens)
             k_rot, v_rot, refined = refine_layer(held.to("cpu"), k_rot, k_clip, v_rot, v_clip, gk, settings)
             k_clip, k_table, v_clip, v_table = fit_clips(held, k_rot, v_rot, cq, cfg, geo.kv_heads[i], gk, gv)
-        if fitted is not None and refined is None:
+        if cfg.center_keys and not cfg.fits_centered_keys:      # fitted raw, stored centered: the stored keys' errors
+            ours = heldout_errors(heldout_layer(run, i, True), k_rot, k_clip, v_rot, v_clip, gk, gv)
+        elif fitted is not None and refined is None:
             ours = fitted[j].errors[(gk, gv)]
         else:
             ours = heldout_errors(held, k_rot, k_clip, v_rot, v_clip, gk, gv)
@@ -114,11 +120,11 @@ def build_rotations(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_
                               torch.full_like(v_clip, BASELINE_CLIPS[1]), gk, gv)
         layers.append(LayerRotations(k_rotation=k_rot.float(), v_rotation=v_rot.float(), k_clip=k_clip.float(),
                                      v_clip=v_clip.float(), k_eigenvalues=k_eig.float(), v_eigenvalues=v_eig.float(),
-                                     k_mean=s.key_mean().float() if cfg.center_keys else None))
+                                     k_mean=run.key_mean(i).float() if cfg.center_keys else None))
         rows.append({
             "layer": i, **({"model_layer": geo.ids[i]} if geo.layer_ids is not None else {}),
             "attention": geo.layer_types[i] if i < len(geo.layer_types) else "full_attention",
-            "k_spread": spread(k_eig), "v_spread": spread(v_eig), "k_mean_share": mean_share(s),
+            "k_spread": spread(k_eig), "v_spread": spread(v_eig), "k_mean_share": mean_share(s, run.key_mean(i)),
             **({"k_group_size": gk, "v_group_size": gv} if groups else {}),
             "k_clip": [round(float(c), 4) for c in k_clip], "v_clip": [round(float(c), 4) for c in v_clip],
             "heldout": {"oscar": ours, "hadamard": base},
@@ -158,7 +164,7 @@ def fit_layers(run: StatsRun, cfg: CalibrationConfig, geo: Geometry, group_size:
         rotations = layer_rotations(run, cfg, mine)
         fitted: list = []
         with step(progress, "bit budget"):
-            tables = budget_tables(lambda j: heldout_layer(run, mine[j], cfg.center_keys),
+            tables = budget_tables(lambda j: heldout_layer(run, mine[j], cfg.fits_centered_keys),
                                    [(r[0], r[2]) for r in rotations],
                                    [run.stats[i].covariance("q") for i in mine], cfg, geo.num_kv_heads,
                                    candidate_sizes(geo.head_dim), keep=fitted)

@@ -80,6 +80,7 @@ def artifact_settings(cfg: CalibrationConfig, geo, group_size: int, shared_clips
     return ArtifactSettings(
         **geo.settings_fields(), group_size=group_size, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
         layer_groups=groups, logit_correction=cfg.logit_correction, key_centering=cfg.center_keys,
+        key_center_fit=cfg.center_fit if cfg.center_keys else "centered",
         granularity=cfg.granularity,
         composition=cfg.composition, k_objective=cfg.k_objective, v_objective=cfg.v_objective,
         shared_clips=shared_clips, model_type=geo.model_type)
@@ -93,6 +94,7 @@ def artifact_metadata(cfg: CalibrationConfig, lm: LoadedModel, plan: TokenPlan,
         "seed": cfg.seed, "token_sha256": plan.sha256(), "heldout_tokens": sum(len(s) for s in plan.heldout),
         "pilot_tokens": cfg.pilot_tokens, "clip": "fit" if cfg.k_clip is None or cfg.v_clip is None else "fixed",
         **({"refine": refine_metadata(cfg, len(plan.heldout))} if cfg.refine_steps else {}),
+        **({"center_seq_len": cfg.mean_seq_len} if cfg.mean_seq_len else {}),
     }
     return {
         "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "model_id": lm.source.model_id,
@@ -139,14 +141,20 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
                loaded: LoadedModel | None, placement: Placement | None) -> CalibrationResult:
     t0 = time.perf_counter()
     ckpt = out / ranks.checkpoint_name(CHECKPOINT_NAME)
-    created, lm, plan, group_size = _start(cfg, out, ranks, ckpt, overwrite=overwrite, resume=resume,
-                                           loaded=loaded, placement=placement,
-                                           progress=progress if ranks.is_main else None)
+    created, lm, plan, group_size, mean_plan = _start(cfg, out, ranks, ckpt, overwrite=overwrite, resume=resume,
+                                                      loaded=loaded, placement=placement,
+                                                      progress=progress if ranks.is_main else None)
     t_load = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     with failing_cleanly(out, ckpt, created):
         run, timing = collect_statistics(lm, plan, cfg, checkpoint=ckpt, resume=resume,
                                          progress=progress if ranks.is_main else None, on_batch=on_batch, ranks=ranks)
+        if mean_plan is not None:       # center_seq_len: the mean key from a pass over longer windows
+            t1 = time.perf_counter()
+            means, _ = collect_statistics(lm, mean_plan, cfg, progress=progress if ranks.is_main else None,
+                                          ranks=ranks)
+            run.key_means = [s.key_mean() for s in means.stats]
+            timing["mean_pass_s"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         fitted = fit_layers(run, cfg, lm.geometry, group_size, ranks=ranks,
                             progress=progress if ranks.is_main else None)
@@ -176,11 +184,13 @@ def _calibrate(cfg: CalibrationConfig, out: Path, ranks: Ranks, *, overwrite: bo
 
 def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overwrite: bool, resume: bool,
            loaded: LoadedModel | None, placement: Placement | None,
-           progress: ProgressFn | None) -> tuple[bool, LoadedModel, TokenPlan, int]:
+           progress: ProgressFn | None) -> tuple[bool, LoadedModel, TokenPlan, int, TokenPlan | None]:
     """Check the output, read the data, load the tokenizer, plan the tokens, then load the model
     (a data problem is reported before any weights are read): (whether ``out`` is new, model,
-    plan, group size). Under data parallelism every rank learns about any rank's start-up error."""
-    created, lm, plan, group_size, error, info = False, None, None, None, None, {}
+    plan, group size, the plan of the mean key's pass or None: :attr:`CalibrationConfig.mean_seq_len`,
+    the same token budget in windows of that length, no held-out rows). Under data parallelism every
+    rank learns about any rank's start-up error."""
+    created, lm, plan, group_size, mean_plan, error, info = False, None, None, None, None, None, {}
     try:
         if ranks.is_main:
             check_output_dir(out, overwrite, resume)
@@ -200,6 +210,11 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
             plan = plan_tokens(tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
                                tokens=cfg.tokens, seq_len=cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
                                heldout_seqs=cfg.heldout_seqs, seed=cfg.seed, documents=documents)
+            if cfg.mean_seq_len:
+                long = plan_tokens(tokenizer, data=cfg.data, split=cfg.split, text_field=cfg.text_field,
+                                   tokens=cfg.tokens, seq_len=cfg.mean_seq_len, heldout_tokens=cfg.heldout_tokens,
+                                   heldout_seqs=cfg.heldout_seqs, seed=cfg.seed, documents=documents)
+                mean_plan = TokenPlan(calibration=long.calibration, heldout=[], source=long.source)
         lm = loaded or prepare_model(cfg, device=ranks.device, placement=ranks.placement(placement),
                                      progress=progress, tokenizer=tokenizer)
         group_size = calibration_group_size(cfg, lm.geometry)
@@ -207,6 +222,8 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
         if why:
             raise InputError(f"--center-keys: {why}")
         _warn_beyond_context(lm, cfg.seq_len)
+        if cfg.mean_seq_len:
+            _warn_beyond_context(lm, cfg.mean_seq_len, "--center-seq-len")
         if cfg.refine_steps and cfg.heldout_seqs < 2:
             warnings.warn("--refine-steps with one held-out sequence fits and judges the rotations on the same rows, "
                           "which fits that sequence rather than the model (docs/design/numerics.md): use --heldout-seqs 8",
@@ -216,7 +233,7 @@ def _start(cfg: CalibrationConfig, out: Path, ranks: Ranks, ckpt: Path, *, overw
     except Exception as e:  # noqa: BLE001 - re-raised by ranks.agree on this rank
         error = e
     ranks.agree(info, error)
-    return created, lm, plan, group_size
+    return created, lm, plan, group_size, mean_plan
 
 
 def calibration_group_size(cfg: CalibrationConfig, geo: Geometry) -> int:
@@ -234,11 +251,11 @@ def calibration_group_size(cfg: CalibrationConfig, geo: Geometry) -> int:
     return group_size
 
 
-def _warn_beyond_context(lm: LoadedModel, seq_len: int) -> None:
+def _warn_beyond_context(lm: LoadedModel, seq_len: int, option: str = "--seq-len") -> None:
     n = context_length(lm.model)
     if n is not None and seq_len > n:
-        warnings.warn(f"--seq-len {seq_len} is beyond {lm.source.model_id}'s context of {n} positions: the statistics "
-                      f"include positions the model was not trained for (use --seq-len {n} or less)",
+        warnings.warn(f"{option} {seq_len} is beyond {lm.source.model_id}'s context of {n} positions: the statistics "
+                      f"include positions the model was not trained for (use {option} {n} or less)",
                       OscarWarning, stacklevel=3)
 
 

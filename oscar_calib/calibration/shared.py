@@ -28,18 +28,19 @@ from ..numerics.clip import choose_global_clips, fit_k_clip, fit_v_clip, heldout
 from ..numerics.rotation import K_OBJECTIVES, V_OBJECTIVES, rotations_from_covariance
 from ..progress import ProgressFn, counter
 
-# With key centering (``center_keys``) the ``ktk`` objective is the second moment of the keys as the
-# cache stores them, centered: Σ (k − μ)ᵀ(k − μ) / n, instead of the raw Σ kᵀk / n (both with clips
-# fitted on centered keys): measured in docs/guides/accuracy.md ("Key centering") by
-# scripts/experiments/centering.py, which sets this to compare them.
+# With key centering fitted on the centered keys (``center_keys``, ``center_fit: centered``) the
+# ``ktk`` objective is the second moment of the keys as the cache stores them, centered:
+# Σ (k − μ)ᵀ(k − μ) / n, instead of the raw Σ kᵀk / n (both with clips fitted on centered keys):
+# measured in docs/guides/accuracy.md ("Key centering") by scripts/experiments/centering.py, which
+# sets this to compare them.
 CENTER_KEY_OBJECTIVE = True
 
 
 def centered_key_objective(cfg) -> bool:
     """Whether the key rotations of ``cfg`` are fitted on the objective of centered keys: key
-    centering on, the ``ktk`` objective (``qqt`` does not see the keys) and
-    :data:`CENTER_KEY_OBJECTIVE`."""
-    return bool(cfg.center_keys) and CENTER_KEY_OBJECTIVE and K_OBJECTIVES[cfg.k_objective] == "k"
+    centering fitted on the centered keys (``cfg.fits_centered_keys``), the ``ktk`` objective
+    (``qqt`` does not see the keys) and :data:`CENTER_KEY_OBJECTIVE`."""
+    return cfg.fits_centered_keys and CENTER_KEY_OBJECTIVE and K_OBJECTIVES[cfg.k_objective] == "k"
 
 
 def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list, rows: list, *,
@@ -54,7 +55,7 @@ def fit_shared(stats: list, held_layers, cfg, geo, group_size: int, layers: list
     in layer order, so the global clips are chosen from the same tables in the same order wherever
     the layers were fitted."""
     shared_needed = (cfg.granularity == "head" and max(geo.kv_heads) > 1) or centered_key_objective(cfg)
-    reuse_k = not shared_needed and not cfg.center_keys        # the per-head K tables fit these keys
+    reuse_k = not shared_needed and not cfg.fits_centered_keys     # the per-head K tables fit these keys
     kc, vc = K_OBJECTIVES[cfg.k_objective], V_OBJECTIVES[cfg.v_objective]
     k_tables, v_tables = [], []
     rots = []

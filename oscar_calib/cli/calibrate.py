@@ -83,9 +83,18 @@ def calibrate_command(
     center_keys: Annotated[Optional[bool], typer.Option("--center-keys/--raw-keys", help="Store every key "
                                                         "centered on the calibration's mean post-RoPE key of its "
                                                         "layer and KV head (k_mean; softmax is unchanged, every INT2 "
-                                                        "key group's range shrinks) and fit the rotations and clips "
-                                                        "so (default: off; docs: guides/accuracy.md).",
-                                                        show_default=False)] = None,
+                                                        "key group's range shrinks) (default: off; docs: "
+                                                        "guides/accuracy.md).", show_default=False)] = None,
+    center_fit: Annotated[Optional[str], typer.Option(help="With --center-keys: fit the key objective, the clips "
+                                                      "and a bit budget's group sizes on the centered keys "
+                                                      "('centered') or on the raw keys, exactly as without "
+                                                      "centering, adding only k_mean ('raw') (default: "
+                                                      "centered).")] = None,
+    center_seq_len: Annotated[Optional[int], typer.Option(help="With --center-keys --center-fit raw: take the mean "
+                                                          "key over windows of this many tokens (a second pass over "
+                                                          "--tokens) instead of --seq-len's; post-RoPE keys drift "
+                                                          "with position, so long contexts want a mean over long "
+                                                          "windows (default: --seq-len).")] = None,
     refine_steps: Annotated[Optional[int], typer.Option(help="Refine each KV head's rotations for N Adam steps on "
                                                         "the held-out attention-output error under INT2 (Cayley, "
                                                         "kept orthogonal; never worse than the start), then refit "
@@ -128,7 +137,8 @@ def calibrate_command(
         batch_size=batch_size, seed=seed, heldout_tokens=heldout_tokens, heldout_seqs=heldout_seqs, k_objective=k_objective,
         v_objective=v_objective, composition=composition, granularity=granularity, group_size=group_size,
         bit_budget=bit_budget, split_kv=split_kv, checkpoint_every=checkpoint_every, refine_steps=refine_steps,
-        refine_lr=refine_lr, logit_correction=logit_correction, center_keys=center_keys, dtype=dtype, device=device,
+        refine_lr=refine_lr, logit_correction=logit_correction, center_keys=center_keys, center_fit=center_fit,
+        center_seq_len=center_seq_len, dtype=dtype, device=device,
         trust_remote_code=trust_remote_code), clip=clip,
         quick=quick)
     out = out or Path("runs") / Path(cfg.model).name.replace(".gguf", "")

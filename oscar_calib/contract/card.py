@@ -30,9 +30,9 @@ def model_card(report: dict) -> str:
         f"| method | K objective `{s['k_objective']}`, V objective `{s['v_objective']}`, composition `{s['composition']}`, granularity `{s['granularity']}` |",
         f"| quantisation | INT2 per token, {_groups(report)}, BF16 sink {s['sink_tokens']} + recent {s['recent_tokens']} tokens |",
         f"| clips | {clips} |",
-        *(["| key centering | every key stored as `(k − k_mean) @ k_rotation`, `k_mean` the calibration's mean "
-           "post-RoPE key per layer and KV head; `oscar export` names every engine that does not subtract it |"]
-          if s.get("center_keys") else []),
+        *([f"| key centering | every key stored as `(k − k_mean) @ k_rotation`, `k_mean` the calibration's mean "
+           f"post-RoPE key per layer and KV head{_center_windows(cal)}; {_center_fit(s)}; `oscar export` names every "
+           "engine that does not subtract it |"] if s.get("center_keys") else []),
         f"| calibration data | {cal['data']}, {cal['tokens']} tokens in {cal['sequences']} sequences of ≤{cal['seq_len']}, seed {cal['seed']} |",
         *([f"| content digest | `{report['content_sha256']}` (sha256 of the tensors and metadata; `verify.json` records "
            "the digest it verified) |"] if report.get("content_sha256") else []),
@@ -57,6 +57,20 @@ def model_card(report: dict) -> str:
     lines += _engines_section(report)
     lines += _use_section(report)
     return "\n".join(lines)
+
+
+def _center_fit(settings: dict) -> str:
+    """What a centered artifact's rotations, clips and group sizes were fitted on (``center_fit``;
+    a report written before the setting existed fitted them on the centered keys)."""
+    if settings.get("center_fit", "centered") == "raw":
+        return "rotations, clips and group sizes fitted on the raw keys, as without centering (`center_fit: raw`)"
+    return "rotations, clips and group sizes fitted on the centered keys (`center_fit: centered`)"
+
+
+def _center_windows(cal: dict) -> str:
+    """`` over N-token windows`` when the mean key came from a pass of its own (``center_seq_len``)."""
+    n = cal.get("center_seq_len")
+    return f" over {n:,}-token windows (`center_seq_len`)" if n else ""
 
 
 def hub_id(report: dict) -> str | None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, OscarWarning
 from .defaults import (
+    CENTER_FITS,
     COMPOSITIONS,
     DEFAULT_RECENT,
     DEFAULT_REFINE_LR,
@@ -33,6 +35,20 @@ class CalibrationConfig:
     ``group_size`` of ``None`` means ``min(128, head_dim)``; ``bit_budget`` (bits per stored
     element, e.g. 2.5) instead chooses a group size per layer (:mod:`oscar_calib.calibration.budget`),
     and with ``split_kv`` one for the keys and one for the values of every layer.
+
+    ``center_keys`` stores every key centered on the calibration's mean key (``k_mean``): what the
+    artifact holds and every consumer must honour. ``center_fit`` (:data:`~.defaults.CENTER_FITS`)
+    says only what the calibration fits on, which no consumer needs to know, so it is a second field
+    rather than a third value of ``center_keys``: ``centered`` fits the key objective (``ktk``), the
+    clips and a bit budget's group sizes on the centered keys; ``raw`` fits all of them on the raw
+    keys, exactly as without centering, and adds the mean key alone (the accuracy guide's "Key
+    centering" measures both). Without ``center_keys`` both settings change nothing and a warning
+    names them (a recipe that centers, run with ``--raw-keys``).
+    ``center_seq_len`` takes the mean key over windows of that many tokens (a second pass over the
+    same token budget) instead of the recipe's ``seq_len`` windows: RoPE turns the slow channels of
+    a post-RoPE key with its position, so the mean of the keys a cache holds depends on how long the
+    context is, and a mean over short windows misses what long contexts store. It needs ``center_fit:
+    raw`` (a centered fit reads the second moment about the statistics' own mean).
     """
 
     model: str = "smollm2-135m"
@@ -65,6 +81,8 @@ class CalibrationConfig:
     refine_lr: float = DEFAULT_REFINE_LR    # its Adam learning rate (numerics.refine)
     logit_correction: float = 0.0       # gain of the logit-noise correction the artifact asks for (0: off)
     center_keys: bool = False           # store every key centered on the calibration's mean key (k_mean)
+    center_fit: str = "centered"        # with center_keys: fit on the centered keys, or on the raw ones (CENTER_FITS)
+    center_seq_len: int | None = None   # with center_keys: the windows the mean key is taken over (None: seq_len)
     extra: dict = field(default_factory=dict)   # free-form notes carried into the report
 
     def validate(self) -> "CalibrationConfig":
@@ -104,7 +122,31 @@ class CalibrationConfig:
         self.logit_correction = check_logit_correction(self.logit_correction)
         if not isinstance(self.center_keys, bool):
             raise InputError(f"center_keys must be true or false, got {self.center_keys!r}")
+        choose("--center-fit", self.center_fit, CENTER_FITS)
+        if self.center_seq_len is not None:
+            if isinstance(self.center_seq_len, bool) or not isinstance(self.center_seq_len, int) or self.center_seq_len < 16:
+                raise InputError(f"--center-seq-len must be a number of tokens of at least 16, got {self.center_seq_len!r}")
+            if self.center_keys and self.center_fit != "raw":
+                raise InputError("--center-seq-len takes the mean key over other windows than the fit's: it needs "
+                                 "--center-fit raw")
+        unused = [f"--center-fit {self.center_fit}"] * (self.center_fit != "centered") + \
+            [f"--center-seq-len {self.center_seq_len}"] * (self.center_seq_len is not None)
+        if unused and not self.center_keys:
+            warnings.warn(f"{' and '.join(unused)} ignored: the keys are not centered (--center-keys)", OscarWarning,
+                          stacklevel=2)
         return self
+
+    @property
+    def mean_seq_len(self) -> int | None:
+        """The window length of a separate pass for the mean key (``center_seq_len`` when it differs
+        from ``seq_len``), or None: the statistics' own mean."""
+        return self.center_seq_len if self.center_keys and self.center_seq_len not in (None, self.seq_len) else None
+
+    @property
+    def fits_centered_keys(self) -> bool:
+        """The rotations, clips and bit budget are fitted on the keys centered on their mean (key
+        centering with ``center_fit: centered``); otherwise on the raw keys."""
+        return self.center_keys and self.center_fit == "centered"
 
     def fingerprint_fields(self) -> dict:
         """The fields that change the statistics (a checkpoint is only resumed when they match)."""

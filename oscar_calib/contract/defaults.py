@@ -12,7 +12,8 @@ name                        meaning
 ``MIN_GROUP_SIZE`` …        the bounds an artifact's metadata must keep (group size,
                             head_dim, layer and head counts, windows): see below
 ``K_OBJECTIVES`` …          the method names a calibration accepts (objectives,
-                            compositions, granularities) and :func:`choose`
+                            compositions, granularities, key-centering fits) and
+                            :func:`choose`
 ==========================  ==========================================================
 
 This module imports nothing heavy (no torch), so every layer of the package can use it.
@@ -47,6 +48,10 @@ K_OBJECTIVES = {"qqt": "q", "ktk": "k"}
 V_OBJECTIVES = {"sst": "s", "sst-approx": "s_approx", "vtv": "v"}
 COMPOSITIONS = ("u_h_pbr", "u", "h", "identity")
 GRANULARITIES = ("head", "layer")
+# what a calibration with key centering fits on (``center_fit``): the keys as the cache stores them,
+# centered (the key objective, the clips and a bit budget's group sizes), or the raw keys, exactly as
+# without centering, the mean key (``k_mean``) alone added
+CENTER_FITS = ("centered", "raw")
 
 
 def choose(name: str, value: str, valid) -> str:

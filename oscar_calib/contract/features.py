@@ -66,8 +66,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("key_centering", "key centering",
             lambda s: s.key_centering,
             lambda s, e: (f"{e} does not subtract the mean key (k_mean) this artifact was calibrated with: it serves "
-                          "the rotations and clips on uncentered keys, whose INT2 groups span a wider range than "
-                          "the clips were fitted for")),
+                          + ("the rotations and clips on uncentered keys, whose INT2 groups span a wider range than "
+                             "the clips were fitted for" if s.key_center_fit == "centered" else
+                             "the rotations, clips and group sizes on uncentered keys, as they were fitted "
+                             "(center_fit raw), without what centering gains"))),
     Feature("windows", "BF16 sink and recent window",
             lambda s: s.sink_tokens + s.recent_tokens > 0,
             lambda s, e: (f"{e} keeps no BF16 sink or recent window: the {s.sink_tokens} sink and "

@@ -79,6 +79,11 @@ V_FOLDED_METADATA = "v_folded"
 # absent otherwise. A reader that predates it stores the keys uncentered: the rotations and clips then meet keys
 # whose range they were not fitted for (still a valid cache, a less accurate one).
 KEY_CENTERING_METADATA = "k_centered"
+# Written with "k_centered" (optional to read: absent means "centered"): what the calibration fitted the key
+# rotations, clips and group sizes on, one of ``defaults.CENTER_FITS`` ("centered" keys, or "raw" ones exactly
+# as without centering, the mean key alone added). No reader needs it to serve the file; it says what an
+# engine that does not subtract ``k_mean`` serves.
+KEY_CENTER_FIT_METADATA = "k_center_fit"
 # Written by every writer of the toolkit (optional to read: older files lack it): the content digest,
 # sha256 over the metadata (this key left out) and every tensor's name, dtype, shape and bytes
 # (:mod:`.digest`). A reader refuses a file whose content no longer matches it.

@@ -32,6 +32,9 @@ field                      metadata key           meaning
 ``v_folded``               ``v_folded``           the value rotation is folded into the weights
 ``key_centering``          ``k_centered``         every layer stores its keys centered on the
                                                   calibration's mean key (``layers.{i}.k_mean``)
+``key_center_fit``         ``k_center_fit``       with key centering: what the rotations, clips
+                                                  and group sizes were fitted on, ``centered``
+                                                  or ``raw`` keys (``defaults.CENTER_FITS``)
 ``shared_clips``           ``fork_k_clip``,       one (K, V) clip pair for the shared per-layer
                            ``fork_v_clip``        rotations (engines with one ratio per cache)
 ``model_type``             ``model_type``         transformers' model type of the (text) model
@@ -62,6 +65,7 @@ from typing import NamedTuple
 from ..errors import ArtifactError
 from .defaults import (
     BITS,
+    CENTER_FITS,
     COMPOSITIONS,
     GRANULARITIES,
     HEAD_DIM_MULTIPLE,
@@ -78,6 +82,7 @@ from .defaults import (
 )
 from .layout import (
     IMPORTED,
+    KEY_CENTER_FIT_METADATA,
     KEY_CENTERING_METADATA,
     LAYER_GROUPS_METADATA,
     LAYER_HEAD_DIMS_METADATA,
@@ -136,6 +141,7 @@ class ArtifactSettings:
     v_objective: str = IMPORTED
     v_folded: bool = False
     key_centering: bool = False
+    key_center_fit: str = "centered"
     shared_clips: tuple[float, float] | None = None
     model_type: str | None = None
     layer_ids: tuple[int, ...] = ()
@@ -202,6 +208,7 @@ class ArtifactSettings:
             md[V_FOLDED_METADATA] = "true"
         if self.key_centering:
             md[KEY_CENTERING_METADATA] = "true"
+            md[KEY_CENTER_FIT_METADATA] = self.key_center_fit
         if self.shared_clips is not None:
             md.update(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in self.shared_clips)))
         if self.model_type is not None:
@@ -320,6 +327,8 @@ def _parse(md: dict[str, str], problems: list[str]) -> dict:
         if flag not in ("true", "false"):
             problems.append(f"metadata {key!r} is {str(flag)[:40]!r}, expected 'true' or 'false'")
         out[name] = flag == "true"
+    if KEY_CENTER_FIT_METADATA in md:
+        out["key_center_fit"] = str(md[KEY_CENTER_FIT_METADATA])
     present = [k for k in SHARED_CLIP_METADATA if k in md]
     if present and len(present) != len(SHARED_CLIP_METADATA):
         problems.append(f"metadata has {present[0]!r} without {[k for k in SHARED_CLIP_METADATA if k not in md][0]!r}")
@@ -410,6 +419,13 @@ def _problems(v: dict) -> list[str]:
     elif clips is not None:
         problems += [f"metadata {k!r} is {c:g}, expected a clip ratio in (0, 1]"
                      for k, c in zip(SHARED_CLIP_METADATA, clips) if not 0 < c <= 1]
+    fit = v.get("key_center_fit", "centered")
+    if fit not in CENTER_FITS:
+        problems.append(f"metadata {KEY_CENTER_FIT_METADATA!r} is {str(fit)[:40]!r}, expected one of "
+                        f"{', '.join(CENTER_FITS)}")
+    elif fit != "centered" and not v.get("key_centering"):
+        problems.append(f"metadata {KEY_CENTER_FIT_METADATA!r} is {fit!r} but the keys are not centered "
+                        f"({KEY_CENTERING_METADATA!r} is not 'true')")
     mt = v.get("model_type")
     why = centering_problem(mt) if v.get("key_centering") else None
     if why:

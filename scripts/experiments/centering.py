@@ -20,14 +20,15 @@ variant                   artifact (everything else the recipe's)
 ``center noclip``         ``center`` with every key clip ratio 1 (``--clip k=1``: the values' clips fitted)
 ``center plain-groups``   ``center`` with ``plain``'s per-layer group sizes instead of a bit budget
                           spent on centered keys (recipes with ``bit_budget``; needs ``plain``)
-``plain+mean``            ``plain``'s rotations and clips with ``center``'s key means added: centering
-                          alone, nothing fitted for it (needs both artifacts)
+``plain+mean``            ``center_keys: true`` with ``center_fit: raw``: ``plain``'s rotations, clips and
+                          group sizes with the calibration's key means added: centering alone, nothing
+                          fitted for it
 ``plain lc0``             ``plain`` scored without the logit-noise correction (``--logit-correction 0``)
 ``plain+mean lc0``        ``plain+mean`` likewise
 ``plain recent16``        ``plain`` scored with a BF16 recent window of 16 tokens (``--recent 16``)
 ``plain+mean recent16``   ``plain+mean`` likewise
 ``plain+mean+clips``      ``plain+mean`` with the key clips of ``center plain-groups`` (fitted on
-                          centered keys at ``plain``'s group sizes): the clip refit alone
+                          centered keys at ``plain``'s group sizes): the clip refit alone (needs both)
 ``plain noclip``          ``plain`` with every key clip ratio 1 (no key clip)
 ``plain+mean noclip``     ``plain+mean`` likewise
 ========================  ====================================================================
@@ -48,6 +49,30 @@ the median range (max − min) of a stored row rotated by ``plain``'s rotation, 
 what centering takes out of each INT2 group's range. A row of a bit-budget recipe records the budget's
 bits (mean and long-context) and held-out figure. Artifacts go to ``runs/centering/MODEL/VARIANT``.
 Runs on the CPU (nice it on a shared machine); the time of every stage is recorded.
+
+Where the mean is taken (``--collect-context RUNS --prefix P``): the mean key of post-RoPE keys
+depends on the positions it is taken over (RoPE's slow channels turn with position), so a mean
+from the recipe's 1,024-token windows is not the mean of the keys an 8K cache holds. These
+variants are made with the CLI and scored with ``oscar eval`` at 2 × 2048 tokens (``--sequences
+2``) and at ``--context 8192 --sequences 1``; this mode reads those ``--json`` outputs
+(``RUNS/P_VARIANT_2k.json``, ``RUNS/P_VARIANT_8k.json``, ``RUNS/P_VARIANT_code8k.json`` with
+``--data embedded-code``; ``plain``'s with ``--methods bf16,oscar``, the others ``--methods oscar``) and each artifact's ``calibration.json``, and stores the table in
+``--out`` under ``context`` (kept by later runs of the variants above):
+
+=====================  ==========================================================================
+variant                artifact
+=====================  ==========================================================================
+``plain``              the recipe (the zoo artifact, ``oscar calibrate MODEL --config C``)
+``raw``                ``--center-keys --center-fit raw``: ``plain`` with the mean key added
+``raw mean@4096``      ``raw`` with the key means of a calibration at ``--seq-len 4096``
+                       (``--with-means-of``)
+``raw mean@8192``      ``raw`` with the key means of a calibration at ``--seq-len 8192 --tokens 8192``
+``raw @8192``          ``--center-keys --center-fit raw --seq-len 8192 --tokens 8192``: the whole
+                       recipe on one 8,192-token window
+``plain @8192``        ``--seq-len 8192 --tokens 8192``, uncentered
+=====================  ==========================================================================
+
+``--with-means-of BASE MEANS OUT`` writes BASE's artifact with MEANS' key means (both centered).
 """
 
 from __future__ import annotations
@@ -63,24 +88,39 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # calibrated: (center_keys, centered ktk objective[, the variant whose group sizes it keeps[, config settings]]);
-# derived: ("derive", base, mean from, key clip off[, key clips from]);
+# derived: ("derive", base, key clip off[, key clips from]);
 # scored only: ("score", artifact variant, EvalOptions settings)
 VARIANTS = {
     "plain": (False, True), "center": (True, True), "center-raw-ktk": (True, False),
     "center noclip": (True, True, None, {"k_clip": 1.0}),
     "center plain-groups": (True, True, "plain"),
-    "plain+mean": ("derive", "plain", "center", False),
-    "plain+mean+clips": ("derive", "plain", "center plain-groups", False, "center plain-groups"),
+    "plain+mean": (True, True, None, {"center_fit": "raw"}),
+    "plain+mean+clips": ("derive", "plain+mean", False, "center plain-groups"),
     "plain lc0": ("score", "plain", {"logit_correction": 0.0}),
     "plain+mean lc0": ("score", "plain+mean", {"logit_correction": 0.0}),
     "plain recent16": ("score", "plain", {"recent": 16}), "plain+mean recent16": ("score", "plain+mean", {"recent": 16}),
-    "plain noclip": ("derive", "plain", None, True), "plain+mean noclip": ("derive", "plain", "center", True),
+    "plain noclip": ("derive", "plain", True), "plain+mean noclip": ("derive", "plain+mean", True),
 }
 
 
+# the context table's variants: (artifact directory under RUNS as P_NAME, or None: the zoo's; eval file stem)
+CONTEXT_VARIANTS = {"plain": (None, "plain"), "raw": ("raw1024", "raw1024"),
+                    "raw mean@4096": ("raw1024_mean4096", "raw1024_mean4096"),
+                    "raw mean@8192": ("raw1024_mean8192", "raw1024_mean8192"),
+                    "raw @8192": ("raw8192", "raw8192"), "plain @8192": ("plain8192", "plain8192")}
+
+
 def main(argv=None) -> None:
+    if argv is None and sys.argv[1:2] == ["--with-means-of"]:
+        if len(sys.argv) != 5:
+            raise SystemExit("usage: centering.py --with-means-of BASE MEANS OUT")
+        with_means_of(*map(Path, sys.argv[2:]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config", type=Path, help="a recipe YAML (its calibration: section)")
+    ap.add_argument("--collect-context", type=Path, metavar="RUNS", help="store the mean-window table from the "
+                    "oscar eval outputs in RUNS (the module docstring) and stop")
+    ap.add_argument("--prefix", default="", help="with --collect-context: the runs' name prefix")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--texts", default="embedded", help="comma-separated eval texts (embedded, embedded-code, a file)")
     ap.add_argument("--sequences", type=int, default=2)
@@ -91,6 +131,9 @@ def main(argv=None) -> None:
                     "only the texts (and --long) it was not scored on yet")
     ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip oscar verify (its columns read –)")
     args = ap.parse_args(argv)
+    if args.collect_context:
+        collect_context(args)
+        return
     import torch
 
     from oscar_calib.calibration import pipeline, shared
@@ -133,11 +176,11 @@ def main(argv=None) -> None:
             if not (out / "oscar.safetensors").exists():
                 raise SystemExit(f"error: {v} scores {out}, which is not there: run the variant {spec[1]!r} first")
         elif spec[0] == "derive":
-            center, centered_objective = spec[2] is not None, False
-            derive(runs / spec[1], None if spec[2] is None else runs / spec[2], out, no_key_clip=spec[3],
-                   clips=runs / spec[4] if len(spec) > 4 else None)
+            centered_objective = False
+            derive(runs / spec[1], out, no_key_clip=spec[2], clips=runs / spec[3] if len(spec) > 3 else None)
         else:
             center, centered_objective, keep, settings = (*spec, *(None, {})[len(spec) - 2:])
+            centered_objective = centered_objective and settings.get("center_fit", "centered") == "centered"
             cfg = base.__class__(**{**base.to_dict(), "center_keys": center, **settings})
             shared.CENTER_KEY_OBJECTIVE = centered_objective
             with groups_of(runs / keep if keep else None):
@@ -146,10 +189,10 @@ def main(argv=None) -> None:
         t2 = time.perf_counter()
         art = load_artifact(out)
         row = {"variant": v, "center_keys": art.settings.key_centering,
-               "centered_objective": bool(centered_objective and center), "eval": over,
+               "centered_objective": bool(centered_objective and art.settings.key_centering), "eval": over,
                "verify_attn": None, "verify_attn_hadamard": None, "verify_logit": None, "ppl": {},
                "times_s": {"build": t2 - t1}}
-        if args.verify and not scored_only and not (spec[0] == "derive" and spec[3]):
+        if args.verify and not scored_only and not (spec[0] == "derive" and spec[2]):
             verdict = verify_artifact(out, loaded=lm, write=False, plot=False).summary()
             row.update(verify_attn=verdict["mean_attn_error"], verify_attn_hadamard=verdict["mean_attn_error_hadamard"],
                        verify_logit=verdict["mean_logit_error"])
@@ -172,6 +215,8 @@ def main(argv=None) -> None:
         result["rows_stored"] = stored_rows(lm, load_artifact(runs / "plain"), load_artifact(runs / "center"), texts[0])
         timings["rows_stored_s"] = time.perf_counter() - t3
     timings["total_s"] = time.perf_counter() - t0
+    if old.get("context"):
+        result["context"] = old["context"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(render(result))
@@ -230,28 +275,19 @@ def groups_of(artifact: Path | None):
         budget.allocate = spend
 
 
-def derive(plain: Path, centered: Path | None, out: Path, *, no_key_clip: bool = False, clips: Path | None = None) -> None:
-    """``plain``'s artifact with ``centered``'s key means (and ``k_centered``) when given, every key
-    clip ratio 1 with ``no_key_clip``, the key clips of ``clips`` (same group sizes) when given;
-    written to ``out``."""
-    import dataclasses
-
+def derive(base: Path, out: Path, *, no_key_clip: bool = False, clips: Path | None = None) -> None:
+    """``base``'s artifact with every key clip ratio 1 with ``no_key_clip``, the key clips of ``clips``
+    (same group sizes) when given; written to ``out``."""
     import torch
 
     from oscar_calib.contract.artifact import load_artifact, write_artifact_files
 
-    a = load_artifact(plain)
+    a = load_artifact(base)
     what = []
-    if centered is not None:
-        for la, lc in zip(a.layers, load_artifact(centered).layers):
-            la.k_mean = lc.k_mean
-        st = a.settings.replace(key_centering=True)
-        a = dataclasses.replace(a, settings=st, metadata={**a.metadata, **st.metadata()})
-        what.append("the centered run's key means")
     if clips is not None:
         c = load_artifact(clips)
         if c.settings.layer_groups != a.settings.layer_groups or c.settings.group_size != a.settings.group_size:
-            raise SystemExit(f"error: {clips} has other group sizes than {plain}: its clips do not fit them")
+            raise SystemExit(f"error: {clips} has other group sizes than {base}: its clips do not fit them")
         for la, lc in zip(a.layers, c.layers):
             la.k_clip = lc.k_clip
         what.append(f"{clips.name}'s key clips")
@@ -260,7 +296,58 @@ def derive(plain: Path, centered: Path | None, out: Path, *, no_key_clip: bool =
             la.k_clip = torch.ones_like(la.k_clip)
         what.append("no key clip")
     out.mkdir(parents=True, exist_ok=True)
-    write_artifact_files(out, a, f"plain rotations and clips with {' and '.join(what)}\n", a.report)
+    write_artifact_files(out, a, f"{base.name}'s rotations and clips with {' and '.join(what)}\n", a.report)
+
+
+def with_means_of(base: Path, means: Path, out: Path) -> None:
+    """``base``'s artifact (centered) with the key means of ``means`` (centered, same model), written
+    to ``out``: the same rotations, clips and group sizes, a mean taken over other windows."""
+    from oscar_calib.contract.artifact import load_artifact, write_artifact_files
+
+    a, m = load_artifact(base), load_artifact(means)
+    if not (a.settings.key_centering and m.settings.key_centering) or a.model_fingerprint != m.model_fingerprint:
+        raise SystemExit(f"error: {base} and {means} must both be centered artifacts of one model")
+    for la, lm_ in zip(a.layers, m.layers):
+        la.k_mean = lm_.k_mean
+    out.mkdir(parents=True, exist_ok=True)
+    write_artifact_files(out, a, f"{base.name}'s artifact with the key means of {means.name}\n", a.report)
+
+
+# the context table's columns: eval file suffix -> column (text, tokens of context)
+CONTEXT_COLUMNS = {"2k": "embedded 2 × 2,048", "8k": "embedded 8,192", "code8k": "embedded-code 8,192"}
+
+
+def collect_context(args) -> None:
+    """The mean-window table (module docstring) from ``oscar eval --json`` outputs, into ``--out``."""
+    from oscar_calib.contract.config import load_yaml_section
+
+    runs, p = args.collect_context, f"{args.prefix}_" if args.prefix else ""
+    zoo = ROOT / "zoo" / load_yaml_section(args.config)["model"]
+    old = json.loads(args.out.read_text())
+    bf16, rows = {}, []
+    for name, (art, stem) in CONTEXT_VARIANTS.items():
+        row = {"variant": name, "ppl": {}, "bits": None, "long_bits": None}
+        for suffix, column in CONTEXT_COLUMNS.items():
+            f = runs / f"{p}{stem}_{suffix}.json"
+            if not f.exists() or not f.stat().st_size:      # not run, or still running
+                continue
+            for r in json.loads(f.read_text())["rows"]:
+                if r["method"] == "bf16":
+                    bf16[column] = r["ppl"]
+                elif r["method"] == "oscar":
+                    row["ppl"][column] = r["ppl"]
+                    row["bits"] = r["bits_per_element"]
+        rep = (runs / f"{p}{art}" if art else zoo) / "calibration.json"
+        if rep.exists():
+            report = json.loads(rep.read_text())
+            row["long_bits"] = (report.get("bit_budget") or {}).get("long_bits")
+            row["seq_len"] = report["settings"]["seq_len"]
+        if row["ppl"]:
+            rows.append(row)
+    old["context"] = {"bf16": bf16, "rows": rows, "columns": [c for c in CONTEXT_COLUMNS.values() if c in bf16]}
+    args.out.write_text(json.dumps(old, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(render(old))
+    print(render(old))
 
 
 def stored_rows(lm, plain, centered, text: str) -> dict:
@@ -328,6 +415,20 @@ def render(result: dict) -> str:
                  f"{s['mean_spread']:.2f}× the even share per channel; median row range raw "
                  f"{s['median_row_range_raw']:.3f}, centered {s['median_row_range_centered']:.3f}; mean INT2 logit bias "
                  f"raw {s['int2_logit_bias_raw']:+.3f}, centered {s['int2_logit_bias_centered']:+.3f}.\n")
+    c = result.get("context")
+    if c:
+        cols = c["columns"]
+        head = ["variant", *[f"ppl {col} (BF16 {c['bf16'][col]:.3f})" for col in cols],
+                "bits per element (full-attention layers)"]
+        text += ("\nWhere the mean is taken: `oscar eval`, 2 × 2048 tokens (every position) and the last 1,024 "
+                 "predictions of one 8,192-token window (simulation = the real cache's arithmetic)\n\n"
+                 + "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+        for r in c["rows"]:
+            cells = ["–" if col not in r["ppl"] else f"{r['ppl'][col]:.3f} ({100 * (r['ppl'][col] / c['bf16'][col] - 1):+.2f}%)"
+                     for col in cols]
+            bits = "–" if r["bits"] is None else f"{r['bits']:.3f}" + (
+                "" if r.get("long_bits") is None else f" ({r['long_bits']:.3f})")
+            text += f"| {r['variant']} | " + " | ".join(cells) + f" | {bits} |\n"
     return text
 
 

@@ -187,6 +187,8 @@ def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
     art, plain = load_artifact(tmp_path / "c"), load_artifact(tiny_calibrated)
     assert art.metadata["k_centered"] == "true" and "k_centered" not in plain.metadata
     assert "| key centering |" in (tmp_path / "c" / "README.md").read_text()
+    assert "fitted on the centered keys" in (tmp_path / "c" / "README.md").read_text()
+    assert art.settings.key_center_fit == "centered"
     assert "| key centering |" not in (tiny_calibrated / "README.md").read_text()
     ref = json.loads((tiny_calibrated / "calibration.json").read_text())["layers"]
     for i, (lr, lp) in enumerate(zip(art.layers, plain.layers)):
@@ -207,6 +209,57 @@ def test_key_centering_end_to_end(tmp_path, tiny_calibrated):
     for lr, lp in zip(one.layers, one_plain.layers):
         assert torch.equal(lr.k_layer_rotation, lp.k_rotation[0]) and not torch.equal(lr.k_rotation, lp.k_rotation)
     assert one.metadata["fork_k_clip"] == one_plain.metadata["fork_k_clip"]
+
+
+def test_key_centering_fitted_on_raw_keys_adds_the_mean_alone(tmp_path, tiny_bit_budget):
+    """``center_fit: raw``: rotations, clips, the bit budget's group sizes and the engines' shared
+    clips are those of the same recipe without centering, bit for bit; every layer adds the streamed
+    statistics' mean key; the artifact and its card say so; the report's held-out errors are those of
+    the keys as stored (centered), Hadamard's the uncentered baseline's."""
+    from oscar_calib.contract.features import feature_lines
+
+    plain = tiny_bit_budget
+    lm = loaded_tiny("llama", head_dim=64, layers=3)
+    res = calibrate_tiny(tmp_path / "r", loaded=lm, bit_budget=2.7, center_keys=True, center_fit="raw")
+    art, ref = res.artifact, load_artifact(plain.out)
+    assert art.settings.key_centering and art.settings.key_center_fit == "raw"
+    assert art.metadata["k_centered"] == "true" and art.metadata["k_center_fit"] == "raw"
+    assert art.settings.layer_groups == ref.settings.layer_groups and len(set(art.settings.k_groups)) == 2
+    assert art.settings.group_size == ref.settings.group_size and art.settings.shared_clips == ref.settings.shared_clips
+    for i, (lr, lp) in enumerate(zip(art.layers, ref.layers)):
+        for kind in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_eigenvalues", "v_eigenvalues",
+                     "k_layer_rotation", "v_layer_rotation"):
+            assert torch.equal(getattr(lr, kind), getattr(lp, kind)), (i, kind)
+        assert torch.equal(lr.k_mean, res.stats.stats[i].key_mean().float()) and lr.k_mean.abs().max() > 0
+        row, prow = res.report["layers"][i], plain.report["layers"][i]
+        assert row["heldout"]["hadamard"] == prow["heldout"]["hadamard"]
+        assert row["heldout"]["oscar"] != prow["heldout"]["oscar"]          # the centered keys' error
+    assert "fitted on the raw keys" in (tmp_path / "r" / "README.md").read_text()
+    warnings, _ = feature_lines(art.settings, {"windows", "per_head_rotations", "layer_group_sizes"}, "engine W")
+    assert any("(center_fit raw)" in w for w in warnings)
+
+
+def test_key_mean_over_longer_windows(tmp_path, tiny_calibrated):
+    """``center_seq_len``: the mean key comes from a pass of its own over the token budget cut into
+    windows of that length (the statistics' mean of a calibration at that ``seq_len``), everything
+    fitted stays the recipe's (``center_fit: raw``); the artifact's calibration record and card name
+    the windows."""
+    lm = loaded_tiny()
+    res = calibrate_tiny(tmp_path / "m", loaded=lm, center_keys=True, center_fit="raw", center_seq_len=128)
+    long = calibrate_tiny(tmp_path / "l", loaded=lm, center_keys=True, center_fit="raw", seq_len=128)
+    short = calibrate_tiny(tmp_path / "s", loaded=lm, center_keys=True, center_fit="raw")
+    plain = load_artifact(tiny_calibrated)
+    for i, (lr, lp) in enumerate(zip(res.artifact.layers, plain.layers)):
+        assert torch.equal(lr.k_mean, long.stats.stats[i].key_mean().float())
+        assert not torch.allclose(lr.k_mean, short.artifact.layers[i].k_mean)
+        assert torch.equal(lr.k_rotation, lp.k_rotation) and torch.equal(lr.k_clip, lp.k_clip)
+    assert json.loads(res.artifact.metadata["calibration"])["center_seq_len"] == 128
+    assert "center_seq_len" not in json.loads(short.artifact.metadata["calibration"])
+    assert "over 128-token windows" in (tmp_path / "m" / "README.md").read_text()
+    for bad, why in (({"center_seq_len": 128, "center_keys": True}, "needs --center-fit raw"),
+                     ({"center_seq_len": 8, "center_keys": True, "center_fit": "raw"}, "at least 16")):
+        with pytest.raises(InputError, match=why):
+            CalibrationConfig(**{**TINY_FAST, **bad}).validate()
 
 
 def test_resume_refuses_checkpoint_of_other_settings(tmp_path):

@@ -106,6 +106,24 @@ def test_key_centering_from_the_command_line_and_the_config(tmp_path, tiny_llama
     code, _, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg), "--out", str(tmp_path / "b"))
     assert_one_line_error(code, err, "center_keys must be true or false, got 'sometimes'")
     assert not (tmp_path / "b").exists()
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "f"), *FAST_ARGS, "--center-keys",
+                         "--center-fit", "raw")
+    assert code == 0, err
+    assert read_metadata(tmp_path / "f")["k_center_fit"] == "raw"
+    cfg.write_text("calibration:\n  center_keys: true\n  center_fit: raw\n  center_seq_len: 128\n")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--config", str(cfg), "--out", str(tmp_path / "p"),
+                         *FAST_ARGS, "--raw-keys")          # a centering recipe run uncentered: named, not refused
+    assert code == 0, err
+    assert "--center-fit raw and --center-seq-len 128 ignored: the keys are not centered (--center-keys)" in err
+    assert "k_centered" not in read_metadata(tmp_path / "p")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "b"), "--center-keys",
+                         "--center-fit", "mean")
+    assert_one_line_error(code, err, "unknown --center-fit 'mean'; choose from centered, raw")
+    code, _, err = oscar("calibrate", str(tiny_llama_dir), "--out", str(tmp_path / "b"), "--center-keys",
+                         "--center-seq-len", "128")
+    assert_one_line_error(code, err, "--center-seq-len takes the mean key over other windows than the fit's: it "
+                          "needs --center-fit raw")
+    assert not (tmp_path / "b").exists()
 
 
 def test_console_script_maps_errors_without_traceback(tmp_path):

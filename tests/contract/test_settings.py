@@ -123,6 +123,30 @@ def test_key_centering_is_one_flag_written_only_when_on():
     assert problems == ["metadata 'k_centered' is '1', expected 'true' or 'false'"]
 
 
+def test_key_centering_records_what_it_was_fitted_on():
+    """``key_center_fit`` is written with ``k_centered`` (``centered`` or ``raw``); a file without it
+    (written before the setting) reads as ``centered``; a fit without centering, or an unknown one, is
+    refused; an engine that does not subtract ``k_mean`` is told what it then serves."""
+    raw = ArtifactSettings(**BASE, key_centering=True, key_center_fit="raw")
+    md = raw.metadata()
+    assert md["k_center_fit"] == "raw" and ArtifactSettings.from_metadata(md) == raw
+    assert ArtifactSettings(**BASE, key_centering=True).metadata()["k_center_fit"] == "centered"
+    assert "k_center_fit" not in ArtifactSettings(**BASE).metadata()
+    old = {k: v for k, v in md.items() if k != "k_center_fit"}
+    assert ArtifactSettings.from_metadata(old).key_center_fit == "centered"
+    assert ArtifactSettings.read({**md, "k_center_fit": "mean"})[1] == [
+        "metadata 'k_center_fit' is 'mean', expected one of centered, raw"]
+    plain = {k: v for k, v in md.items() if k != "k_centered"}
+    assert ArtifactSettings.read(plain)[1] == [
+        "metadata 'k_center_fit' is 'raw' but the keys are not centered ('k_centered' is not 'true')"]
+    with pytest.raises(ArtifactError, match="k_center_fit"):
+        ArtifactSettings(**BASE, key_center_fit="raw")
+    warnings, _ = feature_lines(raw, {"windows", "per_head_rotations"}, "engine W")
+    assert warnings == ["engine W does not subtract the mean key (k_mean) this artifact was calibrated with: it "
+                        "serves the rotations, clips and group sizes on uncentered keys, as they were fitted "
+                        "(center_fit raw), without what centering gains"]
+
+
 def test_an_artifact_in_memory_holds_its_key_means_exactly_when_its_settings_say_so():
     art = build_artifact(centered=True)
     assert art.settings.key_centering and all(lr.k_mean.shape == (2, 8) for lr in art.layers)
