@@ -8,44 +8,17 @@ builds one and stores :meth:`ArtifactSettings.metadata`. Construction runs the s
 reading (:meth:`ArtifactSettings.problems`), so a writer cannot produce what a reader refuses, and
 every other module takes the typed values instead of re-parsing strings.
 
-=========================  =====================  ===============================================
-field                      metadata key           meaning
-=========================  =====================  ===============================================
-``num_layers`` …           ``num_layers``,        the model's attention geometry
-``head_dim``               ``num_attention_heads``,
-                           ``num_kv_heads``,
-                           ``head_dim``
-``group_size``             ``group_size``         the uniform INT2 group size (with per-layer
-                                                  sizes: the closest uniform size within the
-                                                  same bit budget, what a one-size engine serves)
-``layer_groups``           ``layer_group_sizes``, every layer's :class:`GroupPair` (keys,
-                           ``layer_v_group_sizes`` values); stored only where they differ from
-                                                  ``group_size`` (values: from the keys')
-``sink_tokens``,           ``sink_tokens``,       BF16 attention sink and recent window
-``recent_tokens``          ``recent_tokens``
-``logit_correction``       ``logit_correction``   gain of the logit-noise correction (0 = off,
-                                                  stored only when on)
-``granularity`` …          ``granularity``,       how the rotations were made
-                           ``composition``,
-                           ``k_objective``,
-                           ``v_objective``
-``v_folded``               ``v_folded``           the value rotation is folded into the weights
-``key_centering``          ``k_centered``         every layer stores its keys centered on the
-                                                  calibration's mean key (``layers.{i}.k_mean``)
-``key_center_fit``         ``k_center_fit``       with key centering: what the rotations, clips
-                                                  and group sizes were fitted on, ``centered``
-                                                  or ``raw`` keys (``defaults.CENTER_FITS``)
-``shared_clips``           ``fork_k_clip``,       one (K, V) clip pair for the shared per-layer
-                           ``fork_v_clip``        rotations (engines with one ratio per cache)
-``model_type``             ``model_type``         transformers' model type of the (text) model
-``layer_ids``              ``layer_ids``          the model's decoder-layer index of every
-                                                  artifact layer (a hybrid model: its attention
-                                                  layers only); stored when not ``0..n-1``
-``layer_head_dims``,       ``layer_head_dims``,   every layer's head_dim and KV heads (Gemma 4:
-``layer_kv_heads``         ``layer_kv_heads``     sliding and global layers differ); stored when
-                                                  some layer differs from layer 0, whose
-                                                  ``head_dim`` / ``num_kv_heads`` the metadata holds
-=========================  =====================  ===============================================
+Fields and their metadata keys (what each means: the artifact reference, docs/reference/artifact.md):
+the geometry ``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``head_dim`` (same keys);
+``group_size`` (the uniform size; with per-layer sizes, the closest uniform size within the same
+bit budget); ``layer_groups``, every layer's :class:`GroupPair` (``layer_group_sizes``,
+``layer_v_group_sizes``, stored where they differ from ``group_size``); ``sink_tokens``,
+``recent_tokens``; ``logit_correction`` (stored when on); ``granularity``, ``composition``,
+``k_objective``, ``v_objective``; ``v_folded``; ``key_centering`` (``k_centered``, with
+``layers.{i}.k_mean``) and ``key_center_fit`` (``k_center_fit``: ``centered`` or ``raw``,
+``defaults.CENTER_FITS``); ``shared_clips`` (``fork_k_clip``, ``fork_v_clip``); ``model_type``;
+``layer_ids`` (stored when not ``0..n-1``); ``layer_head_dims``, ``layer_kv_heads`` (stored where
+some layer differs from layer 0, whose sizes ``head_dim`` / ``num_kv_heads`` hold).
 
 Export targets declare which of these their engine serves (:data:`.features.FEATURES`, read by
 :mod:`oscar_calib.tools.export.base`). A new setting is one field here, its key in
