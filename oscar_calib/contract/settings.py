@@ -181,7 +181,8 @@ class ArtifactSettings:
             md[V_FOLDED_METADATA] = "true"
         if self.key_centering:
             md[KEY_CENTERING_METADATA] = "true"
-            md[KEY_CENTER_FIT_METADATA] = self.key_center_fit
+            if self.key_center_fit != "centered":       # absent reads as centered: a file written before
+                md[KEY_CENTER_FIT_METADATA] = self.key_center_fit   # the key round-trips unchanged
         if self.shared_clips is not None:
             md.update(zip(SHARED_CLIP_METADATA, (f"{c:g}" for c in self.shared_clips)))
         if self.model_type is not None:
