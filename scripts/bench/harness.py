@@ -30,9 +30,9 @@ as ``{benchmark}-{device}.json``. An accepted run becomes the current result,
 ``scripts/bench/results/{benchmark}-{device}.json``, replacing the old one (history stays in git):
 with ``--save`` on the machine that ran it, or later with ``python scripts/bench/run.py accept FILE``
 (a file fetched from a GPU machine). A run of some sections keeps the other sections of the
-current file and records where each came from (``carried``). The commit is ``git rev-parse`` of
-this checkout (``+dirty`` with uncommitted changes), or ``$OSCAR_BENCH_COMMIT`` where the tree has
-no ``.git`` (a copy on a GPU machine).
+current file and records where each came from (``carried``). The commit is ``$OSCAR_BENCH_COMMIT``
+when set (a copy of the tree on a GPU machine, whose ``.git`` may be missing or lag the files), else
+``git rev-parse`` of this checkout (``+dirty`` with uncommitted changes).
 """
 
 from __future__ import annotations
@@ -123,9 +123,13 @@ def versions() -> dict:
     return out
 
 
-def git_commit(root: Path = ROOT) -> str:
-    """This checkout's commit (short), ``+dirty`` with uncommitted changes to tracked files;
-    ``$OSCAR_BENCH_COMMIT`` where there is no git; else ``unknown``."""
+def git_commit(root: Path = ROOT, env=None) -> str:
+    """``$OSCAR_BENCH_COMMIT`` when set (in ``env``, default ``os.environ``): the commit a copied tree
+    holds, which its ``.git`` may not say; else this checkout's commit (short), ``+dirty`` with
+    uncommitted changes to tracked files; else ``unknown``."""
+    given = (os.environ if env is None else env).get("OSCAR_BENCH_COMMIT")
+    if given:
+        return given
     try:
         head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10)
@@ -135,7 +139,7 @@ def git_commit(root: Path = ROOT) -> str:
             return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("OSCAR_BENCH_COMMIT") or "unknown"
+    return "unknown"
 
 
 def run_program(main) -> None:

@@ -43,8 +43,8 @@ the **current result** for its benchmark and device, `scripts/bench/results/NAME
 from a GPU machine. It replaces the file before it (the history is in git). A run of some
 sections keeps the other sections of the current file, each recorded under `carried` with the
 commit, date and command that measured it. Every result carries `device`, `commit`, `date`,
-`command` and the library `versions`; on a machine whose copy of the tree has no `.git`, set
-`OSCAR_BENCH_COMMIT` to the commit it holds. The timing rules (`scripts/bench/harness.py`): CUDA
+`command` and the library `versions`; on a machine with a copy of the tree, set
+`OSCAR_BENCH_COMMIT` to the commit it holds (it wins over that copy's `.git`, which may lag). The timing rules (`scripts/bench/harness.py`): CUDA
 events or `triton.testing.do_bench` medians after a warm-up, CUDA-graph replays where host launch
 overhead is not what is measured, inputs random and rotated through copies larger than L2, every
 ratio against a baseline measured in the same run.

@@ -103,6 +103,15 @@ def test_new_result_header(harness):
         harness.new_result("nope", harness.Device(name="cpu", slug="cpu"), script="x.py", argv=[])
 
 
+def test_the_commit_given_wins_over_a_copied_trees_git(harness, tmp_path):
+    """``$OSCAR_BENCH_COMMIT`` names the tree a GPU machine holds, whatever its (possibly lagging)
+    ``.git`` says; without it, git's answer; without either, ``unknown``."""
+    assert harness.git_commit(env={"OSCAR_BENCH_COMMIT": "abc1234"}) == "abc1234"
+    mine = harness.git_commit(env={})
+    assert mine != "abc1234" and mine.split("+")[0] and mine != "unknown"       # this checkout's own
+    assert harness.git_commit(tmp_path, env={}) == "unknown"                    # no git here
+
+
 def test_install_keeps_the_sections_a_run_did_not_measure(harness, tmp_path):
     first = _doc(harness, rows=[{"variant": "default", "us_per_call": 6.0}], step=[{"method": "a"}], not_measured=[])
     path = harness.install_result(first, tmp_path)
