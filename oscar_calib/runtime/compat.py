@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from ..errors import UnsupportedModelError
+from ..errors import ArtifactError, UnsupportedModelError
 from ..versions import version_tuple
 
 SUPPORTED_TRANSFORMERS = (">=5.17", "<5.24")
@@ -88,8 +88,6 @@ def cache_layers(config, scheme, cls, options=None) -> list:
     layers in order as ``cls(scheme.layer(j), sliding_window=W, **options(slot, i))`` (``i`` the
     layer's index in the model; no options: none), and transformers' own state layer for every
     other layer. Refuses a scheme whose layer count is not the model's attention layers'."""
-    from ..errors import ArtifactError
-
     slots = cache_slots(config)
     attention = [slot for slot in slots if slot.attention]
     if len(attention) != scheme.num_layers:
