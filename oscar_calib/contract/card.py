@@ -175,7 +175,8 @@ def _eval_section(report: dict) -> list[str]:
                 lines += [f"![Needle retrieval against context length, per KV cache, with 95% intervals]"
                           f"({CARD_PLOTS['niah']})", ""]
         long = ev.get("long_ppl") if isinstance(ev.get("long_ppl"), dict) else {}
-        at = [(n, v) for n, v in long.items() if isinstance(v, dict) and "oscar" in v and "bf16" in v]
+        at = sorted(((n, v) for n, v in long.items() if isinstance(v, dict) and "oscar" in v and "bf16" in v),
+                    key=lambda nv: int(nv[0]) if str(nv[0]).isdigit() else 0)   # stored keys sort as text
         if at:
             lines += ["Perplexity at long contexts (the last tokens of long windows, table below): "
                       + "; ".join(f"{int(n):,} tokens: BF16 {v['bf16']:.3f}, this artifact {v['oscar']:.3f} "

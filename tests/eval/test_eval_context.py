@@ -182,6 +182,25 @@ def test_record_keeps_long_contexts_in_their_own_table(tmp_path):
     assert not (art / "eval-niah.png").exists() and "eval-niah.png" not in card
 
 
+def test_card_names_long_contexts_shortest_first(tmp_path):
+    """The stored report sorts its keys as text ("16384" before "8192"); the card's sentence reads
+    the lengths in numeric order."""
+    from factories import calibrate_tiny
+
+    from oscar_calib.eval.report import EvalResult, record_eval
+
+    art = tmp_path / "a"
+    calibrate_tiny(art)
+    settings = {"sink": 64, "recent": 256, "sequences": 1, "data": "x", "group_size": 64, "contexts": [8192, 16384],
+                "scored": {"8192": 1024, "16384": 1024}, "paths": {"bf16": "simulation (SimulatedKV)"}}
+    rows = [{"method": m, "context": n, "scored": 1024, "ppl": p, "bits_per_element": 2.5, "bits_at_context": 3.0,
+             "vs_bf16": 0.0} for m, n, p in (("bf16", 8192, 8.0), ("oscar", 8192, 8.4), ("bf16", 16384, 6.0),
+                                             ("oscar", 16384, 6.6))]
+    record_eval(art, EvalResult("ppl", "m", settings, rows))
+    card = (art / "README.md").read_text()
+    assert card.index("8,192 tokens: BF16 8.000") < card.index("16,384 tokens: BF16 6.000")
+
+
 def test_cli_eval_context(monkeypatch, tmp_path):
     from oscar_calib.eval.report import EvalResult
 
