@@ -1,12 +1,12 @@
 """scripts/bench/bench_kernels.py, in this process: its --quick runs (tiny shapes, the Triton
-interpreter) check, time and write every section; bad input and a machine without a GPU are one
-line and exit non-zero, nothing written."""
+interpreter) check, time and write every section; bad input is one line and
+exits non-zero, nothing written (the no-GPU line: test_gpu_bench_common.py)."""
 
 import json
 
 import pytest
 import torch
-from factories import load_script, quick_without_interpreter, script_error
+from factories import load_script, script_error
 
 from oscar_calib.kernels._common import interpreter_problem
 
@@ -19,22 +19,6 @@ QUICK = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def bench():
     return load_script("bench/bench_kernels.py")
-
-
-@pytest.mark.parametrize("argv", [["--variants", "[1, 2]"], []])
-def test_main_leaves_the_environment_as_it_found_it(bench, tmp_path, monkeypatch, argv):
-    # without the interpreter, --quick is refused in one line (bad input first), nothing changed
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    msg = quick_without_interpreter(bench.main, tmp_path / "out", argv)
-    assert ("TRITON_INTERPRET=1" in msg) == (not argv)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal; on a GPU the script benchmarks")
-def test_without_gpu_says_so_in_one_line(bench, tmp_path):
-    assert script_error(bench.main, ["--out", str(tmp_path)]) == (
-        "error: no CUDA device here; the benchmark needs a GPU (--quick runs a CPU smoke test under the Triton "
-        "interpreter)")
-    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("bad, why", [
