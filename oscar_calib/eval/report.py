@@ -246,6 +246,11 @@ PLOT_COLORS = {"bf16": "#888", "oscar": "#c55", "fork": "#e93", "fork-lloyd": "#
                "llamacpp": "#86b"}
 
 
+def _legend_outside(ax) -> None:
+    """The legend right of the axes, where it hides no point."""
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+
+
 def write_plot(path: Path, result: EvalResult) -> None:
     import io
 
@@ -253,6 +258,7 @@ def write_plot(path: Path, result: EvalResult) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     from ..fsutil import atomic_write_bytes
 
@@ -263,12 +269,16 @@ def write_plot(path: Path, result: EvalResult) -> None:
             pts = sorted((r["context"], r["ppl"]) for r in result.rows if r["method"] == m)
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=m, color=PLOT_COLORS.get(m))
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")                  # a 2-bit cache's gap is a ratio; Hadamard's would flatten it
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
         ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.minorticks_off()
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("perplexity of the last tokens")
+        ax.set_ylabel("perplexity of the last tokens (log)")
         ax.set_title(f"{result.model_id}\nthe last predictions of long windows; BF16 sink {result.settings['sink']} + "
                      f"recent {result.settings['recent']}", fontsize=9)
-        ax.legend()
+        _legend_outside(ax)
     elif result.task == "ppl":
         fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
         rows = result.rows
@@ -297,11 +307,14 @@ def write_plot(path: Path, result: EvalResult) -> None:
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=s["method"],
                         color=PLOT_COLORS.get(s["method"]))
         ax.set_xscale("log", base=2)
+        lengths = sorted({int(k) for s in summ for k in s["by_length"]})
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.minorticks_off()
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("NIAH exact match (95% interval)")
         ax.set_title(f"{result.model_id}: needle retrieval through the KV cache", fontsize=9)
-        ax.legend()
+        _legend_outside(ax)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
