@@ -280,3 +280,34 @@ def plan_tokens(tokenizer, *, data: str = EMBEDDED, split: str = "train", text_f
     if len(cal[-1]) < 2:
         cal.pop()
     return TokenPlan(calibration=cal, heldout=held, source=source)
+
+
+def same_embedded_text(calibration: dict, tokenizer) -> bool | None:
+    """Whether this interpreter's embedded corpus, cut as an artifact's calibration record says
+    (``tokens``, ``seq_len``, ``seed``, ``heldout_tokens``), gives the token ids that artifact was
+    calibrated on (its ``token_sha256``). False: another text (the embedded corpora are the
+    interpreter's own ``pydoc_data`` and standard library, which differ between Python versions) or
+    another tokenizer. None: the record does not say (not an embedded corpus, or no digest). The
+    held-out sequences are not recorded apart; 1, 2, 4 and 8 are tried."""
+    data, want = str(calibration.get("data", "")), calibration.get("token_sha256")
+    name = next((n for n, (_, label) in EMBEDDED_SOURCES.items() if data.startswith(label + "[")), None)
+    try:
+        tokens, seq_len, seed, held = (int(calibration[k]) for k in ("tokens", "seq_len", "seed", "heldout_tokens"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if name is None or not want:
+        return None
+    documents = load_texts(name)
+    for seqs in (1, 2, 4, 8):
+        if held % seqs:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", OscarWarning)
+                plan = plan_tokens(tokenizer, data=name, tokens=tokens, seq_len=seq_len, heldout_tokens=held // seqs,
+                                   heldout_seqs=seqs, seed=seed, documents=documents)
+        except (DataError, InputError):
+            continue
+        if plan.sha256() == want:
+            return True
+    return False

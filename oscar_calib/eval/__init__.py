@@ -59,6 +59,20 @@ from .ppl import evaluate_ppl, heldout_sequences
 from .report import EvalResult, eval_headline, eval_text, record_eval, write_plot
 
 
+def _same_text(art, tokenizer) -> bool:
+    """False only when the artifact's calibration record names an embedded corpus whose tokens this
+    interpreter does not reproduce (:func:`~oscar_calib.data.corpus.same_embedded_text`)."""
+    import json
+
+    from ..data.corpus import same_embedded_text
+
+    try:
+        record = json.loads(art.metadata.get("calibration") or "{}")
+    except ValueError:
+        return True
+    return same_embedded_text(record, tokenizer) is not False
+
+
 def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None = None, *, loaded=None,
              device: str = "auto", dtype: str = "auto", plot: Path | None = None,
              progress: ProgressFn | None = None, placement=None) -> EvalResult:
@@ -68,7 +82,7 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     an artifact the methods that need one are left out (:func:`~.methods.resolve_methods`). ``options``
     None: the defaults (perplexity). Used by ``oscar eval``."""
     from ..contract.artifact import load_artifact, require_compatible
-    from ..data.corpus import check_data_path
+    from ..data.corpus import EMBEDDED_SOURCES, check_data_path
     from ..model.load import load_model
 
     opts = options_for(options)
@@ -82,6 +96,11 @@ def run_eval(model: str, artifact_path: Path | None, options: EvalOptions | None
     lm = loaded or load_model(model, device=device, dtype=dtype, placement=placement, progress=progress)
     if art is not None:
         require_compatible(art, lm.geometry, lm.fingerprint, model_name=lm.source.model_id)
+        if opts.task == "ppl" and opts.data in EMBEDDED_SOURCES and not _same_text(art, lm.tokenizer):
+            notes = notes + [f"{artifact_path} was calibrated on another text than this Python's embedded corpora "
+                             "(its calibration tokens do not match here: another Python's pydoc_data and standard "
+                             "library, or another tokenizer); perplexities measured here are not comparable with "
+                             "the ones on its card"]
     fn = evaluate_ppl if opts.task == "ppl" else evaluate_niah
     result = fn(lm, opts, artifact=art, progress=progress)
     if notes:

@@ -2,6 +2,7 @@
 corpora and their halves, the seeded token plan."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,43 @@ def test_embedded_code_is_a_second_corpus_split_in_halves(char_tokenizer):
     assert not cal_rows & {tuple(s.tolist()) for s in held.heldout}
     assert held.sha256() == plan_tokens(char_tokenizer, **kw, corpus_split="heldout").sha256()   # deterministic
     assert embedded_code_texts() == texts
+
+
+def test_same_embedded_text_tells_another_pythons_corpus(tmp_path, monkeypatch):
+    """An artifact's calibration tokens are rebuilt from its record on this interpreter's corpus:
+    equal here (one held-out sequence or two), different once the corpus text changes (another
+    Python's pydoc_data), unknown for a record without a digest or of a file."""
+    from factories import calibrate_tiny, loaded_tiny
+
+    from oscar_calib.contract.artifact import load_artifact
+    from oscar_calib.data import corpus
+
+    lm = loaded_tiny()
+    records = []
+    for name, seqs in (("one", 1), ("two", 2)):
+        calibrate_tiny(tmp_path / name, loaded=lm, heldout_seqs=seqs)
+        records.append(json.loads(load_artifact(tmp_path / name).metadata["calibration"]))
+        assert corpus.same_embedded_text(records[-1], lm.tokenizer) is True
+    texts, label = corpus.EMBEDDED_SOURCES["embedded"]
+    monkeypatch.setitem(corpus.EMBEDDED_SOURCES, "embedded", (lambda: [t.replace(" the ", " teh ") for t in texts()],
+                                                               label))
+    assert [corpus.same_embedded_text(r, lm.tokenizer) for r in records] == [False, False]
+    assert corpus.same_embedded_text({**records[0], "token_sha256": None}, lm.tokenizer) is None
+    assert corpus.same_embedded_text({**records[0], "data": "notes.txt"}, lm.tokenizer) is None
+
+
+def test_eval_names_an_artifact_calibrated_on_another_text(tmp_path, monkeypatch):
+    from factories import calibrate_tiny, loaded_tiny
+
+    from oscar_calib.data import corpus
+    from oscar_calib.eval import EvalOptions, run_eval
+
+    lm = loaded_tiny()
+    calibrate_tiny(tmp_path / "a", loaded=lm)
+    opts = EvalOptions(methods="bf16,oscar", sequences=1, seq_len=64)
+    assert not run_eval("tiny", tmp_path / "a", opts, loaded=lm).settings.get("notes")
+    texts, label = corpus.EMBEDDED_SOURCES["embedded"]
+    monkeypatch.setitem(corpus.EMBEDDED_SOURCES, "embedded", (lambda: [t.replace(" the ", " teh ") for t in texts()],
+                                                               label))
+    notes = run_eval("tiny", tmp_path / "a", opts, loaded=lm).settings.get("notes")
+    assert any("calibrated on another text than this Python's embedded corpora" in n for n in notes)
