@@ -176,7 +176,7 @@ def _eval_section(report: dict) -> list[str]:
                           f"({CARD_PLOTS['niah']})", ""]
         long = ev.get("long_ppl") if isinstance(ev.get("long_ppl"), dict) else {}
         at = sorted(((n, v) for n, v in long.items() if isinstance(v, dict) and "oscar" in v and "bf16" in v),
-                    key=lambda nv: int(nv[0]) if str(nv[0]).isdigit() else 0)   # stored keys sort as text
+                    key=lambda nv: int(nv[0]))              # the stored keys sort as text: "16384" < "8192"
         if at:
             lines += ["Perplexity at long contexts (the last tokens of long windows, table below): "
                       + "; ".join(f"{int(n):,} tokens: BF16 {v['bf16']:.3f}, this artifact {v['oscar']:.3f} "
