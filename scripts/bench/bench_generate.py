@@ -196,16 +196,22 @@ def main(argv=None) -> dict:
             capacity,
             copy_bandwidth,
             fair_record,
+            flashinfer_baseline,
             profile_record,
         )
 
         res.data["copy_bandwidth"] = copy_bandwidth()
+        if "fair" in sections:
+            res.data["flashinfer"] = _attempt(res, "flashinfer", lambda: flashinfer_baseline(model))
+            print(json.dumps({"flashinfer": res.data["flashinfer"]}), flush=True)
+        fi_forms = res.data.get("flashinfer", {}).get("forms", [])
         for batch, tokens in fair_configs if "fair" in sections else []:
             if late(f"fair {batch}x{tokens}"):
                 break
             rec = {"batch": batch, "tokens": tokens}
             rec.update(_attempt(res, f"fair {batch}x{tokens}",
-                                lambda: fair_record(model, batch, tokens, args, res.data["copy_bandwidth"])))
+                                lambda: fair_record(model, batch, tokens, args, res.data["copy_bandwidth"],
+                                                                  fi_forms)))
             res.add("fair", rec)
             print(json.dumps(rec), flush=True)
         for batch, tokens in [(1, 16384), (1, 131072)] if "profile" in sections else []:

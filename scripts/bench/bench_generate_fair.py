@@ -13,6 +13,12 @@ forms, both recorded in a CUDA graph and, with ``compile``, with the decoder lay
 * ``flash``: flash attention's variable-length form over a token-major ``[B * cap, H, d]`` cache
   with the lengths on the device (``seqused_k``), so one graph serves a growing history: timed as
   a greedy loop, like ``DecodeGraph``'s.
+* ``flashinfer_cuda_cores`` / ``flashinfer_tensor_cores``: what a serving engine runs, FlashInfer's
+  ``BatchDecodeWithPagedKVCacheWrapper`` over a paged ``[pages, 2, 16, H, d]`` pool per layer
+  (one shuffled page table for every layer), planned on the host for the prefix before a step is
+  recorded, timed like ``sdpa``; the two forms of :mod:`kernels_flashinfer`, the faster counts.
+  Where FlashInfer cannot run, :func:`flashinfer_baseline` says why in one line and the result
+  records it.
 
 transformers' stock ``StaticCache`` + SDPA reads the whole preallocated cache through a mask at
 every step: ``bench_generate`` keeps it as "transformers' stock path", never as the baseline.
@@ -34,7 +40,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from oscar_calib.model.capture import AttentionRoute
 
 ATTENTION_NAME = "bf16_prefix"
-MODES = ("sdpa", "flash")
+FI_PREFIX = "flashinfer_"
+MODES = ("sdpa", "flash", "flashinfer_cuda_cores", "flashinfer_tensor_cores")
 _ACTIVE: list = []
 
 
@@ -45,12 +52,16 @@ class PrefixLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, mode: str, batch: int, heads: int, d: int, cap: int, device, dtype):
+    def __init__(self, mode: str, batch: int, heads: int, d: int, cap: int, device, dtype, paged=None):
         super().__init__()
-        self.mode, self.batch, self.heads, self.d, self.cap = mode, batch, heads, d, cap
-        shape = (batch, heads, cap, d) if mode == "sdpa" else (batch * cap, heads, d)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.mode, self.batch, self.heads, self.d, self.cap, self.paged = mode, batch, heads, d, cap, paged
+        if paged is not None:    # FlashInfer: one pool of pages (keys at [:, 0], values at [:, 1])
+            self.kv = torch.zeros(paged.pages, 2, paged.page, heads, d, device=device, dtype=dtype)
+            self.first = paged.indptr[:-1].long()                           # each row's first page entry
+        else:
+            shape = (batch, heads, cap, d) if mode == "sdpa" else (batch * cap, heads, d)
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, device=device) * cap                 # first slot of each row
         self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -59,8 +70,10 @@ class PrefixLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def fill(self, tokens: int) -> None:
-        """``tokens`` random tokens per row (what a prefill would leave)."""
-        for t in (self.k, self.v):
+        """``tokens`` random tokens per row (what a prefill would leave; FlashInfer's whole pool)."""
+        if self.paged is not None:
+            self.kv.normal_()
+        for t in () if self.paged is not None else (self.k, self.v):
             view = t if self.mode == "sdpa" else t.view(self.batch, self.cap, self.heads, self.d)
             (view[:, :, :tokens] if self.mode == "sdpa" else view[:, :tokens]).normal_()
         self.lengths.fill_(tokens)
@@ -73,7 +86,12 @@ class PrefixLayer(CacheLayerMixin):
         """Store one new token per row at each row's length (device indices: graph-safe)."""
         if key_states.shape[2] != 1:
             raise ValueError("the BF16 baseline cache takes decode steps only (fill() stands for the prefill)")
-        if self.mode == "sdpa":
+        if self.paged is not None:
+            pos = self.lengths.long()
+            pages = self.paged.indices[self.first + pos // self.paged.page].long()
+            self.kv[pages, 0, pos % self.paged.page] = key_states[:, :, 0]
+            self.kv[pages, 1, pos % self.paged.page] = value_states[:, :, 0]
+        elif self.mode == "sdpa":
             idx = self.lengths.long().view(-1, 1, 1, 1).expand(-1, self.heads, 1, self.d)
             self.k.scatter_(2, idx, key_states)
             self.v.scatter_(2, idx, value_states)
@@ -87,6 +105,13 @@ class PrefixLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query row per head ``[B, Hq, 1, d]`` over the held tokens: ``[B, 1, Hq, d]``."""
+        if self.paged is not None:
+            self.paged.scale = scale
+            if torch.cuda.is_current_stream_capturing() and self.paged.planned != ([self.seen] * self.batch, scale):
+                raise RuntimeError(f"FlashInfer is planned for {self.paged.planned}, not {self.seen} tokens: "
+                                   "prepare() the cache before recording")
+            self.paged.plan([self.seen] * self.batch, scale)
+            return self.paged(query[:, :, 0].contiguous(), self.kv, None).unsqueeze(1)
         if self.mode == "sdpa":
             n = self.seen
             out = F.scaled_dot_product_attention(query, self.k[:, :, :n], self.v[:, :, :n], scale=scale,
@@ -96,6 +121,18 @@ class PrefixLayer(CacheLayerMixin):
         out = torch.ops.aten._flash_attention_forward(q, self.k, self.v, self.cu_q, self.cu_k, 1, self.cap, 0.0,
                                                       False, False, scale=scale, seqused_k=self.lengths)[0]
         return out.unsqueeze(1)
+
+    def dense(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``tokens`` keys and values of each row, ``[B, H, tokens, d]`` each."""
+        if self.paged is not None:
+            per = -(-tokens // self.paged.page)
+            rows = [self.kv[self.paged.indices[int(f):int(f) + per].long()] for f in self.first]
+            return tuple(torch.stack([r[:, i].flatten(0, 1)[:tokens] for r in rows]).transpose(1, 2)
+                         for i in (0, 1))
+        if self.mode == "sdpa":
+            return self.k[:, :, :tokens], self.v[:, :, :tokens]
+        return tuple(t.view(self.batch, self.cap, self.heads, self.d)[:, :tokens].transpose(1, 2)
+                     for t in (self.k, self.v))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, self.seen            # the mask covers this call's token; the lengths the rest
@@ -121,8 +158,26 @@ class PrefixCache(Cache):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         h, d = config.num_key_value_heads, config.head_dim
-        super().__init__(layers=[PrefixLayer(mode, batch, h, d, cap, device, dtype)
+        paged = None
+        if mode.startswith(FI_PREFIX):
+            from kernels_flashinfer import FORMS, Decode, flashinfer_status
+
+            status = flashinfer_status(cuda=torch.device(device).type == "cuda")
+            if not status["available"]:
+                raise RuntimeError(status["skipped"])
+            shape = {"q_heads": config.num_attention_heads, "kv_heads": h, "head_dim": d}
+            paged = Decode(status["module"], [cap] * batch, shape, device,
+                           tensor_cores=FORMS[mode[len(FI_PREFIX):]])
+            paged.scale = None
+        super().__init__(layers=[PrefixLayer(mode, batch, h, d, cap, device, dtype, paged)
                                  for _ in range(config.num_hidden_layers)])
+        self.paged = paged
+
+    def prepare(self, tokens: int) -> None:
+        """Plan FlashInfer for a step that reads ``tokens`` tokens per row (host work, outside a
+        graph's recording; the scale is the one the last step used). Nothing to do for the rest."""
+        if self.paged is not None:
+            self.paged.plan([tokens] * self.layers[0].batch, self.paged.scale)
 
     def fill(self, tokens: int) -> "PrefixCache":
         for layer in self.layers:
@@ -185,6 +240,7 @@ def replay_ms(model, mode: str, batch: int, tokens: int, *, compile: bool = Fals
             _step(model, cache, ids, pos)
         for layer in cache.layers:
             layer.seen = tokens                              # the recording reads the prefix of `tokens`
+        cache.prepare(tokens + 1)                            # (and the token it stores)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -308,10 +364,7 @@ def agrees_with_dynamic(model, mode: str, batch: int, tokens: int, steps: int = 
     ours = PrefixCache(model.config, mode, batch, tokens + steps + 1, dev, model.dtype).fill(tokens)
     ref = DynamicCache(config=model.config)
     for i, layer in enumerate(ours.layers):
-        if mode == "sdpa":
-            k, v = layer.k[:, :, :tokens], layer.v[:, :, :tokens]
-        else:
-            k, v = (t.view(batch, layer.cap, layer.heads, layer.d)[:, :tokens].transpose(1, 2) for t in (layer.k, layer.v))
+        k, v = layer.dense(tokens)
         ref.update(k.clone(), v.clone(), i)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     worst = 0.0
@@ -337,9 +390,36 @@ def int2_kv_bytes(model, batch: int, tokens: int, group_size: int, sink: int = 6
     return n * 2 * h * batch * per_row
 
 
-def fair_record(model, batch: int, tokens: int, args, bandwidth: float) -> dict:
-    """One row of the fair table: the BF16 baseline in both forms and the OSCAR cache through
-    ``DecodeGraph``, plain and compiled, with each step's bytes and roofline."""
+def flashinfer_baseline(model, batch: int = 2, tokens: int = 300) -> dict:
+    """FlashInfer's forms that run here and compute the model's attention (greedy logits within 2%
+    of transformers' ``DynamicCache`` over the same K/V, as the other forms' tests ask):
+    ``{"version", "forms": [...], "checks": {form: diff or error}}``, or ``{"skipped": why}`` in one
+    line where none does."""
+    from kernels_flashinfer import FORMS, flashinfer_status
+
+    status = flashinfer_status(cuda=model.device.type == "cuda")
+    if not status["available"]:
+        return {"skipped": status["skipped"]}
+    res = {"version": status["version"], "forms": [], "checks": {}}
+    for form in FORMS:
+        try:
+            diff = agrees_with_dynamic(model, FI_PREFIX + form, batch, tokens)
+        except Exception as e:  # noqa: BLE001 - this form is left out, with its reason
+            res["checks"][form] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        res["checks"][form] = diff
+        if diff < 2e-2:
+            res["forms"].append(form)
+    if not res["forms"]:
+        res["skipped"] = f"FlashInfer {status['version']}: no form agrees or runs ({res['checks']})"
+    torch.cuda.empty_cache()
+    return res
+
+
+def fair_record(model, batch: int, tokens: int, args, bandwidth: float, flashinfer_forms=()) -> dict:
+    """One row of the fair table: the BF16 baseline in each form (FlashInfer's ``flashinfer_forms``,
+    those :func:`flashinfer_baseline` passed) and the OSCAR cache through ``DecodeGraph``, plain and
+    compiled, with each step's bytes and roofline."""
     from bench_generate_runs import graph_decode
 
     wbytes = weight_bytes(model, batch)
@@ -352,12 +432,21 @@ def fair_record(model, batch: int, tokens: int, args, bandwidth: float) -> dict:
     for compiled in (False, True):
         tag = "compiled_" if compiled else ""
         rec[f"{tag}bf16_sdpa_replay_ms"] = replay_ms(model, "sdpa", batch, tokens, compile=compiled)
+        for form in flashinfer_forms:
+            rec[f"{tag}bf16_{FI_PREFIX}{form}_replay_ms"] = replay_ms(model, FI_PREFIX + form, batch, tokens,
+                                                                    compile=compiled)
+            torch.cuda.empty_cache()
+        if flashinfer_forms:
+            best = min(flashinfer_forms, key=lambda f: rec[f"{tag}bf16_{FI_PREFIX}{f}_replay_ms"])
+            rec[f"{tag}bf16_flashinfer_replay_ms"] = rec[f"{tag}bf16_{FI_PREFIX}{best}_replay_ms"]
+            rec[f"{tag}flashinfer_form"] = best
         flash = loop(model, batch, tokens, args.new, compile=compiled)
         rec[f"{tag}bf16_flash_loop_ms"] = flash["wall_ms_per_step"]
         int2 = graph_decode(model, batch, tokens, args.new, args, compile=compiled)
         rec[f"{tag}int2_loop_ms"] = int2["graph_wall_ms_per_step"]
         rec[f"{tag}setup_s"] = {"bf16_flash": flash["setup_s"], "int2": int2["graph_setup_s"]}
-        bf16 = min(rec[f"{tag}bf16_sdpa_replay_ms"], rec[f"{tag}bf16_flash_loop_ms"])
+        bf16 = min(rec[f"{tag}bf16_sdpa_replay_ms"], rec[f"{tag}bf16_flash_loop_ms"],
+                   rec.get(f"{tag}bf16_flashinfer_replay_ms", float("inf")))
         rec[f"{tag}bf16_ms"] = bf16
         rec[f"{tag}speedup"] = bf16 / rec[f"{tag}int2_loop_ms"]
         rec[f"{tag}bf16_roofline_pct"] = 100 * rec["bf16_roofline_ms"] / bf16

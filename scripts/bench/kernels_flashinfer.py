@@ -91,7 +91,6 @@ class Decode:
     prefill kernel with one query row per request)."""
 
     def __init__(self, fi, lengths: list[int], shape: dict, dev, page: int = PAGE, tensor_cores: bool = False):
-        qh, h, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
         indptr, indices, last, self.pages = page_table(lengths, page, dev)
         self.indptr, self.indices, self.page, self.shape = indptr, indices, page, shape
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
@@ -99,9 +98,28 @@ class Decode:
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=torch.empty_like(indptr), paged_kv_indices_buffer=torch.empty_like(indices),
             paged_kv_last_page_len_buffer=torch.empty_like(last))
-        self.wrapper.plan(indptr, indices, last, qh, h, d, page, pos_encoding_mode="NONE",
-                          q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        self.planned = None
+        self.plan(lengths)
         self.backend = str(getattr(self.wrapper, "resolved_backend", "unknown"))
+
+    def plan(self, lengths: list[int], sm_scale: float | None = None) -> None:
+        """Plan the wrapper for the first ``lengths[b]`` tokens of each sequence's pages (at most the
+        lengths the page table was made for); a plan is host work, made before a graph records
+        ``run``."""
+        if self.planned == (list(lengths), sm_scale):
+            return
+        qh, h, d = self.shape["q_heads"], self.shape["kv_heads"], self.shape["head_dim"]
+        first = self.indptr.tolist()
+        per = [max(1, math.ceil(n / self.page)) for n in lengths]
+        if any(p > first[b + 1] - first[b] for b, p in enumerate(per)):
+            raise ValueError(f"lengths {lengths} exceed the page table of this Decode")
+        dev = self.indptr.device
+        indptr = torch.tensor([0] + [sum(per[: b + 1]) for b in range(len(per))], dtype=torch.int32, device=dev)
+        indices = torch.cat([self.indices[first[b]:first[b] + p] for b, p in enumerate(per)])
+        last = torch.tensor([n - (p - 1) * self.page for n, p in zip(lengths, per)], dtype=torch.int32, device=dev)
+        self.wrapper.plan(indptr, indices, last, qh, h, d, self.page, pos_encoding_mode="NONE",
+                          q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=sm_scale)
+        self.planned = (list(lengths), sm_scale)
 
     def random_cache(self, dev) -> torch.Tensor:
         h, d = self.shape["kv_heads"], self.shape["head_dim"]

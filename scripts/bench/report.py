@@ -87,9 +87,10 @@ cache with the Triton kernels. **Baseline: BF16 at its best at decode** (`bench_
 a static BF16 cache whose attention reads only the tokens it holds, unmasked, one query row per
 head with the GQA group inside flash attention, recorded in a CUDA graph and, in the compiled
 rows, with the decoder layers through `torch.compile` exactly as `DecodeGraph(compile=True)`
-compiles them; the faster of SDPA over the exact prefix (one graph per length, replayed) and
+compiles them; the fastest of SDPA over the exact prefix (one graph per length, replayed),
 flash attention's variable-length form (one graph for a growing history, timed as a greedy loop
-like `DecodeGraph`'s). The roofline of a step is the bytes it must read (weights, the embedding
+like `DecodeGraph`'s) and, where it runs, FlashInfer's paged decode as serving engines call it
+(replayed like SDPA). The roofline of a step is the bytes it must read (weights, the embedding
 table at the batch's rows only, the KV cache as stored) over the copy bandwidth measured in the
 same run. The transformers rows below it (`DynamicCache` + SDPA eager, `StaticCache` + SDPA in a
 CUDA graph) are **transformers' stock path**, shown for reference only: they read the cache
@@ -265,15 +266,33 @@ def _fair(doc: dict) -> list[str]:
         for tag, label in (("", "no"), ("compiled_", "yes")):
             b, i = r[f"{tag}bf16_ms"], r[f"{tag}int2_loop_ms"]
             rows.append([f"{r['batch']} × {_ctx(r['tokens'])}", label, _f(r[f"{tag}bf16_sdpa_replay_ms"], ".2f"),
-                         _f(r[f"{tag}bf16_flash_loop_ms"], ".2f"), _f(i, ".2f"), f"**{r[f'{tag}speedup']:.2f}×**",
+                         _f(r[f"{tag}bf16_flash_loop_ms"], ".2f"), _fi_cell(r, tag), _f(i, ".2f"),
+                         f"**{r[f'{tag}speedup']:.2f}×**",
                          f"{r[f'{tag}bf16_roofline_pct']:.0f}% of {r['bf16_roofline_ms']:.2f}",
                          f"{r[f'{tag}int2_roofline_pct']:.0f}% of {r['int2_roofline_ms']:.2f}",
                          f"{1e3 * r['batch'] / b:.1f} / {1e3 * r['batch'] / i:.1f}"])
     out = [f"Decode step, ms (roofline: bytes read per step over {_f(bw and bw / 1e12, '.2f')} TB/s, the copy "
            "bandwidth measured in the same run):", ""]
-    out += _table(["batch × context", "compiled", "BF16 SDPA replay", "BF16 flash loop", "INT2 `DecodeGraph` loop",
-                   "INT2 speed-up vs BF16", "BF16 roofline, ms", "INT2 roofline, ms", "tok/s BF16 / INT2"], rows)
+    out += _table(["batch × context", "compiled", "BF16 SDPA replay", "BF16 flash loop", "BF16 FlashInfer replay",
+                   "INT2 `DecodeGraph` loop", "INT2 speed-up vs BF16 (fastest BF16)", "BF16 roofline, ms",
+                   "INT2 roofline, ms", "tok/s BF16 / INT2"], rows)
+    fi = doc.get("flashinfer")
+    if not isinstance(fi, dict):
+        out += ["", "FlashInfer was not timed in this run."]
+    elif fi.get("forms"):
+        out += ["", f"FlashInfer {fi['version']}: `BatchDecodeWithPagedKVCacheWrapper` over pages of 16 tokens "
+                "(the faster of its CUDA-core and tensor-core forms, named in the cell)."]
+    else:
+        out += ["", f"FlashInfer not timed: {fi.get('skipped') or fi.get('error') or 'no reason recorded'}."]
     return out + [""]
+
+
+def _fi_cell(r: dict, tag: str) -> str:
+    ms = r.get(f"{tag}bf16_flashinfer_replay_ms")
+    if ms is None:
+        return "–"
+    form = r.get(f"{tag}flashinfer_form", "")
+    return f"{ms:.2f} ({form.replace('_', ' ')})" if form else f"{ms:.2f}"
 
 
 def _profile(doc: dict) -> list[str]:
