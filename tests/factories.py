@@ -339,7 +339,9 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
 # first model it loads.
 SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
                               "TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH", "TRITON_CACHE_DIR",
-                              "HF_HUB_DISABLE_PROGRESS_BARS"})
+                              "HF_HUB_DISABLE_PROGRESS_BARS",
+                              # set at import by FlashInfer and its CUTLASS DSL (the GPU machine's bundle)
+                              "CUTE_DSL_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
 
 
 def triton_interpret_flag():

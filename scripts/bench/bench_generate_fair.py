@@ -162,7 +162,9 @@ class PrefixCache(Cache):
         if mode.startswith(FI_PREFIX):
             from kernels_flashinfer import FORMS, Decode, flashinfer_status
 
-            status = flashinfer_status(cuda=torch.device(device).type == "cuda")
+            if torch.device(device).type != "cuda":
+                raise RuntimeError("FlashInfer needs a CUDA device (this run is on the CPU)")
+            status = flashinfer_status(cuda=True)
             if not status["available"]:
                 raise RuntimeError(status["skipped"])
             shape = {"q_heads": config.num_attention_heads, "kv_heads": h, "head_dim": d}
@@ -391,16 +393,23 @@ def int2_kv_bytes(model, batch: int, tokens: int, group_size: int, sink: int = 6
 
 
 def flashinfer_baseline(model, batch: int = 2, tokens: int = 300) -> dict:
-    """FlashInfer's forms that run here and compute the model's attention (greedy logits within 2%
-    of transformers' ``DynamicCache`` over the same K/V, as the other forms' tests ask):
-    ``{"version", "forms": [...], "checks": {form: diff or error}}``, or ``{"skipped": why}`` in one
-    line where none does."""
+    """FlashInfer's forms that run here and compute the model's attention: the greedy logits'
+    relative distance to transformers' ``DynamicCache`` over the same K/V within ``tolerance``, the
+    larger of 2% and 1.5 times the ``flash`` form's own distance (another BF16 flash kernel in the
+    same model: 36 random layers carry a BF16 kernel's rounding to about 5% of the logits, where
+    the ``sdpa`` form, the reference's own kernel, is at 0). Returns ``{"version", "forms": [...],
+    "checks": {form: distance or error}, "tolerance"}``, with ``skipped`` (one line) where no form
+    runs and agrees."""
     from kernels_flashinfer import FORMS, flashinfer_status
 
-    status = flashinfer_status(cuda=model.device.type == "cuda")
+    if model.device.type != "cuda":
+        return {"skipped": "FlashInfer needs a CUDA device (this run is on the CPU)"}
+    status = flashinfer_status(cuda=True)
     if not status["available"]:
         return {"skipped": status["skipped"]}
-    res = {"version": status["version"], "forms": [], "checks": {}}
+    flash = agrees_with_dynamic(model, "flash", batch, tokens)
+    res = {"version": status["version"], "forms": [], "checks": {"flash": flash},
+           "tolerance": max(2e-2, 1.5 * flash)}
     for form in FORMS:
         try:
             diff = agrees_with_dynamic(model, FI_PREFIX + form, batch, tokens)
@@ -408,7 +417,7 @@ def flashinfer_baseline(model, batch: int = 2, tokens: int = 300) -> dict:
             res["checks"][form] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         res["checks"][form] = diff
-        if diff < 2e-2:
+        if diff < res["tolerance"]:
             res["forms"].append(form)
     if not res["forms"]:
         res["skipped"] = f"FlashInfer {status['version']}: no form agrees or runs ({res['checks']})"
