@@ -218,3 +218,20 @@ def test_run_lists_and_refuses_unknown_names(capsys):
         run.main(["nope"])
     with pytest.raises(SystemExit, match="accept needs one or more result files"):
         run.main(["accept"])
+
+
+def test_the_fair_table_names_flashinfer_s_form_or_why_it_is_absent():
+    report = load_script("bench/report.py")
+    row = {"batch": 1, "tokens": 131072, "bf16_roofline_ms": 8.0, "int2_roofline_ms": 4.0}
+    for tag in ("", "compiled_"):
+        row.update({f"{tag}bf16_sdpa_replay_ms": 10.0, f"{tag}bf16_flash_loop_ms": 11.0, f"{tag}bf16_ms": 10.0,
+                    f"{tag}int2_loop_ms": 7.0, f"{tag}speedup": 10 / 7, f"{tag}bf16_roofline_pct": 80.0,
+                    f"{tag}int2_roofline_pct": 57.0})
+    timed = dict(row, bf16_flashinfer_replay_ms=10.5, flashinfer_form="tensor_cores")
+    text = "\n".join(report._fair({"fair": [timed], "copy_bandwidth": 4.2e12,
+                                   "flashinfer": {"version": "0.7.4", "forms": ["tensor_cores"]}}))
+    assert "| 10.50 (tensor cores) |" in text and "FlashInfer 0.7.4:" in text
+    text = "\n".join(report._fair({"fair": [row], "copy_bandwidth": 4.2e12,
+                                   "flashinfer": {"skipped": "FlashInfer not importable here (ImportError: x)"}}))
+    assert "FlashInfer not timed: FlashInfer not importable here (ImportError: x)." in text
+    assert "FlashInfer was not timed in this run." in "\n".join(report._fair({"fair": [row], "copy_bandwidth": 4.2e12}))
