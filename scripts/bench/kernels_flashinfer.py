@@ -105,7 +105,8 @@ class Decode:
     def plan(self, lengths: list[int], sm_scale: float | None = None) -> None:
         """Plan the wrapper for the first ``lengths[b]`` tokens of each sequence's pages (at most the
         lengths the page table was made for); a plan is host work, made before a graph records
-        ``run``."""
+        ``run``. ``sm_scale`` is ``plan``'s keyword in flashinfer-python 0.7.4 (``flashinfer/decode.py``;
+        None there means ``1/sqrt(head_dim)``)."""
         if self.planned == (list(lengths), sm_scale):
             return
         qh, h, d = self.shape["q_heads"], self.shape["kv_heads"], self.shape["head_dim"]
