@@ -73,9 +73,10 @@ class PrefixLayer(CacheLayerMixin):
         """``tokens`` random tokens per row (what a prefill would leave; FlashInfer's whole pool)."""
         if self.paged is not None:
             self.kv.normal_()
-        for t in () if self.paged is not None else (self.k, self.v):
-            view = t if self.mode == "sdpa" else t.view(self.batch, self.cap, self.heads, self.d)
-            (view[:, :, :tokens] if self.mode == "sdpa" else view[:, :tokens]).normal_()
+        else:
+            for t in (self.k, self.v):
+                view = t if self.mode == "sdpa" else t.view(self.batch, self.cap, self.heads, self.d)
+                (view[:, :, :tokens] if self.mode == "sdpa" else view[:, :tokens]).normal_()
         self.lengths.fill_(tokens)
         self.seen = tokens
 
@@ -106,7 +107,6 @@ class PrefixLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query row per head ``[B, Hq, 1, d]`` over the held tokens: ``[B, 1, Hq, d]``."""
         if self.paged is not None:
-            self.paged.scale = scale
             if torch.cuda.is_current_stream_capturing() and self.paged.planned != ([self.seen] * self.batch, scale):
                 raise RuntimeError(f"FlashInfer is planned for {self.paged.planned}, not {self.seen} tokens: "
                                    "prepare() the cache before recording")
@@ -170,16 +170,15 @@ class PrefixCache(Cache):
             shape = {"q_heads": config.num_attention_heads, "kv_heads": h, "head_dim": d}
             paged = Decode(status["module"], [cap] * batch, shape, device,
                            tensor_cores=FORMS[mode[len(FI_PREFIX):]])
-            paged.scale = None
         super().__init__(layers=[PrefixLayer(mode, batch, h, d, cap, device, dtype, paged)
                                  for _ in range(config.num_hidden_layers)])
         self.paged = paged
 
     def prepare(self, tokens: int) -> None:
         """Plan FlashInfer for a step that reads ``tokens`` tokens per row (host work, outside a
-        graph's recording; the scale is the one the last step used). Nothing to do for the rest."""
+        graph's recording; the scale is the one the last step planned). Nothing to do for the rest."""
         if self.paged is not None:
-            self.paged.plan([tokens] * self.layers[0].batch, self.paged.scale)
+            self.paged.plan([tokens] * self.layers[0].batch, self.paged.planned[1])
 
     def fill(self, tokens: int) -> "PrefixCache":
         for layer in self.layers:

@@ -59,15 +59,21 @@ def flashinfer_status(*, cuda: bool, importer=importlib.import_module) -> dict:
     return {"available": True, "module": fi, "version": version}
 
 
+def row_pages(lengths: list[int], page: int, dev) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Pages per sequence of ``lengths`` tokens in pages of ``page``, their ``indptr`` [B+1] and
+    ``last_page_len`` [B] (int32 on ``dev``)."""
+    per = [max(1, math.ceil(n / page)) for n in lengths]
+    indptr = torch.tensor([0] + [sum(per[: i + 1]) for i in range(len(per))], dtype=torch.int32, device=dev)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lengths, per)], dtype=torch.int32, device=dev)
+    return per, indptr, last
+
+
 def page_table(lengths: list[int], page: int, dev, *, generator=None) -> tuple:
     """``indptr`` [B+1], ``indices`` (every page of the pool once, shuffled) and ``last_page_len``
     [B] of sequences of ``lengths`` tokens in pages of ``page``; and the number of pages."""
-    per = [max(1, math.ceil(n / page)) for n in lengths]
-    total = sum(per)
-    indptr = torch.tensor([0] + [sum(per[: i + 1]) for i in range(len(per))], dtype=torch.int32)
-    indices = torch.randperm(total, generator=generator).to(torch.int32)
-    last = torch.tensor([n - (p - 1) * page for n, p in zip(lengths, per)], dtype=torch.int32)
-    return indptr.to(dev), indices.to(dev), last.to(dev), total
+    per, indptr, last = row_pages(lengths, page, dev)
+    indices = torch.randperm(sum(per), generator=generator).to(torch.int32)
+    return indptr, indices.to(dev), last, sum(per)
 
 
 def paged_from_dense(k: torch.Tensor, v: torch.Tensor, lengths: list[int], indptr, indices, page: int):
@@ -111,13 +117,10 @@ class Decode:
             return
         qh, h, d = self.shape["q_heads"], self.shape["kv_heads"], self.shape["head_dim"]
         first = self.indptr.tolist()
-        per = [max(1, math.ceil(n / self.page)) for n in lengths]
+        per, indptr, last = row_pages(lengths, self.page, self.indptr.device)
         if any(p > first[b + 1] - first[b] for b, p in enumerate(per)):
             raise ValueError(f"lengths {lengths} exceed the page table of this Decode")
-        dev = self.indptr.device
-        indptr = torch.tensor([0] + [sum(per[: b + 1]) for b in range(len(per))], dtype=torch.int32, device=dev)
         indices = torch.cat([self.indices[first[b]:first[b] + p] for b, p in enumerate(per)])
-        last = torch.tensor([n - (p - 1) * self.page for n, p in zip(lengths, per)], dtype=torch.int32, device=dev)
         self.wrapper.plan(indptr, indices, last, qh, h, d, self.page, pos_encoding_mode="NONE",
                           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=sm_scale)
         self.planned = (list(lengths), sm_scale)
