@@ -399,7 +399,7 @@ def flashinfer_baseline(model, batch: int = 2, tokens: int = 300) -> dict:
     the ``sdpa`` form, the reference's own kernel, is at 0). Returns ``{"version", "forms": [...],
     "checks": {form: distance or error}, "tolerance"}``, with ``skipped`` (one line) where no form
     runs and agrees."""
-    from kernels_flashinfer import FORMS, flashinfer_status
+    from kernels_flashinfer import FORMS, flashinfer_status, one_line
 
     if model.device.type != "cuda":
         return {"skipped": "FlashInfer needs a CUDA device (this run is on the CPU)"}
@@ -413,7 +413,7 @@ def flashinfer_baseline(model, batch: int = 2, tokens: int = 300) -> dict:
         try:
             diff = agrees_with_dynamic(model, FI_PREFIX + form, batch, tokens)
         except Exception as e:  # noqa: BLE001 - this form is left out, with its reason
-            res["checks"][form] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            res["checks"][form] = one_line(e)
             continue
         res["checks"][form] = diff
         if diff < res["tolerance"]:

@@ -45,14 +45,19 @@ MAX_ABS_DIFF = 2e-2  # BF16 output against float32 SDPA: a few BF16 ulps of valu
 FORMS = {"cuda_cores": False, "tensor_cores": True}
 
 
+def one_line(e: BaseException, width: int = 200) -> str:
+    """``Type: first line of the message`` (cut at ``width``): an error as a result records it."""
+    msg = str(e)
+    return f"{type(e).__name__}: {msg.splitlines()[0][:width] if msg else ''}"
+
+
 def flashinfer_status(*, cuda: bool, importer=importlib.import_module) -> dict:
     """``{"available": True, "module", "version"}`` or ``{"available": False, "skipped": why}``
     (one line): FlashInfer is timed only where it imports and a CUDA device is present."""
     try:
         fi = importer("flashinfer")
     except Exception as e:  # noqa: BLE001 - any failure to import is the same answer: not here
-        return {"available": False, "skipped": f"FlashInfer not importable here ({type(e).__name__}: "
-                                                f"{str(e).splitlines()[0][:160] if str(e) else ''})"}
+        return {"available": False, "skipped": f"FlashInfer not importable here ({one_line(e, 160)})"}
     version = getattr(fi, "__version__", "unknown")
     if not cuda:
         return {"available": False, "skipped": f"FlashInfer {version} needs a CUDA device (this run is on the CPU)"}
@@ -158,8 +163,7 @@ def check_flashinfer(ctx, shape: dict, status: dict) -> dict:
             cache = paged_from_dense(k, v, lengths, dec.indptr, dec.indices, dec.page)
             got = dec(q, cache, torch.empty_like(q)).float()
         except Exception as e:  # noqa: BLE001 - this form is left out, the rest of the run goes on
-            res["forms"][form] = {"ok": False, "error": f"{type(e).__name__}: "
-                                                       f"{str(e).splitlines()[0][:200] if str(e) else ''}"}
+            res["forms"][form] = {"ok": False, "error": one_line(e)}
             continue
         diff = max(float((got[i] - want[i]).abs().max()) for i in range(len(lengths)))
         res["forms"][form] = {"ok": diff < MAX_ABS_DIFF, "max_abs_diff": diff, "backend": dec.backend,
@@ -212,4 +216,4 @@ def flashinfer_fields(ctx, c: int, batch: int, shape: dict, q, bf_bytes: int, co
         return time_flashinfer(ctx, c, batch, shape, q, bf_bytes, copies, sdpa_ms)
     except Exception as e:  # noqa: BLE001 - one failed shape must not lose the rest of the run
         ctx.empty_cache()
-        return {"flashinfer_skipped": f"error {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        return {"flashinfer_skipped": f"error {one_line(e)}"}
