@@ -337,7 +337,8 @@ def categorise(name: str) -> str:
 
 def profile_step(run, steps: int = 5) -> dict:
     """Kernel time per category (ms per step) of ``steps`` eager calls of ``run`` (torch profiler),
-    and the kernels' sum; a graph replay of the same step minus that sum is the gap between kernels."""
+    the kernels' sum and how many kernels (and copies) a step launches; a graph replay of the same
+    step minus that sum, over that count, is the mean gap between two kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -347,12 +348,14 @@ def profile_step(run, steps: int = 5) -> dict:
             run()
         torch.cuda.synchronize()
     cats: dict[str, float] = {}
+    launches = 0
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         if t:
             c = categorise(e.key)
             cats[c] = cats.get(c, 0.0) + t / 1e3 / steps
-    return {"by_category_ms": cats, "kernels_ms": sum(cats.values())}
+            launches += e.count
+    return {"by_category_ms": cats, "kernels_ms": sum(cats.values()), "launches": launches / steps}
 
 
 def agrees_with_dynamic(model, mode: str, batch: int, tokens: int, steps: int = 3) -> float:

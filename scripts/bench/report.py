@@ -298,17 +298,22 @@ def _fi_cell(r: dict, tag: str) -> str:
 def _profile(doc: dict) -> list[str]:
     cats = list(dict.fromkeys(c for p in doc["profile"] for side in ("int2", "bf16")
                               for c in p.get(side, {}).get("by_category_ms", {})))
+    fair = {(r["batch"], r["tokens"]): r for r in doc.get("fair", [])}
     rows = []
     for p in doc["profile"]:
-        for side, name in (("int2", "INT2"), ("bf16", "BF16 (SDPA)")):
+        for side, name, timed in (("int2", "INT2", "compiled_int2_loop_ms"),
+                                  ("bf16", "BF16 (SDPA)", "compiled_bf16_sdpa_replay_ms")):
             if side in p:
-                by = p[side]["by_category_ms"]
+                by, n = p[side]["by_category_ms"], p[side].get("launches")
+                wall = fair.get((p["batch"], p["tokens"]), {}).get(timed)
+                gap = 1e3 * (wall - p[side]["kernels_ms"]) / n if wall and n else None
                 rows.append([f"{p['batch']} × {_ctx(p['tokens'])}", name] + [_f(by.get(c), ".2f") for c in cats]
-                            + [_f(p[side]["kernels_ms"], ".2f")])
+                            + [_f(p[side]["kernels_ms"], ".2f"), _f(n, ".0f"), _f(gap, ".2f")])
     out = ["Where a compiled step's time goes: kernel time per step by category, ms (eager steps under the "
-           "torch profiler; the loop's wall time above less this sum is the gaps between kernels, argmax and "
-           "the host):", ""]
-    return out + _table(["shape", "cache"] + cats + ["kernels"], rows) + [""]
+           "torch profiler), the kernels a step launches, and the mean gap per launch, µs: the fair table's "
+           "compiled time (INT2 loop, SDPA replay) less the kernels' sum, over the launches (the INT2 loop's "
+           "includes its argmax and the copies into the graph's inputs):", ""]
+    return out + _table(["shape", "cache"] + cats + ["kernels", "launches", "gap/launch µs"], rows) + [""]
 
 
 def _capacity(doc: dict) -> list[str]:

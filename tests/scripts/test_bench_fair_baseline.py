@@ -77,3 +77,13 @@ def test_baselines_follow_dynamic_cache_and_time_on_the_gpu(mode):
     assert fair.replay_ms(model, mode, 2, 300, replays=3) > 0
     if mode == "flash":
         assert fair.loop(model, 2, 300, 4)["tok_s"] > 0
+
+
+@pytest.mark.gpu
+def test_the_step_profile_counts_each_kernel_a_step_launches():
+    import torch
+
+    x = torch.ones(1024, device="cuda")
+    got = _module().profile_step(lambda: (x + 1) * 2, steps=3)
+    assert got["launches"] == 2 and got["kernels_ms"] > 0
+    assert sum(got["by_category_ms"].values()) == pytest.approx(got["kernels_ms"])

@@ -235,3 +235,16 @@ def test_the_fair_table_names_flashinfer_s_form_or_why_it_is_absent():
                                    "flashinfer": {"skipped": "FlashInfer not importable here (ImportError: x)"}}))
     assert "FlashInfer not timed: FlashInfer not importable here (ImportError: x)." in text
     assert "FlashInfer was not timed in this run." in "\n".join(report._fair({"fair": [row], "copy_bandwidth": 4.2e12}))
+
+
+def test_the_step_profile_gives_each_launch_its_share_of_the_gaps():
+    report = load_script("bench/report.py")
+    prof = {"batch": 1, "tokens": 131072,
+            "int2": {"by_category_ms": {"GEMV": 4.0, "INT2 decode": 2.0}, "kernels_ms": 6.0, "launches": 400},
+            "bf16": {"by_category_ms": {"GEMV": 4.0}, "kernels_ms": 4.0}}
+    fair = {"batch": 1, "tokens": 131072, "compiled_int2_loop_ms": 7.0, "compiled_bf16_sdpa_replay_ms": 5.0}
+    rows = [line for line in report._profile({"profile": [prof], "fair": [fair]}) if line.startswith("| 1 × 128K")]
+    assert rows[0].endswith("| 6.00 | 400 | 2.50 |")         # (7.0 - 6.0) ms over 400 launches
+    assert rows[1].endswith("| 4.00 | – | – |")              # a profile without its count says nothing
+    alone = [line for line in report._profile({"profile": [prof]}) if line.startswith("| 1 × 128K")]
+    assert alone[0].endswith("| 6.00 | 400 | – |")            # no fair row at that shape: no gap
