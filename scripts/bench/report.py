@@ -309,11 +309,17 @@ def _profile(doc: dict) -> list[str]:
                 gap = 1e3 * (wall - p[side]["kernels_ms"]) / n if wall and n else None
                 rows.append([f"{p['batch']} × {_ctx(p['tokens'])}", name] + [_f(by.get(c), ".2f") for c in cats]
                             + [_f(p[side]["kernels_ms"], ".2f"), _f(n, ".0f"), _f(gap, ".2f")])
+    head = ["shape", "cache"] + cats + ["kernels", "launches", "gap/launch µs"]
     out = ["Where a compiled step's time goes: kernel time per step by category, ms (eager steps under the "
-           "torch profiler), the kernels a step launches, and the mean gap per launch, µs: the fair table's "
-           "compiled time (INT2 loop, SDPA replay) less the kernels' sum, over the launches (the INT2 loop's "
-           "includes its argmax and the copies into the graph's inputs):", ""]
-    return out + _table(["shape", "cache"] + cats + ["kernels", "launches", "gap/launch µs"], rows) + [""]
+           "torch profiler)"]
+    if any(p.get(side, {}).get("launches") for p in doc["profile"] for side in ("int2", "bf16")):
+        out[0] += (", the kernels a step launches, and the mean gap per launch, µs: the fair table's compiled "
+                   "time (INT2 loop, SDPA replay) less the kernels' sum, over the launches (the INT2 loop's "
+                   "includes its argmax and the copies into the graph's inputs):")
+    else:                                            # a result from before the launches were counted
+        out[0] += "; the loop's wall time above less this sum is the gaps between kernels, argmax and the host:"
+        head, rows = head[:-2], [r[:-2] for r in rows]
+    return out + [""] + _table(head, rows) + [""]
 
 
 def _capacity(doc: dict) -> list[str]:

@@ -248,3 +248,7 @@ def test_the_step_profile_gives_each_launch_its_share_of_the_gaps():
     assert rows[1].endswith("| 4.00 | – | – |")              # a profile without its count says nothing
     alone = [line for line in report._profile({"profile": [prof]}) if line.startswith("| 1 × 128K")]
     assert alone[0].endswith("| 6.00 | 400 | – |")            # no fair row at that shape: no gap
+    for side in ("int2", "bf16"):
+        prof[side].pop("launches", None)
+    old = report._profile({"profile": [prof], "fair": [fair]})
+    assert "launches" not in old[2] and old[4].endswith("| 6.00 |")       # no count anywhere: no columns
