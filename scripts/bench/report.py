@@ -298,6 +298,7 @@ def _fi_cell(r: dict, tag: str) -> str:
 def _profile(doc: dict) -> list[str]:
     cats = list(dict.fromkeys(c for p in doc["profile"] for side in ("int2", "bf16")
                               for c in p.get(side, {}).get("by_category_ms", {})))
+    counted = any(p.get(side, {}).get("launches") for p in doc["profile"] for side in ("int2", "bf16"))
     fair = {(r["batch"], r["tokens"]): r for r in doc.get("fair", [])}
     rows = []
     for p in doc["profile"]:
@@ -305,21 +306,21 @@ def _profile(doc: dict) -> list[str]:
                                   ("bf16", "BF16 (SDPA)", "compiled_bf16_sdpa_replay_ms")):
             if side in p:
                 by, n = p[side]["by_category_ms"], p[side].get("launches")
-                wall = fair.get((p["batch"], p["tokens"]), {}).get(timed)
-                gap = 1e3 * (wall - p[side]["kernels_ms"]) / n if wall and n else None
-                rows.append([f"{p['batch']} × {_ctx(p['tokens'])}", name] + [_f(by.get(c), ".2f") for c in cats]
-                            + [_f(p[side]["kernels_ms"], ".2f"), _f(n, ".0f"), _f(gap, ".2f")])
-    head = ["shape", "cache"] + cats + ["kernels", "launches", "gap/launch µs"]
-    out = ["Where a compiled step's time goes: kernel time per step by category, ms (eager steps under the "
-           "torch profiler)"]
-    if any(p.get(side, {}).get("launches") for p in doc["profile"] for side in ("int2", "bf16")):
-        out[0] += (", the kernels a step launches, and the mean gap per launch, µs: the fair table's compiled "
-                   "time (INT2 loop, SDPA replay) less the kernels' sum, over the launches (the INT2 loop's "
-                   "includes its argmax and the copies into the graph's inputs):")
+                row = [f"{p['batch']} × {_ctx(p['tokens'])}", name] + [_f(by.get(c), ".2f") for c in cats] \
+                    + [_f(p[side]["kernels_ms"], ".2f")]
+                if counted:
+                    wall = fair.get((p["batch"], p["tokens"]), {}).get(timed)
+                    row += [_f(n, ".0f"), _f(1e3 * (wall - p[side]["kernels_ms"]) / n if wall and n else None, ".2f")]
+                rows.append(row)
+    intro = "Where a compiled step's time goes: kernel time per step by category, ms (eager steps under the torch profiler)"
+    if counted:
+        intro += (", the kernels a step launches, and the mean gap per launch, µs: the fair table's compiled time "
+                  "(INT2 loop, SDPA replay) less the kernels' sum, over the launches (the INT2 loop's includes its "
+                  "argmax and the copies into the graph's inputs):")
     else:                                            # a result from before the launches were counted
-        out[0] += "; the loop's wall time above less this sum is the gaps between kernels, argmax and the host:"
-        head, rows = head[:-2], [r[:-2] for r in rows]
-    return out + [""] + _table(head, rows) + [""]
+        intro += "; the loop's wall time above less this sum is the gaps between kernels, argmax and the host:"
+    head = ["shape", "cache"] + cats + ["kernels"] + (["launches", "gap/launch µs"] if counted else [])
+    return [intro, ""] + _table(head, rows) + [""]
 
 
 def _capacity(doc: dict) -> list[str]:
